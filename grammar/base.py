@@ -1,0 +1,79 @@
+"""The grammar-object contract shared by the sampler and the scheduler.
+
+A grammar object follows one request's output. The scheduler asks it for the set of tokens
+allowed next (`fill_mask`), the sampler applies that mask to the logits, and the scheduler
+advances it with the sampled token (`accept_token`). Speculative verification and jump-forward
+retokenisation step it back (`rollback`).
+
+Bitmask layout (the same as xgrammar's, so masks can be shared with its kernels): an int32
+tensor of shape [batch, ceil(vocab_size / 32)]; token t is allowed in row r when bit (t % 32) of
+word (t // 32) is set. `vocab_size` is the *model's* vocabulary, which may be larger than the
+tokenizer's: ids the tokenizer does not know are never allowed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allocate_token_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """All-allowed bitmask (every bit set) for `batch_size` rows."""
+    return torch.full((batch_size, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, words] int32 -> [B, vocab_size] bool (True = allowed)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set disallowed logits to -inf in place. logits [B, V], bitmask [B, words]."""
+    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
+class GrammarError(ValueError):
+    """A grammar spec that cannot be compiled; the message says what and where."""
+
+
+class Grammar(ABC):
+    """One request's position in a compiled grammar.
+
+    Invariants: `accept_token` is only called with a token that `fill_mask` allowed (it raises
+    `GrammarError` otherwise and the state is unchanged); once `is_terminated()` is true the
+    only allowed tokens are EOS ids. EOS is never passed to `accept_token` mid-grammar: the
+    scheduler finishes the request instead.
+    """
+
+    @abstractmethod
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed-token bits for the next position into `bitmask[row]`."""
+
+    @abstractmethod
+    def accept_token(self, token_id: int) -> None:
+        """Advance by one token; raise GrammarError if the token is not allowed."""
+
+    @abstractmethod
+    def rollback(self, k: int) -> None:
+        """Undo the last `k` accepted tokens."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True when the output so far is complete and nothing but EOS may follow."""
+
+    @abstractmethod
+    def jump_forward(self) -> str | None:
+        """The longest string every valid continuation starts with, or None when there is none
+        (or it is empty). Does not advance the state."""
+
+    @abstractmethod
+    def copy(self) -> Grammar:
+        """A fresh object at the same position, sharing the compiled tables (for n > 1)."""
