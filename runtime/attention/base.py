@@ -1,0 +1,78 @@
+"""The attention-backend contract, its registry and factory."""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from loom.runtime.forward_batch import ForwardBatch
+    from loom.runtime.layers.attention import Attention
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer over the paged KV cache.
+
+    `init_forward_metadata` runs once per forward (index tensors shared by all layers);
+    `forward_extend` handles prompt tokens after a cached prefix, with a causal mask or, when
+    `batch.custom_mask` is set, the given mask over the new tokens (tree verification);
+    `forward_decode` handles one token per request. q is [T, heads, head_dim]; k and v are
+    [T, kv_heads, head_dim] and are written to the cache before attending.
+    """
+
+    @abstractmethod
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Attention,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        if batch.mode.is_decode:
+            return self.forward_decode(q, k, v, layer, batch)
+        return self.forward_extend(q, k, v, layer, batch)
+
+
+_REGISTRY = {
+    "torch": "loom.runtime.attention.torch_backend:TorchAttnBackend",
+    "triton": "loom.runtime.attention.triton_backend:TritonAttnBackend",
+}
+
+
+def create_attention_backend(name: str, **kwargs) -> AttentionBackend:
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"attention_backend: unknown backend {name!r}; choose from {sorted(_REGISTRY)}"
+        )
+    module_name, cls_name = _REGISTRY[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"attention_backend: {name!r} is not available here ({e})") from e
+    return getattr(module, cls_name)(**kwargs)

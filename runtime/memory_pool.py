@@ -1,0 +1,133 @@
+"""KV memory: request rows of slot indices, and per-layer K/V buffers with a page allocator.
+
+Slot 0 .. page_size-1 form a reserved padding page: it is never handed out, so a zero in
+`req_to_token` never aliases live KV, and padded positions can safely write there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """[max requests x max context] slot indices; a row is a running request's KV map."""
+
+    def __init__(self, size: int, max_context_len: int, device: str):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free = list(range(size - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, idx: int) -> None:
+        assert 0 <= idx < self.size and idx not in self._free, f"double free of req row {idx}"
+        self._free.append(idx)
+
+    def clear(self) -> None:
+        self._free = list(range(self.size - 1, -1, -1))
+
+
+class TokenToKVPool:
+    """Per-layer K and V buffers of shape [num_slots, kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+        v_head_dim: int | None = None,
+    ):
+        self.num_slots = num_slots
+        shape_k = (num_slots, kv_heads, head_dim)
+        shape_v = (num_slots, kv_heads, v_head_dim or head_dim)
+        self.k_buffers = [
+            torch.zeros(shape_k, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.v_buffers = [
+            torch.zeros(shape_v, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+
+    def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][slots] = k.to(self.k_buffers[layer_id].dtype)
+        self.v_buffers[layer_id][slots] = v.to(self.v_buffers[layer_id].dtype)
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def bytes_per_token(self) -> int:
+        k, v = self.k_buffers[0], self.v_buffers[0]
+        per_layer = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
+        return per_layer * len(self.k_buffers)
+
+
+class PagedAllocator:
+    """Free list of KV pages. Slots are handed out page by page; `size` excludes the padding page.
+
+    Contract: a request's slots occupy whole pages it owns, except pages shared through the
+    radix cache (always full). `alloc_extend` fills the request's last partial page first.
+    """
+
+    def __init__(self, num_slots: int, page_size: int, device: str):
+        assert num_slots % page_size == 0 and num_slots > page_size
+        self.page_size = page_size
+        self.device = device
+        self.num_pages = num_slots // page_size - 1  # page 0 is padding
+        self.size = self.num_pages * page_size
+        self.clear()
+
+    def clear(self) -> None:
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        if n > len(self._free_pages):
+            return None
+        pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
+        return pages
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Fresh page-aligned slots for `num_tokens` tokens (page size 1: any slots)."""
+        pages = self._take_pages(-(-num_tokens // self.page_size))
+        if pages is None:
+            return None
+        offsets = torch.arange(self.page_size, dtype=torch.int64)
+        slots = (pages[:, None] * self.page_size + offsets).flatten()
+        return slots[:num_tokens]
+
+    def alloc_extend(self, prev_len: int, last_slot: int, num_tokens: int) -> torch.Tensor | None:
+        """Slots for positions prev_len .. prev_len+num_tokens-1 of one request, continuing the
+        partially filled page that ends at `last_slot` (ignored when prev_len is page-aligned)."""
+        in_page = prev_len % self.page_size
+        fill = 0 if in_page == 0 else min(self.page_size - in_page, num_tokens)
+        head = torch.arange(last_slot + 1, last_slot + 1 + fill, dtype=torch.int64)
+        if fill == num_tokens:
+            return head
+        rest = self.alloc(num_tokens - fill)
+        if rest is None:
+            return None
+        return torch.cat([head, rest]) if fill else rest
+
+    def pages_needed(self, prev_len: int, num_tokens: int) -> int:
+        in_page = prev_len % self.page_size
+        fill = 0 if in_page == 0 else min(self.page_size - in_page, num_tokens)
+        return -(-(num_tokens - fill) // self.page_size)
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        pages = torch.unique(slots.to(torch.int64).cpu() // self.page_size)
+        assert int(pages.min()) >= 1, "padding page must never be freed"
+        self._free_pages = torch.cat([self._free_pages, pages])
+
+    def check_no_duplicates(self) -> None:
+        assert len(torch.unique(self._free_pages)) == len(self._free_pages), "page freed twice"

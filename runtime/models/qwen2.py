@@ -1,0 +1,26 @@
+"""Qwen2: Llama with a bias on the q/k/v projections (and none on o_proj)."""
+
+from __future__ import annotations
+
+from loom.runtime.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+)
+
+
+class Qwen2Attention(LlamaAttention):
+    qkv_bias = True
+
+
+class Qwen2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2Model(LlamaModel):
+    layer_cls = Qwen2DecoderLayer
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    model_cls = Qwen2Model

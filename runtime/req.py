@@ -1,0 +1,110 @@
+"""Req: one generation request, from admission to release."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from loom.runtime.sampling_params import SamplingParams
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class LogprobState:
+    """What the request asked for, and the (logprob, token id) pairs computed so far."""
+
+    start_len: int = -1  # first prompt position whose logprob is returned
+    top_num: int = 0
+    input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+
+
+class Req:
+    """Invariants (checked by `check`): 0 <= len(prefix_indices) <= kv_len <= len(fill_ids),
+    and positions [0, kv_len) of fill_ids have KV in row `req_pool_idx` of req_to_token."""
+
+    def __init__(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: SamplingParams,
+        seed: int,
+        stream: bool = False,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+        extra_key: str | None = None,
+    ):
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.seed = seed
+        self.stream = stream
+        self.eos_token_ids = eos_token_ids
+        self.extra_key = extra_key
+        self.return_logprob = return_logprob
+        self.logprob = LogprobState()
+        if return_logprob:
+            start = len(input_ids) - 1 if logprob_start_len < 0 else logprob_start_len
+            self.logprob = LogprobState(
+                start_len=min(start, len(input_ids)), top_num=top_logprobs_num
+            )
+        self.grammar: Any = None
+
+        # KV state
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = _EMPTY
+        self.last_node: Any = None
+        self.kv_len = 0
+        self.extend_len = 0  # tokens computed in the current extend step
+        self.new_slots: torch.Tensor = _EMPTY  # KV slots allocated for the current step
+        self.cached_tokens = 0  # prompt tokens served from the radix cache (reported)
+        self.is_chunked = False
+
+        self.finished_reason: dict | None = None
+        self.to_abort = False
+        self.retract_count = 0
+        self.sent_output_len = 0  # output tokens already streamed to the detokenizer
+        self.sent_input_logprobs = False
+        self.jump_forward_tokens = 0
+        self.created_at = time.monotonic()
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens - len(self.output_ids)
+
+    def reset_kv(self) -> None:
+        """Forget every KV slot (after a retraction): the next admission recomputes them."""
+        self.req_pool_idx = None
+        self.prefix_indices = _EMPTY
+        self.last_node = None
+        self.kv_len = 0
+        self.extend_len = 0
+        self.is_chunked = False
+
+    def check(self) -> None:
+        assert 0 <= len(self.prefix_indices) <= self.kv_len <= self.seq_len, (
+            f"{self.rid}: prefix {len(self.prefix_indices)} kv {self.kv_len} seq {self.seq_len}"
+        )
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid}, in={len(self.origin_input_ids)}, out={len(self.output_ids)}, kv={self.kv_len})"

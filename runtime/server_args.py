@@ -1,0 +1,224 @@
+"""ServerArgs: the one configuration dataclass for Engine and the server (SGLang's flag names)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
+
+ATTENTION_BACKENDS = ("torch", "triton")
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every knob of the runtime. Field names are SGLang's flag names with '_' for '-'."""
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    device: str | None = None
+    context_length: int | None = None
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    enable_metrics: bool = False
+
+    # Memory and scheduling
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None
+    page_size: int = 1
+    schedule_policy: str = "lpm"
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    attention_backend: str = "torch"
+    random_seed: int = 0
+
+    # Grammar
+    grammar_backend: str = "loom"
+    grammar_compile_timeout: float = 30.0
+    disable_jump_forward: bool = False
+
+    # Parallelism
+    tp_size: int = 1
+    ep_size: int = 1
+    dp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+
+    # Process layout
+    skip_tokenizer_init: bool = False
+    watchdog_timeout: float = 300.0
+
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.model_path is None:
+            object.__setattr__(self, "model_path", BUNDLED_MODEL_PATH)
+        if self.tokenizer_path is None:
+            object.__setattr__(self, "tokenizer_path", self.model_path)
+        if self.served_model_name is None:
+            object.__setattr__(self, "served_model_name", self.model_path)
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, name: str, what: str) -> None:
+            if not cond:
+                raise ValueError(f"{name}: {what}")
+
+        need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        need(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        need(
+            self.schedule_policy in SCHEDULE_POLICIES,
+            "schedule_policy",
+            f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}",
+        )
+        need(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
+        need(
+            self.max_total_tokens is None or self.max_total_tokens >= 16,
+            "max_total_tokens",
+            f"must be >= 16, got {self.max_total_tokens}",
+        )
+        need(
+            self.max_running_requests is None or self.max_running_requests >= 1,
+            "max_running_requests",
+            f"must be >= 1, got {self.max_running_requests}",
+        )
+        need(
+            self.chunked_prefill_size is None
+            or self.chunked_prefill_size == -1
+            or self.chunked_prefill_size >= self.page_size,
+            "chunked_prefill_size",
+            f"must be -1 (off) or >= page_size, got {self.chunked_prefill_size}",
+        )
+        need(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
+        need(
+            self.grammar_compile_timeout > 0,
+            "grammar_compile_timeout",
+            f"must be > 0, got {self.grammar_compile_timeout}",
+        )
+
+    # Derived values -------------------------------------------------------------------------
+    @property
+    def resolved_device(self) -> str:
+        if self.device:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def effective_chunked_prefill_size(self) -> int | None:
+        """None means no chunking."""
+        if self.chunked_prefill_size in (None, -1):
+            return None
+        return self.chunked_prefill_size
+
+    @property
+    def effective_schedule_policy(self) -> str:
+        return (
+            "fcfs"
+            if self.disable_radix_cache and self.schedule_policy == "lpm"
+            else self.schedule_policy
+        )
+
+    def replace(self, **changes) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    # Command line ---------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            if f.name == "extra":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = _HELP.get(f.name, "")
+            default = f.default
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
+            kwargs = {"type": kind, "default": default, "help": f"{help_text} (default: {default})"}
+            if f.name == "attention_backend":
+                kwargs["choices"] = ATTENTION_BACKENDS
+            if f.name == "schedule_policy":
+                kwargs["choices"] = SCHEDULE_POLICIES
+            if f.name == "dtype":
+                kwargs["choices"] = DTYPES
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+_HELP = {
+    "model_path": "Local Hugging Face model folder; defaults to the bundled model",
+    "tokenizer_path": "Tokenizer folder; defaults to model_path",
+    "served_model_name": "Model name reported by /v1/models and /model_info",
+    "chat_template": "Built-in chat template name or a path to a jinja file",
+    "dtype": "Weight and activation dtype; auto takes the config's torch_dtype",
+    "device": "cpu or cuda; default: cuda when available",
+    "context_length": "Maximum context length; default: the config's max_position_embeddings",
+    "host": "HTTP bind address",
+    "port": "HTTP port",
+    "api_key": "Require 'Authorization: Bearer <key>' on every request",
+    "log_level": "Logging level",
+    "enable_metrics": "Serve Prometheus metrics at /metrics",
+    "max_total_tokens": "KV cache size in tokens",
+    "mem_fraction_static": "Fraction of GPU memory for weights and KV cache (CUDA only)",
+    "max_running_requests": "Maximum requests decoded together",
+    "max_prefill_tokens": "Token budget of one prefill batch",
+    "chunked_prefill_size": "Split long prompts into chunks of this many tokens (-1: off)",
+    "page_size": "Tokens per KV page",
+    "schedule_policy": "Order of the waiting queue",
+    "schedule_conservativeness": "Scale of the KV reserved for running requests' future tokens",
+    "disable_radix_cache": "Turn off the radix prefix cache",
+    "attention_backend": "Attention implementation",
+    "random_seed": "Seed of the server's random state",
+    "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
+    "grammar_compile_timeout": "Seconds a grammar may take to compile before its request fails",
+    "disable_jump_forward": "Turn off grammar jump-forward",
+    "tp_size": "Tensor-parallel degree",
+    "ep_size": "Expert-parallel degree",
+    "dp_size": "Data-parallel replicas",
+    "nnodes": "Number of nodes",
+    "node_rank": "This node's rank",
+    "dist_init_addr": "host:port of the torch.distributed rendezvous",
+    "skip_tokenizer_init": "Take and return token ids only",
+    "watchdog_timeout": "Seconds a forward step may take before the scheduler is declared stuck",
+}
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """The one place environment knobs are read."""
+    value = os.environ.get(name)
+    return default if value is None else value.lower() in ("1", "true", "yes")

@@ -1,0 +1,33 @@
+"""Tokenizer loading (offline, from the model folder) and the ids that end generation."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(path: str):
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer_path: cannot load a tokenizer from {path!r}: {e}") from e
+
+
+def eos_token_ids(model_path: str, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer, merged."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = Path(model_path) / name
+        if file.is_file():
+            value = json.loads(file.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
