@@ -99,7 +99,8 @@ class BasePrefixCache(ABC):
         return self.evictable_size() + self.protected_size()
 
     @abstractmethod
-    def reset(self) -> None: ...
+    def reset(self) -> None:
+        """Empty the cache, returning its slots to the allocator; only when no lock is held."""
 
     @abstractmethod
     def check_integrity(self) -> None: ...

@@ -108,7 +108,14 @@ class RadixCache(BasePrefixCache):
         return self.tree.total_size()
 
     def reset(self) -> None:
-        """Forget everything without freeing: the scheduler clears the allocator with it."""
+        """Free every cached slot back to the allocator and empty the tree (flush_cache).
+
+        Only valid when no request holds a lock (the scheduler is idle).
+        """
+        self.tree.evict(self.tree.total_size())
+        assert self.tree.total_size() == 0, (
+            f"reset with {self.tree.protected_size()} tokens still locked by live requests"
+        )
         self.tree.reset()
 
     def check_integrity(self) -> None:

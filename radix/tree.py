@@ -107,7 +107,7 @@ class RadixTree:
     # ---- state ----------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Drop every node WITHOUT calling on_free: the caller resets its allocator too."""
+        """Drop every node WITHOUT calling on_free (RadixCache.reset evicts first)."""
         self._clock = 0
         self.root = TreeNode([], empty_indices(), None, None, 0)
         self.root.lock_ref = 1  # the root is never evicted nor counted

@@ -281,9 +281,16 @@ def test_reset():
     a = h.admit([1, 2, 3])
     h.compute(a, 3)
     h.finish(a)
-    h.cache.reset()
+    h.cache.reset()  # returns the cached slots to the allocator
     assert h.cache.total_size() == 0
     assert h.cache.match_prefix([1, 2, 3]).indices.numel() == 0
+    assert h.alloc.available_size() == h.alloc.num_pages
+    h.check()
+    b = h.admit([1, 2, 3])
+    h.compute(b, 3)
+    h.cache.cache_unfinished_req(b)  # b now locks its prefix
+    with pytest.raises(AssertionError, match="locked"):
+        h.cache.reset()
 
 
 @settings(max_examples=50, deadline=None)
