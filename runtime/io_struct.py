@@ -9,6 +9,7 @@ Topology (see docs/architecture.md):
 from __future__ import annotations
 
 import msgspec
+
 from loom.runtime.sampling_params import SamplingParams
 
 

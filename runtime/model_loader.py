@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
 from loom.runtime.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)

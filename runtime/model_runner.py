@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
+
 from loom.runtime.attention.base import create_attention_backend
 from loom.runtime.forward_batch import ForwardBatch, forward_context
 from loom.runtime.memory_pool import PagedAllocator, ReqToTokenPool, TokenToKVPool

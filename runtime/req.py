@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from loom.runtime.sampling_params import SamplingParams
 
 _EMPTY = torch.empty(0, dtype=torch.int64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from loom.runtime.req import Req
 
 _M1 = 0x9E3779B97F4A7C15 - (1 << 64)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from loom.runtime.attention.base import AttentionBackend
 from loom.runtime.forward_batch import ForwardBatch
 

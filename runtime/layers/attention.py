@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from loom.runtime.forward_batch import get_forward_batch
 from torch import nn
+
+from loom.runtime.forward_batch import get_forward_batch
 
 
 class Attention(nn.Module):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from loom.runtime.distributed import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
 from torch import nn
+
+from loom.runtime.distributed import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
 
 
 class VocabParallelEmbedding(nn.Module):

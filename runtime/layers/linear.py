@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from loom.runtime.distributed import get_parallel_state, tp_all_reduce
 from torch import nn
+
+from loom.runtime.distributed import get_parallel_state, tp_all_reduce
 
 
 def _divide(a: int, b: int, what: str) -> int:

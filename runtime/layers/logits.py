@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from loom.runtime.forward_batch import get_forward_batch
 from loom.runtime.layers.embedding import ParallelLMHead
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+
 from loom.runtime.distributed import get_parallel_state
 from loom.runtime.layers.activation import SiluAndMul
 from loom.runtime.layers.attention import Attention
@@ -17,7 +19,6 @@ from loom.runtime.layers.linear import (
 from loom.runtime.layers.logits import compute_logits
 from loom.runtime.layers.norm import RMSNorm
 from loom.runtime.layers.rotary import get_rope
-from torch import nn
 
 
 def head_dim_of(config) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from loom.runtime.forward_batch import ForwardMode
 from loom.runtime.req import Req
 

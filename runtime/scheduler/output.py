@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from loom.runtime.forward_batch import ForwardMode
 from loom.runtime.io_struct import ReqOutput
 from loom.runtime.req import Req

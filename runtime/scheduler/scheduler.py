@@ -11,6 +11,7 @@ import logging
 import random
 
 import torch
+
 from loom.runtime.forward_batch import ForwardMode
 from loom.runtime.io_struct import ReqOutput, TokenizedGenerateReq
 from loom.runtime.req import Req
@@ -256,6 +257,29 @@ class Scheduler(OutputMixin):
             if r.grammar is not None:
                 r.grammar.fill_mask(mask, i)
         info.vocab_mask = mask
+
+    # ---------------------------------------------------------------- control
+    def flush_cache(self) -> tuple[bool, str]:
+        if not self.is_idle:
+            return False, "flush_cache: refused while requests are running or waiting"
+        self.tree_cache.reset()
+        self.check_integrity()
+        return True, "cache flushed"
+
+    def get_state(self) -> dict:
+        st = self.stats
+        return {
+            "max_total_tokens": self.allocator.size,
+            "max_running_requests": self.max_running_requests,
+            "context_length": self.context_len,
+            "vocab_size": self.vocab_size,
+            "num_running_reqs": len(self.running) + (self.chunked_req is not None),
+            "num_waiting_reqs": len(self.waiting),
+            "kv_available_tokens": self.allocator.available_size(),
+            "cache_size_tokens": self.tree_cache.total_size(),
+            "cache_hit_rate": st["cached_tokens"] / max(1, st["prompt_tokens"]),
+            **st,
+        }
 
     # ---------------------------------------------------------------- integrity
     def check_integrity(self) -> None:

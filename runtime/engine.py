@@ -1,0 +1,245 @@
+"""Engine: the runtime without HTTP. It starts the scheduler and detokenizer processes and
+owns a TokenizerManager running on a private event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from loom.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT = 600.0
+
+
+class Engine:
+    """`Engine(model_path=None, **server_args)`; None means the bundled model."""
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any):
+        from loom.runtime.model_loader import load_config
+
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        load_config(self.server_args.model_path)  # a bad path fails here, clearly
+        self._procs: list = []
+        self._closed = False
+        try:
+            self._launch()
+        except BaseException:
+            self.shutdown()
+            raise
+        atexit.register(self.shutdown)
+
+    def _launch(self) -> None:
+        from loom.runtime.detokenizer import run_detokenizer_process
+        from loom.runtime.process import IPCNames, start_process, wait_ready
+        from loom.runtime.scheduler.loop import run_scheduler_process
+        from loom.runtime.tokenizer import load_tokenizer
+        from loom.runtime.tokenizer_manager import TokenizerManager
+
+        args = self.server_args
+        self.ipc = ipc = IPCNames.fresh()
+        sched, sched_ready = start_process(run_scheduler_process, (args, ipc), "scheduler")
+        self._procs.append(sched)
+        detok, detok_ready = start_process(run_detokenizer_process, (args, ipc), "detokenizer")
+        self._procs.append(detok)
+        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
+        wait_ready(detok, detok_ready, _START_TIMEOUT)
+        info = wait_ready(sched, sched_ready, _START_TIMEOUT)
+        self.scheduler_info = info
+        self.tokenizer = tokenizer
+        self.tokenizer_manager = TokenizerManager(
+            args, ipc, tokenizer, info["context_length"], info["vocab_size"]
+        )
+        self.tokenizer_manager.watched_processes = list(self._procs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="loom-engine", daemon=True
+        )
+        self._thread.start()
+        self._call(self.tokenizer_manager.start())
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
+        obj = _request(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
+            rid,
+        )
+        self._check_open()
+        if stream:
+            return self._stream_sync(obj)
+        return self._call(self.tokenizer_manager.generate(obj))
+
+    def _stream_sync(self, obj: dict) -> Iterator[dict]:
+        q: queue.Queue = queue.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for item in self.tokenizer_manager.generate_stream(obj):
+                    q.put(item)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                q.put(e)
+            q.put(done)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := q.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | list[bool] = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        obj = _request(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            return_text_in_logprobs,
+            rid,
+        )
+        self._check_open()
+        if stream:
+            return self._stream_async(obj)
+        fut = asyncio.run_coroutine_threadsafe(self.tokenizer_manager.generate(obj), self._loop)
+        return await asyncio.wrap_future(fut)
+
+    async def _stream_async(self, obj: dict) -> AsyncIterator[dict]:
+        agen = self.tokenizer_manager.generate_stream(obj)
+        try:
+            while True:
+                fut = asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop)
+                try:
+                    yield await asyncio.wrap_future(fut)
+                except StopAsyncIteration:
+                    return
+        finally:
+            asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop)
+
+    # ------------------------------------------------------------------ control
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (returns False) while requests run."""
+        self._check_open()
+        return self._call(self.tokenizer_manager.flush_cache()).ok
+
+    def get_server_info(self) -> dict:
+        self._check_open()
+        state = self._call(self.tokenizer_manager.get_internal_state())
+        return {**_public_args(self.server_args), **state}
+
+    def abort_request(self, rid: str = "") -> None:
+        self._loop.call_soon_threadsafe(self.tokenizer_manager.abort_request, rid)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("engine: already shut down")
+        reason = getattr(getattr(self, "tokenizer_manager", None), "dead_reason", None)
+        if reason:
+            raise RuntimeError(f"engine: {reason}")
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop.is_running():
+            try:
+                self._call(self.tokenizer_manager.close(), timeout=5)
+            except Exception:  # noqa: BLE001 - best effort during shutdown
+                pass
+            loop.call_soon_threadsafe(loop.stop)
+            self._thread.join(timeout=5)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+
+def _request(
+    prompt,
+    sampling_params,
+    input_ids,
+    return_logprob,
+    logprob_start_len,
+    top_logprobs_num,
+    return_text_in_logprobs,
+    rid,
+) -> dict:
+    obj: dict[str, Any] = {"sampling_params": sampling_params}
+    if prompt is not None:
+        obj["text"] = prompt
+    if input_ids is not None:
+        obj["input_ids"] = input_ids
+    obj["return_logprob"] = return_logprob
+    if logprob_start_len is not None:
+        obj["logprob_start_len"] = logprob_start_len
+    if top_logprobs_num is not None:
+        obj["top_logprobs_num"] = top_logprobs_num
+    obj["return_text_in_logprobs"] = return_text_in_logprobs
+    if rid is not None:
+        obj["rid"] = rid
+    return obj
+
+
+def _public_args(args: ServerArgs) -> dict:
+    import dataclasses
+
+    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "extra"}
+    out.pop("api_key", None)
+    return out

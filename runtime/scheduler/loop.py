@@ -1,0 +1,69 @@
+"""The scheduler process: receive requests, step, send token outputs."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+from loom.runtime.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    ControlOut,
+    FlushCacheReq,
+    StateReq,
+    TokenizedGenerateReq,
+    ToScheduler,
+    decoder,
+    encode,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def handle_message(sched, msg) -> ControlOut | None:
+    if isinstance(msg, TokenizedGenerateReq):
+        sched.add_request(msg)
+    elif isinstance(msg, AbortReq):
+        sched.abort(msg.rid)
+    elif isinstance(msg, FlushCacheReq):
+        ok, message = sched.flush_cache()
+        return ControlOut(msg.request_id, ok, message)
+    elif isinstance(msg, StateReq):
+        return ControlOut(msg.request_id, True, state=sched.get_state())
+    return None
+
+
+def run_scheduler_process(args, ipc, ready_pipe) -> None:
+    import torch
+    import zmq
+
+    from loom.runtime.process import configure_child_process
+    from loom.runtime.scheduler.scheduler import Scheduler
+
+    configure_child_process(args, "scheduler")
+    try:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        sched = Scheduler(args)
+        ctx = zmq.Context()
+        recv = ctx.socket(zmq.PULL)
+        recv.bind(ipc.scheduler)
+        send = ctx.socket(zmq.PUSH)
+        send.connect(ipc.detokenizer)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        ready_pipe.send({"error": f"scheduler failed to start: {e}"})
+        logger.error(traceback.format_exc())
+        raise SystemExit(1) from e
+    ready_pipe.send({"ok": True, **sched.get_state()})
+    dec = decoder(ToScheduler)
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    while True:
+        timeout = 1000 if sched.is_idle else 0
+        while poller.poll(timeout):
+            reply = handle_message(sched, dec.decode(recv.recv()))
+            if reply is not None:
+                send.send(encode(reply))
+            timeout = 0
+        outputs = sched.step()
+        if outputs:
+            send.send(encode(BatchTokenIDOut(outputs)))

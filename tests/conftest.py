@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """tiny_model_dir(family) -> path of a tiny checkpoint, built once per session."""
+    from tests.tiny_models import build_tiny_model
+
+    root: Path = tmp_path_factory.mktemp("tiny_models")
+
+    def get(family: str = "llama") -> str:
+        return str(build_tiny_model(family, root / family))
+
+    return get
