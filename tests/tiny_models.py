@@ -1,0 +1,156 @@
+"""Tiny random-weight checkpoints of each supported family, built at test time.
+
+Each folder is a real Hugging Face checkpoint (config.json, model.safetensors, tokenizer)
+written by `transformers` itself, so loom's loader and models are checked against HF.
+The tokenizer is a byte-level BPE trained here on a fixed text; the model vocabulary is
+padded past the tokenizer's (as real checkpoints often are).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TOKENIZER_VOCAB = 320
+MODEL_VOCAB = 384
+
+_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    'Berlin is the capital of Germany. {"name": "Alice", "age": 31} [1, 2, 3] '
+    "def add(a, b): return a + b  # numbers 0123456789 "
+    "Thought: I should search. Action: search Observation: ok Final Answer: yes "
+    "héllo wörld ünïcode — “quotes” 你好 世界 😀 "
+) * 20
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def build_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_TEXT], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "chat_template": CHATML,
+                "model_max_length": 4096,
+            }
+        )
+    )
+
+
+def _config(family: str):
+    import transformers as tf
+
+    common = dict(
+        vocab_size=MODEL_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=2,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        return tf.LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        )
+    if family == "llama-mqa":
+        return tf.LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=True)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, tie_word_embeddings=True)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=32)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if family == "qwen2-moe":  # layer 0 sparse, layer 1 dense (mlp_only_layers)
+        return tf.Qwen2MoeConfig(
+            **common, **moe, shared_expert_intermediate_size=48, mlp_only_layers=[1]
+        )
+    if family in ("qwen3-moe", "qwen3-moe-fused", "sharded"):  # layer 0 dense, 1 sparse
+        return tf.Qwen3MoeConfig(
+            **common, **moe, head_dim=32, norm_topk_prob=True, decoder_sparse_step=2
+        )
+    if family in ("mixtral", "mixtral-bf16"):
+        return tf.MixtralConfig(
+            **{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2
+        )
+    raise KeyError(family)
+
+
+FAMILIES = [
+    "llama",
+    "llama-mqa",
+    "qwen2",
+    "qwen3",
+    "qwen2-moe",
+    "qwen3-moe",
+    "mixtral",
+    "sharded",  # qwen3-moe written as an index json + several safetensors files
+    "qwen3-moe-fused",  # transformers-v5 stacked expert tensors (experts.gate_up_proj)
+    "mixtral-bf16",  # saved in bfloat16 (dtype "auto" resolves to it)
+]
+
+
+def _save_in_memory_names(model, folder: Path) -> None:
+    """Write the transformers-v5 in-memory names (stacked experts), as v5-native checkpoints do."""
+    from safetensors.torch import save_file
+
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(folder)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def build_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
+    """Write a tiny `family` checkpoint with a tokenizer into `folder` (created)."""
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if (folder / "config.json").is_file():
+        return folder
+    torch.manual_seed(seed)
+    config = _config(family)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init: sharper, less tied logits
+        for p in model.parameters():
+            if p.dim() >= 2:  # 3-D: stacked experts
+                p.normal_(0, 0.08)
+    if family.endswith("-bf16"):
+        model = model.to(torch.bfloat16)
+    if family.endswith("-fused"):
+        _save_in_memory_names(model, folder)
+    else:
+        shards = {"max_shard_size": "100KB"} if family == "sharded" else {}
+        model.save_pretrained(folder, **shards)
+    build_tokenizer(folder)
+    return folder
