@@ -109,7 +109,15 @@ class Scheduler(OutputMixin):
             return f"input_ids: the prompt has {n} tokens; the context length is {self.context_len}"
         if max(req.origin_input_ids) >= self.vocab_size or min(req.origin_input_ids) < 0:
             return f"input_ids: token ids must be in [0, {self.vocab_size})"
-        max_new = min(req.sampling_params.max_new_tokens, self.context_len - n)
+        if n + 1 > self.allocator.size:
+            return (
+                f"input_ids: the prompt needs {n + 1} KV slots; the KV cache holds "
+                f"{self.allocator.size} (max_total_tokens)"
+            )
+        # a request running alone must always fit: cap its output by the context and the pool
+        max_new = min(
+            req.sampling_params.max_new_tokens, self.context_len - n, self.allocator.size - n
+        )
         if max_new != req.sampling_params.max_new_tokens:
             req.sampling_params.max_new_tokens = max_new
             req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, max_new)

@@ -1,0 +1,210 @@
+"""SGLang's native routes: /generate, health, info, cache and abort control, tokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from loom.runtime.server.app import APIError, ServerState
+from loom.runtime.server.protocol import (
+    AbortRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
+
+router = APIRouter()
+
+_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+_HEALTH_TIMEOUT = 20.0
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def check_grammar(state: ServerState, params: Any, prefix: str = "") -> None:
+    """Refuse constrained decoding clearly until the scheduler advertises it."""
+    if state.grammar_enabled:
+        return
+    for p in params if isinstance(params, list) else [params]:
+        if isinstance(p, dict):
+            for name in _GRAMMAR_FIELDS:
+                if p.get(name) is not None:
+                    raise APIError(
+                        400, f"{prefix}{name}: grammar-constrained decoding is not available yet"
+                    )
+
+
+# --------------------------------------------------------------------------- SSE
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def prime(agen: AsyncIterator) -> Any:
+    """Run a stream to its first item so input errors become a 4xx, not a broken stream."""
+    try:
+        return await agen.__anext__()
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await agen.aclose()
+        raise
+
+
+def sse_response(
+    first: Any, agen: AsyncIterator, render: Callable[[Any], list[str]], tail: Callable
+) -> StreamingResponse:
+    """Stream `render(item)` events, then `tail()` and `[DONE]`. Closing the stream (a client
+    that disconnected) closes `agen`, which aborts the request and frees its KV."""
+
+    async def events():
+        try:
+            if first is not None:
+                for event in render(first):
+                    yield event
+            async for item in agen:
+                for event in render(item):
+                    yield event
+            for event in tail():
+                yield event
+        except (ValueError, RuntimeError) as e:  # RequestError, or a dead runtime process
+            yield sse({"error": {"message": str(e)}})
+        finally:
+            await agen.aclose()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+# --------------------------------------------------------------------------- generate
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request):
+    state = server_state(request)
+    obj = body.model_dump(exclude_none=True)
+    stream = obj.pop("stream", False)
+    check_grammar(state, obj.get("sampling_params"), "sampling_params.")
+    if not stream:
+        return JSONResponse(await state.tm.generate(obj))
+    agen = state.tm.generate_stream(obj)
+    first = await prime(agen)
+    return sse_response(first, agen, lambda out: [sse(out)], lambda: [])
+
+
+# --------------------------------------------------------------------------- health
+@router.get("/health")
+async def health(request: Request):
+    reason = server_state(request).tm.dead_reason
+    if reason:
+        raise APIError(503, f"unhealthy: {reason}")
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    """Healthy when a one-token generation goes through the whole pipeline."""
+    state = server_state(request)
+    if state.tm.dead_reason:
+        raise APIError(503, f"unhealthy: {state.tm.dead_reason}")
+    obj: dict = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    if state.tokenizer is not None:
+        obj["text"] = "."
+    else:
+        obj["input_ids"] = [0]
+    try:
+        await asyncio.wait_for(state.tm.generate(obj), _HEALTH_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise APIError(503, "unhealthy: a one-token generation timed out") from None
+    except RuntimeError as e:
+        raise APIError(503, f"unhealthy: {e}") from None
+    return Response(status_code=200)
+
+
+# --------------------------------------------------------------------------- info
+def model_info(state: ServerState) -> dict:
+    return {
+        "model_path": state.args.model_path,
+        "tokenizer_path": state.args.tokenizer_path,
+        "served_model_name": state.args.served_model_name,
+        "is_generation": True,
+        "context_length": state.context_len,
+        "vocab_size": state.tm.vocab_size,
+    }
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def get_model_info(request: Request):
+    return model_info(server_state(request))
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def get_server_info(request: Request):
+    from loom import __version__
+    from loom.runtime.engine import _public_args
+
+    state = server_state(request)
+    internal = await state.tm.get_internal_state()
+    return {
+        **_public_args(state.args),
+        **internal,
+        "internal_states": [internal],
+        "process_pids": {p.name: p.pid for p in state.procs},
+        "version": __version__,
+    }
+
+
+# --------------------------------------------------------------------------- control
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request):
+    out = await server_state(request).tm.flush_cache()
+    if not out.ok:
+        raise APIError(400, out.message or "flush_cache: refused")
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, request: Request):
+    rid = "" if body.abort_all else body.rid
+    server_state(request).tm.abort_request(rid)
+    return Response(status_code=200)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request):
+    state = server_state(request)
+    if state.tokenizer is None:
+        raise APIError(400, "prompt: this server was started with skip_tokenizer_init")
+    prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    ids = [state.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+    tokens: Any = ids if isinstance(body.prompt, list) else ids[0]
+    count: Any = [len(i) for i in ids] if isinstance(body.prompt, list) else len(ids[0])
+    return {"tokens": tokens, "count": count, "max_model_len": state.context_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request):
+    state = server_state(request)
+    if state.tokenizer is None:
+        raise APIError(400, "tokens: this server was started with skip_tokenizer_init")
+    batch = bool(body.tokens) and isinstance(body.tokens[0], list)
+    lists = body.tokens if batch else [body.tokens]
+    vocab = state.tm.vocab_size
+    for lst in lists:
+        bad = [t for t in lst if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: token id {bad[0]} is outside [0, {vocab})")
+    texts = [
+        state.tokenizer.decode(lst, skip_special_tokens=body.skip_special_tokens) for lst in lists
+    ]
+    return {"text": texts if batch else texts[0]}

@@ -1,0 +1,65 @@
+"""Drive the scheduler in-process: submit requests, step until idle, gather results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loom.runtime.detokenizer import Detokenizer
+from loom.runtime.io_struct import BatchTokenIDOut, TokenizedGenerateReq
+from loom.runtime.sampling_params import make_sampling_params
+from loom.runtime.scheduler.scheduler import Scheduler
+from loom.runtime.server_args import ServerArgs
+
+
+@dataclass
+class Result:
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: dict | None = None
+    cached_tokens: int = 0
+    input_logprobs: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
+    output_top: list = field(default_factory=list)
+    chunks: list[str] = field(default_factory=list)
+
+
+def make_scheduler(path: str, **kwargs) -> Scheduler:
+    kwargs.setdefault("max_total_tokens", 8192)
+    kwargs.setdefault("dtype", "float32")
+    sched = Scheduler(ServerArgs(model_path=path, **kwargs))
+    sched.check_integrity_every_step = True
+    return sched
+
+
+def submit(sched: Scheduler, rid: str, ids: list[int], params: dict, seed: int = 0, **kw) -> None:
+    sched.add_request(
+        TokenizedGenerateReq(rid, list(ids), make_sampling_params(params), seed, **kw)
+    )
+
+
+def run_all(sched: Scheduler, max_steps: int = 100_000) -> dict[str, Result]:
+    detok = Detokenizer(sched.tokenizer)
+    results: dict[str, Result] = {}
+    for _ in range(max_steps):
+        outs = sched.step()
+        if outs:
+            for item in detok.handle(BatchTokenIDOut(outs)).outputs:
+                r = results.setdefault(item.rid, Result())
+                tok = item.token
+                r.ids.extend(tok.new_ids)
+                r.text += item.text_delta
+                r.chunks.append(item.text_delta)
+                r.finish_reason = tok.finished_reason
+                r.cached_tokens = tok.cached_tokens
+                if tok.input_token_logprobs is not None:
+                    r.input_logprobs = tok.input_token_logprobs
+                r.output_logprobs.extend(tok.output_token_logprobs or [])
+                r.output_top.extend(tok.output_top_logprobs or [])
+        if sched.is_idle and not sched.pending_outputs:
+            sched.check_integrity()
+            return results
+    raise AssertionError("scheduler did not become idle")
+
+
+def greedy(max_new: int = 24, **extra) -> dict:
+    return {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, **extra}

@@ -1,0 +1,144 @@
+"""Sampling behaviour as SGLang documents it, on a tiny random model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loom.runtime.sampler import SamplingInfo, hashed_uniform, sample
+from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
+
+EOS = 2  # the tiny models' eos_token_id
+
+
+@pytest.fixture(scope="module")
+def sched(tiny_model_dir):
+    return make_scheduler(tiny_model_dir("llama"))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 320) for _ in range(n)]
+
+
+def _one(sched, params, prompt=None, **kw):
+    submit(sched, "x", prompt or _prompt(12, 1), params, **kw)
+    return run_all(sched)["x"]
+
+
+def test_same_seed_same_output_whatever_the_batch(sched):
+    params = {"max_new_tokens": 20, "temperature": 1.0, "ignore_eos": True}
+    prompt = _prompt(10, 7)
+    alone = _one(sched, params, prompt, seed=1234).ids
+    for i in range(6):
+        submit(sched, f"other{i}", _prompt(5 + 13 * i, i), params, seed=i)
+    submit(sched, "x", prompt, params, seed=1234)
+    batched = run_all(sched)["x"].ids
+    assert alone == batched
+    assert _one(sched, params, prompt, seed=99).ids != alone
+
+
+def test_sampling_seed_param_and_top_k_one_is_greedy(sched):
+    prompt = _prompt(9, 3)
+    g = _one(sched, greedy(16), prompt).ids
+    assert (
+        _one(sched, {"max_new_tokens": 16, "top_k": 1, "ignore_eos": True}, prompt, seed=5).ids == g
+    )
+
+
+def test_stop_string_across_tokens_is_caught_and_trimmed(sched):
+    prompt = _prompt(15, 11)
+    full = _one(sched, greedy(40), prompt)
+    tok = sched.tokenizer
+    pieces = [tok.decode(full.ids[:k]) for k in range(len(full.ids) + 1)]
+    # a stop string that starts inside token 5 and ends inside token 6 (or later)
+    start = len(pieces[5]) - 1
+    stop = full.text[start : start + 3]
+    assert len(stop) == 3 and full.text.find(stop) == start
+    res = _one(sched, greedy(40, stop=[stop]), prompt)
+    assert res.finish_reason == {"type": "stop", "matched": stop}
+    assert res.text == full.text[:start]
+    kept = _one(sched, greedy(40, stop=[stop], no_stop_trim=True), prompt)
+    assert kept.text.startswith(full.text[:start] + stop)
+
+
+def test_streamed_chunks_never_show_a_partial_stop(sched):
+    prompt = _prompt(15, 11)
+    full = _one(sched, greedy(40), prompt)
+    stop = full.text[20:24]
+    res = _one(sched, greedy(40, stop=[stop]), prompt, stream=True)
+    assert "".join(res.chunks) == res.text == full.text[: full.text.find(stop)]
+
+
+def test_stop_token_ids(sched):
+    prompt = _prompt(12, 2)
+    full = _one(sched, greedy(30), prompt).ids
+    target = full[7]
+    res = _one(sched, greedy(30, stop_token_ids=[target]), prompt)
+    assert res.ids == full[: full.index(target) + 1]
+    assert res.finish_reason == {"type": "stop", "matched": target}
+
+
+def test_min_new_tokens_and_ignore_eos(sched):
+    favour_eos = {"logit_bias": {str(EOS): 100.0}, "temperature": 0, "max_new_tokens": 20}
+    assert _one(sched, favour_eos).ids == [EOS]
+    res = _one(sched, {**favour_eos, "min_new_tokens": 5})
+    assert len(res.ids) == 6 and res.ids[-1] == EOS and EOS not in res.ids[:5]
+    assert res.finish_reason == {"type": "stop", "matched": EOS}
+    res = _one(sched, {**favour_eos, "ignore_eos": True})
+    assert len(res.ids) == 20 and res.finish_reason == {"type": "length", "length": 20}
+
+
+def test_max_new_tokens_zero_returns_prompt_logprobs(sched):
+    prompt = _prompt(12, 4)
+    res = _one(sched, {"max_new_tokens": 0}, prompt, return_logprob=True, logprob_start_len=0)
+    assert res.ids == [] and res.text == ""
+    assert res.finish_reason == {"type": "length", "length": 0}
+    assert len(res.input_logprobs) == len(prompt)
+    assert res.input_logprobs[0] == (None, prompt[0])
+    assert all(lp < 0 for lp, _ in res.input_logprobs[1:])
+    assert [t for _, t in res.input_logprobs] == prompt
+    res3 = _one(sched, {"max_new_tokens": 0}, prompt, return_logprob=True, logprob_start_len=3)
+    assert res3.input_logprobs == res.input_logprobs[3:]
+
+
+def test_output_logprobs_and_top_logprobs(sched):
+    res = _one(sched, greedy(6), return_logprob=True, top_logprobs_num=3)
+    assert [t for _, t in res.output_logprobs] == res.ids
+    for (lp, tok), top in zip(res.output_logprobs, res.output_top):
+        assert len(top) == 3 and top[0][1] == tok and abs(top[0][0] - lp) < 1e-5
+
+
+def test_penalties_change_the_distribution(sched):
+    prompt = _prompt(8, 5)
+    base = _one(sched, greedy(30), prompt).ids
+    rep = _one(sched, greedy(30, repetition_penalty=2.0), prompt).ids
+    freq = _one(sched, greedy(30, frequency_penalty=2.0), prompt).ids
+    assert len(set(freq)) >= len(set(base))
+    assert rep != base or len(set(base)) == len(base)
+
+
+def test_hashed_noise_is_uniform_and_batch_independent():
+    u = hashed_uniform(torch.tensor([1, 2]), torch.tensor([5, 5]), 50_000)
+    assert 0.49 < float(u.mean()) < 0.51 and float(u.min()) > 0 and float(u.max()) < 1
+    alone = hashed_uniform(torch.tensor([2]), torch.tensor([5]), 50_000)
+    assert torch.equal(alone[0], u[1])
+
+
+def test_top_p_min_p_keep_only_the_head():
+    from loom.runtime.req import Req
+    from loom.runtime.sampling_params import make_sampling_params
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    counts = torch.zeros(4)
+    for seed in range(300):
+        req = Req("r", [1], make_sampling_params({"top_p": 0.7}), seed)
+        info = SamplingInfo.from_reqs([req], 4, "cpu")
+        counts[int(sample(logits.clone(), info)[0])] += 1
+    assert counts[2] == 0 and counts[3] == 0 and counts[0] > counts[1] > 0
+    for seed in range(200):
+        req = Req("r", [1], make_sampling_params({"min_p": 0.5}), seed)
+        info = SamplingInfo.from_reqs([req], 4, "cpu")
+        assert int(sample(logits.clone(), info)[0]) in (0, 1)
