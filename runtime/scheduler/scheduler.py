@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import torch
 
@@ -60,6 +61,7 @@ class Scheduler(OutputMixin):
         }
         self.check_integrity_every_step = False
         self.pending_outputs: list[Req] = []
+        self._last_log = 0.0
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[ReqOutput]:
@@ -163,16 +165,37 @@ class Scheduler(OutputMixin):
             self.waiting = order_waiting(
                 self.waiting, self.args.effective_schedule_policy, self.tree_cache, self.rng
             )
+            in_batch = None if self.tree_cache.disable else InBatchPrefixes(self.tree_cache)
             for req in list(self.waiting):
+                if in_batch is not None and in_batch.should_defer(req):
+                    continue
                 if not adder.add(req):
                     break
+                if in_batch is not None:
+                    in_batch.add(req)
             admitted = {id(r) for r in adder.can_run}
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
         if not adder.can_run:
             return None
         batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
         batch.out_cache_loc = torch.cat([r.new_slots for r in adder.can_run])
+        self._log_prefill(batch)
         return batch
+
+    def _log_prefill(self, batch: ScheduleBatch) -> None:
+        now = time.monotonic()
+        if now - self._last_log < 1.0:
+            return
+        self._last_log = now
+        st = self.stats
+        logger.info(
+            "prefill batch: %d reqs, %d new tokens, %d cached | running %d, queued %d | "
+            "cache hit rate %.1f%%, KV free %d/%d",
+            len(batch), sum(r.extend_len for r in batch.reqs),
+            sum(len(r.prefix_indices) for r in batch.reqs), len(self.running), len(self.waiting),
+            100 * st["cached_tokens"] / max(1, st["prompt_tokens"]),
+            self.allocator.available_size(), self.allocator.size,
+        )
 
     def alloc_for_req(self, req: Req, n: int) -> torch.Tensor | None:
         """KV slots for positions kv_len .. kv_len+n-1 of `req`, evicting cache if needed.
@@ -309,6 +332,33 @@ class Scheduler(OutputMixin):
         if hasattr(self.tree_cache, "check_integrity"):
             self.tree_cache.check_integrity()
         assert self.req_to_token_pool.available_size() + len(live) == self.req_to_token_pool.size
+
+
+class InBatchPrefixes:
+    """In-batch prefix sharing: a waiting request that shares a long prefix with one already
+    admitted to this prefill batch (beyond what the cache holds) waits one step, so the
+    shared part is computed once and then read from the radix cache."""
+
+    THRESHOLD = 32
+
+    def __init__(self, tree_cache):
+        from loom.radix.tree import RadixTree
+
+        self.cache = tree_cache
+        self.tree = RadixTree(page_size=1)
+
+    def should_defer(self, req: Req) -> bool:
+        if req.req_pool_idx is not None or self.tree.total_size() == 0:
+            return False
+        shared = len(self.tree.match_prefix(req.fill_ids, extra_key=req.extra_key).indices)
+        if shared < self.THRESHOLD:
+            return False
+        cached = len(self.cache.match_prefix(req.fill_ids, extra_key=req.extra_key).indices)
+        return shared - cached >= self.THRESHOLD
+
+    def add(self, req: Req) -> None:
+        ids = req.fill_ids
+        self.tree.insert(ids, torch.arange(len(ids), dtype=torch.int64), extra_key=req.extra_key)
 
 
 def _make_tree_cache(args: ServerArgs, runner):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -60,6 +62,31 @@ class APIError(Exception):
         self.status_code = status_code
         self.message = message
         self.code = code
+
+
+def _finite(obj: Any) -> Any:
+    """-inf logprobs (masked tokens) become None: JSON has no infinities."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_dumps(obj: Any) -> str:
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False)
+
+
+class JSONOut(JSONResponse):
+    """JSON that never fails on a non-finite float."""
+
+    def render(self, content: Any) -> bytes:
+        return json_dumps(content).encode("utf-8")
 
 
 def error_body(message: str, status: int, code: str | None = None) -> dict:

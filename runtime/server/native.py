@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
-from loom.runtime.server.app import APIError, ServerState
+from loom.runtime.server.app import APIError, JSONOut, ServerState, json_dumps
 from loom.runtime.server.protocol import (
     AbortRequest,
     DetokenizeRequest,
@@ -43,7 +42,7 @@ def check_grammar(state: ServerState, params: Any, prefix: str = "") -> None:
 
 # --------------------------------------------------------------------------- SSE
 def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {json_dumps(obj)}\n\n"
 
 
 async def prime(agen: AsyncIterator) -> Any:
@@ -94,7 +93,7 @@ async def generate(body: GenerateRequest, request: Request):
     stream = obj.pop("stream", False)
     check_grammar(state, obj.get("sampling_params"), "sampling_params.")
     if not stream:
-        return JSONResponse(await state.tm.generate(obj))
+        return JSONOut(await state.tm.generate(obj))
     agen = state.tm.generate_stream(obj)
     first = await prime(agen)
     return sse_response(first, agen, lambda out: [sse(out)], lambda: [])

@@ -1,0 +1,142 @@
+"""launch_server: the HTTP process. It starts the scheduler and detokenizer processes (as the
+Engine does), then serves the FastAPI app with uvicorn, the TokenizerManager living on
+uvicorn's event loop.
+
+Supervision: a dead child process makes /health answer 503 and the server exit with code 1
+within seconds; SIGTERM or SIGINT stop it cleanly (exit 0) and take the children with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from loom.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT = 600.0
+_FORCED_EXIT_AFTER = 8.0  # seconds a dead runtime gets to drain before os._exit(1)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE}
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a built-in name, a .jinja/.json file, or the template text itself."""
+    if not value:
+        return None
+    if value in _BUILTIN_TEMPLATES:
+        return _BUILTIN_TEMPLATES[value]
+    path = Path(value)
+    if path.is_file():
+        text = path.read_text()
+        if path.suffix == ".json":
+            template = json.loads(text).get("chat_template")
+            if not isinstance(template, str):
+                raise ValueError(f"chat_template: {value} has no 'chat_template' string")
+            return template
+        return text
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(
+        f"chat_template: {value!r} is neither a file nor a built-in template "
+        f"({', '.join(_BUILTIN_TEMPLATES)})"
+    )
+
+
+def start_runtime_processes(args: ServerArgs, procs: list):
+    """Start the scheduler and detokenizer (appended to `procs` as they start); returns
+    (ipc names, scheduler info, tokenizer)."""
+    from loom.runtime.detokenizer import run_detokenizer_process
+    from loom.runtime.process import IPCNames, start_process, wait_ready
+    from loom.runtime.scheduler.loop import run_scheduler_process
+    from loom.runtime.tokenizer import load_tokenizer
+
+    ipc = IPCNames.fresh()
+    sched, sched_ready = start_process(run_scheduler_process, (args, ipc), "scheduler")
+    procs.append(sched)
+    detok, detok_ready = start_process(run_detokenizer_process, (args, ipc), "detokenizer")
+    procs.append(detok)
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
+    wait_ready(detok, detok_ready, _START_TIMEOUT)
+    info = wait_ready(sched, sched_ready, _START_TIMEOUT)
+    return ipc, info, tokenizer
+
+
+def stop_processes(procs: list) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(0)
+
+
+def launch_server(args: ServerArgs) -> int:
+    """Serve until stopped; returns the exit code (1 when a runtime process died)."""
+    import uvicorn
+
+    from loom.runtime.model_loader import load_config
+    from loom.runtime.process import configure_logging
+    from loom.runtime.server.app import ServerState, create_app
+    from loom.runtime.tokenizer_manager import TokenizerManager
+
+    configure_logging(args.log_level)
+    load_config(args.model_path)  # a bad path fails here, clearly
+    chat_template = load_chat_template(args.chat_template)
+    # uvicorn restores this handler and re-raises the signal after its graceful shutdown, so
+    # a SIGTERM at any time (start-up included) ends in SystemExit(0) and the cleanup below.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+    procs: list = []
+    try:
+        ipc, info, tokenizer = start_runtime_processes(args, procs)
+        tm = TokenizerManager(args, ipc, tokenizer, info["context_length"], info["vocab_size"])
+        tm.watched_processes = list(procs)
+        state = ServerState(args, tm, info, procs, chat_template)
+        if args.enable_metrics:
+            from loom.runtime.server.metrics import Metrics
+
+            state.metrics = Metrics(args.served_model_name)
+            tm.on_output = state.metrics.on_output
+        state.on_shutdown = lambda: stop_processes(procs)
+        config = uvicorn.Config(
+            create_app(state),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            access_log=args.log_level.lower() == "debug",
+            timeout_graceful_shutdown=5,
+        )
+        server = uvicorn.Server(config)
+        exit_code = 0
+
+        def on_dead(reason: str) -> None:
+            nonlocal exit_code
+            logger.error("shutting down: %s", reason)
+            exit_code = 1
+            server.should_exit = True
+            timer = threading.Timer(_FORCED_EXIT_AFTER, os._exit, args=(1,))
+            timer.daemon = True
+            timer.start()
+
+        tm.on_dead = on_dead
+        server.run()
+        return exit_code
+    finally:
+        stop_processes(procs)
