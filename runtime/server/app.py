@@ -110,7 +110,7 @@ def _validation_message(exc: RequestValidationError) -> str:
         field = ".".join(loc) or "body"
         if err.get("type") == "json_invalid":
             parts.append(f"body: malformed JSON ({err.get('ctx', {}).get('error', 'invalid')})")
-        elif err.get("type") == "missing" and not loc:
+        elif not loc and err.get("type") in ("missing", "model_attributes_type", "dict_type"):
             parts.append("body: a JSON object is required")
         else:
             parts.append(f"{field}: {err.get('msg', 'invalid value')}")

@@ -19,7 +19,15 @@ router = APIRouter()
 
 class Metrics:
     def __init__(self, model_name: str):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import (
+            CollectorRegistry,
+            Counter,
+            Gauge,
+            Histogram,
+            disable_created_metrics,
+        )
+
+        disable_created_metrics()
 
         self.registry = reg = CollectorRegistry()
         labels = ["model_name"]

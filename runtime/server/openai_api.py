@@ -158,7 +158,12 @@ async def list_models(request: Request):
 # --------------------------------------------------------------------------- completions
 def legacy_logprobs(token_lps: list, top_lps: list | None, offset: int = 0) -> dict:
     """OpenAI's legacy format: parallel lists of tokens, logprobs, top dicts, text offsets."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
     for i, (lp, _tid, text) in enumerate(token_lps):
         text = text or ""
         out["tokens"].append(text)
@@ -225,7 +230,9 @@ async def completions(req: CompletionRequest, request: Request):
         raise RequestError("best_of: only best_of == n is supported")
     include_usage, continuous_usage = _stream_usage(req)
     prompt = req.prompt
-    if not prompt or (isinstance(prompt, list) and any(len(p) == 0 for p in prompt if isinstance(p, (str, list)))):
+    if not prompt or (
+        isinstance(prompt, list) and any(len(p) == 0 for p in prompt if isinstance(p, (str, list)))
+    ):
         raise RequestError("prompt: must not be empty")
     obj: dict[str, Any] = {}
     if isinstance(prompt, str) or isinstance(prompt[0], str):
@@ -235,7 +242,9 @@ async def completions(req: CompletionRequest, request: Request):
         obj["input_ids"] = prompt
         lists = prompt if isinstance(prompt[0], list) else [prompt]
         texts = [_decode(state, ids) for ids in lists] if req.echo else [""] * len(lists)
-    obj["sampling_params"] = sampling_params(state, req, req.max_tokens if req.max_tokens is not None else 16)
+    obj["sampling_params"] = sampling_params(
+        state, req, req.max_tokens if req.max_tokens is not None else 16
+    )
     if req.logprobs is not None:
         obj["return_logprob"] = True
         obj["top_logprobs_num"] = req.logprobs
@@ -350,7 +359,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise RequestError("top_logprobs: requires logprobs to be true")
     include_usage, continuous_usage = _stream_usage(req)
     ids = render_chat(state, req)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
     if max_tokens is None:
         max_tokens = max(0, state.context_len - len(ids))
     obj: dict[str, Any] = {
@@ -367,14 +378,21 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     created = int(time.time())
 
     def envelope(choices: list[dict], kind: str) -> dict:
-        return {"id": rid, "object": kind, "created": created, "model": req.model, "choices": choices}
+        return {
+            "id": rid,
+            "object": kind,
+            "created": created,
+            "model": req.model,
+            "choices": choices,
+        }
 
     def logprobs_of(meta: dict, start: int) -> dict | None:
         if not req.logprobs:
             return None
         tops = meta.get("output_top_logprobs")
         return chat_logprobs(
-            meta.get("output_token_logprobs", [])[start:], tops[start:] if tops is not None else None
+            meta.get("output_token_logprobs", [])[start:],
+            tops[start:] if tops is not None else None,
         )
 
     if not req.stream:
