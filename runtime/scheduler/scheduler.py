@@ -62,20 +62,35 @@ class Scheduler(OutputMixin):
         self.check_integrity_every_step = False
         self.pending_outputs: list[Req] = []
         self._last_log = 0.0
+        self.decode_timing: dict[int, list] = {}
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[ReqOutput]:
         """One iteration: schedule -> run -> process results. Returns the outputs to stream."""
+        self._step_start = time.perf_counter()
         batch = self.get_next_batch()
         if batch is None:
             self.check_integrity()
             return self.drain_outputs()
-        logits = self.runner.forward(batch.build_input())
+        inp = batch.build_input()
+        t1 = time.perf_counter()
+        logits = self.runner.forward(inp)
+        t2 = time.perf_counter()
         next_ids, logprob_info = self.sample(batch, logits)
         self.process_batch_result(batch, next_ids, logprob_info, logits)
         if self.check_integrity_every_step:
             self.check_integrity()
-        return self.drain_outputs()
+        outputs = self.drain_outputs()
+        if batch.mode is ForwardMode.DECODE:
+            self._record_decode_timing(len(batch), time.perf_counter() - self._step_start, t2 - t1)
+        return outputs
+
+    def _record_decode_timing(self, batch_size: int, step: float, forward: float) -> None:
+        """Per decode batch size: [steps, total step seconds, model forward seconds]."""
+        entry = self.decode_timing.setdefault(batch_size, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += step
+        entry[2] += forward
 
     @property
     def is_idle(self) -> bool:
@@ -191,10 +206,14 @@ class Scheduler(OutputMixin):
         logger.info(
             "prefill batch: %d reqs, %d new tokens, %d cached | running %d, queued %d | "
             "cache hit rate %.1f%%, KV free %d/%d",
-            len(batch), sum(r.extend_len for r in batch.reqs),
-            sum(len(r.prefix_indices) for r in batch.reqs), len(self.running), len(self.waiting),
+            len(batch),
+            sum(r.extend_len for r in batch.reqs),
+            sum(len(r.prefix_indices) for r in batch.reqs),
+            len(self.running),
+            len(self.waiting),
             100 * st["cached_tokens"] / max(1, st["prompt_tokens"]),
-            self.allocator.available_size(), self.allocator.size,
+            self.allocator.available_size(),
+            self.allocator.size,
         )
 
     def alloc_for_req(self, req: Req, n: int) -> torch.Tensor | None:
@@ -309,6 +328,7 @@ class Scheduler(OutputMixin):
             "kv_available_tokens": self.allocator.available_size(),
             "cache_size_tokens": self.tree_cache.total_size(),
             "cache_hit_rate": st["cached_tokens"] / max(1, st["prompt_tokens"]),
+            "decode_timing": {str(k): v for k, v in self.decode_timing.items()},
             **st,
         }
 

@@ -1,0 +1,133 @@
+"""Engine: the runtime behind a Python API, with its scheduler and detokenizer processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import loom
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = loom.Engine(tiny_model_dir("llama"), max_total_tokens=4096, dtype="float32")
+    yield eng
+    eng.shutdown()
+
+
+def test_generate_single_and_batch_shapes(engine):
+    out = engine.generate(
+        "hello world", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    )
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 6 and meta["finish_reason"] == {
+        "type": "length",
+        "length": 6,
+    }
+    for key in ("id", "prompt_tokens", "cached_tokens", "e2e_latency"):
+        assert key in meta
+    outs = engine.generate(["a b", "c d e"], [{"max_new_tokens": 3}, {"max_new_tokens": 5}])
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [3, 5]
+    ids = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+    assert ids["meta_info"]["prompt_tokens"] == 3
+
+
+def test_n_greater_than_one(engine):
+    outs = engine.generate("once upon", {"max_new_tokens": 8, "n": 3, "temperature": 1.0})
+    assert isinstance(outs, list) and len(outs) == 3
+    assert len({o["meta_info"]["id"] for o in outs}) == 3
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+    batch = engine.generate(["x", "y"], {"max_new_tokens": 2, "n": 2})
+    assert len(batch) == 4
+
+
+def test_stream_chunks_are_cumulative(engine):
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    final = engine.generate("the quick", params)
+    chunks = list(engine.generate("the quick", params, stream=True))
+    assert chunks[-1]["text"] == final["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+
+
+def test_async_generate_and_stream(engine):
+    async def main():
+        one = await engine.async_generate("abc", {"max_new_tokens": 4})
+        many = await asyncio.gather(
+            *(engine.async_generate(f"p{i}", {"max_new_tokens": 4}) for i in range(8))
+        )
+        stream = await engine.async_generate("abc", {"max_new_tokens": 4}, stream=True)
+        chunks = [c async for c in stream]
+        return one, many, chunks
+
+    one, many, chunks = asyncio.run(main())
+    assert one["meta_info"]["completion_tokens"] == 4 and len(many) == 8
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 4
+
+
+def test_logprobs_shape(engine):
+    out = engine.generate(
+        "hello there",
+        {"max_new_tokens": 3},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=2,
+        return_text_in_logprobs=True,
+    )
+    meta = out["meta_info"]
+    first = meta["input_token_logprobs"][0]
+    assert first[0] is None and isinstance(first[1], int) and isinstance(first[2], str)
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert len(meta["output_token_logprobs"]) == 3
+    assert meta["input_top_logprobs"][0] is None and len(meta["output_top_logprobs"][0]) == 2
+    zero = engine.generate(
+        "hello there", {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0
+    )
+    assert zero["text"] == "" and zero["meta_info"]["finish_reason"]["length"] == 0
+    assert zero["meta_info"]["input_token_logprobs"] == [
+        [lp, t, None] for lp, t, _ in meta["input_token_logprobs"]
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"prompt": "x", "sampling_params": {"top_p": 2}}, "top_p"),
+        ({"prompt": "x", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
+        ({"prompt": "", "sampling_params": {}}, "empty"),
+        ({"prompt": "x" * 5000, "sampling_params": {}}, "context length"),
+        ({"input_ids": [1, 99999], "sampling_params": {}}, "input_ids"),
+        ({"prompt": "x", "sampling_params": {"nope": 1}}, "nope"),
+    ],
+)
+def test_bad_input_raises_naming_the_field(engine, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        engine.generate(**kwargs)
+    assert (
+        engine.generate("still alive", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1
+    )
+
+
+def test_flush_cache_and_server_info(engine):
+    engine.generate("cache me " * 10, {"max_new_tokens": 2})
+    info = engine.get_server_info()
+    assert info["model_path"] and info["max_total_tokens"] == 4096 and "cache_hit_rate" in info
+    assert engine.flush_cache() is True
+    assert engine.get_server_info()["cache_size_tokens"] == 0
+
+
+def test_bad_model_path_fails_fast():
+    with pytest.raises(ValueError, match="model_path"):
+        loom.Engine("/nonexistent/model")
+
+
+def test_context_manager_shuts_down(tiny_model_dir):
+    with loom.Engine(tiny_model_dir("qwen3"), max_total_tokens=1024) as eng:
+        procs = list(eng._procs)
+        assert eng.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+    assert all(not p.is_alive() for p in procs)
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate("hi")
