@@ -58,7 +58,7 @@ def run_scheduler_process(args, ipc, ready_pipe) -> None:
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
     while True:
-        timeout = 1000 if sched.is_idle else 0
+        timeout = 1000 if sched.is_idle else (1 if sched.only_waiting_for_grammar else 0)
         while poller.poll(timeout):
             reply = handle_message(sched, dec.decode(recv.recv()))
             if reply is not None:

@@ -85,6 +85,9 @@ class OutputMixin:
 
     def _check_finished(self, req: Req, token: int) -> None:
         p = req.sampling_params
+        if req.grammar is not None and token in req.eos_token_ids:
+            req.finished_reason = {"type": "stop", "matched": token}  # EOS was allowed: it ends
+            return
         if len(req.output_ids) >= p.min_new_tokens:
             if token in (p.stop_token_ids or ()) or (
                 not p.ignore_eos and token in req.eos_token_ids

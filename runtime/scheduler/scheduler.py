@@ -18,6 +18,7 @@ from loom.runtime.io_struct import ReqOutput, TokenizedGenerateReq
 from loom.runtime.req import Req
 from loom.runtime.sampler import SamplingInfo, sample
 from loom.runtime.scheduler.batch import ScheduleBatch
+from loom.runtime.scheduler.grammar_queue import GrammarQueue
 from loom.runtime.scheduler.output import OutputMixin
 from loom.runtime.scheduler.policy import order_waiting
 from loom.runtime.scheduler.prefill import PrefillAdder
@@ -61,6 +62,9 @@ class Scheduler(OutputMixin):
         }
         self.check_integrity_every_step = False
         self.pending_outputs: list[Req] = []
+        self.grammar_queue = GrammarQueue(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, args.grammar_compile_timeout
+        )
         self._last_log = 0.0
         self.decode_timing: dict[int, list] = {}
 
@@ -94,7 +98,13 @@ class Scheduler(OutputMixin):
 
     @property
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req)
+        return not (self.waiting or self.running or self.chunked_req or len(self.grammar_queue))
+
+    @property
+    def only_waiting_for_grammar(self) -> bool:
+        return len(self.grammar_queue) > 0 and not (
+            self.waiting or self.running or self.chunked_req
+        )
 
     # ---------------------------------------------------------------- admission
     def add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -115,6 +125,13 @@ class Scheduler(OutputMixin):
         if error:
             req.finished_reason = {"type": "abort", "message": error, "status_code": 400}
             self.pending_outputs.append(req)
+            return
+        spec = p.grammar_spec
+        if spec is not None:
+            error = self.grammar_queue.add(req, *spec)
+            if error:
+                req.finished_reason = {"type": "abort", "message": error, "status_code": 400}
+                self.pending_outputs.append(req)
             return
         self.waiting.append(req)
 
@@ -142,6 +159,8 @@ class Scheduler(OutputMixin):
 
     def abort(self, rid: str) -> None:
         """Abort one request (or all with rid ""), wherever it is; its KV is released now."""
+        for req in self.grammar_queue.remove(rid):
+            self._finish_abort(req)
         for req in [r for r in self.waiting if rid in ("", r.rid)]:
             self.waiting.remove(req)
             if req.req_pool_idx is not None:
@@ -162,6 +181,12 @@ class Scheduler(OutputMixin):
 
     # ---------------------------------------------------------------- scheduling
     def get_next_batch(self) -> ScheduleBatch | None:
+        if len(self.grammar_queue):
+            ready, failed = self.grammar_queue.poll()
+            self.waiting.extend(ready)
+            for req, message in failed:
+                req.finished_reason = {"type": "abort", "message": message, "status_code": 400}
+                self.pending_outputs.append(req)
         batch = self.get_new_prefill_batch()
         if batch is not None:
             return batch
