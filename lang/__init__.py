@@ -1,5 +1,6 @@
 """loom: structured generation and agent programming for LLMs.
 
+`import loom as sgl` gives SGLang's language: `function`, `gen`, `select`, roles, backends.
 `import loom` stays light: the runtime (and torch) load only when an Engine or backend is used.
 """
 
@@ -8,6 +9,39 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
+    # language
+    "function": "loom.api:function",
+    "gen": "loom.api:gen",
+    "gen_int": "loom.api:gen_int",
+    "gen_string": "loom.api:gen_string",
+    "select": "loom.api:select",
+    "system": "loom.api:system",
+    "user": "loom.api:user",
+    "assistant": "loom.api:assistant",
+    "system_begin": "loom.api:system_begin",
+    "system_end": "loom.api:system_end",
+    "user_begin": "loom.api:user_begin",
+    "user_end": "loom.api:user_end",
+    "assistant_begin": "loom.api:assistant_begin",
+    "assistant_end": "loom.api:assistant_end",
+    "set_default_backend": "loom.api:set_default_backend",
+    "flush_cache": "loom.api:flush_cache",
+    "get_server_info": "loom.api:get_server_info",
+    "Runtime": "loom.api:Runtime",
+    "ProgramState": "loom.state:ProgramState",
+    "ProgramStateGroup": "loom.fork:ProgramStateGroup",
+    "SglFunction": "loom.program:SglFunction",
+    "global_config": "loom.global_config:global_config",
+    "token_length_normalized": "loom.choices:token_length_normalized",
+    "greedy_token_selection": "loom.choices:greedy_token_selection",
+    "unconditional_likelihood_normalized": "loom.choices:unconditional_likelihood_normalized",
+    "ChatTemplate": "loom.chat_template:ChatTemplate",
+    # backends
+    "RuntimeEndpoint": "loom.backends.runtime_endpoint:RuntimeEndpoint",
+    "EngineBackend": "loom.backends.engine:EngineBackend",
+    "OpenAI": "loom.backends.openai:OpenAI",
+    "BaseBackend": "loom.backends.base:BaseBackend",
+    # runtime
     "Engine": "loom.runtime.engine:Engine",
     "ServerArgs": "loom.runtime.server_args:ServerArgs",
 }
@@ -24,4 +58,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'loom' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "ServerArgs", "__version__"]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = sorted([*_LAZY, "__version__"])

@@ -1,0 +1,1 @@
+"""Backends: where a program's gens and selects run (Engine, RuntimeEndpoint, OpenAI)."""

@@ -1,0 +1,217 @@
+"""The expressions a program appends to its state: `s += text | gen | select | role | ...`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+# SGLang's regexes for typed gens (`dtype=int`, `gen_int`, `gen_string`, ...).
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r"\"[\w\d\s]*\""
+
+_DTYPE_REGEX = {
+    "int": (REGEX_INT, [" ", "\n"]),
+    "float": (REGEX_FLOAT, [" ", "\n"]),
+    "str": (REGEX_STR, []),
+    "bool": (REGEX_BOOL, []),
+}
+
+
+@dataclasses.dataclass
+class SglSamplingParams:
+    """A gen's sampling parameters. In a `gen`, None means "inherit from `run(...)`"."""
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int | None = 0
+    n: int | None = 1
+    stop: str | list[str] | tuple | None = ()
+    stop_token_ids: list[int] | tuple | None = ()
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1
+    min_p: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    ignore_eos: bool | None = False
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None
+    dtype: Any = None
+    regex: str | None = None
+    json_schema: str | None = None
+
+    def merged(self, override: SglSamplingParams) -> SglSamplingParams:
+        """These defaults, overridden by every non-None field of `override`."""
+        values = {
+            f.name: getattr(override, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(override, f.name) is not None
+        }
+        return dataclasses.replace(self, **values)
+
+    def stop_list(self) -> list[str]:
+        stop = self.stop or []
+        return [stop] if isinstance(stop, str) else list(stop)
+
+    def to_native(self) -> tuple[dict, dict]:
+        """(sampling_params, request fields) of SGLang's native /generate API."""
+        stop = self.stop_list()
+        regex = self.regex
+        if self.dtype is not None:
+            name = (
+                self.dtype if isinstance(self.dtype, str) else getattr(self.dtype, "__name__", "")
+            )
+            if name not in _DTYPE_REGEX:
+                raise ValueError(f"dtype: must be int, float, str or bool, got {self.dtype!r}")
+            regex, extra_stop = _DTYPE_REGEX[name]
+            stop += [s for s in extra_stop if s not in stop]
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "min_new_tokens": self.min_new_tokens,
+            "n": self.n,
+            "stop": stop,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "ignore_eos": self.ignore_eos,
+        }
+        if regex is not None:
+            params["regex"] = regex
+        if self.json_schema is not None:
+            params["json_schema"] = schema_to_str(self.json_schema)
+        fields = {
+            k: getattr(self, k)
+            for k in (
+                "return_logprob",
+                "logprob_start_len",
+                "top_logprobs_num",
+                "return_text_in_logprobs",
+            )
+            if getattr(self, k) is not None
+        }
+        return params, fields
+
+
+def schema_to_str(schema: Any) -> str:
+    """A JSON schema given as a string, a dict or a pydantic model class, as a string."""
+    if isinstance(schema, str):
+        return schema
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    if hasattr(schema, "model_json_schema"):
+        return json.dumps(schema.model_json_schema())
+    raise ValueError(f"json_schema: must be a string, a dict or a pydantic model, got {schema!r}")
+
+
+class SglExpr:
+    """Base of everything `s += ...` accepts; `+` builds an `SglExprList`."""
+
+    def __add__(self, other: Any) -> SglExprList:
+        return SglExprList([self, as_expr(other)])
+
+    def __radd__(self, other: Any) -> SglExprList:
+        return SglExprList([as_expr(other), self])
+
+
+def as_expr(value: Any) -> SglExpr:
+    if isinstance(value, SglExpr):
+        return value
+    if isinstance(value, str):
+        return SglConstantText(value)
+    raise TypeError(f"cannot append {type(value).__name__} to a program state")
+
+
+class SglExprList(SglExpr):
+    def __init__(self, exprs: list[SglExpr]):
+        self.exprs: list[SglExpr] = []
+        for e in exprs:
+            self.exprs.extend(e.exprs if isinstance(e, SglExprList) else [e])
+
+    def __repr__(self) -> str:
+        return f"ExprList({self.exprs})"
+
+
+class SglConstantText(SglExpr):
+    def __init__(self, value: str):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Constant({self.value!r})"
+
+
+class SglGen(SglExpr):
+    def __init__(self, name: str | None, sampling_params: SglSamplingParams):
+        self.name = name
+        self.sampling_params = sampling_params
+
+    def __repr__(self) -> str:
+        return f"Gen({self.name!r})"
+
+
+class SglSelect(SglExpr):
+    def __init__(self, name: str | None, choices: list[str], temperature: float, choices_method):
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise ValueError("choices: must be a non-empty list of strings")
+        self.name = name
+        self.choices = list(choices)
+        self.temperature = temperature
+        self.choices_method = choices_method
+
+    def __repr__(self) -> str:
+        return f"Select({self.name!r}, choices={self.choices})"
+
+
+class SglRoleBegin(SglExpr):
+    def __init__(self, role: str):
+        self.role = role
+
+    def __repr__(self) -> str:
+        return f"RoleBegin({self.role})"
+
+
+class SglRoleEnd(SglExpr):
+    def __init__(self, role: str):
+        self.role = role
+
+    def __repr__(self) -> str:
+        return f"RoleEnd({self.role})"
+
+
+class SglVarScopeBegin(SglExpr):
+    def __init__(self, name: str):
+        self.name = name
+
+
+class SglVarScopeEnd(SglExpr):
+    def __init__(self, name: str):
+        self.name = name
+
+
+class SglCommitLazy(SglExpr):
+    """Send the text so far to the backend prefill-only, so later requests hit its cache."""
+
+
+class SglConcateAndAppend(SglExpr):
+    """Append the text each forked state generated after the fork point."""
+
+    def __init__(self, states: list):
+        self.states = states
+
+
+class SglArgument(SglExpr):
+    """A program argument, as seen while tracing."""
+
+    def __init__(self, name: str, value: Any = None):
+        self.name = name
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Argument({self.name!r})"
