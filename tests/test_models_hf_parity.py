@@ -8,6 +8,9 @@ one Scheduler, so batched prefill and decode are exercised.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -103,6 +106,9 @@ def hf_model(path: str):
 @pytest.mark.parametrize("family", PARITY_FAMILIES)
 def test_greedy_and_prompt_logprobs_match_hf(tiny_model_dir, family):
     path = tiny_model_dir(family)
+    if family == "sharded":
+        files = json.loads((Path(path) / "model.safetensors.index.json").read_text())
+        assert len(set(files["weight_map"].values())) > 1
     prompts = prompt_ids(path)
     assert len({len(p) for p in prompts}) == len(prompts), "prompts should differ in length"
     outs = run_loom(path, prompts)
@@ -146,6 +152,67 @@ def test_bfloat16_loads_and_generates(tiny_model_dir, family, dtype):
     if dtype == "bfloat16":
         ref = run_loom(path, prompts[:1])["r0"]["ids"]
         assert outs["r0"]["ids"][:2] == ref[:2]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2), (2, 1), (4, 2)])
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+def test_fused_moe_matches_hf_block_across_ranks(family, tp, ep, layout):
+    """Each rank's partial output (EP over experts, TP over each expert's intermediate dim)
+    sums to the HF sparse block's output; both checkpoint layouts load."""
+    import transformers as tf
+
+    from loom.runtime.distributed import ParallelState, set_parallel_state
+    from loom.runtime.layers.moe import SparseMoeBlock, map_expert_weight
+
+    torch.manual_seed(0)
+    hidden, inter, experts = 32, 16, 4
+    if family == "mixtral":
+        config = tf.MixtralConfig(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_local_experts=experts,
+            num_experts_per_tok=2,
+        )
+        block = tf.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config)
+    else:
+        config = tf.Qwen3MoeConfig(
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        )
+        block = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(1, 9, hidden)
+    want = block(x)[0].detach()
+
+    state = {f"mlp.{k}": v for k, v in block.state_dict().items()}
+    if layout == "per_expert":
+        gate_up, down = state.pop("mlp.experts.gate_up_proj"), state.pop("mlp.experts.down_proj")
+        for e in range(experts):
+            state[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
+            state[f"mlp.experts.{e}.up_proj.weight"] = gate_up[e, inter:]
+            state[f"mlp.experts.{e}.down_proj.weight"] = down[e]
+    got = torch.zeros_like(want)
+    for rank in range(tp):
+        set_parallel_state(ParallelState(rank, tp, rank // (tp // ep), ep))
+        try:
+            ours = SparseMoeBlock(
+                hidden, experts, 2, inter, True, fp32_routing_weights=family == "mixtral"
+            )
+        finally:
+            set_parallel_state(ParallelState())
+        params = {f"mlp.{k}": v for k, v in ours.named_parameters()}
+        for name, tensor in state.items():
+            target, shard = map_expert_weight(name) or (name, None)
+            params[target].weight_loader(params[target], tensor, shard)
+        ours.experts.reduce = False  # the sum over ranks happens here instead
+        got += ours(x[0])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):

@@ -138,7 +138,7 @@ def build_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     if (folder / "config.json").is_file():
         return folder
-    torch.manual_seed(seed)
+    torch.manual_seed(seed + (family == "sharded"))  # not a copy of qwen3-moe's weights
     config = _config(family)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger weights than the default init: sharper, less tied logits
