@@ -154,65 +154,83 @@ def test_bfloat16_loads_and_generates(tiny_model_dir, family, dtype):
         assert outs["r0"]["ids"][:2] == ref[:2]
 
 
+MOE_HIDDEN, MOE_INTER, MOE_EXPERTS = 32, 16, 4
+
+
+def hf_moe_block(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    size = dict(hidden_size=MOE_HIDDEN, num_experts_per_tok=2)
+    if family == "mixtral":
+        config = tf.MixtralConfig(**size, intermediate_size=MOE_INTER, num_local_experts=4)
+        block = tf.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config)
+    else:
+        config = tf.Qwen3MoeConfig(
+            **size, moe_intermediate_size=MOE_INTER, num_experts=4, norm_topk_prob=True
+        )
+        block = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    return block.to(dtype)
+
+
+def loom_moe_block(family: str, state: dict, dtype: torch.dtype, tp=1, ep=1, rank=0):
+    """loom's block for one rank, loaded from HF-named tensors ("mlp." + block state dict)."""
+    from loom.runtime.distributed import ParallelState, set_parallel_state
+    from loom.runtime.layers.moe import SparseMoeBlock, map_expert_weight
+
+    previous = torch.get_default_dtype()
+    set_parallel_state(ParallelState(rank, tp, rank // (tp // ep), ep))
+    torch.set_default_dtype(dtype)
+    try:
+        fp32_weights = family == "mixtral"
+        block = SparseMoeBlock(MOE_HIDDEN, MOE_EXPERTS, 2, MOE_INTER, True, fp32_weights)
+    finally:
+        set_parallel_state(ParallelState())
+        torch.set_default_dtype(previous)
+    params = {f"mlp.{k}": v for k, v in block.named_parameters()}
+    for name, tensor in state.items():
+        target, shard = map_expert_weight(name) or (name, None)
+        params[target].weight_loader(params[target], tensor, shard)
+    return block
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2), (2, 1), (4, 2)])
 @pytest.mark.parametrize("layout", ["per_expert", "stacked"])
 def test_fused_moe_matches_hf_block_across_ranks(family, tp, ep, layout):
     """Each rank's partial output (EP over experts, TP over each expert's intermediate dim)
     sums to the HF sparse block's output; both checkpoint layouts load."""
-    import transformers as tf
-
-    from loom.runtime.distributed import ParallelState, set_parallel_state
-    from loom.runtime.layers.moe import SparseMoeBlock, map_expert_weight
-
-    torch.manual_seed(0)
-    hidden, inter, experts = 32, 16, 4
-    if family == "mixtral":
-        config = tf.MixtralConfig(
-            hidden_size=hidden,
-            intermediate_size=inter,
-            num_local_experts=experts,
-            num_experts_per_tok=2,
-        )
-        block = tf.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock(config)
-    else:
-        config = tf.Qwen3MoeConfig(
-            hidden_size=hidden,
-            moe_intermediate_size=inter,
-            num_experts=experts,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-        )
-        block = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.3)
-    x = torch.randn(1, 9, hidden)
-    want = block(x)[0].detach()
-
+    block = hf_moe_block(family, torch.float32)
+    x = torch.randn(9, MOE_HIDDEN)
+    want = block(x[None])[0].detach()
     state = {f"mlp.{k}": v for k, v in block.state_dict().items()}
     if layout == "per_expert":
         gate_up, down = state.pop("mlp.experts.gate_up_proj"), state.pop("mlp.experts.down_proj")
-        for e in range(experts):
-            state[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
-            state[f"mlp.experts.{e}.up_proj.weight"] = gate_up[e, inter:]
+        for e in range(MOE_EXPERTS):
+            state[f"mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :MOE_INTER]
+            state[f"mlp.experts.{e}.up_proj.weight"] = gate_up[e, MOE_INTER:]
             state[f"mlp.experts.{e}.down_proj.weight"] = down[e]
     got = torch.zeros_like(want)
     for rank in range(tp):
-        set_parallel_state(ParallelState(rank, tp, rank // (tp // ep), ep))
-        try:
-            ours = SparseMoeBlock(
-                hidden, experts, 2, inter, True, fp32_routing_weights=family == "mixtral"
-            )
-        finally:
-            set_parallel_state(ParallelState())
-        params = {f"mlp.{k}": v for k, v in ours.named_parameters()}
-        for name, tensor in state.items():
-            target, shard = map_expert_weight(name) or (name, None)
-            params[target].weight_loader(params[target], tensor, shard)
+        ours = loom_moe_block(family, state, torch.float32, tp, ep, rank)
         ours.experts.reduce = False  # the sum over ranks happens here instead
-        got += ours(x[0])
+        got += ours(x)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_moe_bfloat16_is_bitwise_hf(family):
+    """In bfloat16 the routing-weight dtype shows: Qwen casts them to bf16, Mixtral keeps fp32."""
+    block = hf_moe_block(family, torch.bfloat16)
+    x = torch.randn(64, MOE_HIDDEN, dtype=torch.bfloat16)
+    want = block(x[None])[0].detach()
+    state = {f"mlp.{k}": v for k, v in block.state_dict().items()}
+    got = loom_moe_block(family, state, torch.bfloat16)(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
 
 
 def test_missing_folder_is_a_clear_error(tmp_path):

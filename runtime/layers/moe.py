@@ -40,7 +40,9 @@ def fused_experts(
 
     Experts outside [first_expert, first_expert + E_local) contribute nothing (another rank
     owns them). Products are weighted in the routing weights' dtype, then summed in x's dtype,
-    in ascending expert order (the HF reference's order).
+    in ascending expert order (the HF reference's order), so float results match HF bitwise.
+    Reading the per-expert counts syncs with the device once per call; a grouped-GEMM kernel
+    that takes the counts on the device replaces this function on GPUs (and under graphs).
     """
     num_local, top_k = w13.shape[0], topk_ids.shape[1]
     local_ids = topk_ids.flatten() - first_expert
