@@ -77,7 +77,8 @@ def _template_for(engine: Any, name: str | None) -> ChatTemplate:
 
 
 def as_backend(backend: Any) -> Any:
-    """Accept a backend, an Engine (wrapped once) or anything with `.endpoint` (Runtime)."""
+    """Accept a backend, an Engine or a Runtime (wrapped once, in an EngineBackend or a
+    RuntimeEndpoint)."""
     if backend is None or isinstance(backend, NativeBackend):
         return backend
     if hasattr(backend, "tokenizer_manager") and hasattr(backend, "async_generate"):
@@ -86,6 +87,14 @@ def as_backend(backend: Any) -> Any:
             wrapped = EngineBackend(backend)
             backend._loom_lang_backend = wrapped
         return wrapped
-    if hasattr(backend, "endpoint"):
+    if hasattr(backend, "endpoint"):  # SGLang's Runtime
         return backend.endpoint
+    if hasattr(backend, "url") and hasattr(backend, "server_args"):  # loom's Runtime
+        wrapped = getattr(backend, "_loom_lang_backend", None)
+        if wrapped is None:
+            from loom.backends.runtime_endpoint import RuntimeEndpoint
+
+            wrapped = RuntimeEndpoint(backend.url, api_key=backend.server_args.api_key)
+            backend._loom_lang_backend = wrapped
+        return wrapped
     return backend
