@@ -68,6 +68,11 @@ class Detokenizer:
             if st is None:
                 st = self.states[out.rid] = _State(ids=[])
             finished = out.finished_reason is not None
+            if out.rewind:  # a jump-forward replaced tokens already sent; the text is unchanged
+                del st.ids[len(st.ids) - out.rewind :]
+                if self.tokenizer is not None:
+                    st.text = self._decode(st.ids, out)
+                st.prefix_offset = st.read_offset = len(st.ids)
             if self.tokenizer is not None and out.new_ids:
                 st.ids.extend(out.new_ids)
                 self._advance(st, out, finished)

@@ -58,6 +58,7 @@ class ReqOutput(msgspec.Struct, array_like=True):
     no_stop_trim: bool = False
     jump_forward_tokens: int = 0
     spec_verify_ct: int = 0
+    rewind: int = 0  # drop this many previously sent output tokens before appending new_ids
 
 
 class BatchTokenIDOut(msgspec.Struct, tag=True):

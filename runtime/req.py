@@ -75,6 +75,8 @@ class Req:
         self.sent_output_len = 0  # output tokens already streamed to the detokenizer
         self.sent_input_logprobs = False
         self.jump_forward_tokens = 0
+        self.pending_rewind = 0  # streamed tokens replaced by a jump-forward retokenization
+        self.prompt_counted = False
         self.created_at = time.monotonic()
 
     @property

@@ -359,6 +359,8 @@ class TokenizerManager:
                 continue
             tok = item.token
             state.text += item.text_delta
+            if tok.rewind:
+                del state.output_ids[len(state.output_ids) - tok.rewind :]
             state.output_ids.extend(tok.new_ids)
             if tok.new_ids and state.first_token_time is None:
                 state.first_token_time = now

@@ -8,6 +8,7 @@ from loom.runtime.forward_batch import ForwardMode
 from loom.runtime.io_struct import ReqOutput
 from loom.runtime.req import Req
 from loom.runtime.sampler import token_logprobs
+from loom.runtime.scheduler.jump_forward import try_jump_forward
 
 # Tokens decoded from the end of the output when looking for stop strings: enough to cover
 # the longest stop string even when every token is a single byte of a multi-byte character.
@@ -29,7 +30,8 @@ class OutputMixin:
                 req.kv_len += 1
             else:
                 req.kv_len += req.extend_len
-                if req.retract_count == 0 and req.kv_len == req.seq_len:
+                if not req.prompt_counted and req.kv_len == req.seq_len:
+                    req.prompt_counted = True
                     self.stats["prompt_tokens"] += len(req.origin_input_ids)
                     self.stats["cached_tokens"] += req.cached_tokens
             lp = req.logprob
@@ -64,6 +66,9 @@ class OutputMixin:
                 self.running.append(req)
             if req.stream:
                 self.pending_outputs.append(req)
+            if not self.args.disable_jump_forward and try_jump_forward(self, req):
+                self.running.remove(req)
+                self.jumped.append(req)
 
     def _append_token(self, req: Req, token: int, logprob_logits, row: int) -> None:
         req.output_ids.append(token)
@@ -148,7 +153,9 @@ class OutputMixin:
             stop=p.stop,
             no_stop_trim=p.no_stop_trim,
             jump_forward_tokens=req.jump_forward_tokens,
+            rewind=req.pending_rewind,
         )
+        req.pending_rewind = 0
         if req.return_logprob:
             lp = req.logprob
             if not req.sent_input_logprobs and (req.finished or len(req.output_ids) > 0):

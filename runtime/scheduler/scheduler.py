@@ -62,6 +62,7 @@ class Scheduler(OutputMixin):
         }
         self.check_integrity_every_step = False
         self.pending_outputs: list[Req] = []
+        self.jumped: list[Req] = []
         self.grammar_queue = GrammarQueue(
             self.tokenizer, self.vocab_size, self.eos_token_ids, args.grammar_compile_timeout
         )
@@ -98,7 +99,13 @@ class Scheduler(OutputMixin):
 
     @property
     def is_idle(self) -> bool:
-        return not (self.waiting or self.running or self.chunked_req or len(self.grammar_queue))
+        return not (
+            self.waiting
+            or self.running
+            or self.chunked_req
+            or self.jumped
+            or len(self.grammar_queue)
+        )
 
     @property
     def only_waiting_for_grammar(self) -> bool:
@@ -166,6 +173,10 @@ class Scheduler(OutputMixin):
             if req.req_pool_idx is not None:
                 self._release(req)
             self._finish_abort(req)
+        for req in [r for r in self.jumped if rid in ("", r.rid)]:
+            self.jumped.remove(req)
+            self._release(req)
+            self._finish_abort(req)
         for req in [r for r in self.running if rid in ("", r.rid)]:
             self.running.remove(req)
             self._release(req)
@@ -181,6 +192,9 @@ class Scheduler(OutputMixin):
 
     # ---------------------------------------------------------------- scheduling
     def get_next_batch(self) -> ScheduleBatch | None:
+        if self.jumped:  # jump-forward text is computed by the next extend, before anything new
+            self.waiting[:0] = self.jumped
+            self.jumped = []
         if len(self.grammar_queue):
             ready, failed = self.grammar_queue.poll()
             self.waiting.extend(ready)
@@ -202,8 +216,10 @@ class Scheduler(OutputMixin):
         if self.chunked_req is not None:
             adder.add(self.chunked_req, continuing=True)
         if adder.rem_input > 0 and self.waiting:
-            self.waiting = order_waiting(
-                self.waiting, self.args.effective_schedule_policy, self.tree_cache, self.rng
+            holding = [r for r in self.waiting if r.req_pool_idx is not None]
+            fresh = [r for r in self.waiting if r.req_pool_idx is None]
+            self.waiting = holding + order_waiting(
+                fresh, self.args.effective_schedule_policy, self.tree_cache, self.rng
             )
             in_batch = None if self.tree_cache.disable else InBatchPrefixes(self.tree_cache)
             for req in list(self.waiting):
@@ -361,7 +377,7 @@ class Scheduler(OutputMixin):
     def check_integrity(self) -> None:
         """free + cached + in use == total, and every request's invariants."""
         live = self.running + ([self.chunked_req] if self.chunked_req else [])
-        live += [r for r in self.waiting if r.req_pool_idx is not None]
+        live += [r for r in self.waiting + self.jumped if r.req_pool_idx is not None]
         in_use = 0
         for req in live:
             req.check()

@@ -15,15 +15,15 @@ _Stop = str | list[str] | None
 
 
 class _Body(BaseModel):
-    # Unknown fields are an error, never silently dropped.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are an error, never silently dropped; "5" is not a number.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # --------------------------------------------------------------------------- native
 class GenerateRequest(BaseModel):
     """SGLang's /generate body; the TokenizerManager validates it field by field."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -47,7 +47,7 @@ class DetokenizeRequest(_Body):
 
 
 class AbortRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     rid: str = ""
     abort_all: bool = False
@@ -60,7 +60,7 @@ class StreamOptions(_Body):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
@@ -113,7 +113,7 @@ class TextPart(_Body):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | dict[str, Any]] | None = None
