@@ -116,7 +116,7 @@ FAMILIES = [
     "qwen3-moe",
     "mixtral",
     "sharded",  # qwen3-moe written as an index json + several safetensors files
-    "qwen3-moe-fused",  # transformers-v5 stacked expert tensors (experts.gate_up_proj)
+    "qwen3-moe-fused",  # qwen3-moe's weights as transformers-v5 stacked experts.gate_up_proj
     "mixtral-bf16",  # saved in bfloat16 (dtype "auto" resolves to it)
 ]
 
