@@ -1,0 +1,110 @@
+"""The scheduler's door to grammars: compile by kind, cache by spec, compile off-thread.
+
+    backend = GrammarBackend(tokenizer, vocab_size=model_config.vocab_size)
+    fut = backend.compile_async("json_schema", schema)   # on request admission
+    grammar = fut.result(timeout=...)                      # when the request is scheduled
+
+Kinds: "regex", "json_schema", "choices", "ebnf" (GBNF, `root ::= ...`) and "lark". Compiled
+grammars are cached by (kind, normalized spec); callers get `.copy()`s, which share the
+compiled tables. A failed compile is cached too, so a bad spec fails fast every time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from .base import Grammar, GrammarError
+from .json_schema import JsonSchemaOptions, compile_json_schema, normalize_schema
+from .vocab import TokenVocabulary
+
+KINDS = ("regex", "json_schema", "ebnf", "lark", "choices")
+
+
+class GrammarBackend:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        eos_token_ids=None,
+        *,
+        json_options: JsonSchemaOptions | None = None,
+        max_workers: int = 2,
+        cache_size: int = 256,
+    ):
+        self.vocab = TokenVocabulary.from_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        self.json_options = json_options or JsonSchemaOptions()
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple, Grammar | GrammarError] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="loom-grammar")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.vocab_size
+
+    def compile(self, kind: str, spec: Any) -> Grammar:
+        """A fresh grammar object for (kind, spec); raises GrammarError."""
+        key = self._key(kind, spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            try:
+                hit = self._compile(kind, spec)
+            except GrammarError as e:
+                hit = e
+            except RecursionError:
+                hit = GrammarError(f"{kind} spec nests too deeply")
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, GrammarError):
+            raise GrammarError(str(hit))
+        return hit.copy()
+
+    def compile_async(self, kind: str, spec: Any) -> Future:
+        """Compile on the backend's thread pool; the caller enforces the timeout."""
+        return self._pool.submit(self.compile, kind, spec)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _key(self, kind: str, spec: Any) -> tuple:
+        if kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {KINDS}")
+        if kind == "json_schema":
+            return kind, json.dumps(normalize_schema(spec), sort_keys=True)
+        if kind == "choices":
+            if isinstance(spec, str) or not isinstance(spec, (list, tuple)):
+                raise GrammarError("choices must be a list of strings")
+            return kind, tuple(spec)
+        if not isinstance(spec, str):
+            raise GrammarError(f"a {kind} grammar must be a string, got {type(spec).__name__}")
+        return kind, spec
+
+    def _compile(self, kind: str, spec: Any) -> Grammar:
+        vocab = self.vocab
+        if kind == "regex":
+            from .regex_grammar import CompiledRegex, RegexGrammar
+
+            return RegexGrammar(CompiledRegex(spec, vocab))
+        if kind == "json_schema":
+            return compile_json_schema(spec, vocab, self.json_options)
+        if kind == "choices":
+            from .choices import compile_choices
+
+            return compile_choices(list(spec), vocab)
+        try:
+            from . import ebnf
+        except ImportError as e:  # pragma: no cover - the CFG engine ships separately
+            raise GrammarError(f"the {kind} engine is not available: {e}") from None
+        fn = getattr(ebnf, "compile_gbnf" if kind == "ebnf" else "compile_lark", None)
+        if fn is None:
+            raise GrammarError(f"the {kind} engine is not available yet")
+        return fn(spec, vocab)

@@ -1,0 +1,87 @@
+"""loom's JSON schema -> grammar translator.
+
+`json_schema_to_regex` covers schemas without recursion; `json_schema_to_lark` writes any
+schema (recursive `$ref`s included) as a Lark grammar; `compile_json_schema` picks the first
+that applies and returns a `Grammar` over a vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from ..base import Grammar, GrammarError
+from .algebra import LarkAlgebra, RegexAlgebra, TooLarge
+from .translate import JsonSchemaOptions, Recursive, Translator
+
+__all__ = [
+    "JsonSchemaOptions",
+    "compile_json_schema",
+    "json_schema_to_lark",
+    "json_schema_to_regex",
+    "normalize_schema",
+]
+MAX_REGEX_CHARS = 200_000
+
+
+def normalize_schema(spec: Any) -> dict | bool:
+    """A JSON string, a dict/bool, or a pydantic model class -> the schema object."""
+    if isinstance(spec, (str, bytes)):
+        try:
+            return json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+    if isinstance(spec, type) and hasattr(spec, "model_json_schema"):
+        return spec.model_json_schema()
+    if isinstance(spec, (dict, bool)):
+        return spec
+    raise GrammarError(f"json_schema must be a JSON string, dict or pydantic model, got {spec!r}")
+
+
+def _options(opts: JsonSchemaOptions | None, kw) -> JsonSchemaOptions:
+    return replace(opts or JsonSchemaOptions(), **kw)
+
+
+def json_schema_to_regex(spec: Any, opts: JsonSchemaOptions | None = None, **kw) -> str:
+    """The regex of a non-recursive schema's JSON texts (GrammarError if it is recursive)."""
+    schema = normalize_schema(spec)
+    tr = Translator(schema, RegexAlgebra(MAX_REGEX_CHARS), _options(opts, kw))
+    try:
+        regex = tr.value(schema)
+    except Recursive as e:
+        raise GrammarError(f"recursive $ref {e} cannot be a regex; use the CFG engine") from None
+    except TooLarge:
+        raise GrammarError("schema expands to too large a regex") from None
+    except RecursionError:
+        raise GrammarError("schema nests too deeply") from None
+    return regex
+
+
+def json_schema_to_lark(spec: Any, opts: JsonSchemaOptions | None = None, **kw) -> str:
+    schema = normalize_schema(spec)
+    alg = LarkAlgebra()
+    tr = Translator(schema, alg, _options(opts, kw), rules=True)
+    try:
+        return alg.grammar(tr.value(schema))
+    except RecursionError:
+        raise GrammarError("schema nests too deeply") from None
+
+
+def compile_json_schema(spec: Any, vocab, opts: JsonSchemaOptions | None = None, **kw) -> Grammar:
+    from ..regex_grammar import CompiledRegex, RegexGrammar
+
+    schema = normalize_schema(spec)
+    options = _options(opts, kw)
+    try:
+        regex = json_schema_to_regex(schema, options)
+    except GrammarError as e:
+        if "recursive $ref" not in str(e):
+            raise
+        try:
+            from ..ebnf import compile_lark
+        except ImportError:
+            raise GrammarError(f"{e}: the CFG engine (loom.grammar.ebnf) is missing") from None
+
+        return compile_lark(json_schema_to_lark(schema, options), vocab)
+    return RegexGrammar(CompiledRegex(regex, vocab))

@@ -1,0 +1,103 @@
+"""Schema plumbing before translation: local `$ref` resolution and `allOf` merging.
+
+`allOf` is merged into one schema (an intersection) rather than concatenated: two object
+schemas become one object with the union of properties and of `required`, bounds take the
+tighter value, `type`/`enum` intersect. Keywords whose intersection has no schema form
+(two different `pattern`s, say) raise `MergeError`.
+"""
+
+from __future__ import annotations
+
+import json
+from urllib.parse import unquote
+
+
+class MergeError(ValueError):
+    pass
+
+
+def resolve_pointer(root, ref: str):
+    """Resolve a local JSON pointer `#/a/b` (or `#`) against the root schema."""
+    if not ref.startswith("#"):
+        raise MergeError(f"remote $ref {ref!r} is not supported (only local '#/...')")
+    node = root
+    for part in unquote(ref[1:]).split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            raise MergeError(f"$ref {ref!r} does not resolve")
+    return node
+
+
+def _key(v) -> str:
+    return json.dumps(v, sort_keys=True)
+
+
+_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
+
+
+def _types(t) -> set[str]:
+    return set(t) if isinstance(t, list) else {t}
+
+
+def _merge_types(a, b) -> list[str]:
+    ta, tb = _types(a), _types(b)
+    out = ta & tb
+    if "number" in ta and "integer" in tb or "integer" in ta and "number" in tb:
+        out.add("integer")
+    if not out:
+        raise MergeError(f"allOf types {sorted(ta)} and {sorted(tb)} do not intersect")
+    return sorted(out)
+
+
+def merge(a, b):
+    """The intersection of schemas a and b as one schema (both already dereferenced)."""
+    if a is True or a == {}:
+        return b
+    if b is True or b == {}:
+        return a
+    if a is False or b is False:
+        return False
+    out = dict(a)
+    for k, vb in b.items():
+        if k not in out:
+            out[k] = vb
+            continue
+        va = out[k]
+        if _key(va) == _key(vb):
+            continue
+        if k == "type":
+            out[k] = _merge_types(va, vb)
+        elif k == "properties":
+            props = dict(va)
+            for name, s in vb.items():
+                props[name] = {"allOf": [props[name], s]} if name in props else s
+            out[k] = props
+        elif k == "required":
+            out[k] = list(dict.fromkeys(list(va) + list(vb)))
+        elif k == "enum":
+            keys = {_key(x) for x in vb}
+            out[k] = [x for x in va if _key(x) in keys]
+        elif k in ("minimum", "minLength", "minItems", "exclusiveMinimum", "minProperties"):
+            out[k] = max(va, vb)
+        elif k in ("maximum", "maxLength", "maxItems", "exclusiveMaximum", "maxProperties"):
+            out[k] = min(va, vb)
+        elif k in ("items", "additionalProperties", "additionalItems", "not_a_keyword"):
+            out[k] = {"allOf": [va, vb]} if va is not False and vb is not False else False
+        elif k in ("anyOf", "oneOf"):
+            cross = [{"allOf": [x, y]} for x in va for y in vb]
+            if len(cross) > 256:
+                raise MergeError(f"allOf of two {k} lists is too large ({len(cross)} branches)")
+            out[k] = cross
+        elif k in ("allOf",):
+            out[k] = list(va) + list(vb)
+        elif k in ("$defs", "definitions"):
+            out[k] = {**va, **vb}
+        elif k in ("title", "description", "default", "examples", "$comment", "$id", "$schema"):
+            continue
+        else:
+            raise MergeError(f"cannot merge two different {k!r} values in allOf")
+    return out

@@ -1,0 +1,105 @@
+"""Objects and arrays: members in schema order, commas only between present members.
+
+Properties are emitted in the order the schema lists them (what a model should generate);
+keys the schema does not list (when `additionalProperties` allows them) may follow the listed
+ones, with any key that is not a listed name. Optional members make the comma placement the
+only subtle part: `_comma_join` writes "the first present member has no comma, every later one
+has one" without enumerating subsets (quadratic only in the leading run of optional members).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..base import GrammarError
+from . import strings as S
+
+REQ, OPT, STAR = "required", "optional", "star"
+
+
+def _comma_join(A, comma, slots):
+    """slots: [(kind, member)] in order -> node for their comma-separated sequence."""
+    k = len(slots)
+
+    def later(i):  # members from slot i on, after something was already emitted
+        parts = []
+        for kind, m in slots[i:]:
+            cm = A.seq(comma, m)
+            parts.append(cm if kind == REQ else A.opt(cm) if kind == OPT else A.rep(cm, 0, None))
+        return A.seq(*parts) if parts else None
+
+    def first(i):  # members from slot i on, nothing emitted yet; None = may be empty
+        if i == k:
+            return None
+        kind, m = slots[i]
+        rest = later(i + 1)
+        head = A.seq(m, A.rep(A.seq(comma, m), 0, None)) if kind == STAR else m
+        here = A.seq(head, rest) if rest is not None else head
+        if kind == REQ:
+            return here
+        tail = first(i + 1)
+        return A.opt(here) if tail is None else A.alt(here, tail)
+
+    return first(0)
+
+
+def object_node(tr, s, path):
+    A = tr.A
+    props = s.get("properties") or {}
+    required = list(s.get("required") or [])
+    addl = s.get("additionalProperties", tr.o.additional_properties_default)
+    names = list(props)
+    for r in required:  # required keys without a schema of their own
+        if r not in props:
+            props = {**props, r: addl if isinstance(addl, dict) else True}
+            names.append(r)
+    slots = []
+    for name in names:
+        m = A.seq(A.lit(json.dumps(name, ensure_ascii=False)), tr.colon)
+        m = A.seq(m, tr.value(props[name], f"{path}/properties/{name}"))
+        slots.append((REQ if name in required else OPT, m))
+    if addl is not False:
+        plain = all(n.isprintable() and '"' not in n and "\\" not in n for n in names)
+        key = S.not_in_set(names) if plain else S.CHAR + "*"
+        value = tr.value(addl if isinstance(addl, dict) else True, f"{path}/additionalProperties")
+        slots.append((STAR, A.seq(A.leaf(f'"{key}"'), tr.colon, value)))
+    body = _comma_join(A, tr.comma, slots)
+    return A.seq(tr.lbrace, body, tr.rbrace) if body is not None else A.seq(tr.lbrace, tr.rbrace)
+
+
+def array_node(tr, s, path):
+    A = tr.A
+    items = s.get("items")
+    if "prefixItems" in s:
+        prefix, rest = list(s["prefixItems"]), items if items is not None else True
+    elif isinstance(items, list):
+        prefix, rest = items, s.get("additionalItems", True)
+    else:
+        prefix, rest = [], items if items is not None else True
+    lo, hi = s.get("minItems", 0), s.get("maxItems")
+    if hi is not None and lo > hi:
+        raise GrammarError(f"{path}: minItems {lo} > maxItems {hi} (keyword 'minItems')")
+    p_nodes = [tr.value(x, f"{path}/prefixItems/{i}") for i, x in enumerate(prefix[:hi])]
+    r_node = None if rest is False else tr.value(rest, f"{path}/items")
+    if r_node is None and lo > len(prefix):
+        raise GrammarError(f"{path}: minItems {lo} needs more items than allowed")
+
+    def tail(i):
+        if hi is not None and i >= hi:
+            return None
+        if i < len(p_nodes):
+            item = A.seq(tr.comma, p_nodes[i]) if i else p_nodes[i]
+            after = tail(i + 1)
+            inner = A.seq(item, after) if after is not None else item
+            return inner if i < lo else A.opt(inner)
+        if r_node is None:
+            return None
+        a, b = max(lo - i, 0), None if hi is None else hi - i
+        more = A.seq(tr.comma, r_node)
+        if i > 0:
+            return A.rep(more, a, b)
+        x = A.seq(r_node, A.rep(more, max(a - 1, 0), None if b is None else b - 1))
+        return x if a > 0 else A.opt(x)
+
+    body = tail(0)
+    return A.seq(tr.lbrack, body, tr.rbrack) if body is not None else A.seq(tr.lbrack, tr.rbrack)

@@ -1,0 +1,257 @@
+"""JSON string pieces as regexes: characters, lengths, formats, and the schema's `pattern`.
+
+Everything here describes the *serialized* text between the quotes, where `"`, `\\` and control
+characters only appear escaped. A schema `pattern` is written for the decoded string, so it is
+rewritten: its literals and classes are mapped onto serialized characters (a `"` in the pattern
+matches `\\"` in the text), and an unanchored pattern is wrapped in `CHAR*` on the open sides.
+"""
+
+from __future__ import annotations
+
+import re._constants as C  # noqa: N812
+import re._parser as sre
+
+_META = set("\\.^$*+?{}[]|()")
+_CLASS_META = set("\\]^-[&~")
+CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+_NAMED_ESCAPES = {0x08: "b", 0x0C: "f", 0x0A: "n", 0x0D: "r", 0x09: "t"}
+_MAX = 0x10FFFF
+
+
+def escape(s: str) -> str:
+    """Escape regex metacharacters (only those: Rust, Python and interegular all agree)."""
+    out = []
+    for ch in s:
+        o = ord(ch)
+        if ch in _META:
+            out.append("\\" + ch)
+        elif o < 0x20 or o == 0x7F:
+            out.append(f"\\x{o:02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def string_body(min_len: int = 0, max_len: int | None = None) -> str:
+    if (min_len, max_len) == (0, None):
+        return CHAR + "*"
+    hi = "" if max_len is None else str(max_len)
+    if max_len is not None and min_len == max_len:
+        return f"{CHAR}{{{min_len}}}"
+    return f"{CHAR}{{{min_len},{hi}}}"
+
+
+_DATE = r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+_HEX = "[0-9a-fA-F]"
+FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": _DATE + "[tT ]" + _TIME,
+    "uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
+    "email": r"[a-zA-Z0-9!#$%&'*+=?^_`{|}~./-]+@" + f"{_LABEL}(?:\\.{_LABEL})*",
+    "ipv4": rf"(?:{_OCTET}\.){{3}}{_OCTET}",
+    "hostname": rf"{_LABEL}(?:\.{_LABEL})*",
+    "uri": r"[a-zA-Z][a-zA-Z0-9+.-]*:[^\x00-\x20\"\\<>^`{|}]*",
+    "uri-reference": r"[^\x00-\x20\"\\<>^`{|}]*",
+    "duration": r"P(?:[0-9]+Y)?(?:[0-9]+M)?(?:[0-9]+W)?(?:[0-9]+D)?(?:T(?:[0-9]+H)?(?:[0-9]+M)?(?:[0-9]+(?:\.[0-9]+)?S)?)?",
+}
+FORMATS["idn-email"] = FORMATS["email"]
+FORMATS["idn-hostname"] = FORMATS["hostname"]
+FORMATS["iri"] = FORMATS["uri"]
+FORMATS["iri-reference"] = FORMATS["uri-reference"]
+
+
+class PatternError(ValueError):
+    pass
+
+
+def pattern_body(pattern: str) -> str:
+    """Rewrite an ECMA-style `pattern` into a regex over the serialized string body."""
+    try:
+        tree = sre.parse(pattern)
+    except Exception as e:
+        raise PatternError(f"cannot parse pattern {pattern!r}: {e}") from None
+    if tree.state.flags & (C.SRE_FLAG_IGNORECASE | C.SRE_FLAG_MULTILINE | C.SRE_FLAG_DOTALL):
+        raise PatternError("inline regex flags are not supported")
+    items = list(tree)
+    start = _anchored(items, first=True)
+    end = _anchored(items, first=False)
+    body = _emit(items)
+    return ("" if start else CHAR + "*") + f"(?:{body})" + ("" if end else CHAR + "*")
+
+
+def _anchored(items, first: bool) -> bool:
+    if not items:
+        return False
+    op, av = items[0] if first else items[-1]
+    if op is C.AT:
+        return av in (
+            (C.AT_BEGINNING, C.AT_BEGINNING_STRING) if first else (C.AT_END, C.AT_END_STRING)
+        )
+    if op is C.SUBPATTERN:
+        return _anchored(list(av[3]), first)
+    if op is C.BRANCH:
+        flags = {_anchored(list(b), first) for b in av[1]}
+        if len(flags) > 1:
+            raise PatternError("anchors on only some alternatives are not supported")
+        return flags.pop()
+    return False
+
+
+def _emit(items) -> str:
+    out = []
+    for op, av in items:
+        if op is C.LITERAL:
+            out.append(_char_alts([(av, av)]))
+        elif op is C.NOT_LITERAL:
+            out.append(_char_alts(_complement([(av, av)])))
+        elif op is C.ANY:
+            out.append(_char_alts(_complement([(0x0A, 0x0A)])))
+        elif op is C.IN:
+            out.append(_char_alts(_class_ranges(av)))
+        elif op is C.BRANCH:
+            out.append("(?:" + "|".join(_emit(list(b)) for b in av[1]) + ")")
+        elif op is C.SUBPATTERN:
+            if av[1] or av[2]:
+                raise PatternError("inline regex flags are not supported")
+            out.append("(?:" + _emit(list(av[3])) + ")")
+        elif op in (C.MAX_REPEAT, C.MIN_REPEAT, getattr(C, "POSSESSIVE_REPEAT", None)):
+            lo, hi, sub = av
+            hi_s = "" if hi is C.MAXREPEAT else str(hi)
+            quant = f"{{{lo},{hi_s}}}" if hi_s != str(lo) else f"{{{lo}}}"
+            out.append("(?:" + _emit(list(sub)) + ")" + quant)
+        elif op is C.AT:
+            if av not in (C.AT_BEGINNING, C.AT_BEGINNING_STRING, C.AT_END, C.AT_END_STRING):
+                raise PatternError(f"regex assertion {av} is not supported")
+        elif op is C.CATEGORY:
+            out.append(_char_alts(_category(av)))
+        else:
+            raise PatternError(f"regex construct {op} (lookaround/backreference) is not supported")
+    return "".join(out)
+
+
+def _category(cat) -> list[tuple[int, int]]:
+    digit = [(0x30, 0x39)]
+    word = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
+    space = [(0x09, 0x0D), (0x20, 0x20)]
+    table = {
+        C.CATEGORY_DIGIT: digit,
+        C.CATEGORY_WORD: word,
+        C.CATEGORY_SPACE: space,
+        C.CATEGORY_NOT_DIGIT: _complement(digit),
+        C.CATEGORY_NOT_WORD: _complement(word),
+        C.CATEGORY_NOT_SPACE: _complement(space),
+    }
+    if cat not in table:
+        raise PatternError(f"regex category {cat} is not supported")
+    return table[cat]
+
+
+def _class_ranges(items) -> list[tuple[int, int]]:
+    ranges: list[tuple[int, int]] = []
+    negate = False
+    for op, av in items:
+        if op is C.NEGATE:
+            negate = True
+        elif op is C.LITERAL:
+            ranges.append((av, av))
+        elif op is C.RANGE:
+            ranges.append(av)
+        elif op is C.CATEGORY:
+            ranges += _category(av)
+        else:
+            raise PatternError(f"character class item {op} is not supported")
+    return _complement(ranges) if negate else _normalize(ranges)
+
+
+def _normalize(ranges):
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [tuple(r) for r in out]
+
+
+def _complement(ranges):
+    out, prev = [], 0
+    for lo, hi in _normalize(ranges):
+        if lo > prev:
+            out.append((prev, lo - 1))
+        prev = hi + 1
+    if prev <= _MAX:
+        out.append((prev, _MAX))
+    return out
+
+
+def _subtract(ranges, lo_x, hi_x):
+    out = []
+    for lo, hi in ranges:
+        if hi < lo_x or lo > hi_x:
+            out.append((lo, hi))
+            continue
+        if lo < lo_x:
+            out.append((lo, lo_x - 1))
+        if hi > hi_x:
+            out.append((hi_x + 1, hi))
+    return out
+
+
+def _class_char(o: int) -> str:
+    if o < 0x20 or o == 0x7F:
+        return f"\\x{o:02x}"
+    ch = chr(o)
+    return "\\" + ch if ch in _CLASS_META else ch
+
+
+def _char_alts(ranges) -> str:
+    """Decoded characters in `ranges` -> regex of their serialized forms."""
+    raw = ranges
+    for lo, hi in ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C), (0xD800, 0xDFFF)):
+        raw = _subtract(raw, lo, hi)
+    alts = []
+    if raw:
+        if len(raw) == 1 and raw[0][0] == raw[0][1]:
+            alts.append(escape(chr(raw[0][0])))
+        else:
+            body = "".join(
+                _class_char(lo) if lo == hi else f"{_class_char(lo)}-{_class_char(hi)}"
+                for lo, hi in raw
+            )
+            alts.append(f"[{body}]")
+    inside = lambda o: any(lo <= o <= hi for lo, hi in ranges)  # noqa: E731
+    if inside(0x22):
+        alts.append(r"\\\"")
+    if inside(0x5C):
+        alts.append(r"\\\\")
+    for o in range(0x20):
+        if inside(o):
+            alts.append("\\\\" + _NAMED_ESCAPES.get(o, f"u00{o:02x}"))
+    if not alts:
+        raise PatternError("empty character class")
+    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+
+
+def not_in_set(keys: list[str]) -> str:
+    """Serialized string bodies that differ from each of `keys` (all plain, escape-free)."""
+    trie: dict = {}
+    for k in keys:
+        node = trie
+        for ch in k:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node) -> str:
+        kids = [c for c in node if c]
+        alts = []
+        other = "".join(_class_char(ord(c)) for c in kids)
+        first = f'[^{other}"\\\\\\x00-\\x1f]' if other else '[^"\\\\\\x00-\\x1f]'
+        alts.append(f'(?:{first}|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{{4}}){CHAR}*')
+        alts += [escape(c) + build(node[c]) for c in kids]
+        return "(?:" + "|".join(alts) + (")" if "" in node else ")?")
+
+    return build(trie)

@@ -1,0 +1,308 @@
+"""JSON schema -> structure, written through an algebra (regex or Lark, see algebra.py).
+
+One `Translator` walks one schema. Every keyword is either enforced, ignored because it is an
+annotation (title, description, examples, ...), or reported through `fail` with its JSON path:
+a `GrammarError` by default, a logged warning with `lenient=True`. `oneOf` is treated as
+`anyOf` (its exclusivity is not expressible as a regular language; branches are usually
+disjoint anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from functools import reduce
+
+from ..base import GrammarError
+from . import numbers as N
+from . import strings as S
+from .merge import MergeError, merge, resolve_pointer
+
+log = logging.getLogger(__name__)
+
+UNSUPPORTED = {
+    "not", "if", "patternProperties", "minProperties", "maxProperties", "uniqueItems",
+    "contains", "minContains", "maxContains", "dependencies", "dependentRequired",
+    "dependentSchemas", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+    "multipleOf", "$dynamicRef", "$recursiveRef",
+}  # fmt: skip
+_OBJECT_KEYS = ("properties", "required", "additionalProperties")
+_ARRAY_KEYS = ("items", "prefixItems", "minItems", "maxItems", "additionalItems")
+_STRING_KEYS = ("minLength", "maxLength", "pattern", "format")
+_NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+@dataclass(frozen=True)
+class JsonSchemaOptions:
+    """`whitespace_pattern`: regex for the whitespace allowed around every separator; None
+    means compact output with at most one space after `,` and `:` (so it cannot loop).
+    `additional_properties_default`: what a missing `additionalProperties` means (True is
+    the JSON Schema rule; False forbids unlisted keys, as OpenAI's strict mode does).
+    `max_any_depth`: nesting allowed inside values the schema leaves free."""
+
+    whitespace_pattern: str | None = None
+    lenient: bool = False
+    additional_properties_default: bool = True
+    max_any_depth: int = 3
+
+
+class Recursive(Exception):
+    """A recursive $ref in regex mode: the schema needs the CFG engine."""
+
+
+class Translator:
+    def __init__(self, root, alg, opts: JsonSchemaOptions, rules: bool = False):
+        self.root, self.A, self.o, self.rules = root, alg, opts, rules
+        self.stack: list[str] = []
+        self.rule_names: dict[str, str] = {}
+        self._any: dict[int, object] = {}
+        ws = opts.whitespace_pattern
+        A = alg
+        if ws is None:
+            self.comma, self.colon = A.leaf(",[ ]?"), A.leaf(":[ ]?")
+            self.lbrace, self.rbrace, self.lbrack, self.rbrack = map(A.lit, "{}[]")
+        else:
+            w = f"(?:{ws})"
+            self.comma, self.colon = A.leaf(f"{w},{w}"), A.leaf(f"{w}:{w}")
+            self.lbrace, self.lbrack = A.leaf(r"\{" + w), A.leaf(r"\[" + w)
+            self.rbrace, self.rbrack = A.leaf(w + r"\}"), A.leaf(w + r"\]")
+
+    def fail(self, keyword: str, path: str, msg: str) -> None:
+        text = f"{path or '#'}: {msg} (keyword {keyword!r})"
+        if not self.o.lenient:
+            raise GrammarError(text)
+        log.warning("json schema: ignoring %s", text)
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def value(self, s, path: str = "#"):
+        A = self.A
+        if s is True or s == {}:
+            return self.any_value(self.o.max_any_depth)
+        if s is False:
+            raise GrammarError(f"{path}: schema 'false' admits no value")
+        if not isinstance(s, dict):
+            raise GrammarError(f"{path}: a schema must be an object or a boolean, got {s!r}")
+        if "$ref" in s:
+            return self.ref(s, path)
+        if "allOf" in s:
+            parts = [self.deref(x, f"{path}/allOf/{i}") for i, x in enumerate(s["allOf"])]
+            rest = {k: v for k, v in s.items() if k != "allOf"}
+            try:
+                merged = reduce(merge, parts, rest)
+            except MergeError as e:
+                raise GrammarError(f"{path}: {e} (keyword 'allOf')") from None
+            return self.value(merged, path)
+        for kw in UNSUPPORTED & s.keys():
+            if not _trivial(kw, s[kw]):
+                self.fail(kw, path, "cannot be enforced by a token mask")
+        if "const" in s:
+            return self.literal(s["const"])
+        if "enum" in s:
+            if not s["enum"]:
+                raise GrammarError(f"{path}: empty enum admits no value")
+            return A.alt(*[self.literal(v) for v in s["enum"]])
+        for kw in ("anyOf", "oneOf"):
+            if kw in s:
+                base = {k: v for k, v in s.items() if k not in ("anyOf", "oneOf")}
+                branches = []
+                for i, b in enumerate(s[kw]):
+                    sub_path = f"{path}/{kw}/{i}"
+                    if not _constraining(base):
+                        branches.append(self.value(b, sub_path))
+                        continue
+                    try:
+                        merged = merge(base, self.deref(b, sub_path))
+                    except MergeError:
+                        continue  # a branch that contradicts its siblings admits nothing
+                    branches.append(self.value(merged, sub_path))
+                if not branches:
+                    raise GrammarError(f"{path}: no {kw} branch is satisfiable")
+                return A.alt(*branches)
+        types = self.types(s)
+        if types is None:
+            return self.any_value(self.o.max_any_depth)
+        return A.alt(*[getattr(self, "t_" + t)(s, path) for t in types])
+
+    def types(self, s) -> list[str] | None:
+        t = s.get("type")
+        if t is None:
+            inferred = [
+                name
+                for name, keys in (
+                    ("object", _OBJECT_KEYS),
+                    ("array", _ARRAY_KEYS),
+                    ("string", _STRING_KEYS),
+                    ("number", _NUMBER_KEYS),
+                )
+                if any(k in s for k in keys)
+            ]
+            if not inferred:
+                return None
+            t = inferred
+        types = list(dict.fromkeys(t if isinstance(t, list) else [t]))
+        if s.get("nullable") is True and "null" not in types:
+            types.append("null")
+        if "number" in types and "integer" in types:
+            types.remove("integer")
+        for x in types:
+            if x not in ("null", "boolean", "object", "array", "number", "string", "integer"):
+                raise GrammarError(f"unknown type {x!r} (keyword 'type')")
+        return types
+
+    def deref(self, s, path: str, depth: int = 0):
+        """Replace a top-level $ref by its target merged with the sibling keywords."""
+        while isinstance(s, dict) and "$ref" in s and depth < 32:
+            try:
+                target = resolve_pointer(self.root, s["$ref"])
+                siblings = {k: v for k, v in s.items() if k != "$ref"}
+                s = merge(target, siblings) if siblings else target
+            except MergeError as e:
+                raise GrammarError(f"{path}: {e} (keyword '$ref')") from None
+            depth += 1
+        return s
+
+    def ref(self, s, path: str):
+        ref = s["$ref"]
+        if ref in self.stack and not self.rules:
+            raise Recursive(ref)
+        siblings = {k: v for k, v in s.items() if k != "$ref"}
+        if self.rules and not _constraining(siblings):
+            name = self.rule_names.get(ref)
+            if name is None:
+                name = f"r{len(self.rule_names)}_" + re.sub(r"[^a-z0-9]+", "_", ref.lower())[-40:]
+                self.rule_names[ref] = name
+                self.A.rules[name] = self.A.leaf("")  # placeholder while the body is built
+                self.A.rules[name] = self.value(self.deref({"$ref": ref}, path), ref)
+            return self.A.ref(name)
+        self.stack.append(ref)
+        try:
+            return self.value(self.deref(s, path), path)
+        finally:
+            self.stack.pop()
+
+    # -- values ---------------------------------------------------------------------------------
+
+    def literal(self, v):
+        A = self.A
+        if isinstance(v, dict):
+            members = [A.seq(A.lit(_dump(k)), self.colon, self.literal(x)) for k, x in v.items()]
+            return A.seq(self.lbrace, *_join(A, members, self.comma), self.rbrace)
+        if isinstance(v, list):
+            items = [self.literal(x) for x in v]
+            return A.seq(self.lbrack, *_join(A, items, self.comma), self.rbrack)
+        if isinstance(v, float) and v == int(v) and abs(v) < 1e16:
+            return A.alt(A.lit(str(int(v))), A.lit(_dump(v)))
+        if isinstance(v, str):
+            return A.alt(A.lit(_dump(v)), A.lit(json.dumps(v)))
+        return A.lit(_dump(v))
+
+    def any_value(self, depth: int):
+        if depth in self._any:
+            return self._any[depth]
+        A = self.A
+        scalars = A.leaf(f'null|true|false|{N.NUMBER}|"{S.CHAR}*"')
+        if depth <= 0:
+            node = scalars
+        else:
+            inner = self.any_value(depth - 1)
+            member = A.seq(A.leaf(f'"{S.CHAR}*"'), self.colon, inner)
+            node = A.alt(
+                scalars,
+                A.seq(self.lbrack, A.opt(_list(A, inner, self.comma)), self.rbrack),
+                A.seq(self.lbrace, A.opt(_list(A, member, self.comma)), self.rbrace),
+            )
+        self._any[depth] = node
+        return node
+
+    def t_null(self, s, path):
+        return self.A.lit("null")
+
+    def t_boolean(self, s, path):
+        return self.A.leaf("true|false")
+
+    def t_integer(self, s, path):
+        m = s.get("multipleOf")
+        if m is not None and m != 1:
+            self.fail("multipleOf", path, f"multipleOf {m} is not supported")
+        lo, hi = N.integer_bounds(s)
+        r = N.int_range(lo, hi)
+        if r is None:
+            raise GrammarError(f"{path}: integer range [{lo}, {hi}] is empty (keyword 'minimum')")
+        return self.A.leaf(r)
+
+    def t_number(self, s, path):
+        if not any(k in s for k in _NUMBER_KEYS):
+            return self.A.leaf(N.NUMBER)
+        try:
+            r = N.number_range(s)
+        except ValueError as e:
+            self.fail("minimum", path, f"number bound: {e}")
+            return self.A.leaf(N.NUMBER)
+        if r is None:
+            raise GrammarError(f"{path}: number range is empty (keyword 'minimum')")
+        return self.A.leaf(r)
+
+    def t_string(self, s, path):
+        lo, hi = s.get("minLength", 0), s.get("maxLength")
+        lengths = lo != 0 or hi is not None
+        if "pattern" in s:
+            if lengths:
+                self.fail("maxLength", path, "minLength/maxLength together with pattern")
+            try:
+                body = S.pattern_body(s["pattern"])
+            except S.PatternError as e:
+                self.fail("pattern", path, str(e))
+                body = S.string_body()
+        elif s.get("format") in S.FORMATS:
+            if lengths:
+                self.fail("maxLength", path, f"minLength/maxLength with format {s['format']!r}")
+            body = S.FORMATS[s["format"]]
+        else:
+            if "format" in s:
+                log.info("json schema %s: format %r is not enforced", path, s["format"])
+            body = S.string_body(lo, hi)
+        return self.A.leaf(f'"{body}"')
+
+    def t_object(self, s, path):
+        from .objects import object_node
+
+        return object_node(self, s, path)
+
+    def t_array(self, s, path):
+        from .objects import array_node
+
+        return array_node(self, s, path)
+
+
+def _trivial(kw: str, v) -> bool:
+    return (
+        (kw == "uniqueItems" and v is False)
+        or (kw == "minProperties" and v == 0)
+        or (kw in ("multipleOf",))  # checked per type
+        or (kw == "dependencies" and not v)
+    )
+
+
+def _constraining(siblings: dict) -> bool:
+    meta = {"title", "description", "default", "examples", "$comment", "readOnly", "writeOnly"}
+    meta |= {"$defs", "definitions", "$schema", "$id", "id"}
+    return any(k not in meta for k in siblings)
+
+
+def _dump(v) -> str:
+    return json.dumps(v, ensure_ascii=False)
+
+
+def _join(A, items, sep) -> list:
+    out = []
+    for i, x in enumerate(items):
+        out += [sep, x] if i else [x]
+    return out
+
+
+def _list(A, item, sep):
+    """One or more `item`s separated by `sep`."""
+    return A.seq(item, A.rep(A.seq(sep, item), 0, None))

@@ -1,0 +1,221 @@
+"""Regular-language grammars: a regex compiled to a token automaton by outlines-core.
+
+`CompiledRegex` is the shared, immutable part: the outlines-core `Index` (regex DFA x token
+vocabulary), one packed bitmask row per automaton state (built on first use, so `fill_mask` is
+one copy), and, for jump-forward only, a character-level DFA from `interegular` built on first
+use. `RegexGrammar` is one request's position: a stack of automaton states, so `rollback(k)` is
+a pop.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from .base import Grammar, GrammarError, bitmask_words
+from .vocab import TokenVocabulary
+
+_NO_JUMP = object()  # the char DFA could not be built: jump-forward is off
+
+
+class CompiledRegex:
+    """A regex over a vocabulary, compiled once and shared by every request that uses it."""
+
+    def __init__(self, pattern: str, vocab: TokenVocabulary):
+        from outlines_core import Index
+
+        self.pattern = pattern
+        self.vocab = vocab
+        try:
+            self.index = Index(pattern, vocab.outlines_vocabulary())
+        except Exception as e:  # outlines-core raises plain ValueError / RuntimeError
+            raise GrammarError(f"cannot compile regex {_short(pattern)!r}: {e}") from None
+        self.initial_state: int = self.index.get_initial_state()
+        self._outlines_eos = min(vocab.eos_token_ids) if vocab.eos_token_ids else -1
+        self._rows: dict[int, torch.Tensor] = {}
+        self._terminal: dict[int, bool] = {}
+        self._char_dfa = None
+        self._lock = threading.Lock()
+
+    # -- token level --------------------------------------------------------------------------
+
+    def next_state(self, state: int, token_id: int) -> int | None:
+        if token_id == self._outlines_eos:
+            return None
+        return self.index.get_next_state(state, token_id)
+
+    def is_final(self, state: int) -> bool:
+        return self.index.is_final_state(state)
+
+    def mask_row(self, state: int) -> torch.Tensor:
+        """The packed int32 bitmask of tokens allowed in `state` (EOS only if final)."""
+        row = self._rows.get(state)
+        if row is None:
+            allowed = self.index.get_allowed_tokens(state) or []
+            bits = np.zeros(bitmask_words(self.vocab.vocab_size) * 32, dtype=bool)
+            ids = np.fromiter(allowed, dtype=np.int64)
+            bits[ids[ids < self.vocab.vocab_size]] = True
+            if self._outlines_eos >= 0:
+                bits[self._outlines_eos] = False
+            self._terminal[state] = not bits.any()
+            if self.is_final(state):
+                bits[list(self.vocab.eos_token_ids)] = True
+            packed = np.packbits(bits, bitorder="little").view("<i4")
+            row = torch.from_numpy(packed.astype(np.int32))
+            self._rows[state] = row
+        return row
+
+    def is_terminal(self, state: int) -> bool:
+        """Final and nothing but EOS may follow."""
+        if state not in self._terminal:
+            self.mask_row(state)
+        return self._terminal[state] and self.is_final(state)
+
+    # -- character level (jump-forward) -------------------------------------------------------
+
+    def char_dfa(self):
+        """(fsm, live states, symbol -> chars), or None when interegular cannot parse it."""
+        with self._lock:
+            if self._char_dfa is None:
+                self._char_dfa = _build_char_dfa(self.pattern)
+        return None if self._char_dfa is _NO_JUMP else self._char_dfa
+
+
+def _build_char_dfa(pattern: str):
+    try:
+        import interegular
+
+        fsm = interegular.parse_pattern(pattern).to_fsm()
+    except Exception:
+        return _NO_JUMP
+    # live = states from which a final state is reachable
+    live = set(fsm.finals)
+    changed = True
+    while changed:
+        changed = False
+        for s, trans in fsm.map.items():
+            if s not in live and any(t in live for t in trans.values()):
+                live.add(s)
+                changed = True
+    by_symbol: dict[int, list] = {}
+    for char, sym in fsm.alphabet.items():
+        by_symbol.setdefault(sym, []).append(char)
+    return fsm, live, by_symbol
+
+
+def _short(pattern: str, n: int = 120) -> str:
+    return pattern if len(pattern) <= n else pattern[:n] + "..."
+
+
+class RegexGrammar(Grammar):
+    """One request's position in a `CompiledRegex`.
+
+    `_states[i]` is the automaton state after the first i accepted tokens; `_tokens` are those
+    tokens (an EOS accepted in a final state is recorded and keeps the state).
+    """
+
+    def __init__(self, compiled: CompiledRegex):
+        self.compiled = compiled
+        self._states: list[int] = [compiled.initial_state]
+        self._tokens: list[int] = []
+        self._char_states: list[tuple] = []  # lazily: (char-DFA state or None, pending bytes)
+
+    @property
+    def state(self) -> int:
+        return self._states[-1]
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].copy_(self.compiled.mask_row(self.state))
+
+    def accept_token(self, token_id: int) -> None:
+        c = self.compiled
+        if token_id in c.vocab.eos_token_ids:
+            if not c.is_final(self.state):
+                raise GrammarError(f"EOS token {token_id} before the grammar is complete")
+            nxt = self.state
+        else:
+            nxt = c.next_state(self.state, token_id)
+            if nxt is None:
+                raise GrammarError(f"token {token_id} is not allowed here")
+        self._states.append(nxt)
+        self._tokens.append(token_id)
+
+    def rollback(self, k: int) -> None:
+        if k < 0 or k > len(self._tokens):
+            raise GrammarError(f"cannot roll back {k} of {len(self._tokens)} tokens")
+        if k:
+            del self._states[-k:]
+            del self._tokens[-k:]
+            del self._char_states[len(self._tokens) + 1 :]
+
+    def is_terminated(self) -> bool:
+        return self.compiled.is_terminal(self.state) or (
+            bool(self._tokens) and self._tokens[-1] in self.compiled.vocab.eos_token_ids
+        )
+
+    def copy(self) -> RegexGrammar:
+        g = RegexGrammar(self.compiled)
+        g._states = list(self._states)
+        g._tokens = list(self._tokens)
+        g._char_states = list(self._char_states)
+        return g
+
+    def jump_forward(self) -> str | None:
+        """Walk the char DFA while the state is not final and exactly one char may follow."""
+        dfa = self.compiled.char_dfa()
+        if dfa is None or self.is_terminated():
+            return None
+        fsm, live, by_symbol = dfa
+        state, pending = self._char_state()
+        if state is None or pending:
+            return None  # off the char DFA, or inside a multi-byte character
+        out: list[str] = []
+        while state not in fsm.finals:
+            nexts = [(sym, t) for sym, t in fsm.map.get(state, {}).items() if t in live]
+            if len(nexts) != 1:
+                break
+            chars = by_symbol.get(nexts[0][0], [])
+            if len(chars) != 1 or not isinstance(chars[0], str):
+                break  # a class of several chars, or "anything else"
+            out.append(chars[0])
+            state = nexts[0][1]
+        return "".join(out) or None
+
+    def _char_state(self) -> tuple:
+        """Char-DFA state after all accepted tokens, fed incrementally and cached per token."""
+        fsm, _, _ = self.compiled.char_dfa()
+        if not self._char_states:
+            self._char_states.append((fsm.initial, b""))
+        token_bytes = self.compiled.vocab.token_bytes
+        for i in range(len(self._char_states) - 1, len(self._tokens)):
+            state, pending = self._char_states[i]
+            data = token_bytes[self._tokens[i]] or b""  # EOS adds nothing
+            self._char_states.append(_feed(fsm, state, pending + data))
+        return self._char_states[len(self._tokens)]
+
+
+def _feed(fsm, state, data: bytes) -> tuple:
+    """Advance the char DFA over the complete UTF-8 characters in `data`."""
+    if state is None:
+        return None, b""
+    cut = len(data)
+    # keep a trailing incomplete UTF-8 sequence for the next token
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 == 0x80:
+            continue
+        need = 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
+        if need > back:
+            cut = len(data) - back
+        break
+    text = data[:cut].decode("utf-8", errors="replace")
+    from interegular.fsm import anything_else
+
+    for ch in text:
+        sym = fsm.alphabet[ch] if ch in fsm.alphabet else fsm.alphabet[anything_else]
+        state = fsm.map.get(state, {}).get(sym)
+        if state is None:
+            return None, b""
+    return state, data[cut:]

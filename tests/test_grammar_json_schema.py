@@ -1,0 +1,233 @@
+"""JSON schema -> regex, keyword by keyword (checked with re.fullmatch), plus token walks."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from loom.grammar.base import GrammarError, allocate_token_bitmask, unpack_bitmask
+from loom.grammar.json_schema import (
+    compile_json_schema,
+    json_schema_to_lark,
+    json_schema_to_regex,
+)
+from loom.grammar.json_schema.numbers import int_range
+from loom.grammar.vocab import TokenVocabulary
+from tests.conftest_grammar import byte_bpe, encode
+
+
+def match(schema, value, **kw) -> bool:
+    regex = json_schema_to_regex(schema, **kw)
+    texts = [json.dumps(value, ensure_ascii=False, separators=(",", ":")), json.dumps(value)]
+    results = {re.fullmatch(regex, t) is not None for t in texts}
+    assert len(results) == 1, texts  # compact and ", "/": " spacing agree
+    return results.pop()
+
+
+def test_scalars():
+    assert match({"type": "null"}, None) and not match({"type": "null"}, 0)
+    assert match({"type": "boolean"}, True) and not match({"type": "boolean"}, "true")
+    assert match({"type": "integer"}, -12) and not match({"type": "integer"}, 1.5)
+    for v in (0, -1.5, 3.25e10, 1e-07):
+        assert match({"type": "number"}, v)
+    assert match({"type": "string"}, 'a "quoted" \\ \n tab\t é 😀')
+    assert not re.fullmatch(json_schema_to_regex({"type": "string"}), '"a"b"')
+    assert match({"type": ["string", "null"]}, None) and match({"type": ["string", "null"]}, "x")
+    assert match({"type": "string", "nullable": True}, None)
+
+
+def test_integer_ranges_many_numbers():
+    cases = [(0, 10), (-5, 5), (1, 1), (7, 1234), (-1000, -17), (None, 42), (-3, None), (99, 100)]
+    for lo, hi in cases:
+        regex = int_range(lo, hi)
+        for x in range(-2500, 2500):
+            want = (lo is None or x >= lo) and (hi is None or x <= hi)
+            assert (re.fullmatch(regex, str(x)) is not None) == want, (lo, hi, x)
+    s = {"type": "integer", "exclusiveMinimum": 0, "maximum": 100}
+    assert match(s, 1) and match(s, 100) and not match(s, 0) and not match(s, 101)
+    s4 = {"type": "integer", "minimum": 0, "exclusiveMaximum": True, "maximum": 10}  # draft 4
+    assert match(s4, 9) and not match(s4, 10)
+    assert not match({"type": "integer", "minimum": 0}, -1)
+
+
+def test_number_bounds():
+    s = {"type": "number", "minimum": -1, "exclusiveMaximum": 2}
+    for v, ok in [(-1, True), (-1.5, False), (-0.5, True), (0, True), (1.999, True), (2, False)]:
+        assert match(s, v) == ok, v
+    with pytest.raises(GrammarError, match="minimum"):
+        json_schema_to_regex({"type": "number", "minimum": 0.5})
+    json_schema_to_regex({"type": "number", "minimum": 0.5}, lenient=True)
+
+
+def test_strings_lengths_pattern_format():
+    s = {"type": "string", "minLength": 2, "maxLength": 3}
+    assert match(s, "ab") and match(s, "é\n") and not match(s, "a") and not match(s, "abcd")
+    p = {"type": "string", "pattern": "^[a-z]+-[0-9]{2}$"}
+    assert match(p, "ab-12") and not match(p, "ab-1") and not match(p, "xab-12x!")
+    unanchored = {"type": "string", "pattern": "[0-9]{3}"}
+    assert match(unanchored, "ab123cd") and not match(unanchored, "12")
+    assert match({"type": "string", "pattern": '^a"b$'}, 'a"b')
+    fmts = {
+        "date": ("2024-02-29", "2024-13-01"),
+        "date-time": ("2024-02-29T10:20:30Z", "2024-02-29 10:20"),
+        "time": ("10:20:30+01:00", "25:00:00Z"),
+        "uuid": ("123e4567-e89b-12d3-a456-426614174000", "123e4567"),
+        "email": ("a.b@example.com", "not an email"),
+        "ipv4": ("192.168.0.1", "256.1.1.1"),
+        "hostname": ("api.example.com", "-bad-.com"),
+        "uri": ("https://example.com/x?y=1", "no scheme"),
+    }
+    for fmt, (good, bad) in fmts.items():
+        s = {"type": "string", "format": fmt}
+        assert match(s, good) and not match(s, bad), fmt
+    with pytest.raises(GrammarError, match="pattern"):
+        json_schema_to_regex({"type": "string", "pattern": "(?=a)b"})
+
+
+def test_enum_const_choices():
+    s = {"enum": ["a", 1, None, {"k": [1, 2]}]}
+    for v in ("a", 1, None, {"k": [1, 2]}):
+        assert match(s, v)
+    assert not match(s, "b") and not match(s, 2)
+    assert match({"const": "x"}, "x") and not match({"const": "x"}, "y")
+
+
+def test_objects_required_additional():
+    s = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "null"}},
+        "required": ["b"],
+    }
+    for v in ({"b": "x"}, {"a": 1, "b": "x"}, {"a": 1, "b": "x", "c": None}, {"b": "", "zz": [1]}):
+        assert match(s, v), v
+    assert not match(s, {"a": 1}) and not match(s, {"a": "1", "b": "x"})
+    assert not match(s, {"b": "x", "a": "not an int"})  # a listed key is no "additional" key
+    closed = {**s, "additionalProperties": False}
+    assert not match(closed, {"b": "x", "zz": 1})
+    typed = {**s, "additionalProperties": {"type": "integer"}}
+    assert match(typed, {"b": "x", "n": 3}) and not match(typed, {"b": "x", "n": "3"})
+    strict = json_schema_to_regex(s, additional_properties_default=False)
+    assert not re.fullmatch(strict, '{"b":"x","zz":1}')
+    assert match({"type": "object"}, {}) and match({"type": "object"}, {"x": {"y": [1]}})
+
+
+def test_arrays():
+    s = {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3}
+    assert match(s, [1]) and match(s, [1, 2, 3]) and not match(s, []) and not match(s, [1] * 4)
+    assert not match(s, ["a"])
+    t = {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False}
+    assert match(t, ["a", 1]) and match(t, ["a"]) and match(t, []) and not match(t, ["a", 1, 2])
+    d4 = {"type": "array", "items": [{"type": "string"}], "additionalItems": {"type": "null"}}
+    assert match(d4, ["a", None, None]) and not match(d4, ["a", 1])
+
+
+def test_any_of_one_of_and_siblings():
+    s = {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 2}]}
+    assert match(s, 5) and match(s, "ab") and not match(s, "abc")
+    o = {"oneOf": [{"const": 1}, {"const": 2}]}
+    assert match(o, 2) and not match(o, 3)
+    sib = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "additionalProperties": False,
+        "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+    }
+    assert match(sib, {"a": 1}) and match(sib, {"b": 1}) and not match(sib, {})
+
+
+def test_all_of_is_merged():
+    s = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"properties": {"b": {"type": "string"}}, "required": ["b"]},
+            {"properties": {"a": {"minimum": 0, "maximum": 9}}},
+        ],
+        "additionalProperties": False,
+    }
+    assert match(s, {"a": 3, "b": "x"})
+    assert not match(s, {"a": 3}) and not match(s, {"b": "x"}) and not match(s, {"a": 10, "b": ""})
+    regex = json_schema_to_regex(s)
+    assert not re.fullmatch(regex, '{"a":3}{"b":"x"}')  # merged, not concatenated
+    with pytest.raises(GrammarError, match="allOf"):
+        json_schema_to_regex({"allOf": [{"type": "string"}, {"type": "integer"}]})
+
+
+def test_refs_and_recursion():
+    s = {
+        "$defs": {"pos": {"type": "integer", "minimum": 1}},
+        "type": "object",
+        "properties": {"n": {"$ref": "#/$defs/pos"}, "m": {"$ref": "#/definitions/x"}},
+        "definitions": {"x": {"type": "boolean"}},
+    }
+    assert match(s, {"n": 2, "m": True}) and not match(s, {"n": 0})
+    rec = {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}},
+                "required": ["v"],
+                "additionalProperties": False,
+            }
+        },
+        "$ref": "#/$defs/node",
+    }
+    with pytest.raises(GrammarError, match="recursive"):
+        json_schema_to_regex(rec)
+    import lark
+
+    parser = lark.Lark(json_schema_to_lark(rec), parser="earley")
+    parser.parse('{"v":1,"next":{"v":2,"next":{"v":3}}}')
+    with pytest.raises(lark.exceptions.LarkError):
+        parser.parse('{"v":1,"next":{"next":{"v":3}}}')
+    with pytest.raises(GrammarError, match="remote"):
+        json_schema_to_regex({"$ref": "https://example.com/s.json"})
+
+
+def test_unsupported_keyword_named_with_path():
+    s = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(GrammarError, match=r"#/properties/tags.*uniqueItems"):
+        json_schema_to_regex(s)
+    json_schema_to_regex(s, lenient=True)  # a logged warning instead
+    assert match({"title": "t", "description": "d", "examples": [1], "type": "integer"}, 1)
+
+
+def test_inputs_string_dict_pydantic():
+    pydantic = pytest.importorskip("pydantic")
+
+    class User(pydantic.BaseModel):
+        name: str
+        age: int
+
+    r1 = json_schema_to_regex(User)
+    r2 = json_schema_to_regex(json.dumps(User.model_json_schema()))
+    assert r1 == r2 and re.fullmatch(r1, '{"name":"a","age":3}')
+
+
+def test_whitespace_is_bounded():
+    regex = json_schema_to_regex({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert re.fullmatch(regex, '{"a": 1}') and not re.fullmatch(regex, '{"a":  1}')
+    loose = json_schema_to_regex(
+        {"type": "array", "items": {"type": "integer"}}, whitespace_pattern=r"[ \n]{0,2}"
+    )
+    assert re.fullmatch(loose, "[\n 1 ,\n2 ]")
+
+
+def test_compiled_grammar_walk():
+    tok = byte_bpe()
+    vocab = TokenVocabulary.from_tokenizer(tok)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    g = compile_json_schema(schema, vocab)
+    assert g.jump_forward() == '{"name":'
+    bm = allocate_token_bitmask(1, vocab.vocab_size)
+    for t in encode(tok, '{"name": "héllo", "age": 42}'):
+        g.fill_mask(bm, 0)
+        assert unpack_bitmask(bm, vocab.vocab_size)[0, t]
+        g.accept_token(t)
+    assert g.is_terminated()
