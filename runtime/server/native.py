@@ -92,7 +92,9 @@ async def generate(body: GenerateRequest, request: Request):
     obj = body.model_dump(exclude_none=True)
     stream = obj.pop("stream", False)
     batch = isinstance(body.text, list) or (
-        isinstance(body.input_ids, list) and bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        isinstance(body.input_ids, list)
+        and bool(body.input_ids)
+        and isinstance(body.input_ids[0], list)
     )
     if isinstance(body.rid, list) and not batch:
         raise APIError(400, "rid: must be a string for a single prompt")
