@@ -241,7 +241,9 @@ def test_fuzz_openapi_no_5xx(server):
             bound_generation(case.body)
             response = case.call(base_url=server.url, timeout=60)
             if response.status_code >= 500:
-                failures.append((operation.path, case.body, response.status_code, response.content))
+                failures.append(
+                    (case.operation.path, case.body, response.status_code, response.content)
+                )
 
         check()
     assert calls > 50
