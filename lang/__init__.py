@@ -27,7 +27,7 @@ _LAZY = {
     "set_default_backend": "loom.api:set_default_backend",
     "flush_cache": "loom.api:flush_cache",
     "get_server_info": "loom.api:get_server_info",
-    "Runtime": "loom.api:Runtime",
+    "Runtime": "loom.runtime.server:Runtime",
     "ProgramState": "loom.state:ProgramState",
     "ProgramStateGroup": "loom.fork:ProgramStateGroup",
     "SglFunction": "loom.program:SglFunction",

@@ -33,18 +33,6 @@ def function(func=None, num_api_spec_tokens: int | None = None):
     return decorator
 
 
-def Runtime(*args, **kwargs):  # noqa: N802 - SGLang's name for a server launched in-process
-    from loom.runtime.server import Runtime as _Runtime
-
-    return _Runtime(*args, **kwargs)
-
-
-def Engine(*args, **kwargs):  # noqa: N802
-    from loom.runtime.engine import Engine as _Engine
-
-    return _Engine(*args, **kwargs)
-
-
 def set_default_backend(backend: Any) -> None:
     """A backend, a `loom.Engine` or a `loom.Runtime` (its endpoint is used)."""
     from loom.backends.engine import as_backend

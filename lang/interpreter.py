@@ -1,29 +1,16 @@
-"""StreamExecutor: runs one program state's expressions in order, off the caller's thread.
+"""StreamExecutor: what a program state does with each expression (text, roles, gen, select,
+variable scopes, fork and join). The queueing, threads/tasks and waiting are `QueueWorker`'s.
 
-`s += expr` only enqueues; a worker (a thread, or an asyncio task in async mode) executes the
-queue, so many states (forks, batches) reach the runtime together. Readers (`s["v"]`,
-`s.text()`) block until what they read is final.
-
-Each expression handler is a generator that yields backend operations; a sync driver (thread
-mode) and an async driver (asyncio mode) perform them. So the semantics live in one place:
-
-    ("call", method, args)            -> result of backend.method(*args) / await backend.amethod
-    ("stream", method, args, on_item) -> on_item(x) for x in backend.method(*args)
-    ("wait", executor, pred)          -> block until pred() (raising that executor's error)
-
-State contract: `variables[name]` is final once `name in _var_pending` is false and the name
-is present; an error stops the queue (later expressions are skipped) and is re-raised to every
-reader and waiter, including forks of this state and the state joining them.
+State contract: `variables[name]` is final once it is present and no queued expression will
+set it again (`_var_pending[name] == 0`); a reader that waits for a name nothing queued can
+produce gets a KeyError instead of a hang. Forks copy the state at their fork point.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import queue
-import threading
-from collections import Counter
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 from loom.ir import (
@@ -40,9 +27,7 @@ from loom.ir import (
     SglVarScopeBegin,
     SglVarScopeEnd,
 )
-
-Op = tuple
-Handler = Generator[Op, Any, None]
+from loom.worker import Handler, QueueWorker
 
 
 class _ForkStart(SglExpr):
@@ -84,7 +69,7 @@ def _produced_names(expr: SglExpr) -> list[str]:
     return []
 
 
-class StreamExecutor:
+class StreamExecutor(QueueWorker):
     def __init__(
         self,
         backend: Any,
@@ -94,12 +79,12 @@ class StreamExecutor:
         stream: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
     ):
+        super().__init__(loop)
         self.backend = backend
         self.arguments = arguments
         self.default_sampling_para = default_sampling_para
         self.chat_template = chat_template or backend.get_chat_template()
         self.stream = stream
-        self.loop = loop  # set: async mode (an asyncio task instead of a thread)
 
         # Program state (copied into forks).
         self.text_ = ""
@@ -110,175 +95,13 @@ class StreamExecutor:
         self.cur_role_begin_pos: int | None = None
         self.fork_start_text_pos = 0
         self.var_scopes: dict[str, int] = {}
-
-        # Execution state.
-        self.error_: BaseException | None = None
-        self.is_finished = False
-        self.children: list[StreamExecutor] = []
-        self.parent: StreamExecutor | None = None
         self._forked = True  # False for a fork until its parent fills it in
-        self._ended = False
-        self._pending = 0  # submitted and not yet executed (the end marker included)
-        self._var_pending: Counter = Counter()
-        self._version = 0
-        self._cond = threading.Condition()
-        self._async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        if loop is None:
-            self._queue: Any = queue.Queue()
-            threading.Thread(target=self._thread_main, daemon=True, name="loom-state").start()
-        else:
-            self._queue = asyncio.Queue()
-            self._on_loop(lambda: self._keep(loop.create_task(self._async_main())))
+        self._start()
 
-    def _keep(self, task: asyncio.Task) -> None:
-        self._task = task  # a strong reference, so the task is not collected mid-run
+    def produced_names(self, expr: SglExpr) -> list[str]:
+        return _produced_names(expr)
 
-    def _on_loop(self, fn: Callable[[], None]) -> None:
-        try:
-            same = asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            same = False
-        if same:
-            fn()
-        else:
-            self.loop.call_soon_threadsafe(fn)
-
-    # ------------------------------------------------------------------ queue
-    def submit(self, expr: SglExpr | None) -> None:
-        """Enqueue an expression (None ends the state); never blocks."""
-        with self._cond:
-            if self._ended:
-                raise RuntimeError("this program state has ended; it accepts no more expressions")
-            if expr is None:
-                self._ended = True
-            self._pending += 1
-            if expr is not None:
-                self._var_pending.update(_produced_names(expr))
-        if self.loop is None:
-            self._queue.put(expr)
-        else:
-            self._on_loop(lambda: self._queue.put_nowait(expr))
-
-    def end(self) -> None:
-        """No more expressions; the worker stops after the queue drains. Ends forks too."""
-        with self._cond:
-            ended = self._ended
-        if not ended:
-            self.submit(None)
-        for child in self.children:
-            child.end()
-
-    def _thread_main(self) -> None:
-        while True:
-            expr = self._queue.get()
-            if expr is not None and self.error_ is None:
-                try:
-                    self._drive_sync(self._execute(expr))
-                except BaseException as e:  # noqa: BLE001 - surfaced to readers
-                    self.fail(e)
-            self._done_one(expr)
-            if expr is None:
-                return
-
-    async def _async_main(self) -> None:
-        while True:
-            expr = await self._queue.get()
-            if expr is not None and self.error_ is None:
-                try:
-                    await self._drive_async(self._execute(expr))
-                except BaseException as e:  # noqa: BLE001 - surfaced to readers
-                    self.fail(e)
-            self._done_one(expr)
-            if expr is None:
-                return
-
-    def _done_one(self, expr: SglExpr | None) -> None:
-        with self._cond:
-            self._pending -= 1
-            if expr is None:
-                self.is_finished = True
-            else:
-                self._var_pending.subtract(_produced_names(expr))
-        self._notify()
-
-    def fail(self, error: BaseException) -> None:
-        if self.error_ is None:
-            self.error_ = error
-        self._notify()
-
-    # ------------------------------------------------------------------ drivers
-    def _drive_sync(self, handler: Handler) -> None:
-        value = None
-        while True:
-            try:
-                op = handler.send(value)
-            except StopIteration:
-                return
-            kind = op[0]
-            if kind == "call":
-                value = getattr(self.backend, op[1])(*op[2])
-            elif kind == "stream":
-                for item in getattr(self.backend, op[1])(*op[2]):
-                    op[3](item)
-                value = None
-            else:  # wait
-                op[1].wait_until(op[2])
-                value = None
-
-    async def _drive_async(self, handler: Handler) -> None:
-        value = None
-        while True:
-            try:
-                op = handler.send(value)
-            except StopIteration:
-                return
-            kind = op[0]
-            if kind == "call":
-                value = await getattr(self.backend, "a" + op[1])(*op[2])
-            elif kind == "stream":
-                async for item in getattr(self.backend, "a" + op[1])(*op[2]):
-                    op[3](item)
-                value = None
-            else:
-                await op[1].wait_until_async(op[2])
-                value = None
-
-    # ------------------------------------------------------------------ waiting
-    def _notify(self) -> None:
-        with self._cond:
-            self._version += 1
-            self._cond.notify_all()
-            waiters, self._async_waiters = self._async_waiters, []
-        for loop, fut in waiters:
-            loop.call_soon_threadsafe(_resolve, fut)
-        if self.parent is not None:  # waits on a whole tree (join, run) watch the root
-            self.parent._notify()
-
-    def _check(self, pred: Callable[[], bool]) -> bool:
-        if pred():
-            return True
-        if self.error_ is not None:
-            raise self.error_
-        return False
-
-    def wait_until(self, pred: Callable[[], bool]) -> None:
-        with self._cond:
-            while not self._check(pred):
-                self._cond.wait()
-
-    async def wait_until_async(self, pred: Callable[[], bool]) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._cond:
-                if self._check(pred):
-                    return
-                fut = loop.create_future()
-                self._async_waiters.append((loop, fut))
-            await fut
-
-    def idle(self) -> bool:
-        return self._pending == 0
-
+    # ------------------------------------------------------------------ variables
     def var_ready(self, name: str) -> Callable[[], bool]:
         """True once `name` is final, or once nothing queued can still produce it."""
         return lambda: (name in self.variables and self._var_pending[name] <= 0) or self.idle()
@@ -297,29 +120,6 @@ class StreamExecutor:
                 raise self.error_
             raise KeyError(f"program variable {name!r} is not set")
         return self.variables[name]
-
-    def all_done(self) -> bool:
-        return self.is_finished and all(c.all_done() for c in self.children)
-
-    def sync(self) -> None:
-        """Wait until everything submitted so far has run; raise the state's error."""
-        self.wait_until(self.idle)
-        if self.error_ is not None:
-            raise self.error_
-
-    def wait_finished(self) -> None:
-        self.wait_until(self.all_done)
-        self._raise_tree()
-
-    async def wait_finished_async(self) -> None:
-        await self.wait_until_async(self.all_done)
-        self._raise_tree()
-
-    def _raise_tree(self) -> None:
-        if self.error_ is not None:
-            raise self.error_
-        for child in self.children:
-            child._raise_tree()
 
     # ------------------------------------------------------------------ fork
     def fork(self, size: int) -> list[StreamExecutor]:
@@ -478,8 +278,3 @@ class StreamExecutor:
                 if name in child.meta_info:
                     self.meta_info.setdefault(name, []).append(child.meta_info[name])
         self._notify()
-
-
-def _resolve(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
