@@ -132,3 +132,8 @@ def test_runtime_error_surfaces(engine):
 
     with pytest.raises(ValueError, match="top_p"):
         bad.run(backend=engine)
+
+
+def test_control_functions(engine):
+    assert "page_size" in sgl.get_server_info(engine)
+    assert sgl.flush_cache(engine) is True

@@ -513,3 +513,78 @@ def test_default_backend_and_chat_templates():
         "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
     )
     assert not math.isnan(0.0)
+
+
+# ---------------------------------------------------------------------- chat templates
+class JinjaTokenizer:
+    """Just enough of a HF tokenizer for `from_tokenizer`: a Jinja chat template."""
+
+    def __init__(self, template, bos_token=None, eos_token=None):
+        import jinja2
+
+        self.chat_template = template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self._t = jinja2.Environment().from_string(template)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        return self._t.render(
+            messages=messages,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            add_generation_prompt=add_generation_prompt,
+        )
+
+
+QWEN_LIKE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3_LIKE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+    "\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+)
+
+
+def test_template_derived_from_jinja():
+    from loom.chat_template import from_tokenizer
+
+    qwen = from_tokenizer(JinjaTokenizer(QWEN_LIKE, eos_token="<|im_end|>"))
+    assert qwen.default_system_prompt == "You are helpful."
+    assert qwen.role_prefix_and_suffix["assistant"] == ("<|im_start|>assistant\n", "<|im_end|>\n")
+    assert qwen.stop_str == ("<|im_end|>",)
+    llama = from_tokenizer(JinjaTokenizer(LLAMA3_LIKE, bos_token="<|begin_of_text|>"))
+    assert llama.role_prefix_and_suffix["system"][0] == (
+        "<|start_header_id|>system<|end_header_id|>\n\n"  # BOS left to the tokenizer
+    )
+    assert llama.stop_str == ("<|eot_id|>",) and llama.default_system_prompt is None
+    broken = from_tokenizer(JinjaTokenizer("{{ raise_error }}<|im_start|>{{ messages[5] }}"))
+    assert broken.name == "chatml"  # unrenderable: matched by its markers
+
+    be = FakeBackend()
+    be.chat_template = qwen
+
+    @sgl.function
+    def prog(s):
+        s += sgl.user("hi")
+
+    state = prog.run(backend=be)
+    assert state.messages()[0] == {"role": "system", "content": "You are helpful."}
+
+
+def test_text_async_iter_over_a_threaded_stream():
+    be = FakeBackend(reply=lambda p, sp: "abcdef", stream_delay=0.002)
+
+    @sgl.function
+    def prog(s):
+        s += "x: " + sgl.gen("v")
+
+    async def main():
+        state = prog.run(backend=be, stream=True)
+        got = [c async for c in state.text_async_iter("v", return_meta_data=True)]
+        return state, got
+
+    state, got = asyncio.run(main())
+    assert "".join(c for c, _ in got) == "abcdef" == state["v"]
+    assert all(isinstance(m, dict) for _, m in got)
