@@ -193,7 +193,10 @@ def test_abort_non_streaming_request(server):
     result = {}
     t = threading.Thread(target=lambda: result.update(r=post(server, "/generate", body)))
     t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while requests.get(server.url + "/server_info").json()["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     requests.post(server.url + "/abort_request", json={"rid": "abort-blocking"})
     t.join(30)
     assert result["r"].status_code == 200

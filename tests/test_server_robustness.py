@@ -149,6 +149,15 @@ def test_client_disconnect_aborts_the_request(server):
     assert info["generated_tokens"] - before <= 30, info["generated_tokens"] - before
 
 
+def test_non_streaming_disconnect_aborts_the_request(server):
+    before = wait_idle_and_intact(server.url)["generated_tokens"]
+    body = {"text": "wait", "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/generate", json=body, timeout=httpx.Timeout(30, read=0.5))
+    info = wait_idle_and_intact(server.url)
+    assert info["generated_tokens"] - before <= 30, info["generated_tokens"] - before
+
+
 def test_openai_stream_disconnect(server):
     body = {
         "model": model_name(server),
@@ -295,6 +304,12 @@ def test_sigterm_shuts_down_cleanly(server):
     while any(pid_alive(p) for p in pids.values()):
         assert time.monotonic() < deadline, "orphaned runtime processes"
         time.sleep(0.1)
+
+
+def test_runtime_reports_a_failed_start(tmp_path):
+    with pytest.raises(RuntimeError, match="exited during start-up") as e:
+        Runtime(str(tmp_path / "no-such-model"), timeout=120)
+    assert "no-such-model" in str(e.value)
 
 
 @pytest.mark.parametrize("victim", ["scheduler"])

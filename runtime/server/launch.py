@@ -100,9 +100,10 @@ def launch_server(args: ServerArgs) -> int:
     load_config(args.model_path)  # a bad path fails here, clearly
     chat_template = load_chat_template(args.chat_template)
     # uvicorn restores this handler and re-raises the signal after its graceful shutdown, so
-    # a SIGTERM at any time (start-up included) ends in SystemExit(0) and the cleanup below.
+    # a SIGTERM/SIGINT at any time (start-up included) ends in SystemExit(0) and the cleanup below.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_signal)
+        signal.signal(signal.SIGINT, _exit_on_signal)
     procs: list = []
     try:
         ipc, info, tokenizer = start_runtime_processes(args, procs)

@@ -40,6 +40,27 @@ def check_grammar(state: ServerState, params: Any, prefix: str = "") -> None:
                     )
 
 
+async def unless_disconnected(request: Request, coro) -> Any:
+    """Await a non-streaming generation, cancelling it (which aborts the request in the
+    scheduler and frees its KV) if the client goes away first."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
 # --------------------------------------------------------------------------- SSE
 def sse(obj: Any) -> str:
     return f"data: {json_dumps(obj)}\n\n"
@@ -100,7 +121,7 @@ async def generate(body: GenerateRequest, request: Request):
         raise APIError(400, "rid: must be a string for a single prompt")
     check_grammar(state, obj.get("sampling_params"), "sampling_params.")
     if not stream:
-        return JSONOut(await state.tm.generate(obj))
+        return JSONOut(await unless_disconnected(request, state.tm.generate(obj)))
     agen = state.tm.generate_stream(obj)
     first = await prime(agen)
     return sse_response(first, agen, lambda out: [sse(out)], lambda: [])

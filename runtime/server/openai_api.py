@@ -15,7 +15,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from loom.runtime.server.app import APIError, JSONOut, ServerState
-from loom.runtime.server.native import check_grammar, prime, server_state, sse, sse_response
+from loom.runtime.server.native import (
+    check_grammar,
+    prime,
+    server_state,
+    sse,
+    sse_response,
+    unless_disconnected,
+)
 from loom.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -268,7 +275,7 @@ async def completions(req: CompletionRequest, request: Request):
 
     if not req.stream:
         with openai_errors("prompt"):
-            res = await state.tm.generate(obj)
+            res = await unless_disconnected(request, state.tm.generate(obj))
         outs = res if isinstance(res, list) else [res]
         body = envelope([shaper.choice(k, o, delta=False) for k, o in enumerate(outs)])
         body["usage"] = usage(outs, req.n)
@@ -397,7 +404,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
     if not req.stream:
         with openai_errors("messages"):
-            res = await state.tm.generate(obj)
+            res = await unless_disconnected(request, state.tm.generate(obj))
         outs = res if isinstance(res, list) else [res]
         choices = []
         for k, out in enumerate(outs):
