@@ -21,10 +21,20 @@ router = APIRouter()
 
 _GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
 _HEALTH_TIMEOUT = 20.0
+_CONTROL_TIMEOUT = 10.0
 
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+async def control(state: ServerState, coro) -> Any:
+    """A control round trip to the scheduler: 503 at once if a runtime process is dead, and
+    never a hang (TimeoutError -> 503)."""
+    if state.tm.dead_reason:
+        coro.close()
+        raise APIError(503, f"server unavailable: {state.tm.dead_reason}")
+    return await asyncio.wait_for(coro, _CONTROL_TIMEOUT)
 
 
 def check_grammar(state: ServerState, params: Any, prefix: str = "") -> None:
@@ -181,7 +191,7 @@ async def get_server_info(request: Request):
     from loom.runtime.engine import _public_args
 
     state = server_state(request)
-    internal = await state.tm.get_internal_state()
+    internal = await control(state, state.tm.get_internal_state())
     return {
         **_public_args(state.args),
         **internal,
@@ -192,12 +202,17 @@ async def get_server_info(request: Request):
 
 
 # --------------------------------------------------------------------------- control
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
 async def flush_cache(request: Request):
-    out = await server_state(request).tm.flush_cache()
+    state = server_state(request)
+    out = await control(state, state.tm.flush_cache())
     if not out.ok:
         raise APIError(400, out.message or "flush_cache: refused")
     return PlainTextResponse("Cache flushed.\n")
+
+
+# SGLang also answers GET; keep it out of the schema (one operation per path and method).
+router.add_api_route("/flush_cache", flush_cache, methods=["GET"], include_in_schema=False)
 
 
 @router.post("/abort_request")
