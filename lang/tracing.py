@@ -18,6 +18,8 @@ from loom.ir import (
     as_expr,
 )
 
+_MAX_EXPRS = 10_000
+
 
 class StopTracing(Exception):
     """The program did something the tracer cannot follow (read a value, format an argument)."""
@@ -45,6 +47,8 @@ class TracerProgramState:
 
     def _add(self, expr: SglExpr) -> None:
         for e in expr.exprs if isinstance(expr, SglExprList) else [expr]:
+            if len(self.exprs) >= _MAX_EXPRS:  # a loop the tracer cannot see the end of
+                raise StopTracing("too many expressions")
             self.exprs.append(e)
             if not self._constant:
                 continue

@@ -474,6 +474,21 @@ def test_errors_surface():
         list(state.text_iter())
     with pytest.raises(Boom):
         asyncio.run(backend_error.run_async(backend=be))
+
+    @sgl.function
+    def blocking_read_on_loop(s):
+        s += "x" + sgl.gen("a")
+        s += s["a"]  # a sync read inside run_async cannot block the loop
+
+    with pytest.raises(RuntimeError, match="aget"):
+        asyncio.run(blocking_read_on_loop.run_async(backend=be))
+
+    @sgl.function
+    def endless(s):
+        while True:
+            s += "more "
+
+    assert len(endless.trace(backend=be).exprs) == 10_000
     with pytest.raises(ValueError, match="no backend"):
         sgl.global_config.default_backend = None
         user_error.run()
