@@ -82,5 +82,10 @@ def test_openai_backend(runtime):
         s += sgl.user("Yes or no?")
         s += sgl.assistant(sgl.select("yn", choices=["yes", "no"]))
 
-    state = talk.run(backend=chat, temperature=0)
+    state = talk.run(backend=chat, temperature=0)  # select falls back to generation
     assert isinstance(state["hi"], str) and state["yn"] in ("yes", "no")
+    assert "generated" in state.get_meta_info("yn")
+    templated = sgl.OpenAI(model, is_chat_model=True, base_url=base, chat_template="chatml")
+    state = talk.run(backend=templated, temperature=0)  # select scores the rendered text
+    assert state["yn"] in ("yes", "no")
+    assert len(state.get_meta_info("yn")["normalized_prompt_logprobs"]) == 2

@@ -2,12 +2,13 @@
 vLLM, ...), through the `openai` client.
 
 Chat models receive the state's messages (gens belong inside `with s.assistant():`);
-completion models receive the text. `select` on a completion model scores each choice by the
-prompt log-probabilities the endpoint echoes back (`echo=True, logprobs=0, max_tokens=0`),
-from the earliest character where any choice's tokens leave the shared prompt (token healing
-by text offsets). Where echoed log-probabilities are unavailable (chat models, or an endpoint
-that refuses), the model generates greedily and the choice closest to its output is taken, so
-the value is still always one of the choices.
+completion models receive the text. `select` scores each choice by the prompt
+log-probabilities the endpoint echoes back on /v1/completions (`echo=True, logprobs=0,
+max_tokens=0`), from the earliest character where any choice's tokens leave the shared prompt
+(token healing by text offsets). That needs a completion model, or a chat model whose
+`chat_template` is given (the state's text is then the rendered conversation). Otherwise (or
+when the endpoint refuses) the model generates greedily and the choice closest to its output
+is taken, so the value is still always one of the choices.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ class OpenAI(BaseBackend):
         if is_chat_model is None:
             is_chat_model = model_name not in _COMPLETION_MODELS
         self.is_chat_model = is_chat_model
+        # With a chat model, the state's text is the conversation rendered by this template;
+        # given the model's real template, select can score that text on /v1/completions.
+        self.echo_logprobs = not is_chat_model or chat_template is not None
         if isinstance(chat_template, str):
             chat_template = get_chat_template(chat_template)
         self.chat_template = chat_template or get_chat_template("default")
-        self.echo_logprobs = not is_chat_model  # turned off if the endpoint refuses
 
     # ------------------------------------------------------------------ requests
     @staticmethod
