@@ -58,23 +58,11 @@ class SglFunction:
         **kwargs,
     ) -> ProgramState:
         """Run the program; returns its finished state (with `stream=True`, at once)."""
-        defaults = SglSamplingParams(
-            max_new_tokens=max_new_tokens,
-            n=n,
-            stop=stop or [],
-            stop_token_ids=stop_token_ids or [],
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            ignore_eos=ignore_eos,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs,
-        )
+        defaults = _defaults(
+            max_new_tokens, n, stop, stop_token_ids, temperature, top_p, top_k, min_p,
+            frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
+            top_logprobs_num, return_text_in_logprobs,
+        )  # fmt: skip
         if inspect.iscoroutinefunction(self.func):
             return asyncio.run(self._run_async(args, kwargs, defaults, stream, backend))
         return self._run(args, kwargs, defaults, stream, backend)
@@ -215,23 +203,11 @@ class SglFunction:
         """`await f.run_async(...)`: the program's states run as asyncio tasks on the calling
         loop (no thread per state). The program may be `async def` and `await s.aget(name)`;
         with `stream=True` the state returns at once for `async for ... in text_async_iter()`."""
-        defaults = SglSamplingParams(
-            max_new_tokens=max_new_tokens,
-            n=n,
-            stop=stop or [],
-            stop_token_ids=stop_token_ids or [],
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            ignore_eos=ignore_eos,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs,
-        )
+        defaults = _defaults(
+            max_new_tokens, n, stop, stop_token_ids, temperature, top_p, top_k, min_p,
+            frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
+            top_logprobs_num, return_text_in_logprobs,
+        )  # fmt: skip
         return await self._run_async(args, kwargs, defaults, stream, backend)
 
     async def _run_async(self, args, kwargs, defaults, stream, backend) -> ProgramState:
@@ -272,6 +248,31 @@ class SglFunction:
         if args and isinstance(args[0], ProgramState):  # called as a sub-program
             return self.func(*args, **kwargs)
         return self.run(*args, **kwargs)
+
+
+def _defaults(
+    max_new_tokens, n, stop, stop_token_ids, temperature, top_p, top_k, min_p,
+    frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
+    top_logprobs_num, return_text_in_logprobs,
+) -> SglSamplingParams:  # fmt: skip
+    """The sampling defaults every gen of one run inherits."""
+    return SglSamplingParams(
+        max_new_tokens=max_new_tokens,
+        n=n,
+        stop=stop or [],
+        stop_token_ids=stop_token_ids or [],
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        ignore_eos=ignore_eos,
+        return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len,
+        top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs,
+    )
 
 
 def _takes_var_kwargs(func) -> bool:

@@ -115,6 +115,12 @@ class QueueWorker:
             if expr is not None and self.error_ is None:
                 try:
                     await self._drive_async(self._execute(expr))
+                except asyncio.CancelledError as e:  # the loop is going away: stop here
+                    self.fail(e)
+                    with self._cond:
+                        self.is_finished = True
+                    self._notify()
+                    raise
                 except BaseException as e:  # noqa: BLE001 - surfaced to readers
                     self.fail(e)
             self._done_one(expr)
