@@ -603,3 +603,34 @@ def test_text_async_iter_over_a_threaded_stream():
     state, got = asyncio.run(main())
     assert "".join(c for c, _ in got) == "abcdef" == state["v"]
     assert all(isinstance(m, dict) for _, m in got)
+
+
+def test_openai_backend_request_mapping():
+    from types import SimpleNamespace as NS
+
+    calls = []
+
+    class Completions:
+        def create(self, **kw):
+            calls.append(kw)
+            return NS(
+                id="c", usage=None, choices=[NS(message=NS(content="fine"), finish_reason="stop")]
+            )
+
+    client = NS(chat=NS(completions=Completions()))
+    be = sgl.OpenAI("m", client=client)
+
+    @sgl.function
+    def prog(s):
+        s += sgl.user("hi")
+        s += sgl.assistant(sgl.gen("a", max_tokens=5, regex="[a-z]+", top_k=4, stop="."))
+        s += sgl.user("pick")
+        s += sgl.assistant(sgl.select("c", choices=["fine", "bad"]))
+
+    state = prog.run(backend=be, temperature=0.3)
+    assert state["a"] == "fine" and state["c"] == "fine"
+    first = calls[0]
+    assert first["messages"] == [{"role": "user", "content": "hi"}]
+    assert first["max_tokens"] == 5 and first["temperature"] == 0.3 and first["stop"] == ["."]
+    assert first["extra_body"] == {"top_k": 4, "regex": "[a-z]+"}
+    assert calls[1]["temperature"] == 0.0  # select without echoed logprobs: greedy generation
