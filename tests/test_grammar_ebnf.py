@@ -260,26 +260,22 @@ def test_lark_and_gbnf_masks_agree(name, vocab):
             b.accept_token(tid)
 
 
-def test_two_mask_walks_agree(vocab):
-    """The per-lexeme walk and the whole-state vectorised walk compute the same masks."""
+@pytest.mark.parametrize("syntax", ["lark", "gbnf"])
+@pytest.mark.parametrize("name", ["json", "sql"])
+def test_mask_equals_per_token_check(name, syntax, vocab):
+    """The vectorised trie walk allows exactly the tokens whose bytes the matcher can take."""
     rnd = random.Random(3)
-    for syntax in ("lark", "gbnf"):
-        g = _compile(syntax, "json", vocab)
-        for _ in range(30):
-            c = g.compiled
-            saved = c.state_walk
-            try:
-                c.state_walk = not saved
-                c._masks.clear()
-                other = c.mask(g._state)
-            finally:
-                c.state_walk = saved
-                c._masks.clear()
-            assert other == c.mask(g._state)
-            ids = [t for t in g.allowed_token_ids() if t not in vocab.eos_token_ids]
-            if not ids:
-                break
-            g.accept_token(_pick(rnd, vocab, ids))
+    g = _compile(syntax, name, vocab)
+    for _ in range(12):
+        c, state = g.compiled, g._state
+        allowed = set(g.allowed_token_ids()) - vocab.eos_token_ids
+        brute = {
+            t for t, data in enumerate(vocab.token_bytes) if data and c.step_bytes(state, data)
+        }
+        assert allowed == brute
+        if not allowed:
+            break
+        g.accept_token(_pick(rnd, vocab, sorted(allowed)))
 
 
 # --- (2) allowed tokens are viable, disallowed ones are not --------------------------------
@@ -335,6 +331,13 @@ def test_known_strings(name, syntax, bpe):
         assert not set(g.allowed_token_ids()) & vocab.eos_token_ids, text
         with pytest.raises(GrammarError):
             g.accept_token(next(iter(vocab.eos_token_ids)))
+
+
+def test_lalr_conflicts_are_reported(vocab, caplog):
+    with caplog.at_level("WARNING", logger="loom.grammar.ebnf.compiler"):
+        g = compile_lark('start: x "b"\nx: "b"?\n', vocab)
+    assert g.compiled.conflicts and "not LALR(1)" in caplog.text
+    assert not _compile("lark", "json", vocab).compiled.conflicts
 
 
 def test_rejected_token_leaves_state_unchanged(vocab):

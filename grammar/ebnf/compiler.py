@@ -7,6 +7,7 @@ grammar whose terminals are `%declare`d and whose regexes are passed on the side
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from lark.common import ParserConf
@@ -23,6 +24,7 @@ from .lexer import Lexer
 from .parser import END, Parser
 from .trie import get_trie
 
+logger = logging.getLogger(__name__)
 _CACHE: dict[tuple, tuple[object, CompiledCFG]] = {}
 _CACHE_SIZE = 64
 _LOCK = threading.Lock()
@@ -50,8 +52,7 @@ def _compiled(kind: str, text: str, vocab) -> CompiledCFG:
         lark_text, regexes = gbnf_to_lark(text)
     else:
         lark_text, regexes = text, {}
-    # GBNF terminals are single characters or literals: walk whole matcher states (engine.py)
-    compiled = build_compiled(lark_text, vocab, regexes, source=text, state_walk=kind == "gbnf")
+    compiled = build_compiled(lark_text, vocab, regexes, source=text)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -64,7 +65,6 @@ def build_compiled(
     vocab,
     regexes: dict[str, str] | None = None,
     source: str = "",
-    state_walk: bool = False,
 ) -> CompiledCFG:
     """Compile a Lark grammar; `regexes` gives the patterns of `%declare`d terminals."""
     regexes = regexes or {}
@@ -77,6 +77,12 @@ def build_compiled(
         analysis.compute_lalr()
     except LarkError as exc:
         raise GrammarError(f"grammar error: {exc}") from exc
+    conflicts = _shift_reduce_conflicts(analysis)
+    if conflicts:
+        logger.warning(
+            "grammar is not LALR(1); resolved as shift (some sentences may be unreachable): %s",
+            "; ".join(conflicts[:5]),
+        )
     table = analysis.parse_table
     patterns = {t.name: t.pattern.to_regexp() for t in terminals}
     patterns.update(regexes)
@@ -90,4 +96,18 @@ def build_compiled(
     fsms = [TerminalFSM(name, patterns[name]) for name in used]
     lexer = Lexer(fsms, frozenset(term_index[n] for n in ignore))
     parser = Parser(table, "start", term_index)
-    return CompiledCFG(parser, lexer, get_trie(vocab), vocab.token_bytes, source, state_walk)
+    compiled = CompiledCFG(parser, lexer, get_trie(vocab), vocab.token_bytes, source)
+    compiled.conflicts = conflicts
+    return compiled
+
+
+def _shift_reduce_conflicts(analysis) -> list[str]:
+    """Lark resolves shift/reduce conflicts as shift, silently unless in debug mode; say so.
+    The masks stay sound (only grammar sentences), but may miss sentences the shift excludes."""
+    out = []
+    for itemset in analysis.lr0_itemsets:
+        shifts = {sym.name for sym in itemset.transitions}
+        for la, rules in itemset.lookaheads.items():
+            if la.name in shifts and len(rules) == 1:
+                out.append(f"on {la.name}: shift vs reduce {next(iter(rules))}")
+    return sorted(set(out))

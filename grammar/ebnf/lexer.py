@@ -10,12 +10,9 @@ lets the parser decide (a contextual lexer that never has to guess).
 
 from __future__ import annotations
 
-import numpy as np
-
 from .fsm import TerminalFSM
 
 DEAD = -1
-UNKNOWN = -2
 
 
 class Lexer:
@@ -25,12 +22,8 @@ class Lexer:
         self._ids: dict[frozenset, int] = {}
         self._states: list[frozenset] = []
         self._accepting: list[tuple[int, ...]] = []
-        self.transitions: dict[int, tuple[int, tuple[int, ...]]] = {}  # (lex << 8) | byte ->
+        self._trans: dict[int, tuple[int, tuple[int, ...]]] = {}  # (lex << 8) | byte ->
         self._initial: dict[frozenset, int] = {}
-        # Dense copies of `transitions` for the vectorised trie walk: next state (UNKNOWN until
-        # computed) and whether some terminal ends before the byte.
-        self.next_table = np.full((64, 256), UNKNOWN, dtype=np.int32)
-        self.ends_table = np.zeros((64, 256), dtype=bool)
 
     def intern(self, candidates: frozenset) -> int:
         lex = self._ids.get(candidates)
@@ -41,12 +34,6 @@ class Lexer:
                 tuple(sorted(t for t, s in candidates if self.terminals[t].is_final(s)))
             )
             self._ids[candidates] = lex
-            if lex >= len(self.next_table):
-                grow = len(self.next_table)
-                self.next_table = np.vstack(
-                    [self.next_table, np.full((grow, 256), UNKNOWN, dtype=np.int32)]
-                )
-                self.ends_table = np.vstack([self.ends_table, np.zeros((grow, 256), dtype=bool)])
         return lex
 
     def initial(self, allowed: frozenset[int]) -> int:
@@ -65,7 +52,7 @@ class Lexer:
     def step(self, lex: int, byte: int) -> tuple[int, tuple[int, ...]]:
         """-> (lexer state after `byte` with no boundary or DEAD, terminals that end before it)."""
         key = (lex << 8) | byte
-        hit = self.transitions.get(key)
+        hit = self._trans.get(key)
         if hit is not None:
             return hit
         going, ending = [], []
@@ -77,9 +64,7 @@ class Lexer:
             elif fsm.is_final(s):
                 ending.append(t)
         result = (self.intern(frozenset(going)) if going else DEAD, tuple(sorted(ending)))
-        self.transitions[key] = result
-        self.next_table[lex, byte] = result[0]
-        self.ends_table[lex, byte] = bool(ending)
+        self._trans[key] = result
         return result
 
     def __len__(self) -> int:

@@ -1,9 +1,10 @@
 """A prefix tree over the vocabulary's token byte strings.
 
-Masks are computed by walking it depth-first against the matcher state, so a byte that kills
-every branch prunes all the tokens below it at once. Nodes are ints; `children[n]` maps a byte
-to the child node and `tokens[n]` lists the ids whose bytes end exactly at `n`. One trie is built
-per vocabulary object and shared by every grammar compiled against it.
+Masks are computed by walking it against the matcher state, so a byte that kills every branch
+prunes all the tokens below it at once. Nodes are ints; `children[n]` maps a byte to the child
+node and `tokens[n]` lists the ids whose bytes end exactly at `n`. `levels` is the same tree laid
+out breadth-first as numpy arrays for the vectorised walk. One trie is built per vocabulary
+object and shared by every grammar compiled against it.
 """
 
 from __future__ import annotations
@@ -38,11 +39,6 @@ class TokenTrie:
                     self.children[node][byte] = child
                 node = child
             self.tokens[node].append(tid)
-        # Per-node items for the walk: ((byte, child, has_tokens), ...), cheaper than dicts.
-        self.edges = [
-            tuple((b, c, bool(self.tokens[c])) for b, c in sorted(kids.items()))
-            for kids in self.children
-        ]
         self.n_words = (self.vocab_size + 31) // 32
         self._build_levels()
         self.eos_bits = self.to_bits(sorted(t for t in self.eos_token_ids if t < self.vocab_size))
@@ -86,9 +82,6 @@ class TokenTrie:
         flags = np.zeros(self.n_words * 32, dtype=bool)
         flags[ids] = True
         return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
-
-    def node_tokens(self, node: int) -> list[int]:
-        return self.tokens[node]
 
     def __len__(self) -> int:
         return len(self.children)
