@@ -26,7 +26,11 @@ def run(argv: list[str] | None = None, prog: str = "python -m loom.launch_server
         args = ServerArgs.from_cli_args(ns)
     except ValueError as e:
         parser.error(str(e))
-    return launch_server(args)
+    try:
+        return launch_server(args)
+    except (ValueError, RuntimeError) as e:  # start-up failures: say what, without a traceback
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
 
 
 def main(argv: list[str] | None = None) -> None:
