@@ -1,6 +1,6 @@
 """Programs on asyncio: `await f.run_async(...)` runs a program's states as tasks on the
-running event loop (no thread per state); `async def` programs can `await s.aget(name)`, and
-`text_async_iter` streams.
+running event loop (no thread per state); `async def` programs can `await s.aget(name)` to
+use a result mid-program, and `text_async_iter` streams.
 
     python examples/async_program.py [model_path]
 """
@@ -14,29 +14,29 @@ import loom as sgl
 
 
 @sgl.function
-async def plan_then_answer(s, question):
-    s += sgl.user(question)
-    with s.assistant():
-        s += "Plan: " + sgl.gen("plan", max_tokens=24, stop="\n")
-        plan = await s.aget("plan")  # read mid-program without blocking the loop
-        s += f"\nFollowing the plan ({len(plan.split())} words), the answer is:"
-        s += sgl.gen("answer", max_tokens=24)
+async def capital_then_chat(s, country):
+    s += sgl.user(f"What is the capital of {country}? Answer in one word.")
+    s += sgl.assistant(sgl.gen("capital", max_tokens=8))
+    city = (await s.aget("capital")).strip(" .")  # read mid-program without blocking the loop
+    s += sgl.user(f"Tell me something about {city}.")
+    s += sgl.assistant(sgl.gen("about", max_tokens=32))
 
 
 @sgl.function
-def haiku(s, topic):
-    s += f"A haiku about {topic}:\n" + sgl.gen("poem", max_tokens=32)
+def story(s, animal):
+    s += sgl.user(f"Write a short story about a clever {animal}.")
+    s += sgl.assistant(sgl.gen("story", max_tokens=48))
 
 
 async def amain(backend) -> list:
-    questions = ["Why is the sky blue?", "How do plants grow?", "What is a prime number?"]
+    countries = ["France", "Japan", "Brazil"]
     states = await asyncio.gather(
-        *(plan_then_answer.run_async(question=q, backend=backend, temperature=0) for q in questions)
+        *(capital_then_chat.run_async(country=c, backend=backend, temperature=0) for c in countries)
     )
-    for q, s in zip(questions, states):
-        print(f"{q}\n  plan: {s['plan'].strip()}\n  answer: {s['answer'].strip()}")
-    streamed = await haiku.run_async(topic="autumn", backend=backend, stream=True)
-    async for chunk in streamed.text_async_iter("poem"):
+    for c, s in zip(countries, states):
+        print(f"{c}: {s['capital'].strip()} | {s['about'].strip()}")
+    streamed = await story.run_async(animal="owl", backend=backend, stream=True)
+    async for chunk in streamed.text_async_iter("story"):
         print(chunk, end="", flush=True)
     print()
     return [*states, streamed]

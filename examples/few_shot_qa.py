@@ -1,5 +1,6 @@
-"""Few-shot question answering over a batch: the shared few-shot prefix is prefilled once
-(run_batch traces the program for its constant prefix) and every question reuses it.
+"""Few-shot question answering over a batch. `run_batch` runs the programs concurrently (the
+scheduler batches them); it traces the program first and prefills the constant few-shot prefix
+once, so every question reuses its KV from the radix cache.
 
     python examples/few_shot_qa.py [model_path]
 """
@@ -10,34 +11,27 @@ import sys
 
 import loom as sgl
 
-FEW_SHOT = """Answer each question in a few words.
-
-Question: What is the capital of Germany?
-Answer: Berlin
-
-Question: How many legs does a spider have?
-Answer: Eight
-
-Question: What color is the sky on a clear day?
-Answer: Blue
-
-"""
+FEW_SHOT = (
+    "Q: What is the capital of Germany?\nA: Berlin\n"
+    "Q: What currency is used in Japan?\nA: yen\n"
+    "Q: Which city is the capital of Kenya?\nA: Nairobi\n"
+)
 
 
 @sgl.function
 def few_shot_qa(s, question):
     s += FEW_SHOT
-    s += "Question: " + question + "\n"
-    s += "Answer:" + sgl.gen("answer", max_tokens=16, stop="\n")
+    s += "Q: " + question + "\n"
+    s += "A:" + sgl.gen("answer", max_tokens=12, stop="\n")
 
 
 QUESTIONS = [
     "What is the capital of France?",
-    "How many days are in a week?",
-    "What is 2 + 3?",
-    "Which animal says meow?",
-    "What is frozen water called?",
-    "What is the opposite of hot?",
+    "What is the currency of Sweden?",
+    "Which city is the capital of Canada?",
+    "What currency is used in India?",
+    "What is the capital of Peru?",
+    "What is the capital of Egypt?",
 ]
 
 

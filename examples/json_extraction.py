@@ -1,5 +1,5 @@
-"""Information extraction into JSON, constrained by a JSON schema (decoding can only produce
-text the schema accepts).
+"""Information extraction into JSON, constrained by a JSON schema: decoding can only produce
+text the schema accepts, so the result always parses.
 
     python examples/json_extraction.py [model_path]
 """
@@ -14,33 +14,34 @@ import loom as sgl
 PERSON_SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 20},
+        "name": {"type": "string", "maxLength": 24},
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "city": {"type": "string", "maxLength": 20},
+        "job": {"type": "string", "maxLength": 24},
     },
-    "required": ["name", "age", "city"],
+    "required": ["name", "age", "job"],
     "additionalProperties": False,
 }
+
+TEXTS = [
+    "Alice Moreau is 34 and lives in Paris. Alice works as a teacher and enjoys chess.",
+    "Bob, a 52-year-old doctor from Madrid, likes hiking and painting.",
+]
 
 
 @sgl.function
 def extract_person(s, text):
-    s += sgl.user("Extract the person as JSON with name, age and city.\n\n" + text)
-    s += sgl.assistant(sgl.gen("person", max_tokens=96, json_schema=PERSON_SCHEMA))
+    s += sgl.user("Extract the name, age and job as JSON: " + text)
+    s += sgl.assistant(sgl.gen("person", max_tokens=64, json_schema=PERSON_SCHEMA))
 
 
-def main(backend=None) -> sgl.ProgramState:
-    state = extract_person.run(
-        text="Alice is 31 years old and lives in Paris, where she works as a baker.",
-        backend=backend,
-        temperature=0,
-    )
-    raw = state["person"]
-    try:
-        print(json.dumps(json.loads(raw), indent=2))
-    except json.JSONDecodeError:
-        print("not JSON (is grammar-constrained decoding enabled?):", raw)
-    return state
+def main(backend=None) -> list:
+    states = extract_person.run_batch([{"text": t} for t in TEXTS], backend=backend, temperature=0)
+    for s in states:
+        try:
+            print(json.loads(s["person"]))
+        except json.JSONDecodeError:
+            print("not JSON (is grammar-constrained decoding enabled?):", s["person"])
+    return states
 
 
 if __name__ == "__main__":

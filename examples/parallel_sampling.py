@@ -1,5 +1,5 @@
 """Parallel sampling: `gen(n=...)` draws several completions of one prompt in one request;
-`fork` explores branches that each continue differently. Both share the prompt's KV.
+`fork` sends different follow-ups from one shared context. Both reuse the prompt's KV.
 
     python examples/parallel_sampling.py [model_path]
 """
@@ -12,27 +12,33 @@ import loom as sgl
 
 
 @sgl.function
-def brainstorm(s, topic):
-    s += sgl.user(f"Suggest a name for {topic}.")
-    s += sgl.assistant(sgl.gen("names", n=4, max_tokens=16, temperature=1.0, stop="\n"))
+def stories(s, animal):
+    s += sgl.user(f"Write a short story about a brave {animal}.")
+    s += sgl.assistant(sgl.gen("story", n=3, max_tokens=40, temperature=1.0))
 
 
 @sgl.function
-def styles(s, topic):
-    s += f"Three short descriptions of {topic}.\n"
+def three_questions(s, country):
+    s += sgl.system("You are a helpful assistant. Answer briefly.")
     forks = s.fork(3)
-    for f, style in zip(forks, ["Formal", "Playful", "Poetic"]):
-        f += f"{style}: " + sgl.gen("desc", max_tokens=24, stop="\n")
+    questions = [
+        f"What is the capital of {country}?",
+        f"What currency is used in {country}?",
+        "What is 6 + 7?",
+    ]
+    for f, q in zip(forks, questions):
+        f += sgl.user(q)
+        f += sgl.assistant(sgl.gen("answer", max_tokens=16))
     forks.join()
 
 
 def main(backend=None) -> tuple:
-    a = brainstorm.run(topic="a bakery", backend=backend)
-    for name in a["names"]:
-        print("name:", name.strip())
-    b = styles.run(topic="the sea", backend=backend, temperature=0.7)
-    for desc in b["desc"]:
-        print("desc:", desc.strip())
+    a = stories.run(animal="fox", backend=backend)
+    for story in a["story"]:
+        print("story:", story.strip())
+    b = three_questions.run(country="Italy", backend=backend, temperature=0)
+    for answer in b["answer"]:
+        print("answer:", answer.strip())
     return a, b
 
 

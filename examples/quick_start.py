@@ -14,15 +14,15 @@ import loom as sgl
 def multi_turn_question(s, question_1, question_2):
     s += sgl.system("You are a helpful assistant.")
     s += sgl.user(question_1)
-    s += sgl.assistant(sgl.gen("answer_1", max_tokens=64))
+    s += sgl.assistant(sgl.gen("answer_1", max_tokens=32))
     s += sgl.user(question_2)
-    s += sgl.assistant(sgl.gen("answer_2", max_tokens=64))
+    s += sgl.assistant(sgl.gen("answer_2", max_tokens=32))
 
 
 def main(backend=None) -> sgl.ProgramState:
     state = multi_turn_question.run(
         question_1="What is the capital of France?",
-        question_2="List two sights there.",
+        question_2="What currency is used in Japan?",
         backend=backend,
         temperature=0,
     )

@@ -1,6 +1,6 @@
-"""A ReAct tool-use agent: the model thinks, picks an action with `select` (so the action is
-always a valid tool), writes its argument, and the program runs the tool and appends the
-observation, until the model picks `finish`.
+"""A ReAct tool-use agent. The model writes a thought; `select` decides between acting and
+answering and picks the tool (so it is always a real tool); the program runs the tool and
+appends the observation, until the model gives its final answer.
 
     python examples/react_agent.py [model_path]
 """
@@ -8,15 +8,28 @@ observation, until the model picks `finish`.
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import sys
 
 import loom as sgl
 
-FACTS = {
-    "paris": "Paris is the capital of France, with about 2.1 million inhabitants.",
-    "france": "France is a country in Western Europe; its capital is Paris.",
-    "berlin": "Berlin is the capital of Germany.",
+TOOLS_SYSTEM = (
+    "You are a helpful assistant. You can use these tools:\n"
+    'search: look up facts about countries and people. Input: {"query": string}\n'
+    'calculator: evaluate arithmetic. Input: {"expression": string}\n'
+    'get_weather: current weather in a city. Input: {"city": string}\n'
+    "Use this format:\nThought: ...\nAction: tool name\nAction Input: JSON\n"
+    "Observation: tool result\n... (repeat as needed)\nThought: I now know the final answer.\n"
+    "Final Answer: the answer"
+)
+
+COUNTRIES = {
+    "France": ("Paris", "euro"),
+    "Spain": ("Madrid", "euro"),
+    "Japan": ("Tokyo", "yen"),
+    "Sweden": ("Stockholm", "Swedish krona"),
+    "Canada": ("Ottawa", "Canadian dollar"),
 }
 
 _OPS = {
@@ -28,7 +41,7 @@ _OPS = {
 }
 
 
-def calculate(expression: str) -> str:
+def calculator(args: dict) -> str:
     def ev(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
@@ -39,47 +52,60 @@ def calculate(expression: str) -> str:
         raise ValueError("unsupported")
 
     try:
-        return str(ev(ast.parse(expression.strip(), mode="eval").body))
+        return str(ev(ast.parse(str(args.get("expression", "")), mode="eval").body))
     except (SyntaxError, ValueError, ZeroDivisionError):
         return "error: not an arithmetic expression"
 
 
-def search(query: str) -> str:
-    words = [w.strip(".,?!").lower() for w in query.split()]
-    hits = [FACTS[w] for w in words if w in FACTS]
-    return " ".join(hits) if hits else "no results"
+def search(args: dict) -> str:
+    query = str(args.get("query", ""))
+    for country, (capital, currency) in COUNTRIES.items():
+        if country.lower() in query.lower():
+            return f"{country}: capital {capital}; currency {currency}."
+    return "no results"
 
 
-TOOLS = {"search": search, "calculate": calculate}
+def get_weather(args: dict) -> str:
+    city = str(args.get("city", "?"))
+    return f"{10 + len(city) % 15}°C, sunny"
 
-INSTRUCTIONS = """Answer the question. Use the tools when useful.
-Tools: search[query] looks up facts; calculate[expression] does arithmetic.
-Format:
-Thought: <reasoning>
-Action: search | calculate | finish
-Input: <tool input, or the final answer for finish>
-Observation: <tool result>
-"""
+
+TOOLS = {"search": search, "calculator": calculator, "get_weather": get_weather}
+
+
+def parse_input(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 @sgl.function
 def react(s, question, max_steps=3):
-    s += INSTRUCTIONS + "\nQuestion: " + question + "\n"
-    for step in range(max_steps):
-        s += "Thought:" + sgl.gen(f"thought_{step}", max_tokens=32, stop="\n") + "\n"
-        s += "Action: " + sgl.select(f"action_{step}", choices=["search", "calculate", "finish"])
-        s += "\nInput:" + sgl.gen(f"input_{step}", max_tokens=24, stop="\n") + "\n"
-        action = s[f"action_{step}"]
-        if action == "finish":
-            return s[f"input_{step}"].strip()
-        s += "Observation: " + TOOLS[action](s[f"input_{step}"]) + "\n"
-    s += "Final answer:" + sgl.gen("final", max_tokens=24, stop="\n")
-    return s["final"].strip()
+    s += sgl.system(TOOLS_SYSTEM)
+    s += sgl.user(question)
+    with s.assistant():
+        for step in range(max_steps):
+            s += "Thought:" + sgl.gen(f"thought_{step}", max_tokens=24, stop="\n") + "\n"
+            s += sgl.select(f"next_{step}", choices=["Action", "Final Answer"])
+            if s[f"next_{step}"] == "Final Answer":
+                break
+            s += ": " + sgl.select(f"tool_{step}", choices=list(TOOLS))
+            s += "\nAction Input: " + sgl.gen(f"input_{step}", max_tokens=24, stop="\n")
+            result = TOOLS[s[f"tool_{step}"]](parse_input(s[f"input_{step}"]))
+            s += "\nObservation: " + result + "\n"
+        else:
+            s += "Thought: I now know the final answer.\nFinal Answer"
+        s += ":" + sgl.gen("answer", max_tokens=32, stop="\n")
+    return s["answer"].strip()
 
 
 def main(backend=None) -> sgl.ProgramState:
-    state = react.run(question="What is the capital of France?", backend=backend, temperature=0)
-    print(state.text())
+    state = react.run(
+        question="Look up the capital and currency of Spain.", backend=backend, temperature=0
+    )
+    print(state.messages()[-1]["content"])
     print("=> answer:", state.ret_value)
     return state
 

@@ -12,13 +12,13 @@ import loom as sgl
 
 
 @sgl.function
-def story(s, topic):
-    s += sgl.user(f"Tell a very short story about {topic}.")
-    s += sgl.assistant(sgl.gen("story", max_tokens=64))
+def story(s, animal):
+    s += sgl.user(f"Tell me a story about a {animal} who wants to fly.")
+    s += sgl.assistant(sgl.gen("story", max_tokens=80))
 
 
 def main(backend=None) -> sgl.ProgramState:
-    state = story.run(topic="a lighthouse", backend=backend, stream=True, temperature=0.7)
+    state = story.run(animal="turtle", backend=backend, stream=True, temperature=0.7)
     chunks = []
     for chunk in state.text_iter("story"):
         chunks.append(chunk)

@@ -1,6 +1,7 @@
-"""Tree of thought: fork the state into several lines of reasoning, let the model judge each
-one, gather the judgements back with `join()`, and continue from the best branch.
-The question is sent once; every branch reuses its KV from the radix cache.
+"""Tree of thought, one level deep: fork the conversation into several sampled answers,
+gather them back with `join()`, then let the model score every distinct candidate with
+`select` and continue from the best. The question is prefilled once; every branch reuses
+its KV from the radix cache.
 
     python examples/tree_of_thought.py [model_path]
 """
@@ -13,34 +14,23 @@ import loom as sgl
 
 
 @sgl.function
-def tree_of_thought(s, question, width=3):
-    s += sgl.system("You reason step by step.")
+def tree_of_thought(s, question, width=4):
+    s += sgl.system("You are a helpful assistant.")
     s += sgl.user(question)
     s += sgl.assistant_begin()
     branches = s.fork(width)
-    branches += lambda i: f"Approach {i + 1}: " + sgl.gen("plan", max_tokens=48, stop="\n")
-    branches += "\nIs this approach sound? " + sgl.select("verdict", choices=["yes", "no"])
-    branches.join()  # s["plan"], s["verdict"]: one entry per branch
-    scores = [v == "yes" for v in s["verdict"]]
-    best = scores.index(True) if True in scores else 0
-    s += (
-        "Best approach: "
-        + s["plan"][best].strip()
-        + "\nAnswer: "
-        + sgl.gen("answer", max_tokens=48)
-    )
+    branches += sgl.gen("candidate", max_tokens=24, stop="\n", temperature=1.0)
+    branches.join()  # s["candidate"]: one entry per branch
+    candidates = list(dict.fromkeys(c.strip() for c in s["candidate"] if c.strip()))
+    s += sgl.select("answer", choices=candidates or ["I do not know."])
     s += sgl.assistant_end()
 
 
 def main(backend=None) -> sgl.ProgramState:
-    state = tree_of_thought.run(
-        question="How can I measure 4 liters with a 3-liter and a 5-liter jug?",
-        backend=backend,
-        temperature=0.8,
-    )
-    for i, (plan, verdict) in enumerate(zip(state["plan"], state["verdict"])):
-        print(f"branch {i}: [{verdict}] {plan.strip()}")
-    print("answer:", state["answer"].strip())
+    state = tree_of_thought.run(question="What is 7 * 8?", backend=backend)
+    for i, c in enumerate(state["candidate"]):
+        print(f"branch {i}: {c.strip()}")
+    print("chosen:", state["answer"])
     return state
 
 
