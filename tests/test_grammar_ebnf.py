@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import zlib
 from collections import deque
 
@@ -444,6 +445,45 @@ def test_lark_imports_and_ignore(vocab):
         assert _parses(ref, out.decode()), out
     g = compile_lark('start: "x" STR\n%import common.ESCAPED_STRING -> STR', vocab)
     assert g.accept_bytes(b'x"a\\"b"') and g.is_terminated()
+
+
+LLAMA_CPP_JSON = r"""
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [0-9]{0,15})? ws
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+
+
+def test_llama_cpp_json_gbnf(vocab):
+    """llama.cpp's json.gbnf: bounded repetitions and optionals must not blow up the table."""
+    start = time.perf_counter()
+    g = compile_gbnf(LLAMA_CPP_JSON, vocab)
+    assert time.perf_counter() - start < 5
+    doc = {"a": [1, -2.5e10, "x\n\u00e9"], "b": {"c": None, "d": 123456789012345}}
+    assert g.accept_bytes(json.dumps(doc).encode())
+    assert set(g.allowed_token_ids()) & vocab.eos_token_ids
+    g = compile_gbnf(LLAMA_CPP_JSON, vocab)
+    assert not g.accept_bytes(b'{"d": 12345678901234567}')  # 17 digits > [1-9] [0-9]{0,15}
+    g = compile_gbnf('root ::= "a"{,2} "b"', vocab)
+    assert g.accept_bytes(b"aab") and g.is_terminated()
+    assert not compile_gbnf('root ::= "a"{,2} "b"', vocab).accept_bytes(b"aaa")
 
 
 # --- (5) errors ----------------------------------------------------------------------------

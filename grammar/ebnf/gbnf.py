@@ -23,7 +23,7 @@ _TOKEN = re.compile(
     r"""(?P<ws>[ \t\r]+)|(?P<nl>\n)|(?P<comment>\#[^\n]*)
     |(?P<define>::=)|(?P<name>[A-Za-z_][A-Za-z0-9_-]*)
     |(?P<string>"(?:[^"\\\n]|\\.)*")|(?P<cls>\[(?:[^\]\\\n]|\\.)*\])
-    |(?P<rep>\{\s*\d+\s*(?:,\s*\d*\s*)?\})|(?P<op>[()|*+?.])""",
+    |(?P<rep>\{\s*\d*\s*(?:,\s*\d*\s*)?\})|(?P<op>[()|*+?.])""",
     re.VERBOSE,
 )
 _ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "[": "[", "]": "]"}
@@ -60,6 +60,7 @@ class _Parser:
         self.pos = 0
         self.rule = "?"
         self.literals: dict[str, str] = {}  # regex -> terminal name
+        self.helpers: dict[str, str] = {}  # expression -> helper rule name
 
     def peek(self, ahead: int = 0):
         i = self.pos + ahead
@@ -183,6 +184,14 @@ class _Parser:
             self.error(f"empty character class {text}", line)
         return f"[{'^' if negate else ''}{''.join(parts)}]"
 
+    def hoist(self, expr: str) -> str:
+        """A helper rule for `expr` (deduplicated). Lark expands `?` and alternatives inside
+        a rule by cross product, so nesting stays linear only when groups get rules."""
+        name = self.helpers.get(expr)
+        if name is None:
+            name = self.helpers[expr] = f"g_{len(self.helpers)}"
+        return name
+
     def parse_postfix(self, item: str) -> str:
         while self.peek() is not None and (self.peek()[1] in "*+?" or self.peek()[0] == "rep"):
             kind, text, line = self.peek()
@@ -190,20 +199,24 @@ class _Parser:
             if not item:
                 continue  # repeating the empty string is the empty string
             if kind != "rep":
+                if " " in item.strip("()"):
+                    item = self.hoist(item)
                 item = f"({item}){text}"
                 continue
             nums = text[1:-1].split(",")
-            low = int(nums[0])
+            low = int(nums[0]) if nums[0].strip() else 0
             high = low if len(nums) == 1 else (int(nums[1]) if nums[1].strip() else None)
             if (high is not None and high < low) or max(low, high or 0) > _MAX_UNROLL:
                 self.error(f"bad repetition {text}", line)
-            parts = [f"({item})"] * low
+            unit = self.hoist(item) if " " in item.strip("()") else f"({item})"
+            parts = [unit] * low
             if high is None:
-                parts.append(f"({item})*")
+                parts.append(f"{unit}*")
             elif high > low:
+                # up to k more: g_k: unit g_(k-1) | <empty>, a right-nested chain of rules
                 tail = ""
                 for _ in range(high - low):
-                    tail = f"({item} {tail})?" if tail else f"({item})?"
+                    tail = self.hoist(f"{unit} {tail} |" if tail else f"{unit} |")
                 parts.append(tail)
             item = " ".join(parts)
             item = f"({item})" if item else ""
@@ -243,6 +256,11 @@ def gbnf_to_lark(text: str) -> tuple[str, dict[str, str]]:
                 raise GrammarError(f"GBNF line {line}: rule '{name}' uses undefined rule '{ref}'")
             parts[i] = names[ref]
         lines.append(f"{names[name]}: {''.join(parts)}")
+    for expr, helper in parser.helpers.items():
+        parts = expr.split("\0")
+        for i in range(1, len(parts), 2):
+            parts[i] = names[parts[i]]  # every name was checked in its rule above
+        lines.append(f"{helper}: {''.join(parts)}")
     terminals = {name: regex for regex, name in parser.literals.items()}
     if terminals:
         lines.append("%declare " + " ".join(terminals))
