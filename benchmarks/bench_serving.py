@@ -128,8 +128,15 @@ def engine_saturation(server_args: dict, prompts, output_len: int) -> tuple[floa
         sp = {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
         engine.generate(input_ids=prompts[0], sampling_params={**sp, "max_new_tokens": 1})
         engine.flush_cache()
+
+        async def all_at_once():
+            # one call per request, as the HTTP clients do (not one pre-batched call)
+            return await asyncio.gather(
+                *(engine.async_generate(input_ids=ids, sampling_params=sp) for ids in prompts)
+            )
+
         start = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=sp)
+        outs = asyncio.run(all_at_once())
         duration = time.perf_counter() - start
     finally:
         engine.shutdown()
