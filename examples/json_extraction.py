@@ -14,9 +14,9 @@ import loom as sgl
 PERSON_SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 24},
+        "name": {"type": "string", "maxLength": 20},
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "job": {"type": "string", "maxLength": 24},
+        "job": {"type": "string", "maxLength": 20},
     },
     "required": ["name", "age", "job"],
     "additionalProperties": False,
@@ -31,7 +31,7 @@ TEXTS = [
 @sgl.function
 def extract_person(s, text):
     s += sgl.user("Extract the name, age and job as JSON: " + text)
-    s += sgl.assistant(sgl.gen("person", max_tokens=64, json_schema=PERSON_SCHEMA))
+    s += sgl.assistant(sgl.gen("person", max_tokens=96, json_schema=PERSON_SCHEMA))
 
 
 def main(backend=None) -> list:

@@ -14,7 +14,7 @@ import loom as sgl
 @sgl.function
 def stories(s, animal):
     s += sgl.user(f"Write a short story about a brave {animal}.")
-    s += sgl.assistant(sgl.gen("story", n=3, max_tokens=40, temperature=1.0))
+    s += sgl.assistant(sgl.gen("story", n=3, max_tokens=32, temperature=1.0))
 
 
 @sgl.function
