@@ -98,3 +98,17 @@ def test_flush_cache_refused_while_busy(model):
     ok, _ = sched.flush_cache()
     assert ok and sched.tree_cache.total_size() == 0
     sched.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs", "lof", "random"])
+def test_every_schedule_policy_gives_the_same_tokens(model, policy):
+    shared = _ids(40, 3)
+    prompts = [shared + _ids(5 + i, i) for i in range(5)] + [_ids(30, 20 + i) for i in range(3)]
+    outs = {}
+    for pol in ("fcfs", policy):
+        sched = make_scheduler(model, schedule_policy=pol, max_running_requests=3)
+        for i, p in enumerate(prompts):
+            submit(sched, f"r{i}", p, greedy(6, max_new_tokens=6 + i))
+        res = run_all(sched)
+        outs[pol] = [res[f"r{i}"].ids for i in range(len(prompts))]
+    assert outs[policy] == outs["fcfs"]
