@@ -12,7 +12,8 @@ import loom as sgl
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    eng = sgl.Engine(tiny_model_dir("llama"), max_total_tokens=4096)
+    # Pages of 4 tokens: cache hits are whole pages, which the fork test accounts for.
+    eng = sgl.Engine(tiny_model_dir("llama"), max_total_tokens=4096, page_size=4)
     yield eng
     eng.shutdown()
 
