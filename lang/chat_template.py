@@ -1,6 +1,6 @@
 """Chat templates as role prefixes and suffixes (what `with s.user():` wraps around text).
 
-Built-ins: `default`, `chatml`, `qwen`, `llama-3-instruct`. A model's own Jinja template is
+Built-ins: `default`, `chatml`, `qwen`, `llama-3-instruct` (alias `llama-3`). A model's own Jinja template is
 turned into prefixes/suffixes by rendering probe conversations (`from_tokenizer`); when that
 fails, the template is matched to a built-in by its markers.
 """
@@ -72,6 +72,9 @@ register_chat_template(
         ("<|eot_id|>",),
     )
 )
+
+
+_REGISTRY["llama-3"] = _REGISTRY["llama-3-instruct"]  # the short name
 
 
 def match_by_text(text: str) -> ChatTemplate:
