@@ -103,12 +103,15 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None)
     args = ap.parse_args()
     vocab = build_vocab(args.tokenizer, args.vocab_size)
+    t0 = time.perf_counter()
     get_trie(vocab)  # built once per vocabulary, not per grammar
+    print(f"token trie: {(time.perf_counter() - t0) * 1e3:.0f} ms")
+    compile_lark('start: "x"', vocab)  # lark's own one-time start-up, not a grammar's cost
     n_real = sum(b is not None for b in vocab.token_bytes)
     print(f"vocab: {vocab.vocab_size} ids ({n_real} with bytes); {args.walks} warm walks/grammar")
     print(
         f"{'grammar':<12} {'compile':>8} {'cold p50':>9} {'cold p99':>9} {'warm p50':>9} "
-        f"{'warm p99':>9} {'warm max':>9} {'accept p50':>10}  (ms)"
+        f"{'warm p90':>9} {'warm p99':>9} {'warm max':>9} {'accept p50':>10}  (ms)"
     )
     for name, (lark_text, gbnf_text) in GRAMMARS.items():
         for syntax, text, fn in (
@@ -121,11 +124,10 @@ def main() -> None:
             compile_ms = (time.perf_counter() - t0) * 1e3
             cold, _ = run_walks(lambda fn=fn, text=text: fn(text, vocab), vocab, 3, seed=0)
             warm, acc = run_walks(lambda fn=fn, text=text: fn(text, vocab), vocab, args.walks, 1)
-            print(
-                f"{name + '/' + syntax:<12} {compile_ms:8.1f} {pct(cold, 0.5):9.3f} "
-                f"{pct(cold, 0.99):9.3f} {pct(warm, 0.5):9.3f} {pct(warm, 0.99):9.3f} "
-                f"{max(warm) * 1e3:9.3f} {pct(acc, 0.5):10.3f}"
-            )
+            cells = [pct(cold, 0.5), pct(cold, 0.99), pct(warm, 0.5), pct(warm, 0.9)]
+            cells += [pct(warm, 0.99), max(warm) * 1e3]
+            row = " ".join(f"{c:9.3f}" for c in cells)
+            print(f"{name + '/' + syntax:<12} {compile_ms:8.1f} {row} {pct(acc, 0.5):10.3f}")
 
 
 if __name__ == "__main__":

@@ -76,7 +76,11 @@ def build_compiled(
         analysis = LALR_Analyzer(ParserConf(rules, {}, ["start"]), debug=False, strict=False)
         analysis.compute_lalr()
     except LarkError as exc:
-        raise GrammarError(f"grammar error: {exc}") from exc
+        hint = ""
+        if "Reduce/Reduce" in str(exc):
+            hint = " (the grammar is ambiguous or needs more than LALR(1) look-ahead"
+            hint += "; GBNF rule `x` appears as `r_x`)" if regexes else ")"
+        raise GrammarError(f"grammar error{hint}: {exc}") from exc
     conflicts = _shift_reduce_conflicts(analysis)
     if conflicts:
         logger.warning(

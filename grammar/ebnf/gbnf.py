@@ -50,7 +50,9 @@ class _Parser:
         while pos < len(text):
             m = _TOKEN.match(text, pos)
             if m is None:
-                raise GrammarError(f"GBNF line {line}: unexpected character {text[pos]!r}")
+                what = {'"': "unterminated string literal", "[": "unterminated character class"}
+                problem = what.get(text[pos], f"unexpected character {text[pos]!r}")
+                raise GrammarError(f"GBNF line {line}: {problem}")
             kind = m.lastgroup
             if kind == "nl":
                 line += 1
