@@ -410,6 +410,13 @@ def test_json_whitespace_is_bounded(vocab):
     assert vocab.token_bytes.index(b"1") in g.allowed_token_ids()
 
 
+def test_json_rules_compose_into_other_grammars(vocab):
+    text = 'start: "{\\"data\\": " value "}"\n' + json_lark_grammar(with_start=False)
+    g = compile_lark(text, vocab)
+    assert g.jump_forward() == '{"data": '
+    assert g.accept_bytes(b'{"data": [1, {"b": null}]}') and g.is_terminated()
+
+
 def test_unicode_and_partial_characters(vocab):
     g = compile_gbnf('root ::= "é" [α-ω]+ "😀"', vocab)
     text = "éαβ😀".encode()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+_START = "start: value\n"
 _JSON_LARK = r"""
-start: value
 ?value: object | array | STRING | NUMBER | "true" | "false" | "null"
 object: "{" WS? "}" | "{" WS? member (WS? "," WS? member)* WS? "}"
 member: STRING WS? ":" WS? value
@@ -14,13 +14,14 @@ WS: /[ \t\n]{1,%d}/
 """
 
 
-def json_lark_grammar(max_whitespace: int = 16) -> str:
+def json_lark_grammar(max_whitespace: int = 16, with_start: bool = True) -> str:
     """Lark text for a JSON value (RFC 8259 strings and numbers).
 
     Whitespace is allowed only between tokens and at most `max_whitespace` characters at a
     time, so a model cannot loop on blanks forever. The grammar's rules (`value`, `object`,
-    `member`, `array`) and terminals (`STRING`, `NUMBER`, `WS`) may be reused by name.
+    `member`, `array`) and terminals (`STRING`, `NUMBER`, `WS`) may be reused by name;
+    `with_start=False` leaves out `start: value`, to append them to another grammar.
     """
     if max_whitespace < 1:
         raise ValueError("max_whitespace must be >= 1")
-    return _JSON_LARK % max_whitespace
+    return (_START if with_start else "") + _JSON_LARK % max_whitespace
