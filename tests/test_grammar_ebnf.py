@@ -334,6 +334,20 @@ def test_known_strings(name, syntax, bpe):
             g.accept_token(next(iter(vocab.eos_token_ids)))
 
 
+def test_hand_written_vocab_with_duplicates_and_gaps():
+    tokens = [b"a", b"ab", b"a", None, b"", b"b", b"abc", None]  # ids 3, 7: special; 4: empty
+    vocab = FakeVocab(tokens, {7}, vocab_size=40)  # a model vocab wider than the tokenizer's
+    g = compile_gbnf('root ::= "a" "b"*', vocab)
+    assert g.allowed_token_ids() == [0, 1, 2]
+    bitmask = allocate_token_bitmask(2, 40)
+    g.fill_mask(bitmask, 1)
+    assert torch.all(bitmask[0] == -1)  # other rows untouched
+    assert torch.nonzero(unpack_bitmask(bitmask, 40)[1]).flatten().tolist() == [0, 1, 2]
+    g.accept_token(2)
+    assert g.allowed_token_ids() == [5, 7]
+    assert not g.is_terminated()
+
+
 def test_lalr_conflicts_are_reported(vocab, caplog):
     with caplog.at_level("WARNING", logger="loom.grammar.ebnf.compiler"):
         g = compile_lark('start: x "b"\nx: "b"?\n', vocab)

@@ -1,10 +1,10 @@
 """A prefix tree over the vocabulary's token byte strings.
 
 Masks are computed by walking it against the matcher state, so a byte that kills every branch
-prunes all the tokens below it at once. Nodes are ints; `children[n]` maps a byte to the child
-node and `tokens[n]` lists the ids whose bytes end exactly at `n`. `levels` is the same tree laid
-out breadth-first as numpy arrays for the vectorised walk. One trie is built per vocabulary
-object and shared by every grammar compiled against it.
+prunes all the tokens below it at once. It is stored breadth-first, as numpy arrays for the
+vectorised walk: `levels[d - 1]` holds the nodes at depth d, each one's parent (as a position
+in the level above) and edge byte; `token_node[t]` is the node where token t ends. One trie is
+built per vocabulary object and shared by every grammar compiled against it.
 """
 
 from __future__ import annotations
@@ -22,49 +22,51 @@ class TokenTrie:
     def __init__(self, vocab):
         self.vocab_size = int(vocab.vocab_size)
         self.eos_token_ids = frozenset(int(t) for t in vocab.eos_token_ids)
-        self.children: list[dict[int, int]] = [{}]
-        self.tokens: list[list[int]] = [[]]
-        token_bytes = vocab.token_bytes
-        for tid in range(min(len(token_bytes), self.vocab_size)):
-            data = token_bytes[tid]
-            if not data or tid in self.eos_token_ids:
-                continue  # None: never allowed; b"": would let generation stall forever
-            node = ROOT
-            for byte in data:
-                child = self.children[node].get(byte)
-                if child is None:
-                    child = len(self.children)
-                    self.children.append({})
-                    self.tokens.append([])
-                    self.children[node][byte] = child
-                node = child
-            self.tokens[node].append(tid)
         self.n_words = (self.vocab_size + 31) // 32
-        self._build_levels()
+        token_bytes = vocab.token_bytes
+        items = sorted(
+            (data, tid)
+            for tid, data in enumerate(token_bytes[: self.vocab_size])
+            # None: never allowed; b"": would let generation stall forever
+            if data and tid not in self.eos_token_ids
+        )
+        # Sorted tokens share their prefix with the previous one: only the rest is new nodes.
+        parent, edge, depth = [ROOT], [0], [0]
+        path, prev = [ROOT], b""  # path[d]: the node at depth d on the previous token
+        ids, ends = [], []
+        for data, tid in items:
+            if data != prev:
+                common, limit = 0, min(len(prev), len(data))
+                while common < limit and prev[common] == data[common]:
+                    common += 1
+                del path[common + 1 :]
+                for d in range(common, len(data)):
+                    path.append(len(parent))
+                    parent.append(path[d])
+                    edge.append(data[d])
+                    depth.append(d + 1)
+                prev = data
+            ids.append(tid)
+            ends.append(path[len(data)])
+        self._size = len(parent)
+        self._build_levels(np.array(parent), np.array(edge), np.array(depth))
+        # token id -> its node (a never-alive sentinel node for ids outside the trie)
+        self.token_node = np.full(self.n_words * 32, self._size, dtype=np.int64)
+        self.token_node[np.array(ids, dtype=np.int64)] = np.array(ends, dtype=np.int64)
         self.eos_bits = self.to_bits(sorted(t for t in self.eos_token_ids if t < self.vocab_size))
 
-    def _build_levels(self) -> None:
+    def _build_levels(self, parent: np.ndarray, edge: np.ndarray, depth: np.ndarray) -> None:
         """Breadth-first arrays for the vectorised walk from the root: for each depth d >= 1,
         the nodes at d, the position of each one's parent in level d-1, and the edge byte."""
         self.levels: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        frontier = [ROOT]
-        while True:
-            nodes, parents, bytes_ = [], [], []
-            for pos, node in enumerate(frontier):
-                for byte, child in sorted(self.children[node].items()):
-                    nodes.append(child)
-                    parents.append(pos)
-                    bytes_.append(byte)
-            if not nodes:
-                break
-            self.levels.append(
-                (np.array(nodes, np.int64), np.array(parents, np.int64), np.array(bytes_, np.int64))
-            )
-            frontier = nodes
-        # token id -> its node (a never-alive sentinel node for ids outside the trie)
-        self.token_node = np.full(self.n_words * 32, len(self.children), dtype=np.int64)
-        for node, ids in enumerate(self.tokens):
-            self.token_node[ids] = node
+        order = np.argsort(depth, kind="stable")
+        bounds = np.searchsorted(depth[order], np.arange(depth.max() + 2))
+        position = np.zeros(len(depth), dtype=np.int64)  # index of a node within its level
+        for d in range(len(bounds) - 1):
+            nodes = order[bounds[d] : bounds[d + 1]]
+            position[nodes] = np.arange(len(nodes))
+            if d:
+                self.levels.append((nodes, position[parent[nodes]], edge[nodes]))
 
     def bits_of_nodes(self, alive: np.ndarray) -> int:
         """Bits of the tokens ending at nodes flagged in `alive` (length len(trie) + 1)."""
@@ -84,7 +86,7 @@ class TokenTrie:
         return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
 
     def __len__(self) -> int:
-        return len(self.children)
+        return self._size
 
 
 def get_trie(vocab) -> TokenTrie:
