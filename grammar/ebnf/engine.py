@@ -45,6 +45,7 @@ class CompiledCFG:
         self._mask_limit = max(256, (64 << 20) // (trie.n_words * 4))
         self._next_bytes: dict[State, tuple[int, ...]] = {}
         self._state_ids: dict[State, int] = {}
+        self._start_lex: dict[int, int] = {}
         self._state_list: list[State] = []
         self._dfa_next = np.full((64, 256), UNKNOWN, dtype=np.int32)
         start = parser.start
@@ -52,7 +53,11 @@ class CompiledCFG:
 
     # --- stepping -------------------------------------------------------------------------
     def start_lex(self, stack: int) -> int:
-        return self.lexer.initial(self.parser.allowed(stack))
+        """The empty lexeme on `stack` (the terminals it accepts, plus ignored ones)."""
+        lex = self._start_lex.get(stack)
+        if lex is None:
+            lex = self._start_lex[stack] = self.lexer.initial(self.parser.allowed(stack))
+        return lex
 
     def _end_terminal(self, stack: int, term: int) -> int:
         return stack if term in self.lexer.ignore else self.parser.feed(stack, term)
