@@ -348,6 +348,21 @@ def test_hand_written_vocab_with_duplicates_and_gaps():
     assert not g.is_terminated()
 
 
+def test_with_the_project_token_vocabulary(bpe):
+    """The real `TokenVocabulary` (grammar/vocab.py) gives the same bytes as the test's."""
+    from loom.grammar.vocab import TokenVocabulary
+
+    tok, fake = bpe
+    real = TokenVocabulary.from_tokenizer(tok, vocab_size=fake.vocab_size)
+    assert real.eos_token_ids == fake.eos_token_ids
+    a, b = compile_lark(SQL_LARK, real), compile_lark(SQL_LARK, fake)
+    for tid in tok.encode(VALID["sql"][0]).ids:
+        assert a.allowed_token_ids() == b.allowed_token_ids()
+        a.accept_token(tid)
+        b.accept_token(tid)
+    assert a.is_terminated()
+
+
 def test_lalr_conflicts_are_reported(vocab, caplog):
     with caplog.at_level("WARNING", logger="loom.grammar.ebnf.compiler"):
         g = compile_lark('start: x "b"\nx: "b"?\n', vocab)
