@@ -67,9 +67,12 @@ class EBNFGrammar(Grammar):
         self._history.append(state)
 
     def accept_bytes(self, data: bytes) -> bool:
-        """Advance over raw text (e.g. a jump-forward string) as one step; False if invalid."""
+        """Advance over raw text (e.g. a jump-forward string) as one step (for `rollback`);
+        False, with the state unchanged, if invalid. Empty text is valid and not a step."""
+        if not data:
+            return True
         if self._state is _ENDED:
-            return not data
+            return False
         state = self.compiled.step_bytes(self._state, data)
         if not state:
             return False
