@@ -203,6 +203,63 @@ def test_abort_non_streaming_request(server):
     assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+# --------------------------------------------------------------------------- disconnects
+LONG = {"max_new_tokens": 900, "ignore_eos": True}  # ~900 tokens unless aborted
+
+
+def wait_running(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while requests.get(url + "/server_info").json()["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+
+
+def test_stream_disconnect_aborts_the_request(server):
+    before = wait_idle_and_intact(server.url)["generated_tokens"]
+    body = {"text": "bye", "sampling_params": LONG, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/generate", json=body) as r:
+            lines = r.iter_lines()
+            assert any(next(lines).startswith("data: ") for _ in range(3))
+    info = wait_idle_and_intact(server.url)  # the scheduler dropped it and freed its KV
+    assert info["generated_tokens"] - before < 300
+
+
+def test_openai_stream_disconnect_aborts_the_request(server):
+    before = wait_idle_and_intact(server.url)["generated_tokens"]
+    body = {
+        "model": server.server_args.served_model_name,
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+            next(r.iter_lines())
+    info = wait_idle_and_intact(server.url)
+    assert info["generated_tokens"] - before < 300
+
+
+def test_non_streaming_disconnect_aborts_the_request(server):
+    import socket
+    from urllib.parse import urlparse
+
+    before = wait_idle_and_intact(server.url)["generated_tokens"]
+    payload = json.dumps({"text": "wait", "sampling_params": LONG}).encode()
+    url = urlparse(server.url)
+    sock = socket.create_connection((url.hostname, url.port))
+    sock.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    wait_running(server.url)
+    sock.close()
+    info = wait_idle_and_intact(server.url)
+    assert info["generated_tokens"] - before < 300
+
+
 def test_metrics(server):
     post(server, "/generate", {"text": "metrics", "sampling_params": GREEDY})
     text = requests.get(server.url + "/metrics").text
