@@ -299,6 +299,8 @@ def test_grammar_fields_refused_until_available(client, extra, field):
             "stream_options",
         ),
         ("/v1/completions", {"prompt": [10**9]}, "prompt"),
+        ("/v1/completions", {"prompt": [10**13], "echo": True}, "prompt"),
+        ("/v1/completions", {"prompt": [[-1]], "echo": True}, "prompt"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "role"),
         ("/v1/chat/completions", {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),

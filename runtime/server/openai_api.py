@@ -248,6 +248,11 @@ async def completions(req: CompletionRequest, request: Request):
     else:
         obj["input_ids"] = prompt
         lists = prompt if isinstance(prompt[0], list) else [prompt]
+        vocab = state.tm.vocab_size
+        for ids in lists:
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"prompt: token id {bad[0]} is outside [0, {vocab})")
         texts = [_decode(state, ids) for ids in lists] if req.echo else [""] * len(lists)
     obj["sampling_params"] = sampling_params(
         state, req, req.max_tokens if req.max_tokens is not None else 16
