@@ -8,7 +8,8 @@ some token or cannot end. This is MaskBench's definition; the published figures 
 tokenizer, one thread) are llguidance 8,909, XGrammar 8,122, outlines-core 7,050 of 11,306.
 
     python benchmarks/maskbench_coverage.py [--data ../shared/data/maskbench] [--workers 2]
-        [--timeout 30] [--tokenizer HF_DIR] [--limit N] [--stride K] [--lenient] [--out f.jsonl]
+        [--timeout 30] [--tokenizer HF_DIR] [--limit N] [--stride K] [--lenient]
+        [--spec-additional] [--out f.jsonl]
 
 Each schema runs in a worker process that is killed past --timeout (counted as a failure).
 Without --tokenizer the bundled tokenizer is used when present, else a byte-level BPE trained
@@ -107,7 +108,9 @@ def worker(conn, args):
 
     tok, _ = load_tokenizer(args.tokenizer, args.vocab_size)
     vocab = TokenVocabulary.from_tokenizer(tok)
-    opts = JsonSchemaOptions(lenient=args.lenient)
+    opts = JsonSchemaOptions(
+        lenient=args.lenient, additional_properties_default=args.spec_additional
+    )
     conn.send("ready")
     while True:
         path = conn.recv()
@@ -204,7 +207,12 @@ def main():
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--stride", type=int, default=1)
-    ap.add_argument("--lenient", action="store_true")
+    ap.add_argument("--lenient", action="store_true", help="warn on unenforceable keywords")
+    ap.add_argument(
+        "--spec-additional",
+        action="store_true",
+        help="a missing additionalProperties allows unlisted keys (JSON Schema's rule)",
+    )
     ap.add_argument("--out", default=None, help="write one JSON line per schema here")
     args = ap.parse_args()
     files = sorted(os.path.join(args.data, f) for f in os.listdir(args.data) if f.endswith(".json"))

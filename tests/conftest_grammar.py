@@ -32,7 +32,7 @@ def corpus() -> list[str]:
     return texts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def byte_bpe(vocab_size: int = 1200):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -50,7 +50,7 @@ def byte_bpe(vocab_size: int = 1200):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token="<pad>")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sentencepiece_like():
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast

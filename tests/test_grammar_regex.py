@@ -8,12 +8,12 @@ import re
 
 import pytest
 import torch
-from tests.conftest_grammar import byte_bpe, encode, sentencepiece_like
 
 from loom.grammar.base import GrammarError, allocate_token_bitmask, unpack_bitmask
 from loom.grammar.choices import choices_to_regex
 from loom.grammar.regex_grammar import CompiledRegex, RegexGrammar
 from loom.grammar.vocab import TokenVocabulary
+from tests.conftest_grammar import byte_bpe, encode, sentencepiece_like
 
 PAD_VOCAB = 1300  # model vocabulary padded beyond the tokenizer's 1200 ids
 
@@ -115,7 +115,7 @@ def _utf8_complete(b: bytes) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fsm(pattern: str):
     import interegular
 

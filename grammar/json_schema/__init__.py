@@ -23,6 +23,11 @@ __all__ = [
     "normalize_schema",
 ]
 MAX_REGEX_CHARS = 200_000
+MAX_ANY_IN_REGEX = 1
+
+
+class NeedsCFG(GrammarError):
+    """The schema has no (practical) regex; the CFG engine can take it."""
 
 
 def normalize_schema(spec: Any) -> dict | bool:
@@ -45,20 +50,23 @@ def _options(opts: JsonSchemaOptions | None, kw) -> JsonSchemaOptions:
 
 def json_schema_to_regex(spec: Any, opts: JsonSchemaOptions | None = None, **kw) -> str:
     """The regex of a non-recursive schema's JSON texts (GrammarError if it is recursive)."""
-    schema = normalize_schema(spec)
-    tr = Translator(schema, RegexAlgebra(MAX_REGEX_CHARS), _options(opts, kw))
+    return _to_regex(normalize_schema(spec), _options(opts, kw))[0]
+
+
+def _to_regex(schema, options: JsonSchemaOptions) -> tuple[str, int]:
+    tr = Translator(schema, RegexAlgebra(MAX_REGEX_CHARS), options)
     try:
-        regex = tr.value(schema)
+        return tr.value(schema), tr.any_uses
     except Recursive as e:
-        raise GrammarError(f"recursive $ref {e} cannot be a regex; use the CFG engine") from None
+        raise NeedsCFG(f"recursive $ref {e} cannot be a regex; use the CFG engine") from None
     except TooLarge:
-        raise GrammarError("schema expands to too large a regex") from None
+        raise NeedsCFG("schema expands to too large a regex; use the CFG engine") from None
     except RecursionError:
         raise GrammarError("schema nests too deeply") from None
-    return regex
 
 
 def json_schema_to_lark(spec: Any, opts: JsonSchemaOptions | None = None, **kw) -> str:
+    """A Lark grammar (start rule `start`) for any schema, recursive `$ref`s included."""
     schema = normalize_schema(spec)
     alg = LarkAlgebra()
     tr = Translator(schema, alg, _options(opts, kw), rules=True)
@@ -69,19 +77,26 @@ def json_schema_to_lark(spec: Any, opts: JsonSchemaOptions | None = None, **kw) 
 
 
 def compile_json_schema(spec: Any, vocab, opts: JsonSchemaOptions | None = None, **kw) -> Grammar:
+    """A grammar for `spec` over `vocab`.
+
+    The regex engine (outlines-core) takes schemas it can hold well; recursive schemas, ones
+    too large for a regex, and ones with several free-form values (each "any JSON value"
+    inside a regex multiplies outlines-core's DFA construction time) go to the CFG engine.
+    """
     from ..regex_grammar import CompiledRegex, RegexGrammar
 
     schema = normalize_schema(spec)
     options = _options(opts, kw)
     try:
-        regex = json_schema_to_regex(schema, options)
-    except GrammarError as e:
-        if "recursive $ref" not in str(e):
-            raise
-        try:
-            from ..ebnf import compile_lark
-        except ImportError:
-            raise GrammarError(f"{e}: the CFG engine (loom.grammar.ebnf) is missing") from None
-
-        return compile_lark(json_schema_to_lark(schema, options), vocab)
-    return RegexGrammar(CompiledRegex(regex, vocab))
+        regex, any_uses = _to_regex(schema, options)
+        if any_uses <= MAX_ANY_IN_REGEX:
+            return RegexGrammar(CompiledRegex(regex, vocab))
+    except NeedsCFG as e:
+        reason = str(e)
+    else:
+        reason = f"{any_uses} free-form values"
+    try:
+        from ..ebnf import compile_lark
+    except ImportError:
+        raise GrammarError(f"{reason}, and the CFG engine is missing") from None
+    return compile_lark(json_schema_to_lark(schema, options), vocab)

@@ -66,8 +66,11 @@ class RegexAlgebra:
 class LarkAlgebra:
     """Nodes are (is_pure_regex, text): a pure node is a regex, the rest are Lark expressions."""
 
+    HOIST = 200  # structural expressions longer than this become (deduplicated) rules
+
     def __init__(self):
-        self.rules: dict[str, str] = {}
+        self.rules: dict[str, object] = {}
+        self._hoisted: dict[str, str] = {}
 
     def lit(self, s: str):
         return (True, escape(s))
@@ -78,7 +81,12 @@ class LarkAlgebra:
     def term(self, node) -> str:
         pure, text = node
         if not pure:
-            return f"({text})"
+            if len(text) <= self.HOIST:
+                return f"({text})"
+            name = self._hoisted.get(text)
+            if name is None:
+                name = self._hoisted[text] = f"h{len(self._hoisted)}"
+            return name
         return "/" + text.replace("/", "\\/") + "/"
 
     def seq(self, *parts):
@@ -117,4 +125,5 @@ class LarkAlgebra:
     def grammar(self, start) -> str:
         lines = [f"start: {self.term(start)}"]
         lines += [f"{name}: {self.term(body)}" for name, body in self.rules.items()]
+        lines += [f"{name}: {text}" for text, name in self._hoisted.items()]
         return "\n".join(lines) + "\n"

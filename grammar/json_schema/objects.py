@@ -47,7 +47,9 @@ def object_node(tr, s, path):
     A = tr.A
     props = s.get("properties") or {}
     required = list(s.get("required") or [])
-    addl = s.get("additionalProperties", tr.o.additional_properties_default)
+    # an object schema that lists no properties means "any object", whatever the default
+    default = tr.o.additional_properties_default or "properties" not in s
+    addl = s.get("additionalProperties", default)
     names = list(props)
     for r in required:  # required keys without a schema of their own
         if r not in props:

@@ -38,14 +38,15 @@ _NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 class JsonSchemaOptions:
     """`whitespace_pattern`: regex for the whitespace allowed around every separator; None
     means compact output with at most one space after `,` and `:` (so it cannot loop).
-    `additional_properties_default`: what a missing `additionalProperties` means (True is
-    the JSON Schema rule; False forbids unlisted keys, as OpenAI's strict mode does).
+    `additional_properties_default`: what a missing `additionalProperties` means. False (the
+    default, like xgrammar's strict mode and OpenAI structured outputs) forbids unlisted keys,
+    which is what a model should generate; True is the JSON Schema validation rule.
     `max_any_depth`: nesting allowed inside values the schema leaves free."""
 
     whitespace_pattern: str | None = None
     lenient: bool = False
-    additional_properties_default: bool = True
-    max_any_depth: int = 3
+    additional_properties_default: bool = False
+    max_any_depth: int = 2
 
 
 class Recursive(Exception):
@@ -58,6 +59,7 @@ class Translator:
         self.stack: list[str] = []
         self.rule_names: dict[str, str] = {}
         self._any: dict[int, object] = {}
+        self.any_uses = 0  # free-form values: many of them make outlines-core's DFA build slow
         ws = opts.whitespace_pattern
         A = alg
         if ws is None:
@@ -200,6 +202,9 @@ class Translator:
         return A.lit(_dump(v))
 
     def any_value(self, depth: int):
+        self.any_uses += 1
+        if self.rules:  # a CFG can say "any JSON value" exactly, at any depth
+            return self._any_rule()
         if depth in self._any:
             return self._any[depth]
         A = self.A
@@ -216,6 +221,20 @@ class Translator:
             )
         self._any[depth] = node
         return node
+
+    def _any_rule(self):
+        A = self.A
+        if "json_value" not in A.rules:
+            A.rules["json_value"] = A.leaf("")
+            value, string = A.ref("json_value"), A.leaf(f'"{S.CHAR}*"')
+            member = A.seq(string, self.colon, value)
+            A.rules["json_value"] = A.alt(
+                A.leaf(f"null|true|false|{N.NUMBER}"),
+                string,
+                A.seq(self.lbrack, A.opt(_list(A, value, self.comma)), self.rbrack),
+                A.seq(self.lbrace, A.opt(_list(A, member, self.comma)), self.rbrace),
+            )
+        return A.ref("json_value")
 
     def t_null(self, s, path):
         return self.A.lit("null")
