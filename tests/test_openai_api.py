@@ -336,3 +336,15 @@ def test_chat_template_loading(tmp_path):
     assert load_chat_template(str(j)) == "{{ 1 }}"
     with pytest.raises(ValueError, match="chat_template"):
         load_chat_template("no-such-template")
+    # a name from the language's registry becomes Jinja that renders the same prompt
+    import jinja2
+
+    from loom.chat_template import get_chat_template
+
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": 'a "q"\n'}]
+    for name in ("llama-3-instruct", "default"):
+        rendered = jinja2.Template(load_chat_template(name)).render(
+            messages=msgs, add_generation_prompt=True
+        )
+        roles = get_chat_template(name)
+        assert rendered == roles.get_prompt(msgs) + roles.role_prefix_and_suffix["assistant"][0]

@@ -31,7 +31,8 @@ _BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE}
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """--chat-template: a built-in name, a .jinja/.json file, or the template text itself."""
+    """--chat-template: a .jinja/.json file, the template text itself, or a built-in name
+    (`chatml`, or any name in loom.chat_template's registry, turned into Jinja)."""
     if not value:
         return None
     if value in _BUILTIN_TEMPLATES:
@@ -47,10 +48,30 @@ def load_chat_template(value: str | None) -> str | None:
         return text
     if "{{" in value or "{%" in value:
         return value
-    raise ValueError(
-        f"chat_template: {value!r} is neither a file nor a built-in template "
-        f"({', '.join(_BUILTIN_TEMPLATES)})"
-    )
+    from loom.chat_template import get_chat_template
+
+    try:
+        return jinja_from_roles(get_chat_template(value))
+    except ValueError:
+        raise ValueError(
+            f"chat_template: {value!r} is neither a file, a Jinja template nor a built-in name"
+        ) from None
+
+
+def jinja_from_roles(template) -> str:
+    """A Jinja chat template from the language's role prefixes/suffixes (loom.chat_template)."""
+    roles = template.role_prefix_and_suffix
+    parts = ["{% for message in messages %}"]
+    for i, (role, (prefix, suffix)) in enumerate(roles.items()):
+        keyword = "if" if i == 0 else "elif"
+        parts.append(
+            f"{{% {keyword} message['role'] == {json.dumps(role)} %}}"
+            f"{{{{ {json.dumps(prefix)} + message['content'] + {json.dumps(suffix)} }}}}"
+        )
+    parts.append("{% else %}{{ message['content'] }}{% endif %}{% endfor %}")
+    gen_prefix = roles.get("assistant", ("", ""))[0]
+    parts.append(f"{{% if add_generation_prompt %}}{{{{ {json.dumps(gen_prefix)} }}}}{{% endif %}}")
+    return "".join(parts)
 
 
 def start_runtime_processes(args: ServerArgs, procs: list):
