@@ -94,7 +94,7 @@ class TokenizerManager:
         self.control_waiters: dict[int, asyncio.Future] = {}
         self.dead_reason: str | None = None
         self.watched_processes: list = []
-        self.on_output = None  # metrics hook: called with (state, finished)
+        self.on_output = None  # metrics hook: on_output(state, num_new_tokens, now)
         self._next_control_id = 0
         self._rng = random.Random()
         self._started = False
@@ -172,6 +172,8 @@ class TokenizerManager:
                 raise RequestError("rid: a batch needs a list of rids, one per prompt")
             rid_list = [str(r) for r in rids]
         else:
+            if isinstance(rids, (list, dict)):
+                raise RequestError("rid: a single prompt takes a single rid string")
             rid_list = [str(rids)]
         return_logprob = self._per_item(obj, "return_logprob", False, len(prompts), bool)
         start = self._per_item(obj, "logprob_start_len", -1, len(prompts), int)
@@ -185,8 +187,8 @@ class TokenizerManager:
             except ValueError as e:
                 raise RequestError(f"sampling_params.{e}") from None
             self._check_prompt(input_ids, sp)
-            if top[i] < 0:
-                raise RequestError(f"top_logprobs_num: must be >= 0, got {top[i]}")
+            if not 0 <= top[i] <= self.vocab_size:
+                raise RequestError(f"top_logprobs_num: must be in [0, {self.vocab_size}], got {top[i]}")
             if start[i] >= max(1, len(input_ids)):
                 raise RequestError(
                     f"logprob_start_len: {start[i]} is past the prompt ({len(input_ids)} tokens)"

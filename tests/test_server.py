@@ -294,7 +294,7 @@ def test_native_errors_name_the_field(server):
         ({"input_ids": [10**9]}, "input_ids"),
         ({"text": "a", "input_ids": [1]}, "exactly one"),
         ({"text": 5}, "text"),
-        ({"text": "a", "sampling_params": {"regex": "a+"}}, "regex"),
+        ({"text": "a", "sampling_params": {"regex": "(a+"}}, "regex"),
         ({"text": "a", "unknown_field": 1}, "unknown_field"),
     ]
     for body, needle in cases:

@@ -48,11 +48,6 @@ class ServerState:
     def context_len(self) -> int:
         return self.tm.context_len
 
-    @property
-    def grammar_enabled(self) -> bool:
-        """The scheduler advertises grammar support once constrained decoding is wired."""
-        return bool(self.scheduler_info.get("grammar_enabled", False))
-
 
 class APIError(Exception):
     """An error with an explicit HTTP status (404 model_not_found, 503, ...)."""

@@ -19,7 +19,6 @@ from loom.runtime.server.protocol import (
 
 router = APIRouter()
 
-_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
 _HEALTH_TIMEOUT = 20.0
 _CONTROL_TIMEOUT = 10.0
 
@@ -35,19 +34,6 @@ async def control(state: ServerState, coro) -> Any:
         coro.close()
         raise APIError(503, f"server unavailable: {state.tm.dead_reason}")
     return await asyncio.wait_for(coro, _CONTROL_TIMEOUT)
-
-
-def check_grammar(state: ServerState, params: Any, prefix: str = "") -> None:
-    """Refuse constrained decoding clearly until the scheduler advertises it."""
-    if state.grammar_enabled:
-        return
-    for p in params if isinstance(params, list) else [params]:
-        if isinstance(p, dict):
-            for name in _GRAMMAR_FIELDS:
-                if p.get(name) is not None:
-                    raise APIError(
-                        400, f"{prefix}{name}: grammar-constrained decoding is not available yet"
-                    )
 
 
 async def unless_disconnected(request: Request, coro) -> Any:
@@ -129,7 +115,6 @@ async def generate(body: GenerateRequest, request: Request):
     )
     if isinstance(body.rid, list) and not batch:
         raise APIError(400, "rid: must be a string for a single prompt")
-    check_grammar(state, obj.get("sampling_params"), "sampling_params.")
     if not stream:
         return JSONOut(await unless_disconnected(request, state.tm.generate(obj)))
     agen = state.tm.generate_stream(obj)

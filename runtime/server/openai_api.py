@@ -16,7 +16,6 @@ from fastapi import APIRouter, Request
 
 from loom.runtime.server.app import APIError, JSONOut, ServerState
 from loom.runtime.server.native import (
-    check_grammar,
     prime,
     server_state,
     sse,
@@ -98,13 +97,8 @@ def sampling_params(state: ServerState, req: _SamplingExtras, max_tokens: int) -
             sp[name] = value
     if req.seed is not None:
         sp["sampling_seed"] = req.seed
-    check_grammar(state, sp)
     rf = req.response_format
     if rf is not None and rf.type != "text":
-        if not state.grammar_enabled:
-            raise APIError(
-                400, "response_format: grammar-constrained decoding is not available yet"
-            )
         if rf.type == "json_object":
             sp["json_schema"] = '{"type": "object"}'
         else:
