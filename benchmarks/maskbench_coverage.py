@@ -22,6 +22,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -119,7 +120,7 @@ def worker(conn, args):
         conn.send(check_schema(path, tok, vocab, opts))
 
 
-def run(files: list[str], args) -> list[dict]:
+def run(files: list[str], args, sink=None) -> list[dict]:
     ctx = mp.get_context("fork")
     todo, results, busy = list(reversed(files)), [], {}
 
@@ -159,6 +160,10 @@ def run(files: list[str], args) -> list[dict]:
             del busy[w]
             idle.append(w)
             results.append(rec)
+            if sink is not None:
+                rec["mask_us"] = [round(x, 1) for x in rec["mask_us"]]
+                sink.write(json.dumps(rec) + "\n")
+                sink.flush()
             if len(results) % 200 == 0:
                 n_pass = sum(r["status"] == "pass" for r in results)
                 print(f"[{len(results)}/{len(files)}] pass {n_pass}", flush=True)
@@ -217,14 +222,25 @@ def main():
     args = ap.parse_args()
     files = sorted(os.path.join(args.data, f) for f in os.listdir(args.data) if f.endswith(".json"))
     files = files[:: args.stride][: args.limit]
+    # interleave the subsets, so a run cut short is still a fair sample
+    files = [f for i in range(50) for f in files[i::50]]
     _, tok_name = load_tokenizer(args.tokenizer, args.vocab_size)
+    import loom.grammar.ebnf  # noqa: F401  (loaded before forking: one code version per run)
+    import loom.grammar.json_schema  # noqa: F401
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     t0 = time.time()
-    results = run(files, args)
-    if args.out:
-        with open(args.out, "w") as f:
-            for r in results:
-                f.write(json.dumps({k: v for k, v in r.items() if k != "mask_us"}) + "\n")
+    results: list[dict] = []
+    sink = open(args.out, "w") if args.out else None
+    try:
+        results = run(files, args, sink)
+    except KeyboardInterrupt:
+        print("interrupted: reporting the schemas done so far", flush=True)
+        if args.out:
+            sink.close()
+            results = [json.loads(line) for line in open(args.out)]
     print(report(results, len(files), tok_name))
+    print(f"schemas done: {len(results)} of {len(files)}")
     print(f"wall {time.time() - t0:.0f} s, {args.workers} workers, timeout {args.timeout} s")
 
 

@@ -114,6 +114,23 @@ def test_objects_required_additional():
     assert match({"type": "object", "additionalProperties": True}, {"x": {"y": [1]}})
 
 
+def test_pattern_properties_and_implied_lengths():
+    s = {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}},
+        "patternProperties": {"^x-[a-z]+$": {"type": "string"}},
+    }
+    assert match(s, {"id": 1, "x-foo": "a", "x-bar": "b"}) and match(s, {"id": 1})
+    assert not match(s, {"id": 1, "x-foo": 2}) and not match(s, {"id": 1, "y": "a"})
+    implied = {"type": "string", "pattern": "^[a-z]{2,5}$", "maxLength": 10}
+    assert match(implied, "abc") and not match(implied, "abcdef")
+    with pytest.raises(GrammarError, match="maxLength"):
+        json_schema_to_regex({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3})
+    assert match({"type": "string", "format": "date", "maxLength": 20}, "2020-01-01")
+    huge = {"type": "string", "maxLength": 32767}  # above max_repeat: not counted (logged)
+    assert match(huge, "x" * 600)
+
+
 def test_arrays():
     s = {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3}
     assert match(s, [1]) and match(s, [1, 2, 3]) and not match(s, []) and not match(s, [1] * 4)
@@ -184,6 +201,22 @@ def test_refs_and_recursion():
         parser.parse('{"v":1,"next":{"next":{"v":3}}}')
     with pytest.raises(GrammarError, match="remote"):
         json_schema_to_regex({"$ref": "https://example.com/s.json"})
+
+
+def test_not_forms():
+    assert match({"not": {"type": "string"}}, 1) and not match({"not": {"type": "string"}}, "a")
+    s = {"type": "string", "not": {"enum": ["a", "b"]}}
+    assert match(s, "c") and match(s, "ab") and not match(s, "a")
+    assert match({"anyOf": [{"not": {}}, {"type": "null"}]}, None)
+    assert match({"not": {"not": {"type": "integer"}}}, 1)
+    obj = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "not": {"required": ["a"]},
+    }
+    assert match(obj, {"b": 1}) and not match(obj, {"a": 1})
+    with pytest.raises(GrammarError, match="'not'"):
+        json_schema_to_regex({"not": {"minimum": 3}})
 
 
 def test_unsupported_keyword_named_with_path():

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..base import Grammar, GrammarError
 from .algebra import LarkAlgebra, RegexAlgebra, TooLarge
+from .negation import Unsatisfiable
 from .translate import JsonSchemaOptions, Recursive, Translator
 
 __all__ = [
@@ -23,7 +24,6 @@ __all__ = [
     "normalize_schema",
 ]
 MAX_REGEX_CHARS = 200_000
-MAX_ANY_IN_REGEX = 1
 
 
 class NeedsCFG(GrammarError):
@@ -56,13 +56,15 @@ def json_schema_to_regex(spec: Any, opts: JsonSchemaOptions | None = None, **kw)
 def _to_regex(schema, options: JsonSchemaOptions) -> tuple[str, int]:
     tr = Translator(schema, RegexAlgebra(MAX_REGEX_CHARS), options)
     try:
-        return tr.value(schema), tr.any_uses
+        return tr.value(schema), tr.unkeyed_any
     except Recursive as e:
         raise NeedsCFG(f"recursive $ref {e} cannot be a regex; use the CFG engine") from None
     except TooLarge:
         raise NeedsCFG("schema expands to too large a regex; use the CFG engine") from None
     except RecursionError:
         raise GrammarError("schema nests too deeply") from None
+    except Unsatisfiable as e:
+        raise GrammarError(f"schema admits no value: {e}") from None
 
 
 def json_schema_to_lark(spec: Any, opts: JsonSchemaOptions | None = None, **kw) -> str:
@@ -74,27 +76,32 @@ def json_schema_to_lark(spec: Any, opts: JsonSchemaOptions | None = None, **kw) 
         return alg.grammar(tr.value(schema))
     except RecursionError:
         raise GrammarError("schema nests too deeply") from None
+    except Unsatisfiable as e:
+        raise GrammarError(f"schema admits no value: {e}") from None
 
 
 def compile_json_schema(spec: Any, vocab, opts: JsonSchemaOptions | None = None, **kw) -> Grammar:
     """A grammar for `spec` over `vocab`.
 
     The regex engine (outlines-core) takes schemas it can hold well; recursive schemas, ones
-    too large for a regex, and ones with several free-form values (each "any JSON value"
-    inside a regex multiplies outlines-core's DFA construction time) go to the CFG engine.
+    too large for a regex, and ones with a free-form value that no object key precedes
+    (see Translator.keyed) go to the CFG engine, as does a regex outlines-core refuses.
     """
     from ..regex_grammar import CompiledRegex, RegexGrammar
 
     schema = normalize_schema(spec)
     options = _options(opts, kw)
     try:
-        regex, any_uses = _to_regex(schema, options)
-        if any_uses <= MAX_ANY_IN_REGEX:
-            return RegexGrammar(CompiledRegex(regex, vocab))
+        regex, unkeyed_any = _to_regex(schema, options)
+        if unkeyed_any:
+            raise NeedsCFG("free-form value at the top level")
+        return RegexGrammar(CompiledRegex(regex, vocab))
     except NeedsCFG as e:
         reason = str(e)
-    else:
-        reason = f"{any_uses} free-form values"
+    except GrammarError as e:
+        if "cannot compile regex" not in str(e):
+            raise
+        reason = str(e)
     try:
         from ..ebnf import compile_lark
     except ImportError:

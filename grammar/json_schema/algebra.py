@@ -90,10 +90,19 @@ class LarkAlgebra:
         return "/" + text.replace("/", "\\/") + "/"
 
     def seq(self, *parts):
-        parts = [p for p in parts if p[1]]
-        if all(p[0] for p in parts):
-            return (True, "".join(group(p[1]) for p in parts))
-        return (False, " ".join(self.term(p) for p in parts))
+        # adjacent pure parts fuse into one terminal (", " and the next key lex as one token,
+        # which keeps optional members LALR(1))
+        runs: list = []
+        for p in parts:
+            if not p[1]:
+                continue
+            if p[0] and runs and runs[-1][0]:
+                runs[-1] = (True, runs[-1][1] + group(p[1]))
+            else:
+                runs.append((p[0], group(p[1]) if p[0] else p[1]))
+        if len(runs) == 1:
+            return runs[0]
+        return (False, " ".join(self.term(p) for p in runs))
 
     def alt(self, *parts):
         uniq = list(dict.fromkeys(parts))

@@ -32,6 +32,13 @@ def resolve_pointer(root, ref: str):
     return node
 
 
+_VALIDATION = {
+    "const", "pattern", "format", "multipleOf", "not", "if", "then", "else", "prefixItems",
+    "patternProperties", "propertyNames", "dependencies", "contains", "uniqueItems",
+    "nullable", "$ref",
+}  # fmt: skip
+
+
 def _key(v) -> str:
     return json.dumps(v, sort_keys=True)
 
@@ -96,8 +103,7 @@ def merge(a, b):
             out[k] = list(va) + list(vb)
         elif k in ("$defs", "definitions"):
             out[k] = {**va, **vb}
-        elif k in ("title", "description", "default", "examples", "$comment", "$id", "$schema"):
-            continue
-        else:
+        elif k in _VALIDATION:
             raise MergeError(f"cannot merge two different {k!r} values in allOf")
+        # any other keyword is an annotation: the first value stays
     return out

@@ -4,7 +4,7 @@ Properties are emitted in the order the schema lists them (what a model should g
 keys the schema does not list (when `additionalProperties` allows them) may follow the listed
 ones, with any key that is not a listed name. Optional members make the comma placement the
 only subtle part: `_comma_join` writes "the first present member has no comma, every later one
-has one" without enumerating subsets (quadratic only in the leading run of optional members).
+has one" without enumerating subsets (each member is written at most twice).
 """
 
 from __future__ import annotations
@@ -18,29 +18,30 @@ REQ, OPT, STAR = "required", "optional", "star"
 
 
 def _comma_join(A, comma, slots):
-    """slots: [(kind, member)] in order -> node for their comma-separated sequence."""
-    k = len(slots)
+    """slots: [(kind, member)] in order -> node for their comma-separated sequence, or None
+    when only the empty sequence fits.
 
-    def later(i):  # members from slot i on, after something was already emitted
-        parts = []
-        for kind, m in slots[i:]:
-            cm = A.seq(comma, m)
-            parts.append(cm if kind == REQ else A.opt(cm) if kind == OPT else A.rep(cm, 0, None))
-        return A.seq(*parts) if parts else None
-
-    def first(i):  # members from slot i on, nothing emitted yet; None = may be empty
-        if i == k:
-            return None
-        kind, m = slots[i]
-        rest = later(i + 1)
-        head = A.seq(m, A.rep(A.seq(comma, m), 0, None)) if kind == STAR else m
-        here = A.seq(head, rest) if rest is not None else head
-        if kind == REQ:
-            return here
-        tail = first(i + 1)
-        return A.opt(here) if tail is None else A.alt(here, tail)
-
-    return first(0)
+    Left-nested so each member is written at most twice: with Q = the non-empty sequences
+    over the slots so far and E = "all of them were optional",
+    Q' = Q (,m)? | m      (optional; the `| m` branch only while E holds)
+    Q' = Q ,m | m         (required; then E no longer holds)
+    Q' = Q (,m)* | m(,m)* (any number of extra members)
+    """
+    q, empty_ok = None, True
+    for kind, m in slots:
+        cm = A.seq(comma, m)
+        cont = cm if kind == REQ else A.opt(cm) if kind == OPT else A.rep(cm, 0, None)
+        fresh = A.seq(m, A.rep(cm, 0, None)) if kind == STAR else m
+        if q is None:
+            q = fresh
+        elif empty_ok:
+            q = A.alt(A.seq(q, cont), fresh)
+        else:
+            q = A.seq(q, cont)
+        empty_ok = empty_ok and kind != REQ
+    if q is None:
+        return None
+    return A.opt(q) if empty_ok else q
 
 
 def object_node(tr, s, path):
@@ -49,20 +50,32 @@ def object_node(tr, s, path):
     required = list(s.get("required") or [])
     # an object schema that lists no properties means "any object", whatever the default
     default = tr.o.additional_properties_default or "properties" not in s
-    addl = s.get("additionalProperties", default)
+    addl = s.get("additionalProperties", default and "patternProperties" not in s)
     names = list(props)
     for r in required:  # required keys without a schema of their own
         if r not in props:
             props = {**props, r: addl if isinstance(addl, dict) else True}
             names.append(r)
     slots = []
-    for name in names:
-        m = A.seq(A.lit(json.dumps(name, ensure_ascii=False)), tr.colon)
-        m = A.seq(m, tr.value(props[name], f"{path}/properties/{name}"))
-        slots.append((REQ if name in required else OPT, m))
+    keyed, tr.keyed = tr.keyed, True
+    try:
+        for name in names:
+            m = A.seq(A.lit(json.dumps(name, ensure_ascii=False)), tr.colon)
+            m = A.seq(m, tr.value(props[name], f"{path}/properties/{name}"))
+            slots.append((REQ if name in required else OPT, m))
+        for pat, sub in (s.get("patternProperties") or {}).items():
+            try:
+                key = S.pattern_body(pat)
+            except S.PatternError as e:
+                raise GrammarError(f"{path}/patternProperties: {e}") from None
+            value = tr.value(sub, f"{path}/patternProperties/{pat}")
+            slots.append((STAR, A.seq(A.leaf(f'"{key}"'), tr.colon, value)))
+    finally:
+        tr.keyed = keyed
     if addl is not False:
         plain = all(n.isprintable() and '"' not in n and "\\" not in n for n in names)
-        key = S.not_in_set(names) if plain else S.CHAR + "*"
+        taken = names + list(s.get("x-loom-forbidden", []))
+        key = S.not_in_set(taken) if plain else S.CHAR + "*"
         value = tr.value(addl if isinstance(addl, dict) else True, f"{path}/additionalProperties")
         slots.append((STAR, A.seq(A.leaf(f'"{key}"'), tr.colon, value)))
     body = _comma_join(A, tr.comma, slots)
@@ -78,7 +91,7 @@ def array_node(tr, s, path):
         prefix, rest = items, s.get("additionalItems", True)
     else:
         prefix, rest = [], items if items is not None else True
-    lo, hi = s.get("minItems", 0), s.get("maxItems")
+    lo, hi = s.get("minItems", 0), tr.bound(s.get("maxItems"), "maxItems", path)
     if hi is not None and lo > hi:
         raise GrammarError(f"{path}: minItems {lo} > maxItems {hi} (keyword 'minItems')")
     p_nodes = [tr.value(x, f"{path}/prefixItems/{i}") for i, x in enumerate(prefix[:hi])]

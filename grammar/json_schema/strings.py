@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re._constants as C  # noqa: N812
 import re._parser as sre
+import warnings
 
 _META = set("\\.^$*+?{}[]|()")
 _CLASS_META = set("\\]^-[&~")
@@ -71,7 +72,9 @@ class PatternError(ValueError):
 def pattern_body(pattern: str) -> str:
     """Rewrite an ECMA-style `pattern` into a regex over the serialized string body."""
     try:
-        tree = sre.parse(pattern)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # Python's notes on future syntax
+            tree = sre.parse(pattern)
     except Exception as e:
         raise PatternError(f"cannot parse pattern {pattern!r}: {e}") from None
     if tree.state.flags & (C.SRE_FLAG_IGNORECASE | C.SRE_FLAG_MULTILINE | C.SRE_FLAG_DOTALL):
@@ -81,6 +84,23 @@ def pattern_body(pattern: str) -> str:
     end = _anchored(items, first=False)
     body = _emit(items)
     return ("" if start else CHAR + "*") + f"(?:{body})" + ("" if end else CHAR + "*")
+
+
+def pattern_width(pattern: str) -> tuple[int, int | None]:
+    """(min, max) decoded length of strings a `pattern` accepts (max None = unbounded)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        tree = sre.parse(pattern)
+    items = list(tree)
+    lo, hi = tree.getwidth()
+    if not (_anchored(items, True) and _anchored(items, False)):
+        hi = None
+    return lo, (None if hi is None or hi >= C.MAXREPEAT else hi)
+
+
+def regex_width(regex: str) -> tuple[int, int | None]:
+    """(min, max) length of a fully matched escape-free regex such as a format's."""
+    return pattern_width("^(?:" + regex + ")$")
 
 
 def _anchored(items, first: bool) -> bool:

@@ -19,11 +19,12 @@ from ..base import GrammarError
 from . import numbers as N
 from . import strings as S
 from .merge import MergeError, merge, resolve_pointer
+from .negation import Unsatisfiable, apply_not
 
 log = logging.getLogger(__name__)
 
 UNSUPPORTED = {
-    "not", "if", "patternProperties", "minProperties", "maxProperties", "uniqueItems",
+    "if", "minProperties", "maxProperties", "uniqueItems",
     "contains", "minContains", "maxContains", "dependencies", "dependentRequired",
     "dependentSchemas", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
     "multipleOf", "$dynamicRef", "$recursiveRef",
@@ -41,12 +42,16 @@ class JsonSchemaOptions:
     `additional_properties_default`: what a missing `additionalProperties` means. False (the
     default, like xgrammar's strict mode and OpenAI structured outputs) forbids unlisted keys,
     which is what a model should generate; True is the JSON Schema validation rule.
-    `max_any_depth`: nesting allowed inside values the schema leaves free."""
+    `max_any_depth`: nesting allowed inside values the schema leaves free (regex only; the
+    CFG path allows any depth). `max_repeat`: maxLength/maxItems above this are not enforced
+    (logged): a DFA that counts to 32,767 is too big to build, and max_new_tokens bounds the
+    output anyway."""
 
     whitespace_pattern: str | None = None
     lenient: bool = False
     additional_properties_default: bool = False
     max_any_depth: int = 2
+    max_repeat: int = 512
 
 
 class Recursive(Exception):
@@ -59,7 +64,11 @@ class Translator:
         self.stack: list[str] = []
         self.rule_names: dict[str, str] = {}
         self._any: dict[int, object] = {}
-        self.any_uses = 0  # free-form values: many of them make outlines-core's DFA build slow
+        # A free-form value that no object key precedes (at the root, in a root array or in
+        # root-level extra members) makes outlines-core's DFA build explode: its start-anywhere
+        # search automaton restarts at every nested "{" or "[". Such schemas go to the CFG.
+        self.keyed = False
+        self.unkeyed_any = 0
         ws = opts.whitespace_pattern
         A = alg
         if ws is None:
@@ -84,7 +93,7 @@ class Translator:
         if s is True or s == {}:
             return self.any_value(self.o.max_any_depth)
         if s is False:
-            raise GrammarError(f"{path}: schema 'false' admits no value")
+            raise Unsatisfiable(f"{path}: schema 'false' admits no value")
         if not isinstance(s, dict):
             raise GrammarError(f"{path}: a schema must be an object or a boolean, got {s!r}")
         if "$ref" in s:
@@ -97,6 +106,12 @@ class Translator:
             except MergeError as e:
                 raise GrammarError(f"{path}: {e} (keyword 'allOf')") from None
             return self.value(merged, path)
+        if "not" in s:
+            folded = apply_not(s)
+            if folded is None:
+                self.fail("not", path, "this form of 'not' cannot be enforced by a token mask")
+                folded = {k: v for k, v in s.items() if k != "not"}
+            return self.value(folded, path)
         for kw in UNSUPPORTED & s.keys():
             if not _trivial(kw, s[kw]):
                 self.fail(kw, path, "cannot be enforced by a token mask")
@@ -113,13 +128,16 @@ class Translator:
                 for i, b in enumerate(s[kw]):
                     sub_path = f"{path}/{kw}/{i}"
                     if not _constraining(base):
-                        branches.append(self.value(b, sub_path))
+                        try:
+                            branches.append(self.value(b, sub_path))
+                        except Unsatisfiable:
+                            pass
                         continue
                     try:
                         merged = merge(base, self.deref(b, sub_path))
-                    except MergeError:
+                        branches.append(self.value(merged, sub_path))
+                    except (MergeError, Unsatisfiable):
                         continue  # a branch that contradicts its siblings admits nothing
-                    branches.append(self.value(merged, sub_path))
                 if not branches:
                     raise GrammarError(f"{path}: no {kw} branch is satisfiable")
                 return A.alt(*branches)
@@ -202,7 +220,7 @@ class Translator:
         return A.lit(_dump(v))
 
     def any_value(self, depth: int):
-        self.any_uses += 1
+        self.unkeyed_any += not self.keyed
         if self.rules:  # a CFG can say "any JSON value" exactly, at any depth
             return self._any_rule()
         if depth in self._any:
@@ -264,26 +282,41 @@ class Translator:
             raise GrammarError(f"{path}: number range is empty (keyword 'minimum')")
         return self.A.leaf(r)
 
+    def bound(self, n, keyword: str, path: str):
+        if n is not None and n > self.o.max_repeat:
+            log.info("json schema %s: %s %d is not enforced (above %d)", path, keyword, n,
+                     self.o.max_repeat)  # fmt: skip
+            return None
+        return n
+
     def t_string(self, s, path):
-        lo, hi = s.get("minLength", 0), s.get("maxLength")
-        lengths = lo != 0 or hi is not None
+        lo, hi = s.get("minLength", 0), self.bound(s.get("maxLength"), "maxLength", path)
         if "pattern" in s:
-            if lengths:
-                self.fail("maxLength", path, "minLength/maxLength together with pattern")
             try:
                 body = S.pattern_body(s["pattern"])
+                self._lengths_implied(S.pattern_width(s["pattern"]), lo, hi, path, "pattern")
             except S.PatternError as e:
                 self.fail("pattern", path, str(e))
-                body = S.string_body()
+                body = S.string_body(lo, hi)
         elif s.get("format") in S.FORMATS:
-            if lengths:
-                self.fail("maxLength", path, f"minLength/maxLength with format {s['format']!r}")
             body = S.FORMATS[s["format"]]
+            self._lengths_implied(S.regex_width(body), lo, hi, path, f"format {s['format']!r}")
+        elif "x-loom-not-strings" in s:
+            plain = [v for v in s["x-loom-not-strings"] if v.isprintable() and '"' not in v]
+            if len(plain) < len(s["x-loom-not-strings"]) or "\\" in "".join(plain):
+                self.fail("not", path, "'not' of strings with quotes or escapes")
+            body = S.not_in_set(plain)
         else:
             if "format" in s:
                 log.info("json schema %s: format %r is not enforced", path, s["format"])
             body = S.string_body(lo, hi)
         return self.A.leaf(f'"{body}"')
+
+    def _lengths_implied(self, width, lo, hi, path, what):
+        """A pattern or format decides the length; minLength/maxLength must not narrow it."""
+        wlo, whi = width
+        if wlo < lo or (hi is not None and (whi is None or whi > hi)):
+            self.fail("maxLength", path, f"minLength/maxLength narrowing a {what}")
 
     def t_object(self, s, path):
         from .objects import object_node
