@@ -1,0 +1,1 @@
+"""Pieces of the bundled-model build: fact tables, corpus, tokenizer, training, evaluation split."""
