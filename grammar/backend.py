@@ -12,6 +12,7 @@ compiled tables. A failed compile is cached too, so a bad spec fails fast every 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,7 @@ from .base import Grammar, GrammarError
 from .json_schema import JsonSchemaOptions, compile_json_schema, normalize_schema
 from .vocab import TokenVocabulary
 
+log = logging.getLogger(__name__)
 KINDS = ("regex", "json_schema", "ebnf", "lark", "choices")
 
 
@@ -60,6 +62,9 @@ class GrammarBackend:
                 hit = e
             except RecursionError:
                 hit = GrammarError(f"{kind} spec nests too deeply")
+            except Exception as e:  # an engine bug must not become a server error
+                log.exception("grammar compile failed (%s)", kind)
+                hit = GrammarError(f"cannot compile {kind}: {type(e).__name__}: {e}")
             with self._lock:
                 self._cache[key] = hit
                 while len(self._cache) > self.cache_size:

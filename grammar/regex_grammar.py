@@ -37,6 +37,7 @@ class CompiledRegex:
         self._rows: dict[int, torch.Tensor] = {}
         self._terminal: dict[int, bool] = {}
         self._char_dfa = None
+        self._eos_row: torch.Tensor | None = None
         self._lock = threading.Lock()
 
     # -- token level --------------------------------------------------------------------------
@@ -66,6 +67,14 @@ class CompiledRegex:
             row = torch.from_numpy(packed.astype(np.int32))
             self._rows[state] = row
         return row
+
+    def eos_row(self) -> torch.Tensor:
+        if self._eos_row is None:
+            bits = np.zeros(bitmask_words(self.vocab.vocab_size) * 32, dtype=bool)
+            bits[list(self.vocab.eos_token_ids)] = True
+            packed = np.packbits(bits, bitorder="little").view("<i4")
+            self._eos_row = torch.from_numpy(packed.astype(np.int32))
+        return self._eos_row
 
     def is_terminal(self, state: int) -> bool:
         """Final and nothing but EOS may follow."""
@@ -127,7 +136,10 @@ class RegexGrammar(Grammar):
         return self._states[-1]
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        bitmask[row].copy_(self.compiled.mask_row(self.state))
+        if self._tokens and self._tokens[-1] in self.compiled.vocab.eos_token_ids:
+            bitmask[row].copy_(self.compiled.eos_row())  # finished: nothing but EOS
+        else:
+            bitmask[row].copy_(self.compiled.mask_row(self.state))
 
     def accept_token(self, token_id: int) -> None:
         c = self.compiled

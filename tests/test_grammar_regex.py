@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import random
 import re
 
@@ -40,8 +41,8 @@ def vocab(tok):
     return TokenVocabulary.from_tokenizer(tok, vocab_size=PAD_VOCAB)
 
 
-def allowed_ids(g) -> set[int]:
-    n = g.compiled.vocab.vocab_size
+def allowed_ids(g, n: int | None = None) -> set[int]:
+    n = n or g.compiled.vocab.vocab_size
     bm = allocate_token_bitmask(1, n)
     g.fill_mask(bm, 0)
     return set(unpack_bitmask(bm, n)[0].nonzero().flatten().tolist())
@@ -50,10 +51,10 @@ def allowed_ids(g) -> set[int]:
 def walk(g, ids, vocab) -> bool:
     """Accept `ids` one by one; True if all were allowed and EOS may follow."""
     for t in ids:
-        if t not in allowed_ids(g):
+        if t not in allowed_ids(g, vocab.vocab_size):
             return False
         g.accept_token(t)
-    return bool(allowed_ids(g) & vocab.eos_token_ids)
+    return bool(allowed_ids(g, vocab.vocab_size) & vocab.eos_token_ids)
 
 
 def test_vocab_bytes_roundtrip(tok, vocab):
@@ -217,3 +218,29 @@ def test_choices(tok, vocab):
 def test_bad_regex_is_grammar_error(vocab):
     with pytest.raises(GrammarError, match="cannot compile regex"):
         CompiledRegex("(unclosed", vocab)
+
+
+def test_backend_kinds_cache_and_async(tok):
+    from loom.grammar.backend import GrammarBackend
+
+    backend = GrammarBackend(tok, vocab_size=PAD_VOCAB)
+    assert backend.vocab.vocab_size == PAD_VOCAB
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    g1 = backend.compile("json_schema", schema)
+    g2 = backend.compile("json_schema", json.dumps(schema))  # same normalized spec: cached
+    assert g1 is not g2 and g1.compiled is g2.compiled
+    for t in encode(tok, '{"a": 1}'):
+        g1.accept_token(t)
+    assert g1.is_terminated() and not g2.is_terminated()  # copies do not share positions
+    fut = backend.compile_async("regex", "[0-9]{3}")
+    assert walk(fut.result(timeout=60), encode(tok, "123"), backend.vocab)
+    assert walk(backend.compile("choices", ["yes", "no"]), encode(tok, "no"), backend.vocab)
+    g = backend.compile("ebnf", 'root ::= "a" [0-9]')
+    assert walk(g, encode(tok, "a7"), backend.vocab)
+    with pytest.raises(GrammarError, match="unknown grammar kind"):
+        backend.compile("yaml", "x")
+    with pytest.raises(GrammarError, match="json_schema is not valid JSON"):
+        backend.compile("json_schema", "{not json")
+    with pytest.raises(GrammarError):
+        backend.compile_async("regex", "(").result(timeout=60)
+    backend.shutdown()
