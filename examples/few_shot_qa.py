@@ -1,6 +1,6 @@
 """Few-shot question answering over a batch. `run_batch` runs the programs concurrently (the
-scheduler batches them); it traces the program first and prefills the constant few-shot prefix
-once, so every question reuses its KV from the radix cache.
+scheduler batches them); it traces the program first and prefills the constant few-shot head
+of the user turn once, so every question reuses its KV from the radix cache.
 
     python examples/few_shot_qa.py [model_path]
 """
@@ -20,9 +20,8 @@ FEW_SHOT = (
 
 @sgl.function
 def few_shot_qa(s, question):
-    s += FEW_SHOT
-    s += "Q: " + question + "\n"
-    s += "A:" + sgl.gen("answer", max_tokens=12, stop="\n")
+    s += sgl.user(FEW_SHOT + "Q: " + question + "\nA:")
+    s += sgl.assistant(sgl.gen("answer", max_tokens=12, stop="\n"))
 
 
 QUESTIONS = [

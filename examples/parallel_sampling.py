@@ -24,7 +24,7 @@ def three_questions(s, country):
     questions = [
         f"What is the capital of {country}?",
         f"What currency is used in {country}?",
-        "What is 6 + 7?",
+        "Who are you?",
     ]
     for f, q in zip(forks, questions):
         f += sgl.user(q)

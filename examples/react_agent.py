@@ -92,7 +92,8 @@ def react(s, question, max_steps=3):
             if s[f"next_{step}"] == "Final Answer":
                 break
             s += ": " + sgl.select(f"tool_{step}", choices=list(TOOLS))
-            s += "\nAction Input: " + sgl.gen(f"input_{step}", max_tokens=24, stop="\n")
+            # No space after the colon: the model writes it, as " {" is one token in training.
+            s += "\nAction Input:" + sgl.gen(f"input_{step}", max_tokens=24, stop="\n")
             result = TOOLS[s[f"tool_{step}"]](parse_input(s[f"input_{step}"]))
             s += "\nObservation: " + result + "\n"
         else:

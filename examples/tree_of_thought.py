@@ -27,7 +27,7 @@ def tree_of_thought(s, question, width=4):
 
 
 def main(backend=None) -> sgl.ProgramState:
-    state = tree_of_thought.run(question="What is 7 * 8?", backend=backend)
+    state = tree_of_thought.run(question="What is the capital of Australia?", backend=backend)
     for i, c in enumerate(state["candidate"]):
         print(f"branch {i}: {c.strip()}")
     print("chosen:", state["answer"])
