@@ -18,6 +18,7 @@ from .base import Grammar, GrammarError, bitmask_words
 from .vocab import TokenVocabulary
 
 _NO_JUMP = object()  # the char DFA could not be built: jump-forward is off
+MAX_JUMP_PATTERN = 50_000  # longer regexes take interegular minutes: no jump-forward
 
 
 class CompiledRegex:
@@ -37,6 +38,7 @@ class CompiledRegex:
         self._rows: dict[int, torch.Tensor] = {}
         self._terminal: dict[int, bool] = {}
         self._char_dfa = None
+        self._builder: threading.Thread | None = None
         self._eos_row: torch.Tensor | None = None
         self._lock = threading.Lock()
 
@@ -84,12 +86,28 @@ class CompiledRegex:
 
     # -- character level (jump-forward) -------------------------------------------------------
 
-    def char_dfa(self):
-        """(fsm, live states, symbol -> chars), or None when interegular cannot parse it."""
+    def char_dfa(self, wait: bool = False):
+        """(fsm, live states, symbol -> chars), or None when it is not (yet) available.
+
+        interegular is pure Python and takes seconds on a large JSON-schema regex, so the
+        scheduler never waits for it: the first call starts the build on a daemon thread and
+        jump-forward stays off until it is done. `wait=True` builds it now (tests, warm-up).
+        """
         with self._lock:
-            if self._char_dfa is None:
-                self._char_dfa = _build_char_dfa(self.pattern)
-        return None if self._char_dfa is _NO_JUMP else self._char_dfa
+            if self._char_dfa is None and self._builder is None:
+                if len(self.pattern) > MAX_JUMP_PATTERN:
+                    self._char_dfa = _NO_JUMP
+                else:
+                    self._builder = threading.Thread(target=self._build, daemon=True)
+                    self._builder.start()
+            builder = self._builder
+        if wait and builder is not None:
+            builder.join()
+        dfa = self._char_dfa
+        return None if dfa is None or dfa is _NO_JUMP else dfa
+
+    def _build(self) -> None:
+        self._char_dfa = _build_char_dfa(self.pattern)
 
 
 def _build_char_dfa(pattern: str):
@@ -197,7 +215,7 @@ class RegexGrammar(Grammar):
 
     def _char_state(self) -> tuple:
         """Char-DFA state after all accepted tokens, fed incrementally and cached per token."""
-        fsm, _, _ = self.compiled.char_dfa()
+        fsm, _, _ = self.compiled.char_dfa()  # only called once it is built
         if not self._char_states:
             self._char_states.append((fsm.initial, b""))
         token_bytes = self.compiled.vocab.token_bytes

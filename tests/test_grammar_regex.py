@@ -154,8 +154,10 @@ def test_multibyte_utf8_split_across_tokens(vocab):
 
 
 def test_only_eos_after_complete(tok, vocab):
-    g = RegexGrammar(CompiledRegex("yes", vocab))
+    compiled = CompiledRegex("yes", vocab)
+    g = RegexGrammar(compiled)
     assert not g.is_terminated()
+    compiled.char_dfa(wait=True)  # built in the background otherwise
     assert g.jump_forward() == "yes"
     for t in encode(tok, "yes"):
         g.accept_token(t)
@@ -191,7 +193,9 @@ def test_rollback_copy_and_fill_mask_rows(tok, vocab):
 
 
 def test_jump_forward(tok, vocab):
-    g = RegexGrammar(CompiledRegex(r'\{"name": "[a-z]+", "age": [0-9]+\}', vocab))
+    compiled = CompiledRegex(r'\{"name": "[a-z]+", "age": [0-9]+\}', vocab)
+    g = RegexGrammar(compiled)
+    compiled.char_dfa(wait=True)  # jump_forward() is None until the background build is done
     assert g.jump_forward() == '{"name": "'
     for t in encode(tok, '{"name": "bob'):
         g.accept_token(t)
@@ -203,6 +207,7 @@ def test_jump_forward(tok, vocab):
     assert g.jump_forward() is None
     # inside a multi-byte character: nothing is forced at the char level yet
     u = RegexGrammar(CompiledRegex("é(x|y)", vocab))
+    u.compiled.char_dfa(wait=True)
     assert u.jump_forward() == "é"
 
 
