@@ -85,7 +85,7 @@ class Detokenizer:
         return BatchStrOut(outs)
 
 
-def run_detokenizer_process(args, ipc, ready_pipe) -> None:
+def run_detokenizer_process(args, ipc, owner_pid, ready_pipe) -> None:
     """Process entry: PULL BatchTokenIDOut from the scheduler, PUSH BatchStrOut to the tokenizer
     manager; ControlOut messages pass through unchanged."""
     import zmq
@@ -94,7 +94,7 @@ def run_detokenizer_process(args, ipc, ready_pipe) -> None:
     from loom.runtime.process import configure_child_process
     from loom.runtime.tokenizer import load_tokenizer
 
-    configure_child_process(args, "detokenizer")
+    configure_child_process(args, "detokenizer", owner_pid)
     try:
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
         ctx = zmq.Context()

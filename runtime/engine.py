@@ -22,10 +22,10 @@ class Engine:
     """`Engine(model_path=None, **server_args)`; None means the bundled model."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any):
-        from loom.runtime.model_loader import load_config
+        from loom.runtime.model_loader import check_model_folder
 
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
-        load_config(self.server_args.model_path)  # a bad path fails here, clearly
+        check_model_folder(self.server_args.model_path)  # a bad path fails here, clearly
         self._procs: list = []
         self._closed = False
         try:

@@ -44,16 +44,21 @@ class TokenToKVPool:
         dtype: torch.dtype,
         device: str,
         v_head_dim: int | None = None,
+        padding_slots: int = 1,
     ):
         self.num_slots = num_slots
         shape_k = (num_slots, kv_heads, head_dim)
         shape_v = (num_slots, kv_heads, v_head_dim or head_dim)
+        # Uninitialised: a slot is always written before it is read, except the padding page,
+        # which padded decode positions read (masked out) and so must hold finite values.
         self.k_buffers = [
-            torch.zeros(shape_k, dtype=dtype, device=device) for _ in range(num_layers)
+            torch.empty(shape_k, dtype=dtype, device=device) for _ in range(num_layers)
         ]
         self.v_buffers = [
-            torch.zeros(shape_v, dtype=dtype, device=device) for _ in range(num_layers)
+            torch.empty(shape_v, dtype=dtype, device=device) for _ in range(num_layers)
         ]
+        for buf in self.k_buffers + self.v_buffers:
+            buf[:padding_slots].zero_()
 
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer_id][slots] = k.to(self.k_buffers[layer_id].dtype)

@@ -57,7 +57,13 @@ class ModelRunner:
         self.max_running_requests = max_reqs
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + page, self.device)
         self.token_to_kv_pool = TokenToKVPool(
-            total + page, cfg.num_hidden_layers, kv_heads, head_dim, self.dtype, self.device
+            total + page,
+            cfg.num_hidden_layers,
+            kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            padding_slots=page,
         )
         self.allocator = PagedAllocator(total + page, page, self.device)
         logger.info(

@@ -35,8 +35,20 @@ def configure_logging(level: str) -> None:
     )
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Die when the parent dies, so no process outlives the server."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit_with_parent(owner_pid: int) -> None:
+    """Die when the process that started us dies, so no process outlives the server. The
+    direct parent is the fork server, which itself dies with the owner (PR_SET_PDEATHSIG
+    covers that hop); the watch thread covers the owner directly."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -44,26 +56,38 @@ def _exit_with_parent(parent_pid: int) -> None:
         pass
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while _alive(owner_pid):
             time.sleep(1.0)
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
 
 
-def configure_child_process(args, name: str) -> None:
+def configure_child_process(args, name: str, owner_pid: int) -> None:
     mp.current_process().name = name
     configure_logging(args.log_level)
-    _exit_with_parent(int(os.environ.get("LOOM_PARENT_PID", os.getppid())))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    _exit_with_parent(owner_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner decides when to stop
+
+
+# Children start from a fork server that has already imported the heavy modules, so starting a
+# scheduler costs a fork, not a fresh interpreter importing torch and transformers. The fork
+# server itself is single-threaded, so forking it is safe whatever threads the caller runs.
+_PRELOAD = ["loom.runtime.preload"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def start_process(target, args: tuple, name: str) -> tuple[mp.Process, object]:
-    """Start `target(*args, ready_pipe)` in a spawned process; returns (process, reader end)."""
-    ctx = mp.get_context("spawn")
+    """Start `target(*args, owner_pid, ready_pipe)` in a child process; returns (process, reader
+    end of its ready pipe)."""
+    ctx = _context()
     reader, writer = ctx.Pipe(duplex=False)
-    os.environ["LOOM_PARENT_PID"] = str(os.getpid())
-    proc = ctx.Process(target=target, args=(*args, writer), name=name, daemon=True)
+    proc = ctx.Process(target=target, args=(*args, os.getpid(), writer), name=name, daemon=True)
     proc.start()
     writer.close()
     return proc, reader

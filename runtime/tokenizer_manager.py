@@ -188,7 +188,9 @@ class TokenizerManager:
                 raise RequestError(f"sampling_params.{e}") from None
             self._check_prompt(input_ids, sp)
             if not 0 <= top[i] <= self.vocab_size:
-                raise RequestError(f"top_logprobs_num: must be in [0, {self.vocab_size}], got {top[i]}")
+                raise RequestError(
+                    f"top_logprobs_num: must be in [0, {self.vocab_size}], got {top[i]}"
+                )
             if start[i] >= max(1, len(input_ids)):
                 raise RequestError(
                     f"logprob_start_len: {start[i]} is past the prompt ({len(input_ids)} tokens)"

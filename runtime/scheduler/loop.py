@@ -33,14 +33,14 @@ def handle_message(sched, msg) -> ControlOut | None:
     return None
 
 
-def run_scheduler_process(args, ipc, ready_pipe) -> None:
+def run_scheduler_process(args, ipc, owner_pid, ready_pipe) -> None:
     import torch
     import zmq
 
     from loom.runtime.process import configure_child_process
     from loom.runtime.scheduler.scheduler import Scheduler
 
-    configure_child_process(args, "scheduler")
+    configure_child_process(args, "scheduler", owner_pid)
     try:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         sched = Scheduler(args)
