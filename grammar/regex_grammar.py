@@ -2,9 +2,15 @@
 
 `CompiledRegex` is the shared, immutable part: the outlines-core `Index` (regex DFA x token
 vocabulary), one packed bitmask row per automaton state (built on first use, so `fill_mask` is
-one copy), and, for jump-forward only, a character-level DFA from `interegular` built on first
-use. `RegexGrammar` is one request's position: a stack of automaton states, so `rollback(k)` is
-a pop.
+one copy), and, for jump-forward only, a character-level DFA from `interegular` built in the
+background. `RegexGrammar` is one request's position: a stack of automaton states, so
+`rollback(k)` is a pop.
+
+Why the sentinel: outlines-core's Index drops a token whose bytes run through a point where
+the regex could end and stop where it cannot (its DFA reports matches one byte late), so with
+choices ["a", "abc"] the token "ab" would never be allowed. Compiling `(?:R)` + U+10FFFF moves
+the only match to after the sentinel; "the text is in R" becomes "the sentinel pseudo-token
+is allowed here and completes the match".
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import numpy as np
 import torch
 
 from .base import Grammar, GrammarError, bitmask_words
-from .vocab import TokenVocabulary
+from .vocab import SENTINEL, SENTINEL_BYTES, TokenVocabulary
 
 _NO_JUMP = object()  # the char DFA could not be built: jump-forward is off
 MAX_JUMP_PATTERN = 50_000  # longer regexes take interegular minutes: no jump-forward
@@ -30,12 +36,13 @@ class CompiledRegex:
         self.pattern = pattern
         self.vocab = vocab
         try:
-            self.index = Index(pattern, vocab.outlines_vocabulary())
+            self.index = Index(f"(?:{pattern}){SENTINEL}", vocab.outlines_vocabulary())
         except Exception as e:  # outlines-core raises plain ValueError / RuntimeError
             raise GrammarError(f"cannot compile regex {_short(pattern)!r}: {e}") from None
         self.initial_state: int = self.index.get_initial_state()
         self._outlines_eos = min(vocab.eos_token_ids) if vocab.eos_token_ids else -1
         self._rows: dict[int, torch.Tensor] = {}
+        self._final: dict[int, bool] = {}
         self._terminal: dict[int, bool] = {}
         self._char_dfa = None
         self._builder: threading.Thread | None = None
@@ -50,7 +57,33 @@ class CompiledRegex:
         return self.index.get_next_state(state, token_id)
 
     def is_final(self, state: int) -> bool:
-        return self.index.is_final_state(state)
+        """The text so far is in the language: the sentinel pseudo-token completes a match."""
+        final = self._final.get(state)
+        if final is None:
+            t = self.index.get_next_state(state, self.vocab.sentinel_id)
+            final = self._final[state] = t is not None and self.index.is_final_state(t)
+        return final
+
+    def _spurious(self, state: int, allowed: np.ndarray) -> list[int]:
+        """Tokens allowed in a final state only because they start spelling the sentinel:
+        those whose bytes end in a prefix of it and after which nothing but the rest of it
+        may follow. (A regex that admits U+100000.. there keeps them.)"""
+        tb, out = self.vocab.token_bytes, []
+        for t in allowed.tolist():
+            b = tb[t]
+            for k in (1, 2, 3):
+                if not b.endswith(SENTINEL_BYTES[:k]):
+                    continue
+                after = self.index.get_allowed_tokens(self.index.get_next_state(state, t)) or []
+                rest = SENTINEL_BYTES[k:]
+                if all(
+                    tb[u] is None or rest.startswith(tb[u])
+                    for u in after
+                    if u < self.vocab.vocab_size
+                ):
+                    out.append(t)
+                break
+        return out
 
     def mask_row(self, state: int) -> torch.Tensor:
         """The packed int32 bitmask of tokens allowed in `state` (EOS only if final)."""
@@ -59,11 +92,15 @@ class CompiledRegex:
             allowed = self.index.get_allowed_tokens(state) or []
             bits = np.zeros(bitmask_words(self.vocab.vocab_size) * 32, dtype=bool)
             ids = np.fromiter(allowed, dtype=np.int64)
-            bits[ids[ids < self.vocab.vocab_size]] = True
+            ids = ids[ids < self.vocab.vocab_size]
             if self._outlines_eos >= 0:
-                bits[self._outlines_eos] = False
+                ids = ids[ids != self._outlines_eos]
+            bits[ids] = True
+            final = self.is_final(state)
+            if final:
+                bits[self._spurious(state, ids)] = False
             self._terminal[state] = not bits.any()
-            if self.is_final(state):
+            if final:
                 bits[list(self.vocab.eos_token_ids)] = True
             packed = np.packbits(bits, bitorder="little").view("<i4")
             row = torch.from_numpy(packed.astype(np.int32))

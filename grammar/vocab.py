@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+SENTINEL = "\U0010ffff"  # a noncharacter: ends every regex given to outlines-core
+SENTINEL_BYTES = SENTINEL.encode()
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _CACHE: dict[tuple, tuple[Any, TokenVocabulary]] = {}
 _CACHE_LOCK = threading.Lock()
@@ -94,15 +96,21 @@ class TokenVocabulary:
             token_bytes[tid] = b if b else None  # an empty token could loop forever
         return cls(token_bytes=token_bytes, eos_token_ids=eos, vocab_size=size)
 
+    @property
+    def sentinel_id(self) -> int:
+        """A pseudo-token (past the model's vocabulary) spelling SENTINEL; see regex_grammar."""
+        return self.vocab_size + 1
+
     def outlines_vocabulary(self):
-        """The `outlines_core.Vocabulary` over the same bytes (built once, shared)."""
+        """The `outlines_core.Vocabulary` over the same bytes (built once, shared), plus the
+        sentinel pseudo-token."""
         with self._lock:
             if self._outlines is None:
                 from outlines_core import Vocabulary
 
-                groups: dict[bytes, list[int]] = {}
+                groups: dict[bytes, list[int]] = {SENTINEL_BYTES: [self.sentinel_id]}
                 for tid, b in enumerate(self.token_bytes):
-                    if b is not None:
+                    if b is not None and SENTINEL_BYTES not in b:
                         groups.setdefault(b, []).append(tid)
                 eos = min(self.eos_token_ids) if self.eos_token_ids else self.vocab_size
                 self._outlines = Vocabulary(eos, groups)

@@ -124,8 +124,11 @@ def test_pattern_properties_and_implied_lengths():
     assert not match(s, {"id": 1, "x-foo": 2}) and not match(s, {"id": 1, "y": "a"})
     implied = {"type": "string", "pattern": "^[a-z]{2,5}$", "maxLength": 10}
     assert match(implied, "abc") and not match(implied, "abcdef")
+    both = {"type": "string", "pattern": "^x-[a-z0-9]+$", "minLength": 4, "maxLength": 6}
+    assert match(both, "x-ab") and match(both, "x-abcd") and not match(both, "x-a")
+    assert not match(both, "x-abcde") and not match(both, "x-ABC")
     with pytest.raises(GrammarError, match="maxLength"):
-        json_schema_to_regex({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3})
+        json_schema_to_regex({"type": "string", "pattern": "^(ab|c)+$", "maxLength": 3})
     assert match({"type": "string", "format": "date", "maxLength": 20}, "2020-01-01")
     huge = {"type": "string", "maxLength": 32767}  # above max_repeat: not counted (logged)
     assert match(huge, "x" * 600)

@@ -249,3 +249,35 @@ def test_backend_kinds_cache_and_async(tok):
     with pytest.raises(GrammarError):
         backend.compile_async("regex", "(").result(timeout=60)
     backend.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_random_strings_of_the_language_are_accepted(name, tok, vocab):
+    """Random members of each corpus language (hypothesis), tokenized, walk to the end."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    pattern = CORPUS[name][0]
+    compiled = CompiledRegex(pattern, vocab)
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.from_regex(pattern, fullmatch=True))
+    def check(text):
+        if "\n" in text:
+            return  # python's `$` lets from_regex append a newline
+        assert walk(RegexGrammar(compiled), encode(tok, text), vocab), text
+
+    check()
+
+
+def test_tokens_running_past_a_possible_end():
+    """outlines-core alone drops "ab" for choices ["a", "abc"] (it passes the end of "a")."""
+    pieces = [None, b"a", b"b", b"c", b"ab", b"bc", b"abc", b"\xf4", b"\x8f\xbf\xbf"]
+    v = TokenVocabulary(token_bytes=pieces, eos_token_ids={0}, vocab_size=len(pieces))
+    g = RegexGrammar(CompiledRegex(choices_to_regex(["a", "abc"]), v))
+    assert allowed_ids(g) == {1, 4, 6}  # a, ab, abc
+    g.accept_token(4)
+    assert allowed_ids(g) == {3}
+    g.rollback(1)
+    g.accept_token(1)
+    assert allowed_ids(g) == {0, 2, 5}  # EOS, b, bc; never the sentinel's first bytes

@@ -86,6 +86,37 @@ def pattern_body(pattern: str) -> str:
     return ("" if start else CHAR + "*") + f"(?:{body})" + ("" if end else CHAR + "*")
 
 
+def pattern_with_length(pattern: str, lo: int, hi: int | None) -> str | None:
+    """Body for `pattern` AND lo <= length <= hi, when the pattern is anchored and has one
+    variable part, a repeat of single characters (`^[a-z][a-z0-9-]*$`): its bounds absorb
+    the lengths. None otherwise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        items = list(sre.parse(pattern))
+    if not (_anchored(items, True) and _anchored(items, False)):
+        return None
+    items = [it for it in items if it[0] is not C.AT]
+    fixed, var = 0, None
+    for i, (op, av) in enumerate(items):
+        w = sre.SubPattern(sre.State(), [(op, av)]).getwidth()
+        if w[0] == w[1]:
+            fixed += w[0]
+        elif op is C.MAX_REPEAT and var is None and av[2].getwidth() == (1, 1):
+            var = i
+        else:
+            return None
+    if var is None:
+        return None
+    rlo, rhi, sub = items[var][1]
+    rhi = None if rhi is C.MAXREPEAT else rhi
+    new_lo = max(rlo, lo - fixed)
+    new_hi = rhi if hi is None else (hi - fixed if rhi is None else min(rhi, hi - fixed))
+    if new_hi is not None and new_hi < new_lo:
+        raise PatternError("pattern and minLength/maxLength admit no string")
+    items[var] = (C.MAX_REPEAT, (new_lo, C.MAXREPEAT if new_hi is None else new_hi, sub))
+    return f"(?:{_emit(items)})"
+
+
 def pattern_width(pattern: str) -> tuple[int, int | None]:
     """(min, max) decoded length of strings a `pattern` accepts (max None = unbounded)."""
     with warnings.catch_warnings():

@@ -294,7 +294,13 @@ class Translator:
         if "pattern" in s:
             try:
                 body = S.pattern_body(s["pattern"])
-                self._lengths_implied(S.pattern_width(s["pattern"]), lo, hi, path, "pattern")
+                if lo or hi is not None:
+                    both = S.pattern_with_length(s["pattern"], lo, hi)
+                    if both is not None:
+                        body = both
+                    else:
+                        width = S.pattern_width(s["pattern"])
+                        self._lengths_implied(width, lo, hi, path, "pattern")
             except S.PatternError as e:
                 self.fail("pattern", path, str(e))
                 body = S.string_body(lo, hi)
