@@ -187,7 +187,12 @@ def report(results, total, tok_name) -> str:
     n_pass = status["pass"]
     lines = [
         f"tokenizer: {tok_name}",
-        f"schemas passing: {n_pass} / {total} ({100 * n_pass / max(total, 1):.1f}%)",
+        f"schemas passing: {n_pass} / {total} ({100 * n_pass / max(total, 1):.1f}%)"
+        + (
+            f"; {len(results)} of {total} run, {100 * n_pass / max(len(results), 1):.1f}% of those"
+            if len(results) < total
+            else ""
+        ),
         "by status: " + ", ".join(f"{k} {v}" for k, v in status.most_common()),
         f"compile (to first mask) p50 {pct(compile_s, 50) * 1e3:.1f} ms, "
         f"p99 {pct(compile_s, 99) * 1e3:.1f} ms",
