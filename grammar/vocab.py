@@ -165,7 +165,7 @@ def _encoding_kind(tokenizer: Any, pieces: dict[str, int]) -> str:
         import json
 
         cfg = json.loads(backend.to_str()).get("decoder") or {}
-        text = json.dumps(cfg)
+        text = json.dumps(cfg, ensure_ascii=False)
         if '"ByteLevel"' in text:
             return "byte_level"
         if '"Metaspace"' in text or '"ByteFallback"' in text or "\u2581" in text:
