@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -267,5 +268,32 @@ def test_compiled_grammar_walk():
     for t in encode(tok, '{"name": "héllo", "age": 42}'):
         g.fill_mask(bm, 0)
         assert unpack_bitmask(bm, vocab.vocab_size)[0, t]
+        g.accept_token(t)
+    assert g.is_terminated()
+
+
+BUNDLED = os.path.join(os.path.dirname(__file__), "..", "runtime", "bundled")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(BUNDLED, "tokenizer.json")), reason="no model")
+def test_bundled_tokenizer_padded_vocab():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(BUNDLED)
+    with open(os.path.join(BUNDLED, "config.json")) as f:
+        model_vocab = json.load(f)["vocab_size"]
+    vocab = TokenVocabulary.from_tokenizer(tok, vocab_size=model_vocab)
+    assert vocab.vocab_size == model_vocab and vocab.token_bytes[-1] is None
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string"}},
+        "required": ["capital"],
+    }
+    g = compile_json_schema(schema, vocab)
+    bm = allocate_token_bitmask(1, model_vocab)
+    for t in tok.encode('{"capital": "Paris"}', add_special_tokens=False):
+        g.fill_mask(bm, 0)
+        allowed = unpack_bitmask(bm, model_vocab)[0]
+        assert allowed[t] and not allowed[len(tok) :].any()
         g.accept_token(t)
     assert g.is_terminated()
