@@ -20,7 +20,7 @@ on one input (untimed) first, so grammar compilation and first-call costs are no
 
 `--torch-threads 1` is for shared machines: on a 2-core box at load ~4, torch's two-thread
 kernels contended so badly that an 8-request decode step took 0.24 s instead of 0.005 s, which
-swamps everything measured here. About a minute with it; idle, either way should be similar.
+swamps everything measured here (that run took 6 min; with one thread, under a minute).
 """
 
 from __future__ import annotations
