@@ -8,6 +8,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+# Bound eagerly: the submodule `loom.global_config` shares the name, and whichever import of it
+# came first would otherwise decide whether `loom.global_config` is the module or the object.
+from loom.global_config import global_config  # noqa: E402  (light: no torch)
+
 _LAZY = {
     # language
     "function": "loom.api:function",
@@ -31,7 +35,6 @@ _LAZY = {
     "ProgramState": "loom.state:ProgramState",
     "ProgramStateGroup": "loom.fork:ProgramStateGroup",
     "SglFunction": "loom.program:SglFunction",
-    "global_config": "loom.global_config:global_config",
     "token_length_normalized": "loom.choices:token_length_normalized",
     "greedy_token_selection": "loom.choices:greedy_token_selection",
     "unconditional_likelihood_normalized": "loom.choices:unconditional_likelihood_normalized",
