@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from loom.runtime.req import Req
 
 # Future decode tokens reserved per running request are clipped to this many, as in SGLang.
@@ -97,3 +99,30 @@ class PrefillAdder:
         self.s.req_to_token_pool.free(req.req_pool_idx)
         req.reset_kv()
         return False
+
+
+class InBatchPrefixes:
+    """In-batch prefix sharing: a waiting request that shares a long prefix with one already
+    admitted to this prefill batch (beyond what the cache holds) waits one step, so the
+    shared part is computed once and then read from the radix cache."""
+
+    THRESHOLD = 32
+
+    def __init__(self, tree_cache):
+        from loom.radix.tree import RadixTree
+
+        self.cache = tree_cache
+        self.tree = RadixTree(page_size=1)
+
+    def should_defer(self, req: Req) -> bool:
+        if req.req_pool_idx is not None or self.tree.total_size() == 0:
+            return False
+        shared = len(self.tree.match_prefix(req.fill_ids, extra_key=req.extra_key).indices)
+        if shared < self.THRESHOLD:
+            return False
+        cached = len(self.cache.match_prefix(req.fill_ids, extra_key=req.extra_key).indices)
+        return shared - cached >= self.THRESHOLD
+
+    def add(self, req: Req) -> None:
+        ids = req.fill_ids
+        self.tree.insert(ids, torch.arange(len(ids), dtype=torch.int64), extra_key=req.extra_key)

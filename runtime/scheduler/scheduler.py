@@ -18,20 +18,17 @@ from loom.runtime.io_struct import ReqOutput, TokenizedGenerateReq
 from loom.runtime.req import Req
 from loom.runtime.sampler import SamplingInfo, sample
 from loom.runtime.scheduler.batch import ScheduleBatch
+from loom.runtime.scheduler.decode import INIT_NEW_TOKEN_RATIO, DecodeMixin
 from loom.runtime.scheduler.grammar_queue import GrammarQueue
 from loom.runtime.scheduler.output import OutputMixin
 from loom.runtime.scheduler.policy import order_waiting
-from loom.runtime.scheduler.prefill import PrefillAdder
+from loom.runtime.scheduler.prefill import InBatchPrefixes, PrefillAdder
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO = 0.1
-NEW_TOKEN_RATIO_DECAY = 0.001
 
-
-class Scheduler(OutputMixin):
+class Scheduler(DecodeMixin, OutputMixin):
     def __init__(self, args: ServerArgs, model_runner=None, tokenizer=None):
         from loom.runtime.model_runner import ModelRunner
 
@@ -272,48 +269,6 @@ class Scheduler(OutputMixin):
         req.new_slots = slots
         return slots
 
-    def prepare_decode(self) -> ScheduleBatch | None:
-        """Allocate one slot per running request, retracting requests while KV is short."""
-        while True:
-            need = (
-                sum(self.allocator.pages_needed(r.kv_len, 1) for r in self.running) * self.page_size
-            )
-            short = need - self.allocator.available_size()
-            if short > 0:
-                self.tree_cache.evict(short)
-                short = need - self.allocator.available_size()
-            if short <= 0 or len(self.running) == 1:
-                break
-            self.retract_one()
-        if short > 0:
-            raise RuntimeError(
-                f"KV cache too small: one request needs more than {self.allocator.size} tokens"
-            )
-        for req in self.running:
-            slots = self.alloc_for_req(req, 1)
-            assert slots is not None
-        self.new_token_ratio = max(
-            MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
-        )
-        batch = ScheduleBatch(list(self.running), ForwardMode.DECODE)
-        batch.out_cache_loc = torch.cat([r.new_slots for r in self.running])
-        return batch
-
-    def retract_one(self) -> None:
-        """Put back the running request with the least progress; its KV is released (into the
-        radix cache when enabled) and recomputed when it is admitted again."""
-        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
-        self.running.remove(victim)
-        self._release(victim)
-        victim.reset_kv()
-        victim.retract_count += 1
-        self.waiting.insert(0, victim)
-        self.stats["num_retractions"] += 1
-        self.new_token_ratio = min(
-            1.0, INIT_NEW_TOKEN_RATIO * self.args.schedule_conservativeness * 1.5
-        )
-        logger.info("retracted %s (KV short); %d running", victim.rid, len(self.running))
-
     def _release(self, req: Req) -> None:
         """Hand the request's KV to the prefix cache (which frees what it does not keep)."""
         self.tree_cache.cache_finished_req(req)
@@ -393,33 +348,6 @@ class Scheduler(OutputMixin):
         if hasattr(self.tree_cache, "check_integrity"):
             self.tree_cache.check_integrity()
         assert self.req_to_token_pool.available_size() + len(live) == self.req_to_token_pool.size
-
-
-class InBatchPrefixes:
-    """In-batch prefix sharing: a waiting request that shares a long prefix with one already
-    admitted to this prefill batch (beyond what the cache holds) waits one step, so the
-    shared part is computed once and then read from the radix cache."""
-
-    THRESHOLD = 32
-
-    def __init__(self, tree_cache):
-        from loom.radix.tree import RadixTree
-
-        self.cache = tree_cache
-        self.tree = RadixTree(page_size=1)
-
-    def should_defer(self, req: Req) -> bool:
-        if req.req_pool_idx is not None or self.tree.total_size() == 0:
-            return False
-        shared = len(self.tree.match_prefix(req.fill_ids, extra_key=req.extra_key).indices)
-        if shared < self.THRESHOLD:
-            return False
-        cached = len(self.cache.match_prefix(req.fill_ids, extra_key=req.extra_key).indices)
-        return shared - cached >= self.THRESHOLD
-
-    def add(self, req: Req) -> None:
-        ids = req.fill_ids
-        self.tree.insert(ids, torch.arange(len(ids), dtype=torch.int64), extra_key=req.extra_key)
 
 
 def _make_tree_cache(args: ServerArgs, runner):
