@@ -29,10 +29,12 @@ def make_requests(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
     return reqs
 
 
-def bench_loom(model_path, reqs, max_running):
+def bench_loom(model_path, reqs, max_running, threads):
     import loom
 
-    engine = loom.Engine(model_path, max_running_requests=max_running, random_seed=0)
+    engine = loom.Engine(
+        model_path, max_running_requests=max_running, random_seed=0, cpu_threads=threads
+    )
     try:
         engine.generate(input_ids=[reqs[0][0]], sampling_params={"max_new_tokens": 4})  # warm-up
         engine.flush_cache()
@@ -98,12 +100,18 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-serial", action="store_true", help="skip HF one-at-a-time")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads for both (default: loom's default)"
+    )
     args = parser.parse_args()
 
     import torch
     import transformers
 
-    from loom.runtime.server_args import BUNDLED_MODEL_PATH
+    from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
+
+    threads = args.threads or ServerArgs().effective_cpu_threads
+    torch.set_num_threads(threads)
 
     path = args.model_path or BUNDLED_MODEL_PATH
     tok = transformers.AutoTokenizer.from_pretrained(path)
@@ -113,7 +121,7 @@ def main() -> None:
         f"useful new tokens {sum(m for _, m in reqs)}, torch threads {torch.get_num_threads()}"
     )
 
-    loom_tps, loom_s, timing = bench_loom(path, reqs, max_running=args.num_requests)
+    loom_tps, loom_s, timing = bench_loom(path, reqs, args.num_requests, threads)
     print(f"loom Engine            {loom_tps:9.1f} tok/s  ({loom_s:.2f} s)")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0

@@ -47,6 +47,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     attention_backend: str = "torch"
     random_seed: int = 0
+    cpu_threads: int | None = None
 
     # Grammar
     grammar_backend: str = "loom"
@@ -112,6 +113,11 @@ class ServerArgs:
         )
         need(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
         need(
+            self.cpu_threads is None or self.cpu_threads >= 1,
+            "cpu_threads",
+            f"must be >= 1, got {self.cpu_threads}",
+        )
+        need(
             self.grammar_compile_timeout > 0,
             "grammar_compile_timeout",
             f"must be > 0, got {self.grammar_compile_timeout}",
@@ -125,6 +131,12 @@ class ServerArgs:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def effective_cpu_threads(self) -> int:
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        return max(1, (os.cpu_count() or 2) - 1)
 
     @property
     def effective_chunked_prefill_size(self) -> int | None:
@@ -204,6 +216,7 @@ _HELP = {
     "disable_radix_cache": "Turn off the radix prefix cache",
     "attention_backend": "Attention implementation",
     "random_seed": "Seed of the server's random state",
+    "cpu_threads": "Torch threads of the scheduler on CPU; default: CPU count - 1 (one core is left to the tokenizer and detokenizer processes)",
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
     "grammar_compile_timeout": "Seconds a grammar may take to compile before its request fails",
     "disable_jump_forward": "Turn off grammar jump-forward",

@@ -14,14 +14,20 @@ from loom.runtime.forward_batch import ForwardBatch
 @dataclass
 class _ExtendMeta:
     kv_slots: list[torch.Tensor]  # per request: slots of positions 0 .. seq_len-1
-    masks: list[torch.Tensor]  # per request: [extend_len, seq_len] bool, True = attend
+    masks: list[torch.Tensor | None]  # per request: [extend_len, seq_len] bool (None: causal)
     token_starts: list[int]
+    extend_lens: list[int]
 
 
 @dataclass
 class _DecodeMeta:
-    kv_slots: torch.Tensor  # [B, max_len], padded with slot 0
+    kv_slots: torch.Tensor  # [B * max_len], padded with slot 0
     mask: torch.Tensor  # [B, 1, 1, max_len]
+    max_len: int
+    # gather buffers, allocated by the first layer and reused by the others: index_select into
+    # a preallocated buffer is ~5x faster on CPU than fancy indexing into a fresh tensor
+    k_out: torch.Tensor | None = None
+    v_out: torch.Tensor | None = None
 
 
 def causal_mask(prefix_len: int, extend_len: int, device) -> torch.Tensor:
@@ -43,23 +49,26 @@ class TorchAttnBackend(AttentionBackend):
             slots = table[batch.req_pool_indices, :max_len]
             mask = torch.arange(max_len, device=device)[None, :] < batch.seq_lens[:, None]
             slots = slots.masked_fill(~mask, 0)
-            batch.attn_metadata = _DecodeMeta(slots, mask[:, None, None, :])
+            batch.attn_metadata = _DecodeMeta(slots.reshape(-1), mask[:, None, None, :], max_len)
             return
-        kv_slots, masks, starts = [], [], []
+        kv_slots, masks, starts, exts = [], [], [], []
         start, mask_offset = 0, 0
         req_rows = batch.req_pool_indices.tolist()
         for row, prefix, seq in zip(req_rows, batch.prefix_lens_cpu, batch.seq_lens_cpu):
             ext = seq - prefix
             kv_slots.append(table[row, :seq])
-            mask = causal_mask(prefix, ext, device)
             if batch.custom_mask is not None:
                 custom = batch.custom_mask[mask_offset : mask_offset + ext * seq].view(ext, seq)
                 mask = custom.to(torch.bool)
                 mask_offset += ext * seq
+            else:
+                # no cached prefix: plain causal attention, which takes the fused kernel
+                mask = None if prefix == 0 else causal_mask(prefix, ext, device)
             masks.append(mask)
             starts.append(start)
+            exts.append(ext)
             start += ext
-        batch.attn_metadata = _ExtendMeta(kv_slots, masks, starts)
+        batch.attn_metadata = _ExtendMeta(kv_slots, masks, starts, exts)
 
     def forward_extend(self, q, k, v, layer, batch):
         pool = batch.token_to_kv_pool
@@ -69,13 +78,24 @@ class TorchAttnBackend(AttentionBackend):
         out = torch.empty(
             q.shape[0], layer.num_heads, layer.v_head_dim, dtype=q.dtype, device=q.device
         )
-        for slots, mask, start in zip(meta.kv_slots, meta.masks, meta.token_starts):
-            ext = mask.shape[0]
+        for slots, mask, start, ext in zip(
+            meta.kv_slots, meta.masks, meta.token_starts, meta.extend_lens
+        ):
             qi = q[start : start + ext].transpose(0, 1)  # [H, ext, D]
-            ki = k_buf[slots].transpose(0, 1).to(q.dtype)  # [Hkv, seq, D]
-            vi = v_buf[slots].transpose(0, 1).to(q.dtype)
+            if mask is None:  # the new tokens are the whole sequence: attend to them directly
+                ki, vi = k[start : start + ext], v[start : start + ext]
+            else:
+                ki, vi = k_buf[slots], v_buf[slots]
+            ki = ki.transpose(0, 1).to(q.dtype)  # [Hkv, seq, D]
+            vi = vi.transpose(0, 1).to(q.dtype)
             oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, scale=layer.scaling, enable_gqa=layer.is_gqa
+                qi,
+                ki,
+                vi,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=layer.scaling,
+                enable_gqa=layer.is_gqa,
             )
             out[start : start + ext] = oi.transpose(0, 1)
         return out
@@ -85,8 +105,16 @@ class TorchAttnBackend(AttentionBackend):
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         meta: _DecodeMeta = batch.attn_metadata
-        ks = k_buf[meta.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-        vs = v_buf[meta.kv_slots].transpose(1, 2).to(q.dtype)
+        if meta.k_out is None or meta.k_out.shape[1:] != k_buf.shape[1:]:
+            meta.k_out = k_buf.new_empty((meta.kv_slots.numel(), *k_buf.shape[1:]))
+            meta.v_out = v_buf.new_empty((meta.kv_slots.numel(), *v_buf.shape[1:]))
+        b = q.shape[0]
+        ks = torch.index_select(k_buf, 0, meta.kv_slots, out=meta.k_out)
+        vs = torch.index_select(v_buf, 0, meta.kv_slots, out=meta.v_out)
+        ks = (
+            ks.view(b, meta.max_len, *k_buf.shape[1:]).transpose(1, 2).to(q.dtype)
+        )  # [B, Hkv, L, D]
+        vs = vs.view(b, meta.max_len, *v_buf.shape[1:]).transpose(1, 2).to(q.dtype)
         qs = q.unsqueeze(2)  # [B, H, 1, D]
         out = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=meta.mask, scale=layer.scaling, enable_gqa=layer.is_gqa

@@ -42,7 +42,10 @@ def run_scheduler_process(args, ipc, owner_pid, ready_pipe) -> None:
 
     configure_child_process(args, "scheduler", owner_pid)
     try:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        if args.resolved_device == "cpu":
+            # oversubscribed OpenMP threads spin against the other processes: 20x slower
+            # decode steps were measured on a busy 2-core machine with 2 threads vs 1
+            torch.set_num_threads(args.effective_cpu_threads)
         sched = Scheduler(args)
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
