@@ -57,6 +57,12 @@ def test_number_bounds():
     s = {"type": "number", "minimum": -1, "exclusiveMaximum": 2}
     for v, ok in [(-1, True), (-1.5, False), (-0.5, True), (0, True), (1.999, True), (2, False)]:
         assert match(s, v) == ok, v
+    cents = {"type": "number", "multipleOf": 0.01}
+    assert match(cents, 9.99) and match(cents, 10) and not match(cents, 9.991)
+    whole = {"type": "number", "multipleOf": 1.0}
+    assert match(whole, 3) and not match(whole, 1.5)
+    with pytest.raises(GrammarError, match="multipleOf"):
+        json_schema_to_regex({"type": "number", "multipleOf": 0.3})
     with pytest.raises(GrammarError, match="minimum"):
         json_schema_to_regex({"type": "number", "minimum": 0.5})
     json_schema_to_regex({"type": "number", "minimum": 0.5}, lenient=True)
@@ -71,7 +77,7 @@ def test_strings_lengths_pattern_format():
     assert match(unanchored, "ab123cd") and not match(unanchored, "12")
     assert match({"type": "string", "pattern": '^a"b$'}, 'a"b')
     fmts = {
-        "date": ("2024-02-29", "2024-13-01"),
+        "date": ("2024-02-29", "2024-02-30"),
         "date-time": ("2024-02-29T10:20:30Z", "2024-02-29 10:20"),
         "time": ("10:20:30+01:00", "25:00:00Z"),
         "uuid": ("123e4567-e89b-12d3-a456-426614174000", "123e4567"),

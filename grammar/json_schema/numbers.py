@@ -127,3 +127,16 @@ def number_range(schema: dict) -> str | None:
         if neg is not None:
             parts.append("-" + neg + _NONZERO_FRAC)
     return _alt(parts) if parts else None
+
+
+def decimal_places(m) -> int | None:
+    """k when m == 10**-k (0.1, 0.01, ...), else None."""
+    for k in range(1, 16):
+        if abs(m - 10.0**-k) < 1e-12 * 10.0**-k:
+            return k
+    return None
+
+
+def at_most_decimals(k: int) -> str:
+    """Numbers that are multiples of 10**-k, written without an exponent."""
+    return rf"-?(?:0|[1-9][0-9]*)(?:\.[0-9]{{1,{k}}}0*)?"

@@ -271,6 +271,15 @@ class Translator:
         return self.A.leaf(r)
 
     def t_number(self, s, path):
+        m = s.get("multipleOf")
+        if m is not None:
+            if m == 1:
+                return self.t_integer({k: v for k, v in s.items() if k != "multipleOf"}, path)
+            digits = N.decimal_places(m)
+            if digits is None or any(k in s for k in _NUMBER_KEYS):
+                self.fail("multipleOf", path, f"multipleOf {m} is not supported here")
+            else:
+                return self.A.leaf(N.at_most_decimals(digits))
         if not any(k in s for k in _NUMBER_KEYS):
             return self.A.leaf(N.NUMBER)
         try:
