@@ -18,7 +18,7 @@ import time
 
 def make_requests(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 2][:2000] or ["the"]
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 2)[:2000] or ["the"]
     reqs = []
     for _ in range(n):
         target = rng.randint(10, 400)

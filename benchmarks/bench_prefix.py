@@ -51,6 +51,11 @@ class Runner:
             import torch
             import transformers
 
+            from loom.runtime.server_args import ServerArgs
+
+            # the same thread count loom's scheduler uses, so neither side oversubscribes
+            torch.set_num_threads(ServerArgs().effective_cpu_threads)
+
             self.tok = transformers.AutoTokenizer.from_pretrained(path)
             self.model = transformers.AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.float32

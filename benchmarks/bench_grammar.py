@@ -1,0 +1,289 @@
+"""Grammar engines side by side: loom beside xgrammar and llguidance on the same tokenizers and
+MaskBench schemas, then end-to-end JSON decoding with jump-forward on and off.
+
+For each engine and schema: compile time (schema -> first mask), then the valid instances are
+serialised (`json.dumps`), tokenised and walked token by token; each step times one mask fill
+plus one token accept. Reported: schemas compiled, compile p50/p99, mask p50/p99. Tokenizers:
+the bundled model's (4k) and a 32k byte-level BPE trained here on the MaskBench texts.
+
+    pip install xgrammar llguidance      # bench-only extras
+    python benchmarks/bench_grammar.py [--stride 20] [--skip-e2e]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "maskbench"
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def load_cases(stride: int) -> list[tuple[str, str, list]]:
+    cases = []
+    for path in sorted(DATA.glob("*.json"))[::stride]:
+        doc = json.loads(path.read_text())
+        valid = [t["data"] for t in doc.get("tests", []) if t.get("valid")]
+        if valid:
+            cases.append((path.stem, json.dumps(doc["schema"]), valid[:3]))
+    return cases
+
+
+def train_large_tokenizer(folder: Path, size: int = 32000) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if (folder / "tokenizer.json").exists():
+        return folder
+    texts = []
+    for path in sorted(DATA.glob("*.json")):
+        doc = json.loads(path.read_text())
+        texts.append(json.dumps(doc["schema"]))
+        texts.extend(json.dumps(t["data"]) for t in doc.get("tests", []))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+class Loom:
+    name = "loom"
+
+    def __init__(self, tok, vocab_size):
+        from loom.grammar.backend import GrammarBackend
+
+        self.backend = GrammarBackend(tok, vocab_size, max_workers=1, cache_size=1)
+        self.vocab_size = vocab_size
+
+    def compile(self, schema: str):
+        return self.backend.compile("json_schema", schema)
+
+    def walker(self, g):
+        from loom.grammar.base import allocate_token_bitmask
+
+        mask = allocate_token_bitmask(1, self.vocab_size)
+        g = g.copy()
+
+        def step(t: int) -> bool:
+            g.fill_mask(mask, 0)
+            if not (int(mask[0, t // 32]) >> (t % 32)) & 1:
+                return False
+            g.accept_token(t)
+            return True
+
+        return step
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, tok, vocab_size):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.compiler = xgr.GrammarCompiler(
+            xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size), cache_enabled=False
+        )
+        self.vocab_size = vocab_size
+
+    def compile(self, schema: str):
+        return self.compiler.compile_json_schema(schema)
+
+    def walker(self, compiled):
+        m = self.xgr.GrammarMatcher(compiled)
+        mask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+
+        def step(t: int) -> bool:
+            m.fill_next_token_bitmask(mask)
+            return m.accept_token(t)
+
+        return step
+
+
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, tok, vocab_size):
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self.llg = llguidance
+        self.tok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab_size)
+
+    def compile(self, schema: str):
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema)
+        m = self.llg.LLMatcher(self.tok, grammar)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return grammar
+
+    def walker(self, grammar):
+        m = self.llg.LLMatcher(self.tok, grammar)
+        mask = self.llg.torch.allocate_token_bitmask(1, self.tok.vocab_size)
+
+        def step(t: int) -> bool:
+            self.llg.torch.fill_next_token_bitmask(m, mask, 0)
+            return m.consume_token(t)
+
+        return step
+
+
+def bench_engine(engine, cases, tok) -> dict:
+    compiled, compile_ms, mask_us, accepted, walked = 0, [], [], 0, 0
+    for _, schema, instances in cases:
+        t = time.perf_counter()
+        try:
+            grammar = engine.compile(schema)
+        except Exception:  # noqa: BLE001 - an engine refusing a schema is a data point
+            continue
+        compile_ms.append(1000 * (time.perf_counter() - t))
+        compiled += 1
+        for inst in instances:
+            ids = tok.encode(json.dumps(inst), add_special_tokens=False)
+            step = engine.walker(grammar)
+            walked += 1
+            ok = True
+            for t in ids:
+                s = time.perf_counter()
+                ok = step(t)
+                mask_us.append(1e6 * (time.perf_counter() - s))
+                if not ok:
+                    break
+            accepted += ok
+    return {
+        "compiled": compiled,
+        "compile_p50": pct(compile_ms, 0.5),
+        "compile_p99": pct(compile_ms, 0.99),
+        "mask_p50": pct(mask_us, 0.5),
+        "mask_p99": pct(mask_us, 0.99),
+        "accepted": accepted,
+        "walked": walked,
+    }
+
+
+def bench_e2e(n: int) -> tuple[float, float, int]:
+    import loom
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "maxLength": 20},
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    }
+    people = [
+        ("Alice", 31, "Paris"),
+        ("Bob", 42, "Rome"),
+        ("Chen", 27, "Tokyo"),
+        ("Dana", 55, "Lima"),
+    ]
+    rates = []
+    for jf in (True, False):
+        with loom.Engine(disable_jump_forward=not jf) as engine:
+            prompts = []
+            for i in range(n):
+                name, age, city = people[i % len(people)]
+                msg = (
+                    f"Extract the name, age and city as JSON: {name} is {age} and lives in {city}."
+                )
+                prompts.append(
+                    engine.tokenizer.apply_chat_template(
+                        [{"role": "user", "content": msg}],
+                        tokenize=False,
+                        add_generation_prompt=True,
+                    )
+                )
+            params = {"max_new_tokens": 64, "temperature": 0, "json_schema": json.dumps(schema)}
+            engine.generate(prompts[:1], params)  # compile + warm-up
+            t = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - t
+            tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+            for o in outs:
+                json.loads(o["text"])
+            rates.append(tokens / elapsed)
+            jumped = sum(o["meta_info"]["jump_forward_tokens"] for o in outs)
+            print(
+                f"  jump-forward {'on ' if jf else 'off'}: {tokens / elapsed:8.1f} tok/s "
+                f"({tokens} tokens, {jumped} jumped, {elapsed:.2f} s)"
+            )
+    return rates[0], rates[1], n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--stride", type=int, default=20, help="every Nth MaskBench schema")
+    ap.add_argument("--skip-e2e", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    from loom.runtime.server_args import BUNDLED_MODEL_PATH
+
+    cases = load_cases(args.stride)
+    big = train_large_tokenizer(Path(tempfile.gettempdir()) / "loom-bench-bpe32k")
+    print(
+        f"{len(cases)} MaskBench schemas (every {args.stride}th with a valid instance), one thread"
+    )
+    for label, path in (("bundled 4k", BUNDLED_MODEL_PATH), ("BPE 32k", str(big))):
+        tok = AutoTokenizer.from_pretrained(path)
+        vocab = max(len(tok), tok.vocab_size)
+        vocab = (vocab + 63) // 64 * 64
+        print(f"\ntokenizer {label} (model vocab {vocab})")
+        print(
+            f"  {'engine':11s} {'compiled':>9s} {'compile p50':>12s} {'p99':>9s} {'mask p50':>10s} {'p99':>9s}  accepted"
+        )
+        rows = {}
+        for cls in (Loom, XGrammar, LLGuidance):
+            try:
+                engine = cls(tok, vocab)
+            except ImportError as e:
+                print(f"  {cls.name:11s} not installed ({e})")
+                continue
+            r = rows[cls.name] = bench_engine(engine, cases, tok)
+            print(
+                f"  {cls.name:11s} {r['compiled']:5d}/{len(cases):<4d} {r['compile_p50']:9.2f} ms "
+                f"{r['compile_p99']:7.1f} ms {r['mask_p50']:7.1f} us {r['mask_p99']:7.0f} us"
+                f"  {r['accepted']}/{r['walked']}"
+            )
+        if "loom" in rows and "llguidance" in rows:
+            lo, ll = rows["loom"], rows["llguidance"]
+            print(
+                f"  loom / llguidance: compile p50 {lo['compile_p50'] / ll['compile_p50']:.2f}x, "
+                f"mask p50 {lo['mask_p50'] / ll['mask_p50']:.2f}x, mask p99 {lo['mask_p99'] / ll['mask_p99']:.2f}x"
+            )
+    if not args.skip_e2e:
+        print(
+            "\nend-to-end JSON extraction on the bundled model (32 requests, greedy, schema-constrained)"
+        )
+        on, off, _ = bench_e2e(32)
+        print(f"  jump-forward speed-up: {on / off:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
