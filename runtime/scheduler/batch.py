@@ -62,7 +62,11 @@ class ScheduleBatch:
             lp_rows.append(
                 self._input_logprob_rows(req, begin, end, start, len(logits_rows), logits_rows)
             )
-            if end == req.seq_len and req.sampling_params.max_new_tokens > len(req.output_ids):
+            if (
+                end == req.seq_len
+                and not req.finished
+                and req.sampling_params.max_new_tokens > len(req.output_ids)
+            ):
                 sample_rows.append(len(logits_rows))
                 logits_rows.append(start + end - begin - 1)
             else:

@@ -47,6 +47,11 @@ class DecodeMixin:
     def retract_one(self) -> None:
         """Put back the running request with the least progress; its KV is released (into the
         radix cache when enabled) and recomputed when it is admitted again."""
+        done = [r for r in self.running if r.finished]
+        if done:  # only completing its KV for the cache: drop that instead of real work
+            self.running.remove(done[0])
+            self._release(done[0])
+            return
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         self.running.remove(victim)
         self._release(victim)

@@ -28,6 +28,10 @@ class OutputMixin:
         for i, req in enumerate(batch.reqs):
             if batch.mode is ForwardMode.DECODE:
                 req.kv_len += 1
+                if req.finished:  # its last token's KV is now written: hand it all to the cache
+                    self.running.remove(req)
+                    self._release(req)
+                    continue
             else:
                 req.kv_len += req.extend_len
                 if not req.prompt_counted and req.kv_len == req.seq_len:
@@ -56,10 +60,14 @@ class OutputMixin:
                     "length": req.sampling_params.max_new_tokens,
                 }
             if req.finished:
+                self.pending_outputs.append(req)
+                if self._completes_kv(req):
+                    if req not in self.running:
+                        self.running.append(req)
+                    continue
                 if req in self.running:
                     self.running.remove(req)
                 self._release(req)
-                self.pending_outputs.append(req)
                 continue
             if batch.mode is ForwardMode.EXTEND:
                 self.tree_cache.cache_unfinished_req(req)
@@ -69,6 +77,17 @@ class OutputMixin:
             if not self.args.disable_jump_forward and try_jump_forward(self, req):
                 self.running.remove(req)
                 self.jumped.append(req)
+
+    def _completes_kv(self, req: Req) -> bool:
+        """A finished request's last token was sampled but never fed, so it has no KV. With the
+        radix cache on, the request rides one more decode step (its output is already sent) so
+        a follow-up that resends prompt + output finds all of it cached."""
+        return (
+            not self.tree_cache.disable
+            and req.finished_reason["type"] != "abort"
+            and bool(req.output_ids)
+            and req.kv_len == req.seq_len - 1
+        )
 
     def _append_token(self, req: Req, token: int, logprob_logits, row: int) -> None:
         req.output_ids.append(token)

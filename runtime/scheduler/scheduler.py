@@ -177,7 +177,8 @@ class Scheduler(DecodeMixin, OutputMixin):
         for req in [r for r in self.running if rid in ("", r.rid)]:
             self.running.remove(req)
             self._release(req)
-            self._finish_abort(req)
+            if not req.finished:  # a finished one is only completing its KV: already answered
+                self._finish_abort(req)
         if self.chunked_req is not None and rid in ("", self.chunked_req.rid):
             req, self.chunked_req = self.chunked_req, None
             self._release(req)
