@@ -120,7 +120,8 @@ def summarize(label: str, results: list[Result], duration: float) -> dict:
 
 
 def engine_saturation(server_args: dict, prompts, output_len: int) -> tuple[float, float]:
-    """Every prompt at once through the in-process Engine: (req/s, output tok/s)."""
+    """Every prompt at once through the in-process Engine, streaming like the HTTP clients:
+    (req/s, output tok/s)."""
     from loom.runtime.engine import Engine
 
     engine = Engine(**server_args)
@@ -129,11 +130,16 @@ def engine_saturation(server_args: dict, prompts, output_len: int) -> tuple[floa
         engine.generate(input_ids=prompts[0], sampling_params={**sp, "max_new_tokens": 1})
         engine.flush_cache()
 
+        async def one(ids):
+            stream = await engine.async_generate(input_ids=ids, sampling_params=sp, stream=True)
+            last = None
+            async for chunk in stream:
+                last = chunk
+            return last
+
         async def all_at_once():
-            # one call per request, as the HTTP clients do (not one pre-batched call)
-            return await asyncio.gather(
-                *(engine.async_generate(input_ids=ids, sampling_params=sp) for ids in prompts)
-            )
+            # one streaming call per request, as the HTTP clients do (not one pre-batched call)
+            return await asyncio.gather(*(one(ids) for ids in prompts))
 
         start = time.perf_counter()
         outs = asyncio.run(all_at_once())
