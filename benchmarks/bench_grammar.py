@@ -148,28 +148,33 @@ class LLGuidance:
         return step
 
 
-def bench_engine(engine, cases, tok) -> dict:
-    compiled, compile_ms, mask_us, accepted, walked = 0, [], [], 0, 0
+class SchemaTimeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise SchemaTimeout
+
+
+def bench_engine(engine, cases, tok, timeout_s: int) -> dict:
+    """Per schema, compile + walk get `timeout_s` seconds (SIGALRM); a schema that runs out is
+    counted in `timeouts` and its partial timings are kept."""
+    import signal
+
+    signal.signal(signal.SIGALRM, _alarm)
+    compiled, compile_ms, mask_us, accepted, walked, timeouts = 0, [], [], 0, 0, 0
     for _, schema, instances in cases:
-        t = time.perf_counter()
+        signal.alarm(timeout_s)
         try:
-            grammar = engine.compile(schema)
-        except Exception:  # noqa: BLE001 - an engine refusing a schema is a data point
+            _bench_schema(engine, schema, instances, tok, compile_ms, mask_us, counts := [0, 0, 0])
+        except SchemaTimeout:
+            timeouts += 1
             continue
-        compile_ms.append(1000 * (time.perf_counter() - t))
-        compiled += 1
-        for inst in instances:
-            ids = tok.encode(json.dumps(inst), add_special_tokens=False)
-            step = engine.walker(grammar)
-            walked += 1
-            ok = True
-            for t in ids:
-                s = time.perf_counter()
-                ok = step(t)
-                mask_us.append(1e6 * (time.perf_counter() - s))
-                if not ok:
-                    break
-            accepted += ok
+        finally:
+            signal.alarm(0)
+        compiled += counts[0]
+        walked += counts[1]
+        accepted += counts[2]
     return {
         "compiled": compiled,
         "compile_p50": pct(compile_ms, 0.5),
@@ -178,7 +183,33 @@ def bench_engine(engine, cases, tok) -> dict:
         "mask_p99": pct(mask_us, 0.99),
         "accepted": accepted,
         "walked": walked,
+        "timeouts": timeouts,
     }
+
+
+def _bench_schema(engine, schema, instances, tok, compile_ms, mask_us, counts) -> None:
+    """counts: [compiled, walked, accepted], updated in place."""
+    t = time.perf_counter()
+    try:
+        grammar = engine.compile(schema)
+    except SchemaTimeout:
+        raise
+    except Exception:  # noqa: BLE001 - an engine refusing a schema is a data point
+        return
+    compile_ms.append(1000 * (time.perf_counter() - t))
+    counts[0] += 1
+    for inst in instances:
+        ids = tok.encode(json.dumps(inst), add_special_tokens=False)
+        step = engine.walker(grammar)
+        counts[1] += 1
+        ok = True
+        for token in ids:
+            s = time.perf_counter()
+            ok = step(token)
+            mask_us.append(1e6 * (time.perf_counter() - s))
+            if not ok:
+                break
+        counts[2] += ok
 
 
 def bench_e2e(n: int) -> tuple[float, float, int]:
@@ -239,6 +270,7 @@ def main() -> None:
     )
     ap.add_argument("--stride", type=int, default=20, help="every Nth MaskBench schema")
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--timeout", type=int, default=10, help="seconds per schema (compile + walk)")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
@@ -265,7 +297,7 @@ def main() -> None:
             except ImportError as e:
                 print(f"  {cls.name:11s} not installed ({e})")
                 continue
-            r = rows[cls.name] = bench_engine(engine, cases, tok)
+            r = rows[cls.name] = bench_engine(engine, cases, tok, args.timeout)
             print(
                 f"  {cls.name:11s} {r['compiled']:5d}/{len(cases):<4d} {r['compile_p50']:9.2f} ms "
                 f"{r['compile_p99']:7.1f} ms {r['mask_p50']:7.1f} us {r['mask_p99']:7.0f} us"
