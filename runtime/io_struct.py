@@ -59,6 +59,9 @@ class ReqOutput(msgspec.Struct, array_like=True):
     jump_forward_tokens: int = 0
     spec_verify_ct: int = 0
     rewind: int = 0  # drop this many previously sent output tokens before appending new_ids
+    first_decode_step: int | None = None  # forward-step counter values; see Req
+    last_decode_step: int | None = None
+    decode_batch_max: int = 0
 
 
 class BatchTokenIDOut(msgspec.Struct, tag=True):

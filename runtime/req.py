@@ -78,6 +78,11 @@ class Req:
         self.pending_rewind = 0  # streamed tokens replaced by a jump-forward retokenization
         self.prompt_counted = False
         self.created_at = time.monotonic()
+        # Batching, observable (meta_info): the scheduler's forward-step counter at this
+        # request's first and last decode step, and the largest decode batch it was part of.
+        self.first_decode_step: int | None = None
+        self.last_decode_step: int | None = None
+        self.decode_batch_max = 0
 
     @property
     def fill_ids(self) -> list[int]:
@@ -94,6 +99,12 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)
+
+    def note_decode_step(self, step: int, batch_size: int) -> None:
+        if self.first_decode_step is None:
+            self.first_decode_step = step
+        self.last_decode_step = step
+        self.decode_batch_max = max(self.decode_batch_max, batch_size)
 
     def reset_kv(self) -> None:
         """Forget every KV slot (after a retraction): the next admission recomputes them."""

@@ -374,6 +374,9 @@ class TokenizerManager:
                 "cached_tokens": tok.cached_tokens,
                 "jump_forward_tokens": tok.jump_forward_tokens,
                 "spec_verify_ct": tok.spec_verify_ct,
+                "first_decode_step": tok.first_decode_step,
+                "last_decode_step": tok.last_decode_step,
+                "decode_batch_max": tok.decode_batch_max,
             }
             if tok.input_token_logprobs is not None:
                 state.input_token_logprobs = tok.input_token_logprobs
@@ -407,6 +410,9 @@ class TokenizerManager:
             "cached_tokens": state.meta.get("cached_tokens", 0),
             "jump_forward_tokens": state.meta.get("jump_forward_tokens", 0),
             "spec_verify_ct": state.meta.get("spec_verify_ct", 0),
+            "first_decode_step": state.meta.get("first_decode_step"),
+            "last_decode_step": state.meta.get("last_decode_step"),
+            "decode_batch_max": state.meta.get("decode_batch_max", 0),
             "e2e_latency": time.monotonic() - state.created,
         }
         if r.return_logprob:

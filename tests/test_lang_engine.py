@@ -138,3 +138,17 @@ def test_runtime_error_surfaces(engine):
 def test_control_functions(engine):
     assert "page_size" in sgl.get_server_info(engine)
     assert sgl.flush_cache(engine) is True
+
+
+@pytest.fixture(scope="module")
+def bundled_engine():
+    eng = sgl.Engine()  # the bundled model
+    yield eng
+    eng.shutdown()
+
+
+def test_fork8_generations_share_decode_batches(bundled_engine):
+    from loom.backends.engine import as_backend
+    from tests.lang_concurrency import check_fork8_runs_batched
+
+    check_fork8_runs_batched(bundled_engine, as_backend(bundled_engine).tokenize)

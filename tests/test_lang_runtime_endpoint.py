@@ -89,3 +89,14 @@ def test_openai_backend(runtime):
     state = talk.run(backend=templated, temperature=0)  # select scores the rendered text
     assert state["yn"] in ("yes", "no")
     assert len(state.get_meta_info("yn")["normalized_prompt_logprobs"]) == 2
+
+
+def test_fork8_generations_share_decode_batches():
+    from tests.lang_concurrency import check_fork8_runs_batched
+
+    rt = sgl.Runtime()  # the bundled model, over HTTP
+    try:
+        endpoint = sgl.RuntimeEndpoint(rt.url)
+        check_fork8_runs_batched(endpoint, endpoint.tokenize)
+    finally:
+        rt.shutdown()

@@ -22,6 +22,7 @@ class OutputMixin:
         inp = batch.model_input
         sampled = iter(next_ids or ())
         self.stats["steps"] += 1
+        step = self.stats["steps"]
         if batch.mode is ForwardMode.DECODE:
             self.stats["decode_steps"] += 1
             self.stats["decode_batch_sizes"] += len(batch)
@@ -32,6 +33,7 @@ class OutputMixin:
                     self.running.remove(req)
                     self._release(req)
                     continue
+                req.note_decode_step(step, len(batch))
             else:
                 req.kv_len += req.extend_len
                 if not req.prompt_counted and req.kv_len == req.seq_len:
@@ -173,6 +175,9 @@ class OutputMixin:
             no_stop_trim=p.no_stop_trim,
             jump_forward_tokens=req.jump_forward_tokens,
             rewind=req.pending_rewind,
+            first_decode_step=req.first_decode_step,
+            last_decode_step=req.last_decode_step,
+            decode_batch_max=req.decode_batch_max,
         )
         req.pending_rewind = 0
         if req.return_logprob:
