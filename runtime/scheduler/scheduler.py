@@ -307,6 +307,11 @@ class Scheduler(DecodeMixin, OutputMixin):
 
     # ---------------------------------------------------------------- control
     def flush_cache(self) -> tuple[bool, str]:
+        # Finished requests still writing their last token's KV (already answered) are not
+        # work a caller can see: drop them, or a flush right after the last answer is refused.
+        for req in [r for r in self.running if r.finished]:
+            self.running.remove(req)
+            self._release(req)
         if not self.is_idle:
             return False, "flush_cache: refused while requests are running or waiting"
         self.tree_cache.reset()
