@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from loom.runtime.attention import shared_prefix
 from loom.runtime.attention.base import AttentionBackend
 from loom.runtime.forward_batch import ForwardBatch
 
@@ -28,6 +29,8 @@ class _DecodeMeta:
     # a preallocated buffer is ~5x faster on CPU than fancy indexing into a fresh tensor
     k_out: torch.Tensor | None = None
     v_out: torch.Tensor | None = None
+    # requests sharing a long prefix attend to it once per group (shared_prefix.py)
+    shared: shared_prefix.SharedPrefixPlan | None = None
 
 
 def causal_mask(prefix_len: int, extend_len: int, device) -> torch.Tensor:
@@ -49,7 +52,11 @@ class TorchAttnBackend(AttentionBackend):
             slots = table[batch.req_pool_indices, :max_len]
             mask = torch.arange(max_len, device=device)[None, :] < batch.seq_lens[:, None]
             slots = slots.masked_fill(~mask, 0)
-            batch.attn_metadata = _DecodeMeta(slots.reshape(-1), mask[:, None, None, :], max_len)
+            meta = _DecodeMeta(slots.reshape(-1), mask[:, None, None, :], max_len)
+            groups = shared_prefix.find_groups(slots, batch.seq_lens_cpu)
+            if groups:
+                meta.shared = shared_prefix.SharedPrefixPlan.build(slots, batch.seq_lens, groups)
+            batch.attn_metadata = meta
             return
         kv_slots, masks, starts, exts = [], [], [], []
         start, mask_offset = 0, 0
@@ -105,18 +112,35 @@ class TorchAttnBackend(AttentionBackend):
         pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv(layer.layer_id)
         meta: _DecodeMeta = batch.attn_metadata
-        if meta.k_out is None or meta.k_out.shape[1:] != k_buf.shape[1:]:
-            meta.k_out = k_buf.new_empty((meta.kv_slots.numel(), *k_buf.shape[1:]))
-            meta.v_out = v_buf.new_empty((meta.kv_slots.numel(), *v_buf.shape[1:]))
-        b = q.shape[0]
-        ks = torch.index_select(k_buf, 0, meta.kv_slots, out=meta.k_out)
-        vs = torch.index_select(v_buf, 0, meta.kv_slots, out=meta.v_out)
-        ks = (
-            ks.view(b, meta.max_len, *k_buf.shape[1:]).transpose(1, 2).to(q.dtype)
-        )  # [B, Hkv, L, D]
-        vs = vs.view(b, meta.max_len, *v_buf.shape[1:]).transpose(1, 2).to(q.dtype)
-        qs = q.unsqueeze(2)  # [B, H, 1, D]
-        out = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=meta.mask, scale=layer.scaling, enable_gqa=layer.is_gqa
+        plan = meta.shared
+        if plan is None:
+            if meta.k_out is None or meta.k_out.shape[1:] != k_buf.shape[1:]:
+                meta.k_out = k_buf.new_empty((meta.kv_slots.numel(), *k_buf.shape[1:]))
+                meta.v_out = v_buf.new_empty((meta.kv_slots.numel(), *v_buf.shape[1:]))
+            return _decode(q, k_buf, v_buf, meta.kv_slots, meta.mask, layer, meta.k_out, meta.v_out)
+        if not len(plan.single_rows):  # every row is in a group: rows are 0 .. B-1 in order
+            return shared_prefix.decode_attention(
+                q, k_buf, v_buf, plan.suffix, plan.suffix_mask, plan.groups, layer.scaling
+            )
+        out = torch.empty_like(q)
+        out[plan.rows] = shared_prefix.decode_attention(
+            q[plan.rows], k_buf, v_buf, plan.suffix, plan.suffix_mask, plan.groups, layer.scaling
         )
-        return out.squeeze(2)
+        mask = plan.single_mask[:, None, None, :]
+        slots = plan.single_slots.reshape(-1)
+        out[plan.single_rows] = _decode(q[plan.single_rows], k_buf, v_buf, slots, mask, layer)
+        return out
+
+
+def _decode(q, k_buf, v_buf, kv_slots, mask, layer, k_out=None, v_out=None) -> torch.Tensor:
+    """Per-request decode attention: q [B, H, D] over `kv_slots` [B * L] (padded with slot 0,
+    masked out by `mask` [B, 1, 1, L])."""
+    b, max_len = q.shape[0], mask.shape[-1]
+    ks = torch.index_select(k_buf, 0, kv_slots, out=k_out)
+    vs = torch.index_select(v_buf, 0, kv_slots, out=v_out)
+    ks = ks.view(b, max_len, *k_buf.shape[1:]).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    vs = vs.view(b, max_len, *v_buf.shape[1:]).transpose(1, 2).to(q.dtype)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), ks, vs, attn_mask=mask, scale=layer.scaling, enable_gqa=layer.is_gqa
+    )
+    return out.squeeze(2)
