@@ -86,8 +86,10 @@ def _decode_batch(rows, k_buf, v_buf):
     )
 
 
-def test_cascade_decode_equals_per_request_attention():
+def test_cascade_decode_equals_per_request_attention(monkeypatch):
     from loom.runtime.attention.torch_backend import TorchAttnBackend
+
+    monkeypatch.setattr(sp, "MIN_SHARED_TOKENS", 32)
 
     torch.manual_seed(0)
     heads, kv_heads, dim, pool = 4, 2, 16, 400
