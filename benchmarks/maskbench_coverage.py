@@ -224,8 +224,14 @@ def main():
         help="a missing additionalProperties allows unlisted keys (JSON Schema's rule)",
     )
     ap.add_argument("--out", default=None, help="write one JSON line per schema here")
+    ap.add_argument(
+        "--files", default=None, help="only the schema files named in this file (one per line)"
+    )
     args = ap.parse_args()
     files = sorted(os.path.join(args.data, f) for f in os.listdir(args.data) if f.endswith(".json"))
+    if args.files:
+        wanted = {line.strip() for line in open(args.files) if line.strip()}
+        files = [f for f in files if os.path.basename(f) in wanted]
     files = files[:: args.stride][: args.limit]
     # interleave the subsets, so a run cut short is still a fair sample
     files = [f for i in range(50) for f in files[i::50]]

@@ -6,11 +6,15 @@ one copy), and, for jump-forward only, a character-level DFA from `interegular` 
 background. `RegexGrammar` is one request's position: a stack of automaton states, so
 `rollback(k)` is a pop.
 
-Why the sentinel: outlines-core's Index drops a token whose bytes run through a point where
+Why the sentinels: outlines-core's Index drops a token whose bytes run through a point where
 the regex could end and stop where it cannot (its DFA reports matches one byte late), so with
 choices ["a", "abc"] the token "ab" would never be allowed. Compiling `(?:R)` + U+10FFFF moves
 the only match to after the sentinel; "the text is in R" becomes "the sentinel pseudo-token
-is allowed here and completes the match".
+is allowed here and completes the match". The same sentinel also opens the regex and the
+initial state is the one after it: outlines-core determinizes a search that may start at any
+position, so a regex whose later parts can re-match its start (a bounded JSON string, whose
+`\\"` escape contains the opening quote, or any nested "{") grows a DFA exponential in the
+nesting or the bound; a start character that never recurs keeps the DFA to one live thread.
 """
 
 from __future__ import annotations
@@ -36,10 +40,15 @@ class CompiledRegex:
         self.pattern = pattern
         self.vocab = vocab
         try:
-            self.index = Index(f"(?:{pattern}){SENTINEL}", vocab.outlines_vocabulary())
+            self.index = Index(
+                f"{SENTINEL}(?:{pattern}){SENTINEL}", vocab.outlines_vocabulary()
+            )
         except Exception as e:  # outlines-core raises plain ValueError / RuntimeError
             raise GrammarError(f"cannot compile regex {_short(pattern)!r}: {e}") from None
-        self.initial_state: int = self.index.get_initial_state()
+        start = self.index.get_next_state(self.index.get_initial_state(), vocab.sentinel_id)
+        if start is None:
+            raise GrammarError(f"cannot compile regex {_short(pattern)!r}: no start state")
+        self.initial_state: int = start
         self._outlines_eos = min(vocab.eos_token_ids) if vocab.eos_token_ids else -1
         self._rows: dict[int, torch.Tensor] = {}
         self._final: dict[int, bool] = {}
