@@ -24,11 +24,9 @@ import threading
 import numpy as np
 import torch
 
+from . import char_dfa as CD
 from .base import Grammar, GrammarError, bitmask_words
 from .vocab import SENTINEL, SENTINEL_BYTES, TokenVocabulary
-
-_NO_JUMP = object()  # the char DFA could not be built: jump-forward is off
-MAX_JUMP_PATTERN = 50_000  # longer regexes take interegular minutes: no jump-forward
 
 
 class CompiledRegex:
@@ -40,9 +38,7 @@ class CompiledRegex:
         self.pattern = pattern
         self.vocab = vocab
         try:
-            self.index = Index(
-                f"{SENTINEL}(?:{pattern}){SENTINEL}", vocab.outlines_vocabulary()
-            )
+            self.index = Index(f"{SENTINEL}(?:{pattern}){SENTINEL}", vocab.outlines_vocabulary())
         except Exception as e:  # outlines-core raises plain ValueError / RuntimeError
             raise GrammarError(f"cannot compile regex {_short(pattern)!r}: {e}") from None
         start = self.index.get_next_state(self.index.get_initial_state(), vocab.sentinel_id)
@@ -54,7 +50,8 @@ class CompiledRegex:
         self._final: dict[int, bool] = {}
         self._terminal: dict[int, bool] = {}
         self._char_dfa = None
-        self._builder: threading.Thread | None = None
+        self._char_dfa_stage = "new"  # -> "queued" -> "building" -> "done"
+        self._char_dfa_done = threading.Event()
         self._eos_row: torch.Tensor | None = None
         self._lock = threading.Lock()
 
@@ -136,46 +133,39 @@ class CompiledRegex:
         """(fsm, live states, symbol -> chars), or None when it is not (yet) available.
 
         interegular is pure Python and takes seconds on a large JSON-schema regex, so the
-        scheduler never waits for it: the first call starts the build on a daemon thread and
-        jump-forward stays off until it is done. `wait=True` builds it now (tests, warm-up).
+        scheduler never waits for it: the first call queues the build on the one background
+        builder (char_dfa.py) and jump-forward stays off until it is done. `wait=True` builds
+        it now in the caller's thread if the builder has not started it (tests, warm-up).
         """
+        build_here = False
         with self._lock:
-            if self._char_dfa is None and self._builder is None:
-                if len(self.pattern) > MAX_JUMP_PATTERN:
-                    self._char_dfa = _NO_JUMP
-                else:
-                    self._builder = threading.Thread(target=self._build, daemon=True)
-                    self._builder.start()
-            builder = self._builder
-        if wait and builder is not None:
-            builder.join()
+            if self._char_dfa_stage == "new" and not wait:
+                self._char_dfa_stage = "queued"
+                CD.enqueue(self)
+            elif self._char_dfa_stage in ("new", "queued") and wait:
+                self._char_dfa_stage = "building"
+                build_here = True
+        if build_here:
+            self._build_char_dfa()
+        elif wait:
+            self._char_dfa_done.wait()
         dfa = self._char_dfa
-        return None if dfa is None or dfa is _NO_JUMP else dfa
+        return None if dfa is None or dfa is CD.NO_JUMP else dfa
 
-    def _build(self) -> None:
-        self._char_dfa = _build_char_dfa(self.pattern)
+    def build_char_dfa_if_queued(self) -> None:
+        """The builder thread's entry: build unless a `wait=True` caller took it over."""
+        with self._lock:
+            if self._char_dfa_stage != "queued":
+                return
+            self._char_dfa_stage = "building"
+        self._build_char_dfa()
 
-
-def _build_char_dfa(pattern: str):
-    try:
-        import interegular
-
-        fsm = interegular.parse_pattern(pattern).to_fsm()
-    except Exception:
-        return _NO_JUMP
-    # live = states from which a final state is reachable
-    live = set(fsm.finals)
-    changed = True
-    while changed:
-        changed = False
-        for s, trans in fsm.map.items():
-            if s not in live and any(t in live for t in trans.values()):
-                live.add(s)
-                changed = True
-    by_symbol: dict[int, list] = {}
-    for char, sym in fsm.alphabet.items():
-        by_symbol.setdefault(sym, []).append(char)
-    return fsm, live, by_symbol
+    def _build_char_dfa(self) -> None:
+        try:
+            self._char_dfa = CD.build_char_dfa(self.pattern)
+        finally:
+            self._char_dfa_stage = "done"
+            self._char_dfa_done.set()
 
 
 def _short(pattern: str, n: int = 120) -> str:

@@ -211,6 +211,34 @@ def test_jump_forward(tok, vocab):
     assert u.jump_forward() == "é"
 
 
+def test_char_dfa_builds_run_on_one_thread_within_a_budget(vocab):
+    """Jump-forward's char DFA (interegular, pure Python) once took a thread per grammar and
+    no time limit: 200 distinct MaskBench schemas meant 200 threads holding the GIL against
+    the scheduler, one of them building for 90 s and several GB. Now: one builder thread, a
+    CPU budget per build (past it, no jump-forward), and wait=True still builds in place."""
+    import threading
+    import time
+
+    from loom.grammar import char_dfa
+
+    pattern = r'\{"name": "[a-z]+", "age": [0-9]+(, "tags": \["[a-z]*"(, "[a-z]*")*\])?\}'
+    assert char_dfa.build_char_dfa(pattern, budget_s=0.0) is char_dfa.NO_JUMP
+    assert char_dfa.build_char_dfa(pattern) is not char_dfa.NO_JUMP
+    compiled = [CompiledRegex(f"{pattern}{i}", vocab) for i in range(12)]
+    for c in compiled:
+        c.char_dfa()  # queued on the builder
+    deadline = time.monotonic() + 60
+    while any(c.char_dfa() is None for c in compiled) and time.monotonic() < deadline:
+        names = [t.name for t in threading.enumerate()]
+        assert names.count("loom-char-dfa") <= 1, names
+        time.sleep(0.01)
+    assert all(RegexGrammar(c).jump_forward() == '{"name": "' for c in compiled)
+    late = CompiledRegex("late", vocab)
+    late.char_dfa()
+    assert late.char_dfa(wait=True) is not None  # waits for, or takes over, the queued build
+    assert RegexGrammar(late).jump_forward() == "late"
+
+
 def test_choices(tok, vocab):
     regex = choices_to_regex(["a+b", "yes", "no", "yes"])
     g = RegexGrammar(CompiledRegex(regex, vocab))
