@@ -236,8 +236,15 @@ def main():
     # interleave the subsets, so a run cut short is still a fair sample
     files = [f for i in range(50) for f in files[i::50]]
     _, tok_name = load_tokenizer(args.tokenizer, args.vocab_size)
-    import loom.grammar.ebnf  # noqa: F401  (loaded before forking: one code version per run)
-    import loom.grammar.json_schema  # noqa: F401
+    # every grammar module is loaded before forking, so one run measures one code version
+    # even if the files change while it runs
+    import importlib
+    import pkgutil
+
+    import loom.grammar
+
+    for m in pkgutil.walk_packages(loom.grammar.__path__, "loom.grammar."):
+        importlib.import_module(m.name)
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     t0 = time.time()

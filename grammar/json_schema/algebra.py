@@ -63,6 +63,19 @@ class RegexAlgebra:
         raise AssertionError("RegexAlgebra cannot reference rules")
 
 
+def _unwrap(term: str) -> str:
+    """`(x y)` -> `x y` when the parentheses enclose the whole term."""
+    if not (term.startswith("(") and term.endswith(")")):
+        return term
+    depth = 0
+    for i, c in enumerate(term):
+        depth += c == "("
+        depth -= c == ")"
+        if depth == 0 and i < len(term) - 1:
+            return term
+    return term[1:-1]
+
+
 class LarkAlgebra:
     """Nodes are (is_pure_regex, text): a pure node is a regex, the rest are Lark expressions."""
 
@@ -110,7 +123,10 @@ class LarkAlgebra:
             return uniq[0]
         if all(p[0] for p in uniq):
             return (True, group("|".join(p[1] for p in uniq)))
-        return (False, " | ".join(self.term(p) for p in uniq))
+        # distinct nodes can render alike ("(a b)" and "a b"); Lark rejects a rule that lists
+        # the same expansion twice
+        terms = dict.fromkeys(_unwrap(self.term(p)) for p in uniq)
+        return (False, " | ".join(terms))
 
     def opt(self, x):
         return (False, f"[{self.term(x)}]") if x[1] else x

@@ -17,9 +17,9 @@ from . import strings as S
 REQ, OPT, STAR = "required", "optional", "star"
 
 
-def _comma_join(A, comma, slots):
+def _comma_join(A, comma, slots, nonempty: bool = False):
     """slots: [(kind, member)] in order -> node for their comma-separated sequence, or None
-    when only the empty sequence fits.
+    when only the empty sequence fits. `nonempty`: at least one member.
 
     Left-nested so each member is written at most twice: with Q = the non-empty sequences
     over the slots so far and E = "all of them were optional",
@@ -41,7 +41,37 @@ def _comma_join(A, comma, slots):
         empty_ok = empty_ok and kind != REQ
     if q is None:
         return None
-    return A.opt(q) if empty_ok else q
+    return A.opt(q) if empty_ok and not nonempty else q
+
+
+def _bounded_body(tr, s, path, slots):
+    """The members' node under minProperties / maxProperties, where the member layout can
+    express them (no bound, min <= 1 or <= the required members, max 0 or 1 or >= the
+    members possible); other bounds are reported through `tr.fail`."""
+    A = tr.A
+    lo, hi = s.get("minProperties", 0), s.get("maxProperties")
+    for kw, v in (("minProperties", lo), ("maxProperties", hi)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise GrammarError(f"{path}: {kw} must be a non-negative integer, got {v!r}")
+    n_req = sum(kind == REQ for kind, _ in slots)
+    n_max = None if any(kind == STAR for kind, _ in slots) else len(slots)
+    if n_max is not None and lo > n_max:
+        raise GrammarError(f"{path}: minProperties {lo} exceeds the {n_max} allowed members")
+    if hi is not None and (hi < n_req or hi < lo):
+        raise GrammarError(f"{path}: maxProperties {hi} is below the required members")
+    nonempty = lo > n_req
+    if nonempty and lo > 1:
+        tr.fail("minProperties", path, f"minProperties {lo} with {n_req} required members")
+    if hi is None or (n_max is not None and hi >= n_max):
+        return _comma_join(A, tr.comma, slots, nonempty)
+    if hi == 0:
+        return None
+    if hi == 1:
+        singles = [m for kind, m in slots if kind == REQ] or [m for _, m in slots]
+        one = A.alt(*singles)
+        return one if nonempty or n_req else A.opt(one)
+    tr.fail("maxProperties", path, f"maxProperties {hi} with optional or extra members")
+    return _comma_join(A, tr.comma, slots, nonempty)
 
 
 def object_node(tr, s, path):
@@ -78,7 +108,7 @@ def object_node(tr, s, path):
         key = S.not_in_set(taken) if plain else S.CHAR + "*"
         value = tr.value(addl if isinstance(addl, dict) else True, f"{path}/additionalProperties")
         slots.append((STAR, A.seq(A.leaf(f'"{key}"'), tr.colon, value)))
-    body = _comma_join(A, tr.comma, slots)
+    body = _bounded_body(tr, s, path, slots)
     return A.seq(tr.lbrace, body, tr.rbrace) if body is not None else A.seq(tr.lbrace, tr.rbrace)
 
 

@@ -24,7 +24,7 @@ from .negation import Unsatisfiable, apply_not
 log = logging.getLogger(__name__)
 
 UNSUPPORTED = {
-    "if", "minProperties", "maxProperties", "uniqueItems",
+    "if", "uniqueItems",
     "contains", "minContains", "maxContains", "dependencies", "dependentRequired",
     "dependentSchemas", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
     "multipleOf", "$dynamicRef", "$recursiveRef",
@@ -143,6 +143,9 @@ class Translator:
                 return A.alt(*branches)
         types = self.types(s)
         if types is None:
+            for kw in ("minProperties", "maxProperties"):
+                if kw in s and not _trivial(kw, s[kw]):
+                    self.fail(kw, path, "needs 'type': 'object' or listed properties")
             return self.any_value(self.o.max_any_depth)
         return A.alt(*[getattr(self, "t_" + t)(s, path) for t in types])
 
@@ -348,6 +351,7 @@ def _trivial(kw: str, v) -> bool:
     return (
         (kw == "uniqueItems" and v is False)
         or (kw == "minProperties" and v == 0)
+        or (kw == "maxProperties" and v is None)
         or (kw in ("multipleOf",))  # checked per type
         or (kw == "dependencies" and not v)
     )
