@@ -121,6 +121,36 @@ def test_objects_required_additional():
     assert match({"type": "object", "additionalProperties": True}, {"x": {"y": [1]}})
 
 
+def test_min_max_properties():
+    props = {k: {"type": "integer"} for k in "abc"}
+    at_least_one = {"type": "object", "properties": props, "minProperties": 1}
+    assert not match(at_least_one, {}) and match(at_least_one, {"b": 1})
+    assert match(at_least_one, {"a": 1, "c": 2})
+    at_most_one = {"type": "object", "properties": props, "maxProperties": 1}
+    assert match(at_most_one, {}) and match(at_most_one, {"c": 3})
+    assert not match(at_most_one, {"a": 1, "b": 2})
+    exactly_one = {**at_most_one, "minProperties": 1}
+    assert not match(exactly_one, {}) and match(exactly_one, {"a": 1})
+    assert not match(exactly_one, {"a": 1, "b": 2})
+    one_required = {**at_most_one, "required": ["b"]}
+    assert match(one_required, {"b": 1}) and not match(one_required, {"a": 1})
+    empty = {"type": "object", "properties": props, "maxProperties": 0}
+    assert match(empty, {}) and not match(empty, {"a": 1})
+    open_nonempty = {"type": "object", "minProperties": 1}
+    assert match(open_nonempty, {"x": [1]}) and not match(open_nonempty, {})
+    implied = {"type": "object", "properties": props, "required": ["a", "b"], "minProperties": 2}
+    assert match(implied, {"a": 1, "b": 2})
+    for bad, kw in (
+        ({"type": "object", "properties": props, "minProperties": 2}, "minProperties"),
+        ({"type": "object", "properties": props, "maxProperties": 2}, "maxProperties"),
+        ({"minProperties": 1}, "minProperties"),
+    ):
+        with pytest.raises(GrammarError, match=kw):
+            json_schema_to_regex(bad)
+    with pytest.raises(GrammarError, match="exceeds"):
+        json_schema_to_regex({"type": "object", "properties": props, "minProperties": 4})
+
+
 def test_pattern_properties_and_implied_lengths():
     s = {
         "type": "object",
