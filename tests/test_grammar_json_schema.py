@@ -308,6 +308,47 @@ def test_compiled_grammar_walk():
     assert g.is_terminated()
 
 
+def _accepts(g, tok, vocab, text: str) -> bool:
+    g, bm = g.copy(), allocate_token_bitmask(1, vocab.vocab_size)
+    for t in encode(tok, text):
+        g.fill_mask(bm, 0)
+        if not unpack_bitmask(bm, vocab.vocab_size)[0, t]:
+            return False
+        g.accept_token(t)
+    g.fill_mask(bm, 0)
+    return bool(unpack_bitmask(bm, vocab.vocab_size)[0, min(vocab.eos_token_ids)])
+
+
+def test_recursive_schema_lalr_refuses_falls_back_to_bounded_regex(caplog):
+    """Both anyOf branches accept {}: an ambiguous grammar the LALR(1) CFG engine refuses.
+    The fallback expands the recursion `max_recursion` times: outputs stay valid, and deeper
+    documents are refused (and the compile says so in the log)."""
+    tok = byte_bpe()
+    vocab = TokenVocabulary.from_tokenizer(tok)
+    node = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"a": {"$ref": "#/$defs/node"}},
+                "additionalProperties": False,
+            },
+            {
+                "type": "object",
+                "properties": {"b": {"type": "integer"}},
+                "additionalProperties": False,
+            },
+        ]
+    }
+    schema = {"$defs": {"node": node}, "$ref": "#/$defs/node"}
+    with caplog.at_level("WARNING"):
+        g = compile_json_schema(schema, vocab)
+    assert "expanded 3 levels" in caplog.text
+    for ok in ("{}", '{"b":1}', '{"a":{"a":{"b":2}}}', '{"a":{"a":{}}}'):
+        assert _accepts(g, tok, vocab, ok), ok
+    for bad in ('{"a":1}', '{"c":{}}', '{"a":{"a":{"a":{"a":{}}}}}'):
+        assert not _accepts(g, tok, vocab, bad), bad
+
+
 BUNDLED = os.path.join(os.path.dirname(__file__), "..", "runtime", "bundled")
 
 

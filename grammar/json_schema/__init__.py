@@ -8,6 +8,7 @@ that applies and returns a `Grammar` over a vocabulary.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "normalize_schema",
 ]
 MAX_REGEX_CHARS = 200_000
+log = logging.getLogger(__name__)
 
 
 class NeedsCFG(GrammarError):
@@ -53,8 +55,8 @@ def json_schema_to_regex(spec: Any, opts: JsonSchemaOptions | None = None, **kw)
     return _to_regex(normalize_schema(spec), _options(opts, kw))[0]
 
 
-def _to_regex(schema, options: JsonSchemaOptions) -> tuple[str, int]:
-    tr = Translator(schema, RegexAlgebra(MAX_REGEX_CHARS), options)
+def _to_regex(schema, options: JsonSchemaOptions, unroll: int | None = None) -> tuple[str, int]:
+    tr = Translator(schema, RegexAlgebra(MAX_REGEX_CHARS), options, unroll=unroll)
     try:
         return tr.value(schema), tr.unkeyed_any
     except Recursive as e:
@@ -106,4 +108,23 @@ def compile_json_schema(spec: Any, vocab, opts: JsonSchemaOptions | None = None,
         from ..ebnf import compile_lark
     except ImportError:
         raise GrammarError(f"{reason}, and the CFG engine is missing") from None
-    return compile_lark(json_schema_to_lark(schema, options), vocab)
+    try:
+        return compile_lark(json_schema_to_lark(schema, options), vocab)
+    except GrammarError as e:
+        if "grammar error" not in str(e) or not reason.startswith("recursive"):
+            raise
+        cfg_error = e
+    # The CFG engine is LALR(1): a recursive schema whose grammar is ambiguous there (anyOf
+    # branches that overlap, ...) falls back to a regex that expands the recursion a bounded
+    # number of times. Sound (every output is valid) but incomplete past that depth: say so.
+    try:
+        regex, _ = _to_regex(schema, options, unroll=options.max_recursion)
+        grammar = RegexGrammar(CompiledRegex(regex, vocab))
+    except GrammarError:
+        raise cfg_error from None
+    log.warning(
+        "json schema: recursive $refs expanded %d levels deep (the CFG engine refused it: %s)",
+        options.max_recursion,
+        str(cfg_error)[:200],
+    )
+    return grammar

@@ -13,6 +13,7 @@ import json
 
 from ..base import GrammarError
 from . import strings as S
+from .negation import Unsatisfiable
 
 REQ, OPT, STAR = "required", "optional", "star"
 
@@ -91,14 +92,22 @@ def object_node(tr, s, path):
     try:
         for name in names:
             m = A.seq(A.lit(json.dumps(name, ensure_ascii=False)), tr.colon)
-            m = A.seq(m, tr.value(props[name], f"{path}/properties/{name}"))
-            slots.append((REQ if name in required else OPT, m))
+            try:
+                value = tr.value(props[name], f"{path}/properties/{name}")
+            except Unsatisfiable:
+                if name in required:
+                    raise
+                continue  # an optional member no value satisfies is simply never present
+            slots.append((REQ if name in required else OPT, A.seq(m, value)))
         for pat, sub in (s.get("patternProperties") or {}).items():
             try:
                 key = S.pattern_body(pat)
             except S.PatternError as e:
                 raise GrammarError(f"{path}/patternProperties: {e}") from None
-            value = tr.value(sub, f"{path}/patternProperties/{pat}")
+            try:
+                value = tr.value(sub, f"{path}/patternProperties/{pat}")
+            except Unsatisfiable:
+                continue
             slots.append((STAR, A.seq(A.leaf(f'"{key}"'), tr.colon, value)))
     finally:
         tr.keyed = keyed
@@ -106,8 +115,13 @@ def object_node(tr, s, path):
         plain = all(n.isprintable() and '"' not in n and "\\" not in n for n in names)
         taken = names + list(s.get("x-loom-forbidden", []))
         key = S.not_in_set(taken) if plain else S.CHAR + "*"
-        value = tr.value(addl if isinstance(addl, dict) else True, f"{path}/additionalProperties")
-        slots.append((STAR, A.seq(A.leaf(f'"{key}"'), tr.colon, value)))
+        try:
+            value = tr.value(
+                addl if isinstance(addl, dict) else True, f"{path}/additionalProperties"
+            )
+            slots.append((STAR, A.seq(A.leaf(f'"{key}"'), tr.colon, value)))
+        except Unsatisfiable:
+            pass
     body = _bounded_body(tr, s, path, slots)
     return A.seq(tr.lbrace, body, tr.rbrace) if body is not None else A.seq(tr.lbrace, tr.rbrace)
 
@@ -124,10 +138,24 @@ def array_node(tr, s, path):
     lo, hi = s.get("minItems", 0), tr.bound(s.get("maxItems"), "maxItems", path)
     if hi is not None and lo > hi:
         raise GrammarError(f"{path}: minItems {lo} > maxItems {hi} (keyword 'minItems')")
-    p_nodes = [tr.value(x, f"{path}/prefixItems/{i}") for i, x in enumerate(prefix[:hi])]
-    r_node = None if rest is False else tr.value(rest, f"{path}/items")
-    if r_node is None and lo > len(prefix):
-        raise GrammarError(f"{path}: minItems {lo} needs more items than allowed")
+    p_nodes = []
+    for i, x in enumerate(prefix[:hi]):
+        try:
+            p_nodes.append(tr.value(x, f"{path}/prefixItems/{i}"))
+        except Unsatisfiable:
+            if i < lo:
+                raise
+            break  # no array reaches this position
+    try:
+        r_node = (
+            None
+            if rest is False or len(p_nodes) < len(prefix[:hi])
+            else tr.value(rest, f"{path}/items")
+        )
+    except Unsatisfiable:
+        r_node = None
+    if r_node is None and lo > len(p_nodes):
+        raise Unsatisfiable(f"{path}: minItems {lo} needs more items than allowed")
 
     def tail(i):
         if hi is not None and i >= hi:

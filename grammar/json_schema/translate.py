@@ -45,13 +45,15 @@ class JsonSchemaOptions:
     `max_any_depth`: nesting allowed inside values the schema leaves free (regex only; the
     CFG path allows any depth). `max_repeat`: maxLength/maxItems above this are not enforced
     (logged): a DFA that counts to 32,767 is too big to build, and max_new_tokens bounds the
-    output anyway."""
+    output anyway. `max_recursion`: how many times a recursive `$ref` is expanded when the
+    CFG engine cannot take the schema and a depth-bounded regex stands in for it."""
 
     whitespace_pattern: str | None = None
     lenient: bool = False
     additional_properties_default: bool = False
     max_any_depth: int = 2
     max_repeat: int = 512
+    max_recursion: int = 3
 
 
 class Recursive(Exception):
@@ -59,8 +61,11 @@ class Recursive(Exception):
 
 
 class Translator:
-    def __init__(self, root, alg, opts: JsonSchemaOptions, rules: bool = False):
+    def __init__(
+        self, root, alg, opts: JsonSchemaOptions, rules: bool = False, unroll: int | None = None
+    ):
         self.root, self.A, self.o, self.rules = root, alg, opts, rules
+        self.unroll = unroll  # regex mode: expand recursive $refs this many times, then cut
         self.stack: list[str] = []
         self.rule_names: dict[str, str] = {}
         self._any: dict[int, object] = {}
@@ -190,7 +195,12 @@ class Translator:
     def ref(self, s, path: str):
         ref = s["$ref"]
         if ref in self.stack and not self.rules:
-            raise Recursive(ref)
+            if self.unroll is None:
+                raise Recursive(ref)
+            if self.stack.count(ref) >= self.unroll:
+                # the next level of a recursive schema: cut here (optional members, anyOf
+                # branches and array items that need it drop out)
+                raise Unsatisfiable(f"{path}: recursion through {ref} deeper than {self.unroll}")
         siblings = {k: v for k, v in s.items() if k != "$ref"}
         if self.rules and not _constraining(siblings):
             name = self.rule_names.get(ref)
