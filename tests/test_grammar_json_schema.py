@@ -195,6 +195,46 @@ def test_any_of_one_of_and_siblings():
     assert match(sib, {"a": 1}) and match(sib, {"b": 1}) and not match(sib, {})
 
 
+def test_one_of_only_where_branches_are_exclusive():
+    """oneOf is the union of its branches only when no value matches two of them; otherwise
+    the keyword is reported (a union would let the model emit a value valid for both)."""
+    tagged = {
+        "oneOf": [
+            {
+                "type": "object",
+                "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}},
+                "required": ["kind"],
+            },
+            {"type": "object", "properties": {"kind": {"const": "b"}}, "required": ["kind"]},
+        ]
+    }
+    assert match(tagged, {"kind": "a", "x": 1}) and match(tagged, {"kind": "b"})
+    lengths = {"oneOf": [{"type": "string", "maxLength": 3}, {"type": "string", "minLength": 5}]}
+    assert match(lengths, "abc") and not match(lengths, "abcd")
+    assert match({"oneOf": [{"type": "string"}, {"type": "integer"}]}, 3)
+    closed = {"type": "object", "additionalProperties": False}
+    keys = {
+        "oneOf": [
+            {**closed, "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {**closed, "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+        ]
+    }
+    assert match(keys, {"a": 1}) and not match(keys, {"a": 1, "b": 2})
+    overlapping = [
+        {"oneOf": [{"type": "number"}, {"type": "integer"}]},
+        {  # {"a": 1} also matches the second branch, whose unlisted keys are allowed
+            "oneOf": [
+                {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "integer"}}},
+            ]
+        },
+    ]
+    for s in overlapping:
+        with pytest.raises(GrammarError, match="oneOf"):
+            json_schema_to_regex(s)
+        json_schema_to_regex(s, lenient=True)  # a logged warning instead
+
+
 def test_all_of_is_merged():
     s = {
         "allOf": [

@@ -2,9 +2,9 @@
 
 One `Translator` walks one schema. Every keyword is either enforced, ignored because it is an
 annotation (title, description, examples, ...), or reported through `fail` with its JSON path:
-a `GrammarError` by default, a logged warning with `lenient=True`. `oneOf` is treated as
-`anyOf` (its exclusivity is not expressible as a regular language; branches are usually
-disjoint anyway).
+a `GrammarError` by default, a logged warning with `lenient=True`. `oneOf` is written as
+the union of its branches after checking, pair by pair, that no value can match two of them
+(`Translator.exclusive`); where that cannot be shown the keyword is reported like any other.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import reduce
 
 from ..base import GrammarError
@@ -129,22 +129,19 @@ class Translator:
         for kw in ("anyOf", "oneOf"):
             if kw in s:
                 base = {k: v for k, v in s.items() if k not in ("anyOf", "oneOf")}
-                branches = []
+                branches, kept = [], []
                 for i, b in enumerate(s[kw]):
                     sub_path = f"{path}/{kw}/{i}"
-                    if not _constraining(base):
-                        try:
-                            branches.append(self.value(b, sub_path))
-                        except Unsatisfiable:
-                            pass
-                        continue
                     try:
-                        merged = merge(base, self.deref(b, sub_path))
-                        branches.append(self.value(merged, sub_path))
+                        sub = merge(base, self.deref(b, sub_path)) if _constraining(base) else b
+                        branches.append(self.value(sub, sub_path))
+                        kept.append(sub)
                     except (MergeError, Unsatisfiable):
                         continue  # a branch that contradicts its siblings admits nothing
                 if not branches:
                     raise GrammarError(f"{path}: no {kw} branch is satisfiable")
+                if kw == "oneOf" and len(branches) > 1:
+                    self.exclusive(kept, path)
                 return A.alt(*branches)
         types = self.types(s)
         if types is None:
@@ -153,6 +150,62 @@ class Translator:
                     self.fail(kw, path, "needs 'type': 'object' or listed properties")
             return self.any_value(self.o.max_any_depth)
         return A.alt(*[getattr(self, "t_" + t)(s, path) for t in types])
+
+    def exclusive(self, schemas: list, path: str) -> None:
+        """`oneOf` is written as the union of its branches, which is exact only when no value
+        matches two of them: check every pair (by type, by const/enum values, by a required
+        key the other branch forbids or pins to other values, or, for small regexes, by an
+        empty automaton intersection) and report the keyword when that cannot be shown."""
+        for i in range(len(schemas)):
+            for j in range(i + 1, len(schemas)):
+                a, b = (self.deref(x, path) for x in (schemas[i], schemas[j]))
+                if self._disjoint(a, b) or self._disjoint_regex(a, b):
+                    continue
+                self.fail("oneOf", path, f"branches {i} and {j} may both match one value, "
+                          "so oneOf's exclusivity cannot be enforced")  # fmt: skip
+                return
+
+    def _disjoint(self, a, b) -> bool:
+        if not (isinstance(a, dict) and isinstance(b, dict)):
+            return False
+        ta, tb = _type_set(self, a), _type_set(self, b)
+        if ta is not None and tb is not None and not (ta & tb):
+            return True
+        va, vb = _values(a), _values(b)
+        if va is not None and vb is not None and not (va & vb):
+            return True
+        for x, y in ((a, b), (b, a)):
+            for key in x.get("required") or []:
+                if not isinstance(key, str):
+                    continue
+                px = self.deref((x.get("properties") or {}).get(key, {}), "#")
+                py = self.deref((y.get("properties") or {}).get(key), "#")
+                if py is None:
+                    if y.get("additionalProperties") is False and not y.get("patternProperties"):
+                        return True  # y forbids a key that x requires
+                    continue
+                if isinstance(px, dict) and self._disjoint(px, py):
+                    if key in (y.get("required") or []):
+                        return True
+        return False
+
+    def _disjoint_regex(self, a, b) -> bool:
+        """Both branches written with JSON Schema's own rules (unlisted keys allowed unless
+        forbidden, free values 3 deep) as small regexes whose automata do not intersect."""
+        from .algebra import RegexAlgebra, TooLarge
+
+        opts = replace(self.o, additional_properties_default=True, max_any_depth=3)
+        try:
+            ra, rb = (Translator(self.root, RegexAlgebra(4000), opts).value(x) for x in (a, b))
+            import interegular
+
+            fa = interegular.parse_pattern(ra).to_fsm()
+            fb = interegular.parse_pattern(rb).to_fsm()
+            return (fa & fb).empty()
+        except (TooLarge, Recursive, RecursionError, GrammarError, Unsatisfiable):
+            return False
+        except Exception:  # noqa: BLE001 - a regex interegular cannot read proves nothing
+            return False
 
     def types(self, s) -> list[str] | None:
         t = s.get("type")
@@ -365,6 +418,45 @@ def _trivial(kw: str, v) -> bool:
         or (kw in ("multipleOf",))  # checked per type
         or (kw == "dependencies" and not v)
     )
+
+
+def _type_set(tr, s) -> set | None:
+    """The JSON types a schema admits (integer counted as number), None when unknown."""
+    if "const" in s or "enum" in s:
+        vals = [s["const"]] if "const" in s else s["enum"]
+        if not isinstance(vals, list):
+            return None
+        return {_json_type(v) for v in vals}
+    if any(k in s for k in ("anyOf", "oneOf", "allOf", "not", "$ref")):
+        return None
+    try:
+        types = tr.types(s)
+    except GrammarError:
+        return None
+    if types is None:
+        return None
+    return {"number" if t == "integer" else t for t in types}
+
+
+def _json_type(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(v), "?")
+
+
+def _values(s) -> set | None:
+    """The canonical texts of a const/enum schema's values, None for other schemas."""
+    if "const" in s:
+        vals = [s["const"]]
+    elif isinstance(s.get("enum"), list):
+        vals = s["enum"]
+    else:
+        return None
+    return {json.dumps(v, sort_keys=True) for v in vals}
 
 
 def _constraining(siblings: dict) -> bool:
