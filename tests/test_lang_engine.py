@@ -1,13 +1,13 @@
-"""Programs on a real Engine (tiny random model, ChatML template): what the runtime makes
-checkable without a trained model — shapes, selection mechanics, cache reuse, concurrency."""
+"""Programs on a real Engine (tiny random model, ChatML template): the shared language suite
+(tests/lang_suite.py, also run over HTTP) plus what only the in-process engine shows — select
+scores against the engine's own prompt logprobs, cache reuse by forks, concurrency."""
 
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 
 import loom as sgl
+from tests.lang_suite import CHECKS
 
 
 @pytest.fixture(scope="module")
@@ -25,28 +25,15 @@ def backend(engine):
     return as_backend(engine)
 
 
+@pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
+def test_language_suite(backend, check):
+    check(backend)
+
+
 def test_template_from_tokenizer(backend):
     t = backend.get_chat_template()
     assert t.role_prefix_and_suffix["user"] == ("<|im_start|>user\n", "<|im_end|>\n")
     assert t.stop_str == ("<|im_end|>",)
-
-
-def test_multi_turn_roles_and_stop(engine):
-    @sgl.function
-    def chat(s):
-        s += sgl.system("You are terse.")
-        for q in ("Hi?", "Bye?"):
-            s += sgl.user(q)
-            s += sgl.assistant(sgl.gen("a", max_tokens=6, stop=["\n"]))
-
-    state = chat.run(backend=engine, temperature=0)
-    msgs = state.messages()
-    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
-    assert msgs[-1]["content"] == state["a"].lstrip()
-    assert "\n" not in state["a"] and "<|im_end|>" not in state["a"]
-    assert state.text().startswith("<|im_start|>system\nYou are terse.<|im_end|>\n")
-    meta = state.get_meta_info("a")
-    assert meta["completion_tokens"] <= 6 and meta["prompt_tokens"] > 10
 
 
 def test_select_scores_are_the_runtimes_logprobs(engine, backend):
@@ -71,13 +58,6 @@ def test_select_scores_are_the_runtimes_logprobs(engine, backend):
             logprob_start_len=split,
         )["meta_info"]["input_token_logprobs"]
         assert [t[0] for t in got] == pytest.approx([t[0] for t in ref], abs=1e-4)
-    best = max(range(3), key=lambda i: meta["normalized_prompt_logprobs"][i])
-    assert state["city"] == choices[best]
-    for method in (sgl.greedy_token_selection, sgl.unconditional_likelihood_normalized):
-        st = sgl.function(
-            lambda s, m=method: s.__iadd__(prompt + sgl.select("c", choices, choices_method=m))
-        ).run(backend=engine)
-        assert st["c"] in choices
 
 
 def test_fork8_branches_hit_the_shared_prefix(engine, backend):
@@ -96,43 +76,6 @@ def test_fork8_branches_hit_the_shared_prefix(engine, backend):
     assert len(state["idea"]) == 8
     for meta in state.get_meta_info("idea"):
         assert meta["cached_tokens"] >= shared // page * page
-
-
-def test_run_batch_stream_and_async(engine):
-    @sgl.function
-    def qa(s, question):
-        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=4)
-
-    questions = [f"What is {i} + {i}?" for i in range(6)]
-    states = qa.run_batch([{"question": q} for q in questions], backend=engine, temperature=0)
-    for q, st in zip(questions, states):
-        assert st.text() == f"Q: {q}\nA:" + st["answer"]
-
-    state = qa.run(question="Stream?", backend=engine, stream=True, max_new_tokens=8, temperature=0)
-    chunks = list(state.text_iter("answer"))
-    assert "".join(chunks) == state["answer"]
-
-    async def main():
-        sts = await asyncio.gather(
-            *(qa.run_async(question=q, backend=engine, temperature=0) for q in questions[:3])
-        )
-        st = await qa.run_async(question="Async?", backend=engine, stream=True)
-        text = "".join([c async for c in st.text_async_iter()])
-        return sts, st, text
-
-    sts, st, text = asyncio.run(main())
-    # greedy decoding is batch-invariant: async answers equal the threaded ones
-    assert [s["answer"] for s in sts] == [s["answer"] for s in states[:3]]
-    assert text == st.text()
-
-
-def test_runtime_error_surfaces(engine):
-    @sgl.function
-    def bad(s):
-        s += "x" + sgl.gen("v", top_p=5.0)
-
-    with pytest.raises(ValueError, match="top_p"):
-        bad.run(backend=engine)
 
 
 def test_control_functions(engine):

@@ -1,13 +1,13 @@
-"""Programs over HTTP: RuntimeEndpoint (native API) and the OpenAI backend (/v1) against a
-loom server running the tiny model."""
+"""Programs over HTTP against a loom server running the tiny model: the shared language suite
+(tests/lang_suite.py, also run in-process) on RuntimeEndpoint (native API), and the OpenAI
+backend (/v1)."""
 
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 
 import loom as sgl
+from tests.lang_suite import CHECKS
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +17,17 @@ def runtime(tiny_model_dir):
     rt.shutdown()
 
 
-def test_runtime_endpoint_programs(runtime):
-    endpoint = sgl.RuntimeEndpoint(runtime.url)
+@pytest.fixture(scope="module")
+def endpoint(runtime):
+    return sgl.RuntimeEndpoint(runtime.url)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
+def test_language_suite(endpoint, check):
+    check(endpoint)
+
+
+def test_runtime_endpoint_setup_and_control(runtime, endpoint):
     assert endpoint.get_chat_template().stop_str == ("<|im_end|>",)  # from the model folder
 
     @sgl.function
@@ -27,9 +36,6 @@ def test_runtime_endpoint_programs(runtime):
         with s.assistant():
             s += "City: " + sgl.select("city", choices=["Paris", "Berlin"])
             s += " because" + sgl.gen("why", max_tokens=4)
-        forks = s.fork(3)
-        forks += lambda i: f" Option {i}:" + sgl.gen("opt", max_tokens=3)
-        forks.join()
 
     sgl.set_default_backend(runtime)  # a Runtime is wrapped in a RuntimeEndpoint
     try:
@@ -38,22 +44,6 @@ def test_runtime_endpoint_programs(runtime):
         sgl.global_config.default_backend = None
     assert state["city"] in ("Paris", "Berlin")
     assert state.messages()[-1]["content"].startswith("City: " + state["city"])
-    assert len(state["opt"]) == 3
-    meta = state.get_meta_info("city")
-    split = meta["select_prefix_tokens"]
-    prompt = state.text().split("City: ")[0] + "City: "
-    ids = endpoint.tokenize([prompt + state["city"]])[0]
-    chosen = meta["input_token_logprobs"][["Paris", "Berlin"].index(state["city"])]
-    assert [t[1] for t in chosen] == ids[split:]
-
-    @sgl.function
-    def short(s, q):
-        s += q + sgl.gen("a", max_tokens=5)
-
-    st = short.run(q="Stream: ", backend=endpoint, stream=True, temperature=0)
-    assert "".join(st.text_iter("a")) == st["a"]
-    again = asyncio.run(short.run_async(q="Stream: ", backend=endpoint, temperature=0))
-    assert again["a"] == st["a"]
     assert isinstance(endpoint.get_server_info(), dict)
     assert endpoint.flush_cache()
 
