@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -43,6 +44,7 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple, Grammar | GrammarError] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="loom-grammar")
+        self._inflight: dict[tuple, _Job] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -74,8 +76,65 @@ class GrammarBackend:
         return hit.copy()
 
     def compile_async(self, kind: str, spec: Any) -> Future:
-        """Compile on the backend's thread pool; the caller enforces the timeout."""
-        return self._pool.submit(self.compile, kind, spec)
+        """Compile on the backend's thread pool; the caller enforces the timeout.
+
+        Each caller gets its own future (resolving to its own grammar copy); callers asking
+        for a spec that is already compiling share that one compile. `fut.compile_started()`
+        is the monotonic time the compile began, None while it waits for a worker."""
+        out: Future = Future()
+        try:
+            key = self._key(kind, spec)
+        except GrammarError as e:
+            out.set_exception(e)
+            out.compile_started = lambda: None
+            return out
+        with self._lock:
+            hit = self._cache.get(key)
+            job = None if hit is not None else self._inflight.get(key)
+            if hit is None and job is None:
+                job = self._inflight[key] = _Job()
+                job.future = self._pool.submit(self._run_job, key, kind, spec, job)
+        if hit is not None:
+            out.compile_started = lambda: None
+            _resolve(out, hit)
+            return out
+        out.compile_started = lambda: job.started
+        job.future.add_done_callback(lambda f: _resolve(out, f.result()))
+        return out
+
+    def give_up(self, kind: str, spec: Any, message: str) -> None:
+        """A compile ran past its caller's deadline: later requests for the spec fail fast with
+        `message` instead of starting (or waiting on) another runaway compile. If the compile
+        does finish, its result replaces this entry."""
+        try:
+            key = self._key(kind, spec)
+        except GrammarError:
+            return
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = GrammarError(message)
+
+    def _run_job(self, key, kind: str, spec: Any, job: _Job):
+        job.started = time.monotonic()
+        try:
+            try:
+                hit = self._compile(kind, spec)
+            except GrammarError as e:
+                hit = e
+            except RecursionError:
+                hit = GrammarError(f"{kind} spec nests too deeply")
+            except Exception as e:  # an engine bug must not become a server error
+                log.exception("grammar compile failed (%s)", kind)
+                hit = GrammarError(f"cannot compile {kind}: {type(e).__name__}: {e}")
+            with self._lock:
+                self._cache[key] = hit
+                self._cache.move_to_end(key)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            return hit
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -121,3 +180,18 @@ class GrammarBackend:
         if fn is None:
             raise GrammarError(f"the {kind} engine is not available yet")
         return fn(spec, vocab)
+
+
+class _Job:
+    """One compile in flight, shared by every caller that asked for its spec meanwhile."""
+
+    def __init__(self):
+        self.started: float | None = None
+        self.future: Future | None = None
+
+
+def _resolve(out: Future, hit) -> None:
+    if isinstance(hit, GrammarError):
+        out.set_exception(GrammarError(str(hit)))
+    else:
+        out.set_result(hit.copy())

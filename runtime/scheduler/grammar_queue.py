@@ -2,7 +2,10 @@
 
 A request with a regex / json_schema / ebnf constraint waits here until its compile future is
 done; a compile error or a compile slower than `--grammar-compile-timeout` finishes the request
-with that error (status 400) and never blocks the others.
+with that error (status 400) and never blocks the others. The timeout counts from when the
+compile starts (a burst of distinct specs queues for the compile workers); waiting for a worker
+is bounded separately (QUEUE_WAIT_FACTOR timeouts). A spec that timed out fails fast after that,
+so retries cannot pile more runaway compiles onto the workers.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import time
 from concurrent.futures import Future
 
 from loom.runtime.req import Req
+
+QUEUE_WAIT_FACTOR = 4
 
 
 class GrammarQueue:
@@ -37,29 +42,31 @@ class GrammarQueue:
         """Start compiling; returns an error message when it cannot even start."""
         if self.tokenizer is None:
             return f"{kind}: grammar-constrained decoding needs the tokenizer (skip_tokenizer_init is set)"
-        self.pending.append(
-            (req, self.backend.compile_async(kind, spec), time.monotonic() + self.timeout)
-        )
+        self.pending.append((req, self.backend.compile_async(kind, spec), time.monotonic()))
         return None
 
     def poll(self) -> tuple[list[Req], list[tuple[Req, str]]]:
         """(requests now ready, (request, error) pairs); both leave the queue."""
         ready, failed, still = [], [], []
         now = time.monotonic()
-        for req, fut, deadline in self.pending:
+        for req, fut, admitted in self.pending:
+            kind, spec = req.sampling_params.grammar_spec or ("grammar", None)
+            started = fut.compile_started()
             if fut.done():
                 try:
                     req.grammar = fut.result()
                     ready.append(req)
                 except Exception as e:  # noqa: BLE001 - any compile failure is the request's error
-                    kind = (req.sampling_params.grammar_spec or ("grammar",))[0]
                     failed.append((req, f"{kind}: {e}"))
-            elif now > deadline:
-                fut.cancel()
-                kind = (req.sampling_params.grammar_spec or ("grammar",))[0]
-                failed.append((req, f"{kind}: compiling took longer than {self.timeout:g} s"))
+            elif started is not None and now - started > self.timeout:
+                msg = f"compiling took longer than {self.timeout:g} s"
+                self.backend.give_up(kind, spec, msg)
+                failed.append((req, f"{kind}: {msg}"))
+            elif started is None and now - admitted > QUEUE_WAIT_FACTOR * self.timeout:
+                failed.append((req, f"{kind}: every grammar compile worker stayed busy for "
+                               f"{QUEUE_WAIT_FACTOR * self.timeout:g} s"))  # fmt: skip
             else:
-                still.append((req, fut, deadline))
+                still.append((req, fut, admitted))
         self.pending = still
         return ready, failed
 

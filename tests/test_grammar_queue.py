@@ -1,0 +1,87 @@
+"""GrammarQueue timing rules with a compile that can be made slow: the timeout counts from the
+compile's start, one spec compiles once however many requests ask for it, and a spec that timed
+out fails fast afterwards instead of starting another runaway compile."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+from loom.grammar.backend import GrammarBackend
+from loom.runtime.scheduler.grammar_queue import GrammarQueue
+from tests.conftest_grammar import byte_bpe
+
+
+def _req(rid: str, kind: str, spec: str):
+    return SimpleNamespace(
+        rid=rid, grammar=None, sampling_params=SimpleNamespace(grammar_spec=(kind, spec))
+    )
+
+
+def _drain(queue: GrammarQueue, limit: float = 10.0):
+    ready, failed = {}, {}
+    t0 = time.monotonic()
+    while len(queue) and time.monotonic() - t0 < limit:
+        r, f = queue.poll()
+        ready.update({x.rid: x for x in r})
+        failed.update({x.rid: msg for x, msg in f})
+        time.sleep(0.01)
+    return ready, failed
+
+
+def test_timeout_counts_from_compile_start_and_timed_out_specs_fail_fast():
+    tok = byte_bpe()
+    queue = GrammarQueue(tok, len(tok), {tok.eos_token_id}, timeout=0.4)
+    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id}, max_workers=1)
+    queue._backend = backend
+    calls, release = [], threading.Event()
+    real = backend._compile
+
+    def compile_(kind, spec):
+        calls.append(spec)
+        if spec == "slow":
+            release.wait(1.5)  # a runaway compile: far past the 0.4 s timeout
+            return real(kind, "[a-z]+")
+        return real(kind, spec)
+
+    backend._compile = compile_
+    queue.add(_req("a", "regex", "slow"), "regex", "slow")
+    queue.add(_req("b", "regex", "[0-9]+"), "regex", "[0-9]+")  # waits for the one worker
+    queue.add(_req("c", "regex", "[0-9]+"), "regex", "[0-9]+")  # shares b's compile
+    ready, failed = _drain(queue)
+    assert "longer than 0.4 s" in failed["a"]
+    # b and c waited ~1.5 s for the worker (more than the timeout) and still compiled
+    assert set(ready) == {"b", "c"} and ready["b"].grammar is not ready["c"].grammar
+    assert calls == ["slow", "[0-9]+"]
+    # after a timeout the spec fails at once (no new compile) until a compile succeeds
+    release.set()
+    queue.add(_req("d", "regex", "bad["), "regex", "bad[")
+    ready, failed = _drain(queue)
+    assert "d" in failed and calls.count("bad[") == 1
+    backend.shutdown()
+
+
+def test_given_up_spec_fails_without_a_second_compile():
+    tok = byte_bpe()
+    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id}, max_workers=1)
+    hold = threading.Event()
+    real, calls = backend._compile, []
+
+    def compile_(kind, spec):
+        calls.append(spec)
+        hold.wait(5)
+        return real(kind, spec)
+
+    backend._compile = compile_
+    first = backend.compile_async("regex", "[a-c]+")
+    time.sleep(0.1)
+    backend.give_up("regex", "[a-c]+", "compiling took longer than 1 s")
+    # a new request while the runaway compile still runs fails at once, starting nothing
+    second = backend.compile_async("regex", "[a-c]+")
+    assert second.done() and "longer than 1 s" in str(second.exception())
+    hold.set()
+    first.result(5)  # the runaway compile finishes: its result replaces the entry
+    assert backend.compile_async("regex", "[a-c]+").result(1) is not None
+    assert calls == ["[a-c]+"]
+    backend.shutdown()
