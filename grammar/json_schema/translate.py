@@ -175,6 +175,8 @@ class Translator:
         if va is not None and vb is not None and not (va & vb):
             return True
         for x, y in ((a, b), (b, a)):
+            if any(not self._generates_key(x, k) for k in y.get("required") or []):
+                return True  # x's outputs are objects that lack a key y requires
             for key in x.get("required") or []:
                 if not isinstance(key, str):
                     continue
@@ -188,6 +190,19 @@ class Translator:
                     if key in (y.get("required") or []):
                         return True
         return False
+
+    def _generates_key(self, x, key) -> bool:
+        """Whether an output written for schema `x` can have member `key` (or be a
+        non-object): False only for objects whose members loom writes are known."""
+        if not isinstance(key, str) or _type_set(self, x) != {"object"}:
+            return True
+        props = x.get("properties") or {}
+        if key in props or key in (x.get("required") or []):
+            return True
+        if any(re.search(p, key) for p in x.get("patternProperties") or {}):
+            return True
+        default = self.o.additional_properties_default or "properties" not in x
+        return x.get("additionalProperties", default and "patternProperties" not in x) is not False
 
     def _disjoint_regex(self, a, b) -> bool:
         """Both branches written with JSON Schema's own rules (unlisted keys allowed unless
