@@ -17,6 +17,9 @@ from loom.runtime.req import Req
 logger = logging.getLogger(__name__)
 
 MAX_WINDOW = 3
+# A jump costs an extend step (the new tail, window included, is recomputed); one that saves a
+# single decode step gains nothing and delays the batch. Jump only when it saves MIN_GAIN tokens.
+MIN_GAIN = 2
 
 
 def try_jump_forward(sched, req: Req) -> bool:
@@ -43,7 +46,7 @@ def try_jump_forward(sched, req: Req) -> bool:
     new_tail = tok.encode(tail_text + forced, add_special_tokens=False)[:-1]
     room = req.sampling_params.max_new_tokens - (len(out) - k) - 1  # leave one to sample
     new_tail = new_tail[: max(0, room)]
-    if len(new_tail) <= k or tok.decode(new_tail)[: len(tail_text)] != tail_text:
+    if len(new_tail) - k < MIN_GAIN or tok.decode(new_tail)[: len(tail_text)] != tail_text:
         return False
     old_tail = out[-k:]
     req.grammar.rollback(k)
