@@ -7,7 +7,7 @@ plus one token accept. Reported: schemas compiled, compile p50/p99, mask p50/p99
 the bundled model's (4k) and a 32k byte-level BPE trained here on the MaskBench texts.
 
     pip install xgrammar llguidance      # bench-only extras
-    python benchmarks/bench_grammar.py [--stride 20] [--skip-e2e]
+    python benchmarks/bench_grammar.py [--stride 20] [--timeout 10] [--skip-e2e | --only-e2e]
 """
 
 from __future__ import annotations

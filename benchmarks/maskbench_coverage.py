@@ -9,7 +9,7 @@ tokenizer, one thread) are llguidance 8,909, XGrammar 8,122, outlines-core 7,050
 
     python benchmarks/maskbench_coverage.py [--data ../shared/data/maskbench] [--workers 2]
         [--timeout 30] [--tokenizer HF_DIR] [--limit N] [--stride K] [--lenient]
-        [--spec-additional] [--out f.jsonl]
+        [--spec-additional] [--files names.txt] [--out f.jsonl]
 
 Each schema runs in a worker process that is killed past --timeout (counted as a failure).
 Without --tokenizer the bundled tokenizer is used when present, else a byte-level BPE trained
