@@ -8,6 +8,7 @@ the bundled model's (4k) and a 32k byte-level BPE trained here on the MaskBench 
 
     pip install xgrammar llguidance      # bench-only extras
     python benchmarks/bench_grammar.py [--stride 20] [--timeout 10] [--skip-e2e | --only-e2e]
+        [--tokenizers bundled,bpe32k]
 """
 
 from __future__ import annotations
@@ -302,6 +303,7 @@ def main() -> None:
     ap.add_argument("--stride", type=int, default=20, help="every Nth MaskBench schema")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--only-e2e", action="store_true")
+    ap.add_argument("--tokenizers", default="bundled,bpe32k", help="comma list of: bundled, bpe32k")
     ap.add_argument("--timeout", type=int, default=10, help="seconds per schema (compile + walk)")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -318,7 +320,13 @@ def main() -> None:
     print(
         f"{len(cases)} MaskBench schemas (every {args.stride}th with a valid instance), one thread"
     )
-    for label, path in (("bundled 4k", BUNDLED_MODEL_PATH), ("BPE 32k", str(big))):
+    chosen = args.tokenizers.split(",")
+    for name, label, path in (
+        ("bundled", "bundled 4k", BUNDLED_MODEL_PATH),
+        ("bpe32k", "BPE 32k", str(big)),
+    ):
+        if name not in chosen:
+            continue
         tok = AutoTokenizer.from_pretrained(path)
         vocab = max(len(tok), tok.vocab_size)
         vocab = (vocab + 63) // 64 * 64
