@@ -341,6 +341,11 @@ def main() -> None:
             except ImportError as e:
                 print(f"  {cls.name:11s} not installed ({e})")
                 continue
+            except BaseException as e:  # a Rust panic (pyo3 PanicException) is not an Exception
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                print(f"  {cls.name:11s} cannot load this tokenizer ({type(e).__name__}: {e})")
+                continue
             r = rows[cls.name] = bench_engine(engine, cases, tok, args.timeout)
             print(
                 f"  {cls.name:11s} {r['compiled']:5d}/{len(cases):<4d} {r['compile_p50']:9.2f} ms "
