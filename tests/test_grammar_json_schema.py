@@ -220,6 +220,15 @@ def test_one_of_only_where_branches_are_exclusive():
         ]
     }
     assert match(keys, {"a": 1}) and not match(keys, {"a": 1, "b": 2})
+    # loom writes no unlisted keys, so objects written for one branch never carry the key the
+    # other requires (JSON Schema alone would let {"id", "win", "lose"} match both)
+    win_lose = {
+        "oneOf": [
+            {"type": "object", "properties": {"id": {"type": "string"}}, "required": ["id", "win"]},
+            {"type": "object", "properties": {"lose": {"type": "object"}}, "required": ["lose"]},
+        ]
+    }
+    assert match(win_lose, {"id": "x", "win": 1}) and match(win_lose, {"lose": {}})
     overlapping = [
         {"oneOf": [{"type": "number"}, {"type": "integer"}]},
         {  # {"a": 1} also matches the second branch, whose unlisted keys are allowed

@@ -166,30 +166,50 @@ class Translator:
                 return
 
     def _disjoint(self, a, b) -> bool:
-        if not (isinstance(a, dict) and isinstance(b, dict)):
+        """No value loom writes for one branch is valid for the other, both ways."""
+        return self._excludes(a, b) and self._excludes(b, a)
+
+    def _excludes(self, x, y, depth: int = 0) -> bool:
+        """Every value loom writes for schema `x` is invalid for schema `y` (JSON Schema's
+        rules for `y`: keywords constrain only their own type, unlisted keys are allowed
+        unless forbidden)."""
+        if not (isinstance(x, dict) and isinstance(y, dict)) or depth > 8:
             return False
-        ta, tb = _type_set(self, a), _type_set(self, b)
-        if ta is not None and tb is not None and not (ta & tb):
+        x, y = self._flat(x), self._flat(y)
+        tx, ty = _type_set(self, x), _explicit_types(y)
+        if tx is not None and ty is not None and not (tx & ty):
             return True
-        va, vb = _values(a), _values(b)
-        if va is not None and vb is not None and not (va & vb):
+        vx, vy = _values(x), _values(y)
+        if vx is not None and vy is not None and not (vx & vy):
             return True
-        for x, y in ((a, b), (b, a)):
-            if any(not self._generates_key(x, k) for k in y.get("required") or []):
-                return True  # x's outputs are objects that lack a key y requires
-            for key in x.get("required") or []:
-                if not isinstance(key, str):
-                    continue
-                px = self.deref((x.get("properties") or {}).get(key, {}), "#")
-                py = self.deref((y.get("properties") or {}).get(key), "#")
-                if py is None:
-                    if y.get("additionalProperties") is False and not y.get("patternProperties"):
-                        return True  # y forbids a key that x requires
-                    continue
-                if isinstance(px, dict) and self._disjoint(px, py):
-                    if key in (y.get("required") or []):
-                        return True
+        if tx != {"object"}:
+            return False
+        # x's outputs are objects: y rejects them if it requires a key they never have, forbids
+        # a key they always have, or pins such a key to values they never write there
+        if any(not self._generates_key(x, k) for k in y.get("required") or []):
+            return True
+        y_props = y.get("properties") or {}
+        for key in x.get("required") or []:
+            if not isinstance(key, str):
+                continue
+            if key not in y_props:
+                if y.get("additionalProperties") is False and not y.get("patternProperties"):
+                    return True
+                continue
+            px = self.deref((x.get("properties") or {}).get(key, {}), "#")
+            if self._excludes(px, self.deref(y_props[key], "#"), depth + 1):
+                return True
         return False
+
+    def _flat(self, s):
+        """`s` with a top-level allOf merged in, when the parts merge."""
+        if not isinstance(s, dict) or "allOf" not in s:
+            return s
+        try:
+            parts = [self.deref(x, "#") for x in s["allOf"]]
+            return reduce(merge, parts, {k: v for k, v in s.items() if k != "allOf"})
+        except (MergeError, GrammarError):
+            return s
 
     def _generates_key(self, x, key) -> bool:
         """Whether an output written for schema `x` can have member `key` (or be a
@@ -451,6 +471,20 @@ def _type_set(tr, s) -> set | None:
     if types is None:
         return None
     return {"number" if t == "integer" else t for t in types}
+
+
+def _explicit_types(s) -> set | None:
+    """The types a schema admits under JSON Schema's rules (no inference from keywords):
+    its `type` or const/enum values; None when it admits every type."""
+    if "const" in s or isinstance(s.get("enum"), list):
+        return {_json_type(v) for v in ([s["const"]] if "const" in s else s["enum"])}
+    t = s.get("type")
+    if t is None or any(k in s for k in ("anyOf", "oneOf", "allOf", "not", "$ref")):
+        return None
+    types = set(t if isinstance(t, list) else [t])
+    if s.get("nullable") is True:
+        types.add("null")
+    return {"number" if x == "integer" else x for x in types}
 
 
 def _json_type(v) -> str:
