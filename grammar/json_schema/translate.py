@@ -29,6 +29,9 @@ UNSUPPORTED = {
     "dependentSchemas", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
     "multipleOf", "$dynamicRef", "$recursiveRef",
 }  # fmt: skip
+# oneOf branches whose regexes are at most this long are checked for overlap with interegular
+# (pure Python: its automata for a few thousand characters of JSON regex take minutes)
+MAX_CHECK_CHARS = 600
 _OBJECT_KEYS = ("properties", "required", "additionalProperties")
 _ARRAY_KEYS = ("items", "prefixItems", "minItems", "maxItems", "additionalItems")
 _STRING_KEYS = ("minLength", "maxLength", "pattern", "format")
@@ -231,7 +234,9 @@ class Translator:
 
         opts = replace(self.o, additional_properties_default=True, max_any_depth=3)
         try:
-            ra, rb = (Translator(self.root, RegexAlgebra(4000), opts).value(x) for x in (a, b))
+            ra, rb = (
+                Translator(self.root, RegexAlgebra(MAX_CHECK_CHARS), opts).value(x) for x in (a, b)
+            )
             import interegular
 
             fa = interegular.parse_pattern(ra).to_fsm()
