@@ -299,3 +299,14 @@ def test_dead_child_process_stops_the_server(tiny_model_dir, victim):
             time.sleep(0.1)
     finally:
         rt.shutdown()
+
+
+def test_sse_events_survive_line_splitting_readers():
+    """JSON leaves U+0085/U+2028/U+2029 raw inside strings, but httpx and the OpenAI client
+    split SSE lines with str.splitlines: a random model emitted one and the stream broke."""
+    from loom.runtime.server.native import sse
+
+    event = sse({"text": "a\x85b\u2028c\u2029d\né\x1c"})
+    body = event.removeprefix("data: ").removesuffix("\n\n")
+    assert len(body.splitlines()) == 1
+    assert json.loads(body) == {"text": "a\x85b\u2028c\u2029d\né\x1c"}

@@ -58,8 +58,13 @@ async def unless_disconnected(request: Request, coro) -> Any:
 
 
 # --------------------------------------------------------------------------- SSE
+# Characters JSON leaves raw inside strings but line readers split on (str.splitlines, which
+# httpx and the OpenAI client use for SSE): escaped, or one event arrives as broken halves.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: Any) -> str:
-    return f"data: {json_dumps(obj)}\n\n"
+    return f"data: {json_dumps(obj).translate(_LINE_BREAKS)}\n\n"
 
 
 async def prime(agen: AsyncIterator) -> Any:
