@@ -222,12 +222,8 @@ class Translator:
         props = x.get("properties") or {}
         if key in props or key in (x.get("required") or []):
             return True
-        for pattern in x.get("patternProperties") or {}:
-            try:
-                if re.search(pattern, key):
-                    return True
-            except (re.error, TypeError):
-                return True  # a pattern Python cannot read may match
+        if any(re.search(p, key) for p in x.get("patternProperties") or {}):
+            return True
         default = self.o.additional_properties_default or "properties" not in x
         return x.get("additionalProperties", default and "patternProperties" not in x) is not False
 
@@ -514,18 +510,7 @@ def _values(s) -> set | None:
         vals = s["enum"]
     else:
         return None
-    return {json.dumps(_integral(v), sort_keys=True) for v in vals}
-
-
-def _integral(v):
-    """1.0 and 1 are one JSON Schema value: compare them alike (also inside containers)."""
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, list):
-        return [_integral(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _integral(x) for k, x in v.items()}
-    return v
+    return {json.dumps(v, sort_keys=True) for v in vals}
 
 
 def _constraining(siblings: dict) -> bool:
