@@ -58,19 +58,7 @@ class GrammarBackend:
             if hit is not None:
                 self._cache.move_to_end(key)
         if hit is None:
-            try:
-                hit = self._compile(kind, spec)
-            except GrammarError as e:
-                hit = e
-            except RecursionError:
-                hit = GrammarError(f"{kind} spec nests too deeply")
-            except Exception as e:  # an engine bug must not become a server error
-                log.exception("grammar compile failed (%s)", kind)
-                hit = GrammarError(f"cannot compile {kind}: {type(e).__name__}: {e}")
-            with self._lock:
-                self._cache[key] = hit
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+            hit = self._compile_and_cache(key, kind, spec)
         if isinstance(hit, GrammarError):
             raise GrammarError(str(hit))
         return hit.copy()
@@ -114,24 +102,28 @@ class GrammarBackend:
             if key not in self._cache:
                 self._cache[key] = GrammarError(message)
 
+    def _compile_and_cache(self, key, kind: str, spec: Any) -> Grammar | GrammarError:
+        """The compiled grammar, or the GrammarError saying why not; either is cached."""
+        try:
+            hit = self._compile(kind, spec)
+        except GrammarError as e:
+            hit = e
+        except RecursionError:
+            hit = GrammarError(f"{kind} spec nests too deeply")
+        except Exception as e:  # an engine bug must not become a server error
+            log.exception("grammar compile failed (%s)", kind)
+            hit = GrammarError(f"cannot compile {kind}: {type(e).__name__}: {e}")
+        with self._lock:
+            self._cache[key] = hit
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return hit
+
     def _run_job(self, key, kind: str, spec: Any, job: _Job):
         job.started = time.monotonic()
         try:
-            try:
-                hit = self._compile(kind, spec)
-            except GrammarError as e:
-                hit = e
-            except RecursionError:
-                hit = GrammarError(f"{kind} spec nests too deeply")
-            except Exception as e:  # an engine bug must not become a server error
-                log.exception("grammar compile failed (%s)", kind)
-                hit = GrammarError(f"cannot compile {kind}: {type(e).__name__}: {e}")
-            with self._lock:
-                self._cache[key] = hit
-                self._cache.move_to_end(key)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-            return hit
+            return self._compile_and_cache(key, kind, spec)
         finally:
             with self._lock:
                 self._inflight.pop(key, None)
