@@ -280,7 +280,8 @@ def test_grammar_fields_constrain_the_output(client):
     assert re.fullmatch("[a-z]{2,6}-[0-9]{2}", r.choices[0].message.content)
     schema = {
         "type": "object",
-        "properties": {"n": {"type": "integer"}},
+        # bounded: an unbounded integer lets a random model at T=1 write digits past max_tokens
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
         "required": ["n"],
         "additionalProperties": False,
     }
