@@ -231,6 +231,8 @@ def test_one_of_only_where_branches_are_exclusive():
     assert match(win_lose, {"id": "x", "win": 1}) and match(win_lose, {"lose": {}})
     overlapping = [
         {"oneOf": [{"type": "number"}, {"type": "integer"}]},
+        {"oneOf": [{"const": 1}, {"enum": [1.0, 2]}]},  # 1 and 1.0 are the same JSON value
+        {"oneOf": [{"const": [1]}, {"const": [1.0]}]},
         {  # {"a": 1} also matches the second branch, whose unlisted keys are allowed
             "oneOf": [
                 {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},

@@ -510,7 +510,18 @@ def _values(s) -> set | None:
         vals = s["enum"]
     else:
         return None
-    return {json.dumps(v, sort_keys=True) for v in vals}
+    return {json.dumps(_integral(v), sort_keys=True) for v in vals}
+
+
+def _integral(v):
+    """1.0 and 1 are one JSON Schema value: compare them alike (also inside containers)."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, list):
+        return [_integral(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _integral(x) for k, x in v.items()}
+    return v
 
 
 def _constraining(siblings: dict) -> bool:
