@@ -131,14 +131,6 @@ class GrammarBackend:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    @staticmethod
-    def _warm(grammar: Grammar) -> Grammar:
-        """Start building a regex grammar's jump-forward DFA in the background now."""
-        compiled = getattr(grammar, "compiled", None)
-        if hasattr(compiled, "char_dfa"):
-            compiled.char_dfa()
-        return grammar
-
     def _key(self, kind: str, spec: Any) -> tuple:
         if kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {KINDS}")
@@ -157,13 +149,13 @@ class GrammarBackend:
         if kind == "regex":
             from .regex_grammar import CompiledRegex, RegexGrammar
 
-            return self._warm(RegexGrammar(CompiledRegex(spec, vocab)))
+            return RegexGrammar(CompiledRegex(spec, vocab))
         if kind == "json_schema":
-            return self._warm(compile_json_schema(spec, vocab, self.json_options))
+            return compile_json_schema(spec, vocab, self.json_options)
         if kind == "choices":
             from .choices import compile_choices
 
-            return self._warm(compile_choices(list(spec), vocab))
+            return compile_choices(list(spec), vocab)
         try:
             from . import ebnf
         except ImportError as e:  # pragma: no cover - the CFG engine ships separately

@@ -2,8 +2,8 @@
 
 `CompiledRegex` is the shared, immutable part: the outlines-core `Index` (regex DFA x token
 vocabulary), one packed bitmask row per automaton state (built on first use, so `fill_mask` is
-one copy), and, for jump-forward only, a character-level DFA from `interegular` built in the
-background. `RegexGrammar` is one request's position: a stack of automaton states, so
+one copy), and the bytes forced in each state (jump-forward), read off the same Index.
+`RegexGrammar` is one request's position: a stack of automaton states, so
 `rollback(k)` is a pop.
 
 Why the sentinels: outlines-core's Index drops a token whose bytes run through a point where
@@ -19,12 +19,11 @@ nesting or the bound; a start character that never recurs keeps the DFA to one l
 
 from __future__ import annotations
 
-import threading
+import os
 
 import numpy as np
 import torch
 
-from . import char_dfa as CD
 from .base import Grammar, GrammarError, bitmask_words
 from .vocab import SENTINEL, SENTINEL_BYTES, TokenVocabulary
 
@@ -49,11 +48,8 @@ class CompiledRegex:
         self._rows: dict[int, torch.Tensor] = {}
         self._final: dict[int, bool] = {}
         self._terminal: dict[int, bool] = {}
-        self._char_dfa = None
-        self._char_dfa_stage = "new"  # -> "queued" -> "building" -> "done"
-        self._char_dfa_done = threading.Event()
+        self._forced: dict[int, tuple[bytes, int | None] | None] = {}
         self._eos_row: torch.Tensor | None = None
-        self._lock = threading.Lock()
 
     # -- token level --------------------------------------------------------------------------
 
@@ -127,45 +123,48 @@ class CompiledRegex:
             self.mask_row(state)
         return self._terminal[state] and self.is_final(state)
 
-    # -- character level (jump-forward) -------------------------------------------------------
+    # -- jump-forward ---------------------------------------------------------------------
 
-    def char_dfa(self, wait: bool = False):
-        """(fsm, live states, symbol -> chars), or None when it is not (yet) available.
+    def forced(self, state: int) -> tuple[bytes, int | None] | None:
+        """The bytes every continuation from `state` starts with, and the state after them
+        (None when no token spells exactly those bytes), or None when nothing is forced.
 
-        interegular is pure Python and takes seconds on a large JSON-schema regex, so the
-        scheduler never waits for it: the first call queues the build on the one background
-        builder (char_dfa.py) and jump-forward stays off until it is done. `wait=True` builds
-        it now in the caller's thread if the builder has not started it (tests, warm-up).
-        """
-        build_here = False
-        with self._lock:
-            if self._char_dfa_stage == "new" and not wait:
-                self._char_dfa_stage = "queued"
-                CD.enqueue(self)
-            elif self._char_dfa_stage in ("new", "queued") and wait:
-                self._char_dfa_stage = "building"
-                build_here = True
-        if build_here:
-            self._build_char_dfa()
-        elif wait:
-            self._char_dfa_done.wait()
-        dfa = self._char_dfa
-        return None if dfa is None or dfa is CD.NO_JUMP else dfa
+        Read off the Index: the next token is one of the allowed ones, so their longest
+        common prefix is forced, and a final state forces nothing (EOS may come). Cached
+        per state; an allowed token that only leads to a dead end can hide a forced byte,
+        never invent one."""
+        if state in self._forced:
+            return self._forced[state]
+        out = None
+        if not self.is_final(state):
+            tb = self.vocab.token_bytes
+            ids = [
+                t
+                for t in self.index.get_allowed_tokens(state) or []
+                if t < self.vocab.vocab_size and tb[t] is not None
+            ]
+            first = {tb[t][0] for t in ids}
+            if len(first) == 1:
+                prefix = os.path.commonprefix([tb[t] for t in ids])
+                exact = next((t for t in ids if tb[t] == prefix), None)
+                out = (prefix, None if exact is None else self.next_state(state, exact))
+        self._forced[state] = out
+        return out
 
-    def build_char_dfa_if_queued(self) -> None:
-        """The builder thread's entry: build unless a `wait=True` caller took it over."""
-        with self._lock:
-            if self._char_dfa_stage != "queued":
-                return
-            self._char_dfa_stage = "building"
-        self._build_char_dfa()
-
-    def _build_char_dfa(self) -> None:
+    def forced_text(self, state: int, limit: int = 4096) -> str | None:
+        """The text forced from `state` on, cut before an unfinished UTF-8 character."""
+        out = bytearray()
+        while state is not None and len(out) < limit:
+            step = self.forced(state)
+            if step is None:
+                break
+            out += step[0]
+            state = step[1]
         try:
-            self._char_dfa = CD.build_char_dfa(self.pattern)
-        finally:
-            self._char_dfa_stage = "done"
-            self._char_dfa_done.set()
+            text = out.decode("utf-8")
+        except UnicodeDecodeError as e:  # also: the text so far ends inside a character
+            text = out[: e.start].decode("utf-8")
+        return text or None
 
 
 def _short(pattern: str, n: int = 120) -> str:
@@ -183,7 +182,6 @@ class RegexGrammar(Grammar):
         self.compiled = compiled
         self._states: list[int] = [compiled.initial_state]
         self._tokens: list[int] = []
-        self._char_states: list[tuple] = []  # lazily: (char-DFA state or None, pending bytes)
 
     @property
     def state(self) -> int:
@@ -214,7 +212,6 @@ class RegexGrammar(Grammar):
         if k:
             del self._states[-k:]
             del self._tokens[-k:]
-            del self._char_states[len(self._tokens) + 1 :]
 
     def is_terminated(self) -> bool:
         return self.compiled.is_terminal(self.state) or (
@@ -225,63 +222,8 @@ class RegexGrammar(Grammar):
         g = RegexGrammar(self.compiled)
         g._states = list(self._states)
         g._tokens = list(self._tokens)
-        g._char_states = list(self._char_states)
         return g
 
     def jump_forward(self) -> str | None:
-        """Walk the char DFA while the state is not final and exactly one char may follow."""
-        dfa = self.compiled.char_dfa()
-        if dfa is None or self.is_terminated():
-            return None
-        fsm, live, by_symbol = dfa
-        state, pending = self._char_state()
-        if state is None or pending:
-            return None  # off the char DFA, or inside a multi-byte character
-        out: list[str] = []
-        while state not in fsm.finals:
-            nexts = [(sym, t) for sym, t in fsm.map.get(state, {}).items() if t in live]
-            if len(nexts) != 1:
-                break
-            chars = by_symbol.get(nexts[0][0], [])
-            if len(chars) != 1 or not isinstance(chars[0], str):
-                break  # a class of several chars, or "anything else"
-            out.append(chars[0])
-            state = nexts[0][1]
-        return "".join(out) or None
-
-    def _char_state(self) -> tuple:
-        """Char-DFA state after all accepted tokens, fed incrementally and cached per token."""
-        fsm, _, _ = self.compiled.char_dfa()  # only called once it is built
-        if not self._char_states:
-            self._char_states.append((fsm.initial, b""))
-        token_bytes = self.compiled.vocab.token_bytes
-        for i in range(len(self._char_states) - 1, len(self._tokens)):
-            state, pending = self._char_states[i]
-            data = token_bytes[self._tokens[i]] or b""  # EOS adds nothing
-            self._char_states.append(_feed(fsm, state, pending + data))
-        return self._char_states[len(self._tokens)]
-
-
-def _feed(fsm, state, data: bytes) -> tuple:
-    """Advance the char DFA over the complete UTF-8 characters in `data`."""
-    if state is None:
-        return None, b""
-    cut = len(data)
-    # keep a trailing incomplete UTF-8 sequence for the next token
-    for back in range(1, min(4, len(data)) + 1):
-        b = data[-back]
-        if b & 0xC0 == 0x80:
-            continue
-        need = 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
-        if need > back:
-            cut = len(data) - back
-        break
-    text = data[:cut].decode("utf-8", errors="replace")
-    from interegular.fsm import anything_else
-
-    for ch in text:
-        sym = fsm.alphabet[ch] if ch in fsm.alphabet else fsm.alphabet[anything_else]
-        state = fsm.map.get(state, {}).get(sym)
-        if state is None:
-            return None, b""
-    return state, data[cut:]
+        """The text every continuation starts with (None at the end, or if nothing is forced)."""
+        return None if self.is_terminated() else self.compiled.forced_text(self.state)

@@ -349,7 +349,6 @@ def test_compiled_grammar_walk():
         "additionalProperties": False,
     }
     g = compile_json_schema(schema, vocab)
-    g.compiled.char_dfa(wait=True)
     assert g.jump_forward() == '{"name":'
     bm = allocate_token_bitmask(1, vocab.vocab_size)
     for t in encode(tok, '{"name": "héllo", "age": 42}'):

@@ -157,7 +157,6 @@ def test_only_eos_after_complete(tok, vocab):
     compiled = CompiledRegex("yes", vocab)
     g = RegexGrammar(compiled)
     assert not g.is_terminated()
-    compiled.char_dfa(wait=True)  # built in the background otherwise
     assert g.jump_forward() == "yes"
     for t in encode(tok, "yes"):
         g.accept_token(t)
@@ -195,7 +194,6 @@ def test_rollback_copy_and_fill_mask_rows(tok, vocab):
 def test_jump_forward(tok, vocab):
     compiled = CompiledRegex(r'\{"name": "[a-z]+", "age": [0-9]+\}', vocab)
     g = RegexGrammar(compiled)
-    compiled.char_dfa(wait=True)  # jump_forward() is None until the background build is done
     assert g.jump_forward() == '{"name": "'
     for t in encode(tok, '{"name": "bob'):
         g.accept_token(t)
@@ -207,36 +205,30 @@ def test_jump_forward(tok, vocab):
     assert g.jump_forward() is None
     # inside a multi-byte character: nothing is forced at the char level yet
     u = RegexGrammar(CompiledRegex("é(x|y)", vocab))
-    u.compiled.char_dfa(wait=True)
     assert u.jump_forward() == "é"
 
 
-def test_char_dfa_builds_run_on_one_thread_within_a_budget(vocab):
-    """Jump-forward's char DFA (interegular, pure Python) once took a thread per grammar and
-    no time limit: 200 distinct MaskBench schemas meant 200 threads holding the GIL against
-    the scheduler, one of them building for 90 s and several GB. Now: one builder thread, a
-    CPU budget per build (past it, no jump-forward), and wait=True still builds in place."""
+def test_jump_forward_reads_the_index(vocab):
+    """Forced text comes from the token Index itself (no second automaton): the longest
+    common prefix of the allowed tokens, state after state, stopping where the regex may end
+    or branch, and before an unfinished character."""
+    c = CompiledRegex("(abc|abd)x|zzz", vocab)
+    assert RegexGrammar(c).jump_forward() is None  # "a" or "z"
+    g = RegexGrammar(CompiledRegex("(abc|abd)x", vocab))
+    assert g.jump_forward() == "ab"
+    assert RegexGrammar(CompiledRegex("ab(c)?", vocab)).jump_forward() == "ab"
+    assert RegexGrammar(CompiledRegex("xyz", vocab)).jump_forward() == "xyz"
+    # forced bytes that end inside a character are held back: "中" then a choice of two
+    cjk = RegexGrammar(CompiledRegex("中(文|国)", vocab))
+    assert cjk.jump_forward() == "中"
+    # no background work: a fresh grammar answers at once, and many distinct ones start no
+    # thread (the old interegular char DFA built on a thread held the GIL for seconds)
     import threading
-    import time
 
-    from loom.grammar import char_dfa
-
-    pattern = r'\{"name": "[a-z]+", "age": [0-9]+(, "tags": \["[a-z]*"(, "[a-z]*")*\])?\}'
-    assert char_dfa.build_char_dfa(pattern, budget_s=0.0) is char_dfa.NO_JUMP
-    assert char_dfa.build_char_dfa(pattern) is not char_dfa.NO_JUMP
-    compiled = [CompiledRegex(f"{pattern}{i}", vocab) for i in range(12)]
-    for c in compiled:
-        c.char_dfa()  # queued on the builder
-    deadline = time.monotonic() + 60
-    while any(c.char_dfa() is None for c in compiled) and time.monotonic() < deadline:
-        names = [t.name for t in threading.enumerate()]
-        assert names.count("loom-char-dfa") <= 1, names
-        time.sleep(0.01)
-    assert all(RegexGrammar(c).jump_forward() == '{"name": "' for c in compiled)
-    late = CompiledRegex("late", vocab)
-    late.char_dfa()
-    assert late.char_dfa(wait=True) is not None  # waits for, or takes over, the queued build
-    assert RegexGrammar(late).jump_forward() == "late"
+    before = threading.active_count()
+    grammars = [RegexGrammar(CompiledRegex(f"item{i}(a|b)", vocab)) for i in range(20)]
+    assert [x.jump_forward() for x in grammars] == [f"item{i}" for i in range(20)]
+    assert threading.active_count() == before
 
 
 def test_choices(tok, vocab):
