@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+from decimal import Decimal
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loom.grammar.base import GrammarError, allocate_token_bitmask, unpack_bitmask
 from loom.grammar.json_schema import (
@@ -14,7 +17,7 @@ from loom.grammar.json_schema import (
     json_schema_to_lark,
     json_schema_to_regex,
 )
-from loom.grammar.json_schema.numbers import int_range
+from loom.grammar.json_schema.numbers import int_range, number_range
 from loom.grammar.vocab import TokenVocabulary
 from tests.conftest_grammar import byte_bpe, encode
 
@@ -63,9 +66,47 @@ def test_number_bounds():
     assert match(whole, 3) and not match(whole, 1.5)
     with pytest.raises(GrammarError, match="multipleOf"):
         json_schema_to_regex({"type": "number", "multipleOf": 0.3})
-    with pytest.raises(GrammarError, match="minimum"):
-        json_schema_to_regex({"type": "number", "minimum": 0.5})
-    json_schema_to_regex({"type": "number", "minimum": 0.5}, lenient=True)
+    lat = {"type": "number", "minimum": -90.5, "exclusiveMaximum": 0.25}
+    assert all(match(lat, v) for v in (-90.5, -90.49, -3, -0.001, 0, 0.1, 0.2499))
+    assert not any(match(lat, v) for v in (-90.51, -91, 0.25, 0.2501, 1))
+    money = {"type": "number", "multipleOf": 0.01, "minimum": 0.5, "maximum": 100}
+    assert all(match(money, v) for v in (0.5, 0.51, 99.99, 100, 3))
+    assert not any(match(money, v) for v in (0.49, 0.505, 100.01, -1))
+
+
+@given(
+    lo=st.one_of(st.none(), st.decimals(-50, 50, places=3)),
+    hi=st.one_of(st.none(), st.decimals(-50, 50, places=3)),
+    lo_ex=st.booleans(),
+    hi_ex=st.booleans(),
+    places=st.one_of(st.none(), st.integers(0, 3)),
+    x=st.decimals(-60, 60, places=4),
+    near=st.sampled_from([None, "lo", "hi"]),
+    nudge=st.sampled_from(["-0.001", "-0.0001", "0", "0.0001", "0.01"]),
+)
+@settings(max_examples=600, deadline=None)
+def test_number_range_matches_decimal_comparison(lo, hi, lo_ex, hi_ex, places, x, near, nudge):
+    """Any decimal bounds, inclusive or exclusive, with or without multipleOf 10**-k: the regex
+    accepts a number's text exactly when the number is in range (x is often a bound itself,
+    or next to one)."""
+    bound = {"lo": lo, "hi": hi}.get(near)
+    if bound is not None:
+        x = bound + Decimal(nudge)
+    s = {}
+    if lo is not None:
+        s["exclusiveMinimum" if lo_ex else "minimum"] = float(lo)
+    if hi is not None:
+        s["exclusiveMaximum" if hi_ex else "maximum"] = float(hi)
+    r = number_range(s, places)
+    text = format(x, "f")
+    truth = (
+        (lo is None or (x > lo if lo_ex else x >= lo))
+        and (hi is None or (x < hi if hi_ex else x <= hi))
+        and (places is None or x == x.quantize(Decimal(1).scaleb(-places)))
+    )
+    if x == 0 and text.startswith("-"):
+        text = text[1:]  # "-0.0" is not written
+    assert bool(r and re.fullmatch(r, text)) == truth, (s, places, text, r)
 
 
 def test_strings_lengths_pattern_format():

@@ -9,10 +9,10 @@ an integer range (with an optional all-zero fraction) with integer parts of non-
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-_NONZERO_FRAC = r"\.[0-9]*[1-9][0-9]*"
 
 
 def _digit_class(a: str, b: str) -> str:
@@ -93,40 +93,183 @@ def integer_bounds(schema: dict) -> tuple[int | None, int | None]:
     return lo, hi
 
 
-def number_range(schema: dict) -> str | None:
-    """Regex for JSON numbers within integral bounds; raises ValueError for other bounds.
+def number_range(schema: dict, decimals: int | None = None) -> str | None:
+    """Regex for the JSON numbers within the schema's bounds (any finite decimal bounds,
+    inclusive or exclusive, drafts 4 and 6+), with at most `decimals` significant fraction
+    digits when given (multipleOf 10**-k); None when the range is empty.
 
     Bounded numbers are written without exponents (`1e3` is not accepted where a bound applies).
     """
     lo, hi = schema.get("minimum"), schema.get("maximum")
     xlo, xhi = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
     lo_ex = hi_ex = False
-    if isinstance(xlo, (int, float)) and not isinstance(xlo, bool):
+    if _is_number(xlo):
         if lo is None or xlo >= lo:
             lo, lo_ex = xlo, True
     elif xlo is True:
         lo_ex = True
-    if isinstance(xhi, (int, float)) and not isinstance(xhi, bool):
+    if _is_number(xhi):
         if hi is None or xhi <= hi:
             hi, hi_ex = xhi, True
     elif xhi is True:
         hi_ex = True
-    for b in (lo, hi):
-        if b is not None and b != int(b):
-            raise ValueError(f"non-integral bound {b}")
-    lo = None if lo is None else int(lo)
-    hi = None if hi is None else int(hi)
-    ints = int_range(None if lo is None else lo + lo_ex, None if hi is None else hi - hi_ex)
-    parts = [ints + r"(?:\.0+)?"] if ints else []
-    # non-integers strictly between lo and hi, by integer part
-    pos = _nonneg(max(lo, 0) if lo is not None else 0, None if hi is None else hi - 1)
-    if pos is not None:
-        parts.append(pos + _NONZERO_FRAC)
-    if lo is None or lo < 0:
-        neg = _nonneg(max(0, -hi) if hi is not None else 0, None if lo is None else -lo - 1)
-        if neg is not None:
-            parts.append("-" + neg + _NONZERO_FRAC)
+    lo, hi = _decimal(lo), _decimal(hi)
+    if lo is not None and hi is not None and (lo > hi or (lo == hi and (lo_ex or hi_ex))):
+        return None
+    parts = []
+    if hi is None or hi >= 0:  # x >= 0: x in [max(lo, 0), hi]
+        low, low_ex = (lo, lo_ex) if lo is not None and lo >= 0 else (Decimal(0), False)
+        part = _magnitudes(low, low_ex, hi, hi_ex, decimals)
+        if part:
+            parts.append(part)
+    if lo is None or lo < 0:  # x = -m < 0: m in (0 or -hi, -lo]
+        low, low_ex = (-hi, hi_ex) if hi is not None and hi < 0 else (Decimal(0), True)
+        part = _magnitudes(low, low_ex, None if lo is None else -lo, lo_ex, decimals)
+        if part:
+            parts.append("-" + part)
     return _alt(parts) if parts else None
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _decimal(v) -> Decimal | None:
+    """A JSON bound as an exact decimal: the float's shortest repr (0.1 is 0.1, not 0.1000..)."""
+    if v is None:
+        return None
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"bound {v} is not a finite number")
+    return Decimal(repr(v)) if isinstance(v, float) else Decimal(v)
+
+
+def _split(d: Decimal) -> tuple[int, str]:
+    """(integer part, fraction digits without trailing zeros) of a non-negative decimal."""
+    whole = int(d)
+    frac = format(d - whole, "f").partition(".")[2].rstrip("0")
+    return whole, frac
+
+
+def _magnitudes(lo: Decimal, lo_ex: bool, hi: Decimal | None, hi_ex: bool, k) -> str | None:
+    """Non-negative numbers `I(.F)?` in [lo, hi] (hi None: unbounded), each side inclusive or
+    exclusive, F holding at most k significant digits (k None: any). By integer part: the
+    bounds' own integer parts constrain the fraction, the ones strictly between do not."""
+    if hi is not None and (lo > hi or (lo == hi and (lo_ex or hi_ex))):
+        return None
+    a, alpha = _split(lo)
+    if hi is not None:
+        b, beta = _split(hi)
+        if a == b:
+            tail = _tail(_between(alpha, lo_ex, beta, hi_ex, k))
+            return None if tail is None else str(a) + tail
+    parts = []
+    tail = _tail(_at_least(alpha, lo_ex, k))
+    if tail is not None:
+        parts.append(str(a) + tail)
+    middle = _nonneg(a + 1, None if hi is None else b - 1)
+    if middle is not None:
+        parts.append(middle + _tail(_any(k)))
+    if hi is not None:
+        tail = _tail(_at_most(beta, hi_ex, k))
+        if tail is not None:
+            parts.append(str(b) + tail)
+    return _alt(parts) if parts else None
+
+
+# Fraction digit strings F (the digits after ".", possibly none: value 0), compared as values:
+# each helper returns (alternatives for a non-empty F, whether an empty F qualifies), with `k`
+# the number of digits still free to be non-zero (None: unlimited; past it only zeros).
+
+
+def _tail(frac: tuple[list[str], bool]) -> str | None:
+    """The optional `.F` after an integer part, or None when no fraction qualifies."""
+    alts, empty = frac
+    if not alts:
+        return "" if empty else None
+    return rf"(?:\.{_alt(alts)})" + ("?" if empty else "")
+
+
+def _rest(frac: tuple[list[str], bool]) -> str | None:
+    """The digits after a fixed one: possibly none."""
+    alts, empty = frac
+    if not alts:
+        return "" if empty else None
+    return "(?:" + "|".join(alts) + ")?" if empty else _alt(alts)
+
+
+def _free(k) -> str:
+    """Any digits (only zeros past the k free positions)."""
+    return "[0-9]*" if k is None else (f"[0-9]{{0,{k}}}0*" if k else "0*")
+
+
+def _any(k) -> tuple[list[str], bool]:
+    if k is None:
+        return ["[0-9]+"], True
+    return ([f"[0-9]{{1,{k}}}0*"] if k else ["0+"]), True
+
+
+def _digit(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"[{lo}-{hi}]"
+
+
+def _at_least(alpha: str, strict: bool, k) -> tuple[list[str], bool]:
+    """F > .alpha (strict) or F >= .alpha."""
+    if not alpha:
+        if not strict:
+            return _any(k)
+        if k is None:
+            return ["0*[1-9][0-9]*"], False
+        # a non-zero digit at one of the k free positions
+        return ["0" * j + "[1-9]" + _free(k - j - 1) for j in range(k)], False
+    if k == 0:
+        return [], False  # only zeros remain: value 0 < .alpha
+    d, sub = int(alpha[0]), _at_least(alpha[1:], strict, None if k is None else k - 1)
+    alts = [] if d == 9 else [_digit(d + 1, 9) + _free(None if k is None else k - 1)]
+    rest = _rest(sub)
+    if rest is not None:
+        alts.append(str(d) + rest)
+    return alts, False
+
+
+def _at_most(beta: str, strict: bool, k) -> tuple[list[str], bool]:
+    """F < .beta (strict) or F <= .beta."""
+    if not beta:
+        return ([], False) if strict else (["0+"], True)
+    if k == 0:
+        return ["0+"], True  # only zeros remain: value 0 < .beta
+    k1 = None if k is None else k - 1
+    d = int(beta[0])
+    alts = [] if d == 0 else [_digit(0, d - 1) + _free(k1)]
+    rest = _rest(_at_most(beta[1:], strict, k1))
+    if rest is not None:
+        alts.append(str(d) + rest)
+    return alts, True
+
+
+def _between(alpha: str, lo_ex: bool, beta: str, hi_ex: bool, k) -> tuple[list[str], bool]:
+    """.alpha <= F <= .beta (either side strict), with .alpha <= .beta."""
+    if not alpha:
+        if not lo_ex:
+            return _at_most(beta, hi_ex, k)
+        if not beta:
+            return [], False
+    if k == 0:
+        return [], False  # only zeros remain, and 0 is below .alpha (or excluded)
+    k1 = None if k is None else k - 1
+    a0, b0 = int((alpha or "0")[0]), int(beta[0])
+    if a0 == b0:
+        rest = _rest(_between(alpha[1:], lo_ex, beta[1:], hi_ex, k1))
+        return ([str(a0) + rest] if rest is not None else []), False
+    alts = []
+    rest = _rest(_at_least(alpha[1:], lo_ex, k1))
+    if rest is not None:
+        alts.append(str(a0) + rest)
+    if b0 - a0 > 1:
+        alts.append(_digit(a0 + 1, b0 - 1) + _free(k1))
+    rest = _rest(_at_most(beta[1:], hi_ex, k1))
+    if rest is not None:
+        alts.append(str(b0) + rest)
+    return alts, not alpha and not lo_ex
 
 
 def decimal_places(m) -> int | None:

@@ -377,19 +377,17 @@ class Translator:
         return self.A.leaf(r)
 
     def t_number(self, s, path):
-        m = s.get("multipleOf")
+        m, digits = s.get("multipleOf"), None
         if m is not None:
             if m == 1:
                 return self.t_integer({k: v for k, v in s.items() if k != "multipleOf"}, path)
             digits = N.decimal_places(m)
-            if digits is None or any(k in s for k in _NUMBER_KEYS):
+            if digits is None:
                 self.fail("multipleOf", path, f"multipleOf {m} is not supported here")
-            else:
-                return self.A.leaf(N.at_most_decimals(digits))
         if not any(k in s for k in _NUMBER_KEYS):
-            return self.A.leaf(N.NUMBER)
+            return self.A.leaf(N.NUMBER if digits is None else N.at_most_decimals(digits))
         try:
-            r = N.number_range(s)
+            r = N.number_range(s, digits)
         except ValueError as e:
             self.fail("minimum", path, f"number bound: {e}")
             return self.A.leaf(N.NUMBER)
