@@ -207,6 +207,19 @@ def test_pattern_properties_and_implied_lengths():
     assert not match(both, "x-abcde") and not match(both, "x-ABC")
     with pytest.raises(GrammarError, match="maxLength"):
         json_schema_to_regex({"type": "string", "pattern": "^(ab|c)+$", "maxLength": 3})
+    grouped = {"type": "string", "pattern": "(^[a-z.()-]+$)", "maxLength": 4}  # anchors inside
+    assert match(grouped, "a.b") and not match(grouped, "abcde") and not match(grouped, "")
+    # minLength 1 on a pattern that admits "": the pattern without its empty string
+    nonempty = [
+        ("^$|^[a-z][a-z0-9A-Z]*$", ["a", "aB3"], ["", "1a"]),
+        ("^([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?$", ["5m", "1y2w"], ["", "m"]),
+        ("^$|(^(?:\\S+\\s+){0,99}\\S+$)", ["a", "a b c"], ["", " "]),
+        ("^(a*)(b*)$", ["a", "b", "aabb"], ["", "ba"]),
+        ("^(|x)$", ["x"], ["", "xx"]),
+    ]
+    for pattern, good, bad in nonempty:
+        s = {"type": "string", "pattern": pattern, "minLength": 1}
+        assert all(match(s, v) for v in good) and not any(match(s, v) for v in bad), pattern
     assert match({"type": "string", "format": "date", "maxLength": 20}, "2020-01-01")
     huge = {"type": "string", "maxLength": 32767}  # above max_repeat: not counted (logged)
     assert match(huge, "x" * 600)

@@ -90,15 +90,24 @@ def pattern_body(pattern: str) -> str:
 
 
 def pattern_with_length(pattern: str, lo: int, hi: int | None) -> str | None:
-    """Body for `pattern` AND lo <= length <= hi, when the pattern is anchored and has one
-    variable part, a repeat of single characters (`^[a-z][a-z0-9-]*$`): its bounds absorb
-    the lengths. None otherwise."""
+    """Body for `pattern` AND lo <= length <= hi, when the pattern is anchored and either has
+    one variable part, a repeat of single characters (`^[a-z][a-z0-9-]*$`), whose bounds absorb
+    the lengths, or the lengths only rule out the empty string (`^$|^[a-z]+$` with minLength
+    1). None otherwise."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         items = list(sre.parse(pattern))
     if not (_anchored(items, True) and _anchored(items, False)):
         return None
     items = [it for it in items if it[0] is not C.AT]
+    while len(items) == 1 and items[0][0] is C.SUBPATTERN and not (items[0][1][1] or items[0][1][2]):
+        items = [it for it in items[0][1][3] if it[0] is not C.AT]  # (^...$) as a whole
+    wlo, whi = _width(items)
+    if lo == 1 and wlo == 0 and (hi is None or whi <= hi):
+        body = _nonempty(items)
+        if body is None:
+            raise PatternError("pattern and minLength admit no string")
+        return body
     fixed, var = 0, None
     for i, (op, av) in enumerate(items):
         w = sre.SubPattern(sre.State(), [(op, av)]).getwidth()
@@ -118,6 +127,49 @@ def pattern_with_length(pattern: str, lo: int, hi: int | None) -> str | None:
         raise PatternError("pattern and minLength/maxLength admit no string")
     items[var] = (C.MAX_REPEAT, (new_lo, C.MAXREPEAT if new_hi is None else new_hi, sub))
     return f"(?:{_emit(items)})"
+
+
+def _width(items) -> tuple[int, int]:
+    return sre.SubPattern(sre.State(), list(items)).getwidth()
+
+
+def _nonempty(items) -> str | None:
+    """Regex for the non-empty strings of the sequence `items` (None: it only matches "").
+    The first item matches something, or it matches nothing and the rest is non-empty."""
+    if not items:
+        return None
+    (op, av), rest = items[0], items[1:]
+    alts = []
+    first = _nonempty_item(op, av)
+    if first is not None:
+        alts.append(first + _emit(rest))
+    if _width([(op, av)])[0] == 0:
+        tail = _nonempty(rest)
+        if tail is not None:
+            alts.append(tail)
+    return None if not alts else alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+
+
+def _nonempty_item(op, av) -> str | None:
+    if op is C.AT:
+        return None
+    if op is C.BRANCH:
+        alts = [a for a in (_nonempty(list(b)) for b in av[1]) if a is not None]
+        return "(?:" + "|".join(alts) + ")" if alts else None
+    if op is C.SUBPATTERN:
+        if av[1] or av[2]:
+            raise PatternError("inline regex flags are not supported")
+        return _nonempty(list(av[3]))
+    if op in (C.MAX_REPEAT, C.MIN_REPEAT, getattr(C, "POSSESSIVE_REPEAT", None)):
+        lo, hi, sub = av
+        once = _nonempty(list(sub))
+        if once is None or hi == 0:
+            return None
+        hi_s = "" if hi is C.MAXREPEAT else str(hi)
+        if _width(sub)[0] == 0:  # empty rounds can be dropped: X{m,n} is (X non-empty){0,n}
+            return f"(?:{once}){{1,{hi_s}}}"
+        return "(?:" + _emit(list(sub)) + f"){{{max(lo, 1)},{hi_s}}}"
+    return _emit([(op, av)])  # a single character (or an unsupported construct: raises)
 
 
 def pattern_width(pattern: str) -> tuple[int, int | None]:
