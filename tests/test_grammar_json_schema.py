@@ -300,6 +300,39 @@ def test_one_of_only_where_branches_are_exclusive():
         json_schema_to_regex(s, lenient=True)  # a logged warning instead
 
 
+@pytest.mark.parametrize(
+    "deps",
+    [
+        {"dependencies": {"a": ["b", "c"], "b": ["d"]}},
+        {"dependentRequired": {"a": ["b"]}, "dependentSchemas": {"c": {"required": ["d"]}}},
+        {"required": ["a"], "dependencies": {"a": ["b"]}},
+        {"dependencies": {"a": {"not": {"required": ["b"]}}, "b": {"not": {"required": ["a"]}}}},
+        {"dependencies": {"c": {"properties": {"d": {"const": "x"}}, "required": ["d"]}}},
+        {"additionalProperties": True, "dependencies": {"a": ["b"]}},
+        {"dependencies": {"a": False, "b": True, "c": []}},
+    ],
+)
+def test_dependencies_against_jsonschema(deps):
+    """Property and schema dependencies (draft 7 `dependencies`, 2019-09 `dependentRequired` /
+    `dependentSchemas`): every subset of the keys, checked against jsonschema's validator."""
+    import itertools
+
+    import jsonschema
+
+    props = {k: {"type": "integer"} for k in "abc"} | {"d": {"type": "string"}}
+    s = {"type": "object", "properties": props, **deps}
+    draft = "dependencies" not in deps
+    validator = (jsonschema.Draft202012Validator if draft else jsonschema.Draft7Validator)(s)
+    regex = json_schema_to_regex(s)
+    values = {"a": 1, "b": 2, "c": 3, "d": "x"}
+    for n in range(5):
+        for keys in itertools.combinations("abcd", n):
+            doc = {k: values[k] for k in keys}
+            for v in (doc, {**doc, "d": "y"}):
+                text = json.dumps(v, separators=(",", ":"))
+                assert bool(re.fullmatch(regex, text)) == validator.is_valid(v), (deps, v)
+
+
 def test_all_of_is_merged():
     s = {
         "allOf": [

@@ -16,6 +16,10 @@ class MergeError(ValueError):
     pass
 
 
+class Conflict(MergeError):
+    """The parts contradict each other: no value satisfies both (types, consts)."""
+
+
 def resolve_pointer(root, ref: str):
     """Resolve a local JSON pointer `#/a/b` (or `#`) against the root schema."""
     if not ref.startswith("#"):
@@ -56,7 +60,7 @@ def _merge_types(a, b) -> list[str]:
     if "number" in ta and "integer" in tb or "integer" in ta and "number" in tb:
         out.add("integer")
     if not out:
-        raise MergeError(f"allOf types {sorted(ta)} and {sorted(tb)} do not intersect")
+        raise Conflict(f"allOf types {sorted(ta)} and {sorted(tb)} do not intersect")
     return sorted(out)
 
 
@@ -103,6 +107,8 @@ def merge(a, b):
             out[k] = list(va) + list(vb)
         elif k in ("$defs", "definitions"):
             out[k] = {**va, **vb}
+        elif k == "const":
+            raise Conflict(f"allOf of const {va!r} and const {vb!r}")
         elif k in _VALIDATION:
             raise MergeError(f"cannot merge two different {k!r} values in allOf")
         # any other keyword is an annotation: the first value stays

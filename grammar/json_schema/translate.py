@@ -18,21 +18,22 @@ from functools import reduce
 from ..base import GrammarError
 from . import numbers as N
 from . import strings as S
-from .merge import MergeError, merge, resolve_pointer
+from .merge import Conflict, MergeError, merge, resolve_pointer
 from .negation import Unsatisfiable, apply_not
 
 log = logging.getLogger(__name__)
 
 UNSUPPORTED = {
     "if", "uniqueItems",
-    "contains", "minContains", "maxContains", "dependencies", "dependentRequired",
-    "dependentSchemas", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+    "contains", "minContains", "maxContains", "propertyNames", "unevaluatedProperties",
+    "unevaluatedItems",
     "multipleOf", "$dynamicRef", "$recursiveRef",
 }  # fmt: skip
 # oneOf branches whose regexes are at most this long are checked for overlap with interegular
 # (pure Python: its automata for a few thousand characters of JSON regex take minutes)
 MAX_CHECK_CHARS = 600
 _OBJECT_KEYS = ("properties", "required", "additionalProperties")
+_DEPENDENCY_KEYS = {"dependencies", "dependentRequired", "dependentSchemas"}
 _ARRAY_KEYS = ("items", "prefixItems", "minItems", "maxItems", "additionalItems")
 _STRING_KEYS = ("minLength", "maxLength", "pattern", "format")
 _NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -111,9 +112,13 @@ class Translator:
             rest = {k: v for k, v in s.items() if k != "allOf"}
             try:
                 merged = reduce(merge, parts, rest)
+            except Conflict as e:
+                raise Unsatisfiable(f"{path}: {e} admits no value") from None
             except MergeError as e:
                 raise GrammarError(f"{path}: {e} (keyword 'allOf')") from None
             return self.value(merged, path)
+        if _DEPENDENCY_KEYS & s.keys():
+            return self.value(_dependencies_as_all_of(s), path)
         if "not" in s:
             folded = apply_not(s)
             if folded is None:
@@ -127,7 +132,7 @@ class Translator:
             return self.literal(s["const"])
         if "enum" in s:
             if not s["enum"]:
-                raise GrammarError(f"{path}: empty enum admits no value")
+                raise Unsatisfiable(f"{path}: empty enum admits no value")
             return A.alt(*[self.literal(v) for v in s["enum"]])
         for kw in ("anyOf", "oneOf"):
             if kw in s:
@@ -448,13 +453,50 @@ class Translator:
         return array_node(self, s, path)
 
 
+def _dependencies_as_all_of(s: dict) -> dict:
+    """`dependencies` (and 2019-09's dependentRequired / dependentSchemas) as plain keywords:
+    each trigger key k is either absent, or present together with what it needs (the listed
+    keys, or the dependent schema): {"anyOf": [{"properties": {k: false}}, {required: [k, ..]}]},
+    one such anyOf per trigger under allOf, which the merge expands into object variants."""
+    rest = {k: v for k, v in s.items() if k not in _DEPENDENCY_KEYS}
+    parts = list(rest.pop("allOf", []))
+    for kw in sorted(_DEPENDENCY_KEYS & s.keys()):
+        deps = s[kw]
+        if not isinstance(deps, dict):
+            raise GrammarError(f"'{kw}' must be an object, got {deps!r}")
+        for key, need in deps.items():
+            absent = {"properties": {key: False}}
+            if isinstance(need, list):
+                if not need:
+                    continue
+                present = {"required": [key, *need]}
+            elif need is True or need == {}:
+                continue
+            elif need is False:
+                parts.append(absent)
+                continue
+            else:
+                present = {"allOf": [{"required": [key]}, _absence(need)]}
+            parts.append({"anyOf": [absent, present]})
+    return {**rest, "allOf": parts} if parts else rest
+
+
+def _absence(s):
+    """{"not": {"required": [k]}} (k must be absent) as {"properties": {k: false}}, which merges
+    with other such conditions where several 'not's would not."""
+    if isinstance(s, dict) and s.keys() == {"not"} and isinstance(s["not"], dict):
+        req = s["not"].get("required")
+        if s["not"].keys() == {"required"} and isinstance(req, list) and len(req) == 1:
+            return {"properties": {req[0]: False}}
+    return s
+
+
 def _trivial(kw: str, v) -> bool:
     return (
         (kw == "uniqueItems" and v is False)
         or (kw == "minProperties" and v == 0)
         or (kw == "maxProperties" and v is None)
         or (kw in ("multipleOf",))  # checked per type
-        or (kw == "dependencies" and not v)
     )
 
 
