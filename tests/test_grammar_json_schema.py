@@ -310,6 +310,13 @@ def test_one_of_only_where_branches_are_exclusive():
         {"dependencies": {"c": {"properties": {"d": {"const": "x"}}, "required": ["d"]}}},
         {"additionalProperties": True, "dependencies": {"a": ["b"]}},
         {"dependencies": {"a": False, "b": True, "c": []}},
+        {  # a variant whose nested anyOf is unsatisfiable is dropped, not an error
+            "required": ["a"],
+            "dependencies": {
+                "a": {"anyOf": [{"required": ["b"]}, {"required": ["c"]}]},
+                "b": {"not": {"required": ["a"]}},
+            },
+        },
     ],
 )
 def test_dependencies_against_jsonschema(deps):
@@ -331,6 +338,31 @@ def test_dependencies_against_jsonschema(deps):
             for v in (doc, {**doc, "d": "y"}):
                 text = json.dumps(v, separators=(",", ":"))
                 assert bool(re.fullmatch(regex, text)) == validator.is_valid(v), (deps, v)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        {"oneOf": [{"required": ["a", "b"]}, {"required": ["c"]}, {"required": ["b"], "title": "x"}]},
+        {"required": ["c"], "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        {"additionalProperties": True, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+    ],
+)
+def test_one_of_required_branches_are_made_exclusive(extra):
+    """oneOf branches that only require keys overlap (an object may have both), so each is
+    written as itself minus the others: exactly JSON Schema's "exactly one" (jsonschema)."""
+    import itertools
+
+    import jsonschema
+
+    s = {"type": "object", "properties": {k: {"type": "integer"} for k in "abc"}, **extra}
+    validator, regex = jsonschema.Draft7Validator(s), json_schema_to_regex(s)
+    for n in range(4):
+        for keys in itertools.combinations("abc", n):
+            v = {k: 1 for k in keys}
+            text = json.dumps(v, separators=(",", ":"))
+            assert bool(re.fullmatch(regex, text)) == validator.is_valid(v), (extra, v)
 
 
 def test_all_of_is_merged():

@@ -137,19 +137,22 @@ class Translator:
         for kw in ("anyOf", "oneOf"):
             if kw in s:
                 base = {k: v for k, v in s.items() if k not in ("anyOf", "oneOf")}
-                branches, kept = [], []
+                branches, kept, raw = [], [], []
                 for i, b in enumerate(s[kw]):
                     sub_path = f"{path}/{kw}/{i}"
                     try:
                         sub = merge(base, self.deref(b, sub_path)) if _constraining(base) else b
                         branches.append(self.value(sub, sub_path))
                         kept.append(sub)
+                        raw.append(b)
                     except (MergeError, Unsatisfiable):
                         continue  # a branch that contradicts its siblings admits nothing
                 if not branches:
-                    raise GrammarError(f"{path}: no {kw} branch is satisfiable")
+                    raise Unsatisfiable(f"{path}: no {kw} branch is satisfiable")
                 if kw == "oneOf" and len(branches) > 1:
-                    self.exclusive(kept, path)
+                    exact = self.exclusive(kept, path, raw)
+                    if exact is not None:
+                        return self.value({"anyOf": exact}, path)
                 return A.alt(*branches)
         types = self.types(s)
         if types is None:
@@ -159,19 +162,35 @@ class Translator:
             return self.any_value(self.o.max_any_depth)
         return A.alt(*[getattr(self, "t_" + t)(s, path) for t in types])
 
-    def exclusive(self, schemas: list, path: str) -> None:
+    def exclusive(self, schemas: list, path: str, own: list | None = None) -> list | None:
         """`oneOf` is written as the union of its branches, which is exact only when no value
         matches two of them: check every pair (by type, by const/enum values, by a required
         key the other branch forbids or pins to other values, or, for small regexes, by an
-        empty automaton intersection) and report the keyword when that cannot be shown."""
+        empty automaton intersection). Overlapping branches that only require keys are made
+        exclusive instead (returned: each branch and not the ones it overlaps); otherwise
+        the keyword is reported. None: the union is exact as it is. `own`: the branches
+        before the sibling keywords were merged in (what is negated)."""
+        overlaps: dict[int, list[int]] = {}
         for i in range(len(schemas)):
             for j in range(i + 1, len(schemas)):
                 a, b = (self.deref(x, path) for x in (schemas[i], schemas[j]))
                 if self._disjoint(a, b) or self._disjoint_regex(a, b):
                     continue
-                self.fail("oneOf", path, f"branches {i} and {j} may both match one value, "
-                          "so oneOf's exclusivity cannot be enforced")  # fmt: skip
-                return
+                overlaps.setdefault(i, []).append(j)
+                overlaps.setdefault(j, []).append(i)
+        if not overlaps:
+            return None
+        own = schemas if own is None else own
+        negations = {j: _negate_required(self._flat(self.deref(own[j], path))) for j in overlaps}
+        if any(n is None for n in negations.values()):
+            i = min(overlaps)
+            self.fail("oneOf", path, f"branches {i} and {overlaps[i][0]} may both match one "
+                      "value, so oneOf's exclusivity cannot be enforced")  # fmt: skip
+            return None
+        return [
+            {"allOf": [s, *(negations[j] for j in overlaps.get(i, []))]}
+            for i, s in enumerate(schemas)
+        ]
 
     def _disjoint(self, a, b) -> bool:
         """No value loom writes for one branch is valid for the other, both ways."""
@@ -481,6 +500,21 @@ def _dependencies_as_all_of(s: dict) -> dict:
     return {**rest, "allOf": parts} if parts else rest
 
 
+_ANNOTATIONS = {"title", "description", "$comment", "examples", "default"}
+
+
+def _negate_required(s) -> dict | None:
+    """`not s` for a branch that only requires keys (`{"required": ["a", "b"]}`): some of
+    them is absent. None for any other branch."""
+    if not isinstance(s, dict) or set(s) - _ANNOTATIONS != {"required"}:
+        return None
+    keys = s["required"]
+    if not keys or not all(isinstance(k, str) for k in keys):
+        return None
+    absent = [{"properties": {k: False}} for k in dict.fromkeys(keys)]
+    return absent[0] if len(absent) == 1 else {"anyOf": absent}
+
+
 def _absence(s):
     """{"not": {"required": [k]}} (k must be absent) as {"properties": {k: false}}, which merges
     with other such conditions where several 'not's would not."""
@@ -507,8 +541,8 @@ def _type_set(tr, s) -> set | None:
         if not isinstance(vals, list):
             return None
         return {_json_type(v) for v in vals}
-    if any(k in s for k in ("anyOf", "oneOf", "allOf", "not", "$ref")):
-        return None
+    if "type" not in s and any(k in s for k in ("anyOf", "oneOf", "allOf", "not", "$ref")):
+        return None  # (an explicit type bounds the types whatever the composites say)
     try:
         types = tr.types(s)
     except GrammarError:
@@ -524,7 +558,7 @@ def _explicit_types(s) -> set | None:
     if "const" in s or isinstance(s.get("enum"), list):
         return {_json_type(v) for v in ([s["const"]] if "const" in s else s["enum"])}
     t = s.get("type")
-    if t is None or any(k in s for k in ("anyOf", "oneOf", "allOf", "not", "$ref")):
+    if t is None or "$ref" in s:  # (before 2019-09, keywords beside $ref are ignored)
         return None
     types = set(t if isinstance(t, list) else [t])
     if s.get("nullable") is True:
