@@ -315,6 +315,7 @@ def main() -> None:
     ap.add_argument("--only-e2e", action="store_true")
     ap.add_argument("--tokenizers", default="bundled,bpe32k", help="comma list of: bundled, bpe32k")
     ap.add_argument("--timeout", type=int, default=10, help="seconds per schema (compile + walk)")
+    ap.add_argument("--requests", type=int, default=64, help="requests per end-to-end run")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
@@ -322,8 +323,8 @@ def main() -> None:
     from loom.runtime.server_args import BUNDLED_MODEL_PATH
 
     if args.only_e2e:
-        print("end-to-end JSON extraction on the bundled model (64 requests, greedy)")
-        bench_e2e(64)
+        print(f"end-to-end JSON extraction on the bundled model ({args.requests} requests, greedy)")
+        bench_e2e(args.requests)
         return
     cases = load_cases(args.stride)
     big = train_large_tokenizer(Path(tempfile.gettempdir()) / "loom-bench-bpe32k")
@@ -370,9 +371,10 @@ def main() -> None:
             )
     if not args.skip_e2e:
         print(
-            "\nend-to-end JSON extraction on the bundled model (64 requests, greedy, schema-constrained)"
+            f"\nend-to-end JSON extraction on the bundled model ({args.requests} requests, greedy, "
+            "schema-constrained)"
         )
-        bench_e2e(64)
+        bench_e2e(args.requests)
 
 
 if __name__ == "__main__":
