@@ -212,7 +212,11 @@ def test_pattern_properties_and_implied_lengths():
     # minLength 1 on a pattern that admits "": the pattern without its empty string
     nonempty = [
         ("^$|^[a-z][a-z0-9A-Z]*$", ["a", "aB3"], ["", "1a"]),
-        ("^([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?$", ["5m", "1y2w"], ["", "m"]),
+        (
+            "^([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?$",
+            ["5m", "1y2w"],
+            ["", "m"],
+        ),
         ("^$|(^(?:\\S+\\s+){0,99}\\S+$)", ["a", "a b c"], ["", " "]),
         ("^(a*)(b*)$", ["a", "b", "aabb"], ["", "ba"]),
         ("^(|x)$", ["x"], ["", "xx"]),
@@ -344,7 +348,13 @@ def test_dependencies_against_jsonschema(deps):
     "extra",
     [
         {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
-        {"oneOf": [{"required": ["a", "b"]}, {"required": ["c"]}, {"required": ["b"], "title": "x"}]},
+        {
+            "oneOf": [
+                {"required": ["a", "b"]},
+                {"required": ["c"]},
+                {"required": ["b"], "title": "x"},
+            ]
+        },
         {"required": ["c"], "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
         {"additionalProperties": True, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
     ],

@@ -10,8 +10,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_DIRS = {"lang": "loom", "runtime": "loom/runtime", "grammar": "loom/grammar",
-               "radix": "loom/radix", "kernels": "loom/kernels"}
+SOURCE_DIRS = {
+    "lang": "loom",
+    "runtime": "loom/runtime",
+    "grammar": "loom/grammar",
+    "radix": "loom/radix",
+    "kernels": "loom/kernels",
+}
 
 
 def test_import_loom_does_not_import_torch():
@@ -24,8 +29,19 @@ def test_import_loom_does_not_import_torch():
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
     )
     return next(out.glob("loom-*.whl"))
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from loom.radix import BasePrefixCache, ChunkCache, RadixCache
 
 MAX_REQS, MAX_CONTEXT = 8, 64

@@ -18,6 +18,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
 from loom.radix import RadixTree
 
 EXTRA_KEYS = [None, "lora-a"]

@@ -100,7 +100,9 @@ def pattern_with_length(pattern: str, lo: int, hi: int | None) -> str | None:
     if not (_anchored(items, True) and _anchored(items, False)):
         return None
     items = [it for it in items if it[0] is not C.AT]
-    while len(items) == 1 and items[0][0] is C.SUBPATTERN and not (items[0][1][1] or items[0][1][2]):
+    while (
+        len(items) == 1 and items[0][0] is C.SUBPATTERN and not (items[0][1][1] or items[0][1][2])
+    ):
         items = [it for it in items[0][1][3] if it[0] is not C.AT]  # (^...$) as a whole
     wlo, whi = _width(items)
     if lo == 1 and wlo == 0 and (hi is None or whi <= hi):
