@@ -117,6 +117,10 @@ def test_strings_lengths_pattern_format():
     unanchored = {"type": "string", "pattern": "[0-9]{3}"}
     assert match(unanchored, "ab123cd") and not match(unanchored, "12")
     assert match({"type": "string", "pattern": '^a"b$'}, 'a"b')
+    # anchors on only some alternatives: each alternative is searched as re.search would
+    mixed = "^dev|alpha|(rc)|stable$"
+    for v in ("dev", "devx", "xalphax", "xrcx", "stable", "xstable", "stablex", "xdev", "beta", ""):
+        assert match({"type": "string", "pattern": mixed}, v) == bool(re.search(mixed, v)), v
     fmts = {
         "date": ("2024-02-29", "2024-02-30"),
         "date-time": ("2024-02-29T10:20:30Z", "2024-02-29 10:20"),

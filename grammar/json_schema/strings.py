@@ -82,9 +82,26 @@ def pattern_body(pattern: str) -> str:
         raise PatternError(f"cannot parse pattern {pattern!r}: {e}") from None
     if tree.state.flags & (C.SRE_FLAG_IGNORECASE | C.SRE_FLAG_MULTILINE | C.SRE_FLAG_DOTALL):
         raise PatternError("inline regex flags are not supported")
-    items = list(tree)
-    start = _anchored(items, first=True)
-    end = _anchored(items, first=False)
+    return _search_body(list(tree))
+
+
+def _search_body(items) -> str:
+    """What `re.search(items, s)` accepts, as a full-match regex over the string body. A
+    top-level alternation anchored on only some sides (`^dev|beta|stable$`) is taken one
+    alternative at a time."""
+    try:
+        start = _anchored(items, first=True)
+        end = _anchored(items, first=False)
+    except PatternError:
+        while (
+            len(items) == 1
+            and items[0][0] is C.SUBPATTERN
+            and not (items[0][1][1] or items[0][1][2])
+        ):
+            items = list(items[0][1][3])
+        if len(items) != 1 or items[0][0] is not C.BRANCH:
+            raise
+        return "(?:" + "|".join(_search_body(list(b)) for b in items[0][1][1]) + ")"
     body = _emit(items)
     return ("" if start else CHAR + "*") + f"(?:{body})" + ("" if end else CHAR + "*")
 
