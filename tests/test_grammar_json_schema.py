@@ -379,6 +379,60 @@ def test_one_of_required_branches_are_made_exclusive(extra):
             assert bool(re.fullmatch(regex, text)) == validator.is_valid(v), (extra, v)
 
 
+def test_pattern_properties_that_match_listed_keys_stay_sound():
+    """A key both listed and matched by a patternProperties pattern must satisfy both schemas
+    (MaskBench Github_medium---o9819: `id` has a 24-hex pattern, and a catch-all key pattern let
+    any string through). The pattern's key regex cannot leave the listed names out, so its
+    values also obey theirs: stricter than the schema, never looser (checked: nothing invalid
+    is accepted)."""
+    import jsonschema
+
+    schemas = [
+        {
+            "type": "object",
+            "properties": {"id": {"type": "string", "pattern": "^[a-f0-9]{4}$"}},
+            "patternProperties": {"^[a-z]{1,5}$": {"type": ["string", "number"]}},
+        },
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "patternProperties": {"^x": {"type": "string"}},
+            "additionalProperties": {"type": "integer"},
+        },
+        {
+            "type": "object",
+            "properties": {"type": {"enum": ["a", "bb"]}},
+            "patternProperties": {"type": {"type": "string", "maxLength": 1}},
+        },
+    ]
+    docs = [{}, {"id": "ab12"}, {"id": "zz"}, {"id": 5}, {"ab": "x"}, {"ab": 1}, {"a": 1}]
+    docs += [{"a": "s"}, {"xa": "s"}, {"xa": 1}, {"q": 1}, {"type": "a"}, {"type": "bb"}]
+    docs += [{"mytype": "a"}, {"mytype": "bb"}, {"id": "ab12", "ab": 1}]
+    for s in schemas:
+        regex, validator = json_schema_to_regex(s), jsonschema.Draft7Validator(s)
+        for d in docs:
+            if re.fullmatch(regex, json.dumps(d, separators=(",", ":"))):
+                assert validator.is_valid(d), (s, d)
+    assert match(schemas[0], {"id": "ab12"}) and not match(schemas[0], {"id": "zz"})
+    assert match(schemas[2], {"type": "a"}) and not match(schemas[2], {"type": "bb"})
+    assert match(schemas[1], {"a": 1, "xa": "s"}) and not match(schemas[1], {"xa": 1})
+
+
+def test_enum_values_must_satisfy_the_other_keywords():
+    """const/enum beside other keywords (merged allOf parts often look like this) admit only
+    the values those keywords accept; without a `type`, keywords constrain their own type."""
+    assert match({"enum": ["a", "bb"], "maxLength": 1}, "a")
+    assert not match({"enum": ["a", "bb"], "maxLength": 1}, "bb")
+    assert not match({"type": "string", "enum": ["a", 1]}, 1)
+    mixed = {"enum": [3, 7, 2.5, "x"], "minimum": 3}
+    assert all(match(mixed, v) for v in (3, 7, "x")) and not match(mixed, 2.5)
+    objects = {"enum": [{"a": 1}, {"b": 2}], "required": ["a"]}
+    assert match(objects, {"a": 1}) and not match(objects, {"b": 2})
+    assert match({"enum": ["foo"], "properties": {"a": {}}, "additionalProperties": False}, "foo")
+    with pytest.raises(GrammarError, match="no const/enum value"):
+        json_schema_to_regex({"const": 3, "minimum": 5})
+
+
 def test_all_of_is_merged():
     s = {
         "allOf": [

@@ -10,11 +10,14 @@ has one" without enumerating subsets (each member is written at most twice).
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 from ..base import GrammarError
 from . import strings as S
 from .negation import Unsatisfiable
 
+log = logging.getLogger(__name__)
 REQ, OPT, STAR = "required", "optional", "star"
 
 
@@ -87,43 +90,77 @@ def object_node(tr, s, path):
         if r not in props:
             props = {**props, r: addl if isinstance(addl, dict) else True}
             names.append(r)
+    patterns = s.get("patternProperties") or {}
+    forbidden = list(s.get("x-loom-forbidden", []))
     slots = []
     keyed, tr.keyed = tr.keyed, True
     try:
         for name in names:
             m = A.seq(A.lit(json.dumps(name, ensure_ascii=False)), tr.colon)
+            # a listed key that a pattern also matches must satisfy both schemas
+            both = [sub for pat, sub in patterns.items() if _matches(pat, name)]
             try:
-                value = tr.value(props[name], f"{path}/properties/{name}")
+                value = _value_with(tr, props[name], both, f"{path}/properties/{name}")
             except Unsatisfiable:
                 if name in required:
                     raise
                 continue  # an optional member no value satisfies is simply never present
             slots.append((REQ if name in required else OPT, A.seq(m, value)))
-        for pat, sub in (s.get("patternProperties") or {}).items():
+        for pat, sub in patterns.items():
             try:
                 key = S.pattern_body(pat)
             except S.PatternError as e:
                 raise GrammarError(f"{path}/patternProperties: {e}") from None
+            # The key regex cannot leave out the listed (or forbidden) names it matches, so
+            # its values must also satisfy theirs: sound, if stricter than the schema.
+            also = [props[n] for n in names if _matches(pat, n)]
+            also += [False for n in forbidden if _matches(pat, n)]
             try:
-                value = tr.value(sub, f"{path}/patternProperties/{pat}")
+                value = _value_with(tr, sub, also, f"{path}/patternProperties/{pat}")
             except Unsatisfiable:
                 continue
             slots.append((STAR, A.seq(A.leaf(f'"{key}"'), tr.colon, value)))
     finally:
         tr.keyed = keyed
     if addl is not False:
-        plain = all(n.isprintable() and '"' not in n and "\\" not in n for n in names)
-        taken = names + list(s.get("x-loom-forbidden", []))
+        taken = names + forbidden
+        plain = all(n.isprintable() and '"' not in n and "\\" not in n for n in taken)
         key = S.not_in_set(taken) if plain else S.CHAR + "*"
+        # likewise, keys a pattern matches are not additional: their values obey it too (and
+        # the listed ones', when the key regex cannot leave those names out)
+        also = [*patterns.values()]
+        if not plain:
+            also += [*(props[n] for n in names), *(False for _ in forbidden)]
         try:
-            value = tr.value(
-                addl if isinstance(addl, dict) else True, f"{path}/additionalProperties"
+            value = _value_with(
+                tr, addl if isinstance(addl, dict) else True, also, f"{path}/additionalProperties"
             )
             slots.append((STAR, A.seq(A.leaf(f'"{key}"'), tr.colon, value)))
         except Unsatisfiable:
             pass
     body = _bounded_body(tr, s, path, slots)
     return A.seq(tr.lbrace, body, tr.rbrace) if body is not None else A.seq(tr.lbrace, tr.rbrace)
+
+
+def _value_with(tr, schema, also: list, path: str):
+    """The value node for `schema` that must also satisfy every schema in `also`. Where those
+    cannot be merged, a member that is optional anyway is left out (Unsatisfiable): fewer
+    documents, never an invalid one."""
+    if not also:
+        return tr.value(schema, path)
+    try:
+        return tr.value({"allOf": [schema, *also]}, path)
+    except GrammarError as e:
+        log.info("json schema %s: member left out: %s", path, e)
+        raise Unsatisfiable(f"{path}: {e}") from None
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether a patternProperties pattern matches a key (one Python cannot read may)."""
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return True
 
 
 def array_node(tr, s, path):

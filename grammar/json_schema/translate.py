@@ -128,12 +128,11 @@ class Translator:
         for kw in UNSUPPORTED & s.keys():
             if not _trivial(kw, s[kw]):
                 self.fail(kw, path, "cannot be enforced by a token mask")
-        if "const" in s:
-            return self.literal(s["const"])
-        if "enum" in s:
-            if not s["enum"]:
-                raise Unsatisfiable(f"{path}: empty enum admits no value")
-            return A.alt(*[self.literal(v) for v in s["enum"]])
+        if "const" in s or "enum" in s:
+            values = self.admitted(s, path)
+            if not values:
+                raise Unsatisfiable(f"{path}: no const/enum value satisfies the schema")
+            return A.alt(*[self.literal(v) for v in values])
         for kw in ("anyOf", "oneOf"):
             if kw in s:
                 base = {k: v for k, v in s.items() if k not in ("anyOf", "oneOf")}
@@ -161,6 +160,38 @@ class Translator:
                     self.fail(kw, path, "needs 'type': 'object' or listed properties")
             return self.any_value(self.o.max_any_depth)
         return A.alt(*[getattr(self, "t_" + t)(s, path) for t in types])
+
+    def admitted(self, s: dict, path: str) -> list:
+        """The const/enum values that also satisfy the schema's other keywords ({"enum": ["a",
+        "bb"], "maxLength": 1} admits "a" only; merged allOf parts often look like this):
+        each value's JSON text is matched against the regex of the rest of the schema."""
+        from .algebra import RegexAlgebra, TooLarge
+
+        values = [s["const"]] if "const" in s else list(s["enum"])
+        if "const" in s and isinstance(s.get("enum"), list):
+            values = [v for v in values if _values({"const": v}) <= _values(s)]
+        rest = {k: v for k, v in s.items() if k not in _NOT_CONSTRAINTS}
+        if not rest or not values:
+            return values
+        kept, checks = [], {}
+        for v in values:
+            # without a `type`, keywords constrain only their own type (JSON Schema's rule,
+            # not the translator's inference that `properties` means an object)
+            kind = _json_type(v) if "type" in rest else _schema_type(v)
+            if kind not in checks:
+                try:
+                    opts = replace(self.o, additional_properties_default=True)
+                    tr = Translator(self.root, RegexAlgebra(MAX_ENUM_CHECK_CHARS), opts)
+                    typed = rest if "type" in rest else {**rest, "type": kind}
+                    checks[kind] = re.compile(tr.value(typed, path))
+                except Unsatisfiable:
+                    checks[kind] = None
+                except (TooLarge, Recursive, RecursionError, re.error):
+                    self.fail("enum", path, "const/enum beside keywords too large to check")
+                    return values
+            if checks[kind] is not None and checks[kind].fullmatch(_dump(v)):
+                kept.append(v)
+        return kept
 
     def exclusive(self, schemas: list, path: str, own: list | None = None) -> list | None:
         """`oneOf` is written as the union of its branches, which is exact only when no value
@@ -501,6 +532,12 @@ def _dependencies_as_all_of(s: dict) -> dict:
 
 
 _ANNOTATIONS = {"title", "description", "$comment", "examples", "default"}
+# keys beside const/enum that do not constrain the value
+_NOT_CONSTRAINTS = _ANNOTATIONS | {
+    "const", "enum", "$schema", "$id", "id", "definitions", "$defs", "deprecated", "readOnly",
+    "writeOnly", "$anchor",
+}  # fmt: skip
+MAX_ENUM_CHECK_CHARS = 100_000
 
 
 def _negate_required(s) -> dict | None:
@@ -564,6 +601,12 @@ def _explicit_types(s) -> set | None:
     if s.get("nullable") is True:
         types.add("null")
     return {"number" if x == "integer" else x for x in types}
+
+
+def _schema_type(v) -> str:
+    """The `type` of a JSON value, integers (also 2.0) as "integer"."""
+    t = _json_type(v)
+    return "integer" if t == "number" and float(v).is_integer() else t
 
 
 def _json_type(v) -> str:
