@@ -123,7 +123,7 @@ def test_strings_lengths_pattern_format():
         assert match({"type": "string", "pattern": mixed}, v) == bool(re.search(mixed, v)), v
     fmts = {
         "date": ("2024-02-29", "2024-02-30"),
-        "date-time": ("2024-02-29T10:20:30Z", "2024-02-29 10:20"),
+        "date-time": ("2024-02-29T10:20:30Z", "2024-02-29 10:20:30Z"),
         "time": ("10:20:30+01:00", "25:00:00Z"),
         "uuid": ("123e4567-e89b-12d3-a456-426614174000", "123e4567"),
         "email": ("a.b@example.com", "not an email"),
@@ -440,7 +440,6 @@ def test_all_of_is_merged():
             {"properties": {"b": {"type": "string"}}, "required": ["b"]},
             {"properties": {"a": {"minimum": 0, "maximum": 9}}},
         ],
-        "additionalProperties": False,
     }
     assert match(s, {"a": 3, "b": "x"})
     assert not match(s, {"a": 3}) and not match(s, {"b": "x"}) and not match(s, {"a": 10, "b": ""})
@@ -448,6 +447,28 @@ def test_all_of_is_merged():
     assert not re.fullmatch(regex, '{"a":3}{"b":"x"}')  # merged, not concatenated
     with pytest.raises(GrammarError, match="allOf"):
         json_schema_to_regex({"allOf": [{"type": "string"}, {"type": "integer"}]})
+    # additionalProperties sees only its own schema's properties: keys the other parts list
+    # are additional to it (JSON Schema's rule; jsonschema agrees)
+    closed = {
+        "allOf": [
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}},
+                "additionalProperties": False,
+            },
+            {"properties": {"b": {"type": "integer"}}},
+        ]
+    }
+    assert match(closed, {"a": 1}) and not match(closed, {"b": 1})
+    typed = {
+        "allOf": [
+            {"properties": {"a": {}}, "additionalProperties": {"type": "string"}},
+            {"properties": {"b": {"type": ["integer", "string"]}}},
+        ]
+    }
+    assert match(typed, {"a": 1, "b": "y"}) and not match(typed, {"b": 1})
+    with pytest.raises(GrammarError, match="admits no value"):  # a is required and additional
+        json_schema_to_regex({**s, "additionalProperties": False})
 
 
 def test_refs_and_recursion():

@@ -9,6 +9,7 @@ tighter value, `type`/`enum` intersect. Keywords whose intersection has no schem
 from __future__ import annotations
 
 import json
+import re
 from urllib.parse import unquote
 
 
@@ -72,6 +73,34 @@ def merge(a, b):
         return a
     if a is False or b is False:
         return False
+    out = _merge(a, b)
+    if "properties" in out:  # a key one side lists may be "additional" to the other side
+        props = dict(out["properties"])
+        for side, other in ((a, b), (b, a)):
+            addl = side.get("additionalProperties", True)
+            if addl is True or not isinstance(other.get("properties"), dict):
+                continue
+            for name in other["properties"]:
+                if not _listed(side, name):
+                    props[name] = False if addl is False else {"allOf": [props[name], addl]}
+        out["properties"] = props
+    return out
+
+
+def _listed(s: dict, name: str) -> bool:
+    """Whether `name` is one of schema s's own keys (listed, or matched by a pattern)."""
+    if name in (s.get("properties") or {}):
+        return True
+    for pattern in s.get("patternProperties") or {}:
+        try:
+            if re.search(pattern, name):
+                return True
+        except re.error:
+            return True
+    return False
+
+
+def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, vb in b.items():
         if k not in out:

@@ -53,7 +53,7 @@ _HEX = "[0-9a-fA-F]"
 FORMATS = {
     "date": _DATE,
     "time": _TIME,
-    "date-time": _DATE + "[tT ]" + _TIME,
+    "date-time": _DATE + "[tT]" + _TIME,  # RFC 3339's grammar: no space instead of T
     "uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
     "email": r"[a-zA-Z0-9!#$%&'*+=?^_`{|}~./-]+@" + f"{_LABEL}(?:\\.{_LABEL})*",
     "ipv4": rf"(?:{_OCTET}\.){{3}}{_OCTET}",
