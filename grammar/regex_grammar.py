@@ -137,14 +137,16 @@ class CompiledRegex:
             return self._forced[state]
         out = None
         if not self.is_final(state):
-            tb = self.vocab.token_bytes
-            ids = [
-                t
-                for t in self.index.get_allowed_tokens(state) or []
-                if t < self.vocab.vocab_size and tb[t] is not None
-            ]
-            first = {tb[t][0] for t in ids}
-            if len(first) == 1:
+            tb, n = self.vocab.token_bytes, self.vocab.vocab_size
+            ids: list[int] | None = []
+            for t in self.index.get_allowed_tokens(state) or []:
+                if t >= n or tb[t] is None:
+                    continue
+                if ids and tb[t][0] != tb[ids[0]][0]:
+                    ids = None  # two first bytes: nothing is forced (found early, usually)
+                    break
+                ids.append(t)
+            if ids:
                 prefix = os.path.commonprefix([tb[t] for t in ids])
                 exact = next((t for t in ids if tb[t] == prefix), None)
                 out = (prefix, None if exact is None else self.next_state(state, exact))

@@ -28,7 +28,9 @@ def try_jump_forward(sched, req: Req) -> bool:
     if req.grammar is None or req.return_logprob or req.sampling_params.stop:
         return False
     forced = req.grammar.jump_forward()
-    if not forced:
+    # every token spells at least one byte and the last one is held back, so a forced string
+    # of MIN_GAIN bytes or fewer cannot save MIN_GAIN steps: skip the tokenizer work
+    if not forced or len(forced.encode()) <= MIN_GAIN:
         return False
     tok = sched.tokenizer
     out = req.output_ids
@@ -36,8 +38,9 @@ def try_jump_forward(sched, req: Req) -> bool:
     owned_from = max(len(req.prefix_indices), prompt_len)  # first position we may rewrite
     k = min(MAX_WINDOW, req.seq_len - owned_from, len(out))
     while k > 0:
-        head, tail = out[:-k], out[-k:]
-        if tok.decode(head) + tok.decode(tail) == tok.decode(out):
+        # a character spans at most 4 tokens: the boundary check needs only the ones before
+        head, tail = out[-k - 4 : -k], out[-k:]
+        if tok.decode(head) + tok.decode(tail) == tok.decode(head + tail):
             break
         k -= 1  # the window would split a character: shrink it
     if k <= 0:
