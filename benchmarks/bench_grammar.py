@@ -244,7 +244,8 @@ E2E_SCHEMAS = {
 
 
 def bench_e2e(n: int) -> dict[str, tuple[float, float]]:
-    """Per schema: (documents/s with jump-forward / without, tokens/s ratio). Jump-forward
+    """Per schema: (documents/s with jump-forward / without, tokens/s ratio), each setting the
+    best of two runs taken alternately (the first engine of a process runs slower). Jump-forward
     retokenizes forced text canonically, so the same documents can take fewer tokens: the
     document rate is the fair comparison. Printed beside it: the token rate as generated, and
     the "canonical" token rate (each output re-encoded by the tokenizer, so both runs count
@@ -259,8 +260,10 @@ def bench_e2e(n: int) -> dict[str, tuple[float, float]]:
     ]
     results = {}
     for label, schema in E2E_SCHEMAS.items():
-        rates, texts = [], []
-        for jf in (True, False):
+        best: dict[bool, tuple] = {}
+        texts: dict[bool, list] = {}
+        # off, on, off, on: each setting's best of two, so neither profits from running second
+        for jf in (False, True, False, True):
             with loom.Engine(disable_jump_forward=not jf) as engine:
                 prompts = []
                 for i in range(n):
@@ -289,16 +292,17 @@ def bench_e2e(n: int) -> dict[str, tuple[float, float]]:
                 )
                 for o in outs:
                     json.loads(o["text"])
-                texts.append([o["text"] for o in outs])
-                rates.append((n / elapsed, tokens / elapsed, canonical / elapsed))
+                texts[jf] = [o["text"] for o in outs]
+                rate = (n / elapsed, tokens / elapsed, canonical / elapsed)
+                best[jf] = max(best.get(jf, rate), rate)
                 jumped = sum(o["meta_info"]["jump_forward_tokens"] for o in outs)
                 print(
                     f"  {label:20s} jump-forward {'on ' if jf else 'off'}: {n / elapsed:6.1f} docs/s "
                     f"{tokens / elapsed:8.1f} tok/s {canonical / elapsed:8.1f} canonical tok/s "
                     f"({tokens} tokens, {jumped} jumped, {elapsed:.2f} s)"
                 )
-        (on_d, on_t, on_c), (off_d, off_t, off_c) = rates
-        same = sum(a == b for a, b in zip(*texts))
+        (on_d, on_t, on_c), (off_d, off_t, off_c) = best[True], best[False]
+        same = sum(a == b for a, b in zip(texts[True], texts[False]))
         results[label] = (on_d / off_d, on_t / off_t)
         print(f"  {label:20s} jump-forward speed-up: {on_d / off_d:.2f}x documents/s, "
               f"{on_t / off_t:.2f}x tokens/s, {on_c / off_c:.2f}x canonical tokens/s; "
