@@ -431,6 +431,9 @@ def test_enum_values_must_satisfy_the_other_keywords():
     assert match({"enum": ["foo"], "properties": {"a": {}}, "additionalProperties": False}, "foo")
     with pytest.raises(GrammarError, match="no const/enum value"):
         json_schema_to_regex({"const": 3, "minimum": 5})
+    with pytest.raises(GrammarError, match="no const/enum value"):
+        json_schema_to_regex({"const": 3, "enum": [1, 2]})
+    assert match({"const": 2, "enum": [1, 2.0]}, 2)
 
 
 def test_all_of_is_merged():

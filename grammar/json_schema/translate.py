@@ -169,7 +169,7 @@ class Translator:
 
         values = [s["const"]] if "const" in s else list(s["enum"])
         if "const" in s and isinstance(s.get("enum"), list):
-            values = [v for v in values if _values({"const": v}) <= _values(s)]
+            values = [v for v in values if _values({"const": v}) <= _values({"enum": s["enum"]})]
         rest = {k: v for k, v in s.items() if k not in _NOT_CONSTRAINTS}
         if not rest or not values:
             return values
