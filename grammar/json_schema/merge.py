@@ -91,13 +91,15 @@ def _listed(s: dict, name: str) -> bool:
     """Whether `name` is one of schema s's own keys (listed, or matched by a pattern)."""
     if name in (s.get("properties") or {}):
         return True
-    for pattern in s.get("patternProperties") or {}:
-        try:
-            if re.search(pattern, name):
-                return True
-        except re.error:
-            return True
-    return False
+    return any(key_matches(p, name) for p in s.get("patternProperties") or {})
+
+
+def key_matches(pattern: str, name: str) -> bool:
+    """Whether a patternProperties pattern matches a key (one Python cannot read may)."""
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return True
 
 
 def _merge(a: dict, b: dict) -> dict:

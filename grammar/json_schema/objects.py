@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 
 from ..base import GrammarError
 from . import strings as S
+from .merge import key_matches
 from .negation import Unsatisfiable
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def object_node(tr, s, path):
         for name in names:
             m = A.seq(A.lit(json.dumps(name, ensure_ascii=False)), tr.colon)
             # a listed key that a pattern also matches must satisfy both schemas
-            both = [sub for pat, sub in patterns.items() if _matches(pat, name)]
+            both = [sub for pat, sub in patterns.items() if key_matches(pat, name)]
             try:
                 value = _value_with(tr, props[name], both, f"{path}/properties/{name}")
             except Unsatisfiable:
@@ -113,8 +113,8 @@ def object_node(tr, s, path):
                 raise GrammarError(f"{path}/patternProperties: {e}") from None
             # The key regex cannot leave out the listed (or forbidden) names it matches, so
             # its values must also satisfy theirs: sound, if stricter than the schema.
-            also = [props[n] for n in names if _matches(pat, n)]
-            also += [False for n in forbidden if _matches(pat, n)]
+            also = [props[n] for n in names if key_matches(pat, n)]
+            also += [False for n in forbidden if key_matches(pat, n)]
             try:
                 value = _value_with(tr, sub, also, f"{path}/patternProperties/{pat}")
             except Unsatisfiable:
@@ -153,14 +153,6 @@ def _value_with(tr, schema, also: list, path: str):
     except GrammarError as e:
         log.info("json schema %s: member left out: %s", path, e)
         raise Unsatisfiable(f"{path}: {e}") from None
-
-
-def _matches(pattern: str, name: str) -> bool:
-    """Whether a patternProperties pattern matches a key (one Python cannot read may)."""
-    try:
-        return re.search(pattern, name) is not None
-    except re.error:
-        return True
 
 
 def array_node(tr, s, path):

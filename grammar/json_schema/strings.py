@@ -93,12 +93,8 @@ def _search_body(items) -> str:
         start = _anchored(items, first=True)
         end = _anchored(items, first=False)
     except PatternError:
-        while (
-            len(items) == 1
-            and items[0][0] is C.SUBPATTERN
-            and not (items[0][1][1] or items[0][1][2])
-        ):
-            items = list(items[0][1][3])
+        while (inner := _group_body(items)) is not None:
+            items = inner
         if len(items) != 1 or items[0][0] is not C.BRANCH:
             raise
         return "(?:" + "|".join(_search_body(list(b)) for b in items[0][1][1]) + ")"
@@ -117,10 +113,8 @@ def pattern_with_length(pattern: str, lo: int, hi: int | None) -> str | None:
     if not (_anchored(items, True) and _anchored(items, False)):
         return None
     items = [it for it in items if it[0] is not C.AT]
-    while (
-        len(items) == 1 and items[0][0] is C.SUBPATTERN and not (items[0][1][1] or items[0][1][2])
-    ):
-        items = [it for it in items[0][1][3] if it[0] is not C.AT]  # (^...$) as a whole
+    while (inner := _group_body(items)) is not None:  # (^...$) as a whole
+        items = [it for it in inner if it[0] is not C.AT]
     wlo, whi = _width(items)
     if lo == 1 and wlo == 0 and (hi is None or whi <= hi):
         body = _nonempty(items)
@@ -129,7 +123,7 @@ def pattern_with_length(pattern: str, lo: int, hi: int | None) -> str | None:
         return body
     fixed, var = 0, None
     for i, (op, av) in enumerate(items):
-        w = sre.SubPattern(sre.State(), [(op, av)]).getwidth()
+        w = _width([(op, av)])
         if w[0] == w[1]:
             fixed += w[0]
         elif op is C.MAX_REPEAT and var is None and av[2].getwidth() == (1, 1):
@@ -146,6 +140,13 @@ def pattern_with_length(pattern: str, lo: int, hi: int | None) -> str | None:
         raise PatternError("pattern and minLength/maxLength admit no string")
     items[var] = (C.MAX_REPEAT, (new_lo, C.MAXREPEAT if new_hi is None else new_hi, sub))
     return f"(?:{_emit(items)})"
+
+
+def _group_body(items) -> list | None:
+    """The items inside `items` when it is exactly one group without flags, else None."""
+    if len(items) == 1 and items[0][0] is C.SUBPATTERN and not (items[0][1][1] or items[0][1][2]):
+        return list(items[0][1][3])
+    return None
 
 
 def _width(items) -> tuple[int, int]:

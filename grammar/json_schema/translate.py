@@ -18,7 +18,7 @@ from functools import reduce
 from ..base import GrammarError
 from . import numbers as N
 from . import strings as S
-from .merge import Conflict, MergeError, merge, resolve_pointer
+from .merge import Conflict, MergeError, key_matches, merge, resolve_pointer
 from .negation import Unsatisfiable, apply_not
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,8 @@ class Translator:
 
         values = [s["const"]] if "const" in s else list(s["enum"])
         if "const" in s and isinstance(s.get("enum"), list):
-            values = [v for v in values if _values({"const": v}) <= _values({"enum": s["enum"]})]
+            allowed = _values({"enum": s["enum"]})
+            values = [v for v in values if _values({"const": v}) <= allowed]
         rest = {k: v for k, v in s.items() if k not in _NOT_CONSTRAINTS}
         if not rest or not values:
             return values
@@ -277,7 +278,7 @@ class Translator:
         props = x.get("properties") or {}
         if key in props or key in (x.get("required") or []):
             return True
-        if any(re.search(p, key) for p in x.get("patternProperties") or {}):
+        if any(key_matches(p, key) for p in x.get("patternProperties") or {}):
             return True
         default = self.o.additional_properties_default or "properties" not in x
         return x.get("additionalProperties", default and "patternProperties" not in x) is not False
