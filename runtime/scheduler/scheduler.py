@@ -199,6 +199,9 @@ class Scheduler(DecodeMixin, OutputMixin):
             for req, message in failed:
                 req.finished_reason = {"type": "abort", "message": message, "status_code": 400}
                 self.pending_outputs.append(req)
+        if any(r.finished for r in self.running):
+            # a finished request's last token KV goes to the cache before any new prefix match
+            return self.prepare_decode()
         batch = self.get_new_prefill_batch()
         if batch is not None:
             return batch
