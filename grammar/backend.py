@@ -1,12 +1,21 @@
-"""The scheduler's door to grammars: compile by kind, cache by spec, compile off-thread.
+"""The scheduler's door to grammars: translate by kind, compile on an engine, cache by spec.
 
-    backend = GrammarBackend(tokenizer, vocab_size=model_config.vocab_size)
+    backend = GrammarBackend(tokenizer, vocab_size=model_config.vocab_size, engine="llguidance")
     fut = backend.compile_async("json_schema", schema)   # on request admission
     grammar = fut.result(timeout=...)                      # when the request is scheduled
 
-Kinds: "regex", "json_schema", "choices", "ebnf" (GBNF, `root ::= ...`) and "lark". Compiled
-grammars are cached by (kind, normalized spec); callers get `.copy()`s, which share the
-compiled tables. A failed compile is cached too, so a bad spec fails fast every time.
+Kinds: "regex", "json_schema", "choices", "ebnf" (GBNF, `root ::= ...`) and "lark". A compile is
+loom's translation (forms.py: spec -> a regex or a Lark grammar) followed by the engine's build
+(engines/: llguidance by default, xgrammar, outlines) and the first mask. The engine, with its
+view of the tokenizer, is built once per backend. Compiled grammars are cached by (kind,
+normalized spec); callers get `.copy()`s. A failed compile is cached too, so a bad spec fails
+fast every time.
+
+Bounds: a spec longer than `max_spec_chars` is refused; with `compile_timeout` set, the
+translation runs in a worker process (translation.py) that is killed at the deadline or when it
+passes its memory budget, and the llguidance engine's own step limits bound its build. So a
+pathological spec fails with an error and leaves no thread burning, and the other specs keep
+their compile threads.
 """
 
 from __future__ import annotations
@@ -20,14 +29,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .base import Grammar, GrammarError
-from .json_schema import JsonSchemaOptions, compile_json_schema, normalize_schema
+from .engines import DEFAULT_ENGINE, ENGINES, check_engine, make_engine
+from .forms import KINDS, translate
+from .json_schema import JsonSchemaOptions, normalize_schema
 from .vocab import TokenVocabulary
 
+__all__ = ["ENGINES", "GrammarBackend", "KINDS"]
 log = logging.getLogger(__name__)
-KINDS = ("regex", "json_schema", "ebnf", "lark", "choices")
+MAX_SPEC_CHARS = 1 << 20
 
 
 class GrammarBackend:
+    """`engine`: one of ENGINES. `compile_timeout`: seconds a translation may run (in a
+    killable worker process; None translates on the calling thread). `max_workers`: compile
+    threads, and at most as many translation processes."""
+
     def __init__(
         self,
         tokenizer: Any,
@@ -35,20 +51,36 @@ class GrammarBackend:
         eos_token_ids=None,
         *,
         json_options: JsonSchemaOptions | None = None,
-        max_workers: int = 2,
+        engine: str = DEFAULT_ENGINE,
+        max_workers: int = 4,
         cache_size: int = 256,
+        compile_timeout: float | None = None,
+        max_spec_chars: int = MAX_SPEC_CHARS,
     ):
+        check_engine(engine)
         self.vocab = TokenVocabulary.from_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        self.engine = make_engine(engine, tokenizer, self.vocab)
         self.json_options = json_options or JsonSchemaOptions()
         self.cache_size = cache_size
+        self.compile_timeout = compile_timeout
+        self.max_spec_chars = max_spec_chars
         self._cache: OrderedDict[tuple, Grammar | GrammarError] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="loom-grammar")
         self._inflight: dict[tuple, _Job] = {}
+        self._translators = None
+        if compile_timeout is not None:
+            from .translation import TranslatorPool
+
+            self._translators = TranslatorPool(max_workers)
 
     @property
     def vocab_size(self) -> int:
         return self.vocab.vocab_size
+
+    @property
+    def engine_name(self) -> str:
+        return self.engine.name
 
     def compile(self, kind: str, spec: Any) -> Grammar:
         """A fresh grammar object for (kind, spec); raises GrammarError."""
@@ -105,7 +137,7 @@ class GrammarBackend:
     def _compile_and_cache(self, key, kind: str, spec: Any) -> Grammar | GrammarError:
         """The compiled grammar, or the GrammarError saying why not; either is cached."""
         try:
-            hit = self._compile(kind, spec)
+            hit = self._compile(kind, key[1] if kind == "json_schema" else spec)
         except GrammarError as e:
             hit = e
         except RecursionError:
@@ -130,40 +162,39 @@ class GrammarBackend:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._translators is not None:
+            self._translators.close()
 
     def _key(self, kind: str, spec: Any) -> tuple:
         if kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {KINDS}")
         if kind == "json_schema":
-            return kind, json.dumps(normalize_schema(spec), sort_keys=True)
-        if kind == "choices":
+            key = kind, json.dumps(normalize_schema(spec), sort_keys=True)
+        elif kind == "choices":
             if isinstance(spec, str) or not isinstance(spec, (list, tuple)):
                 raise GrammarError("choices must be a list of strings")
-            return kind, tuple(spec)
-        if not isinstance(spec, str):
+            key = kind, tuple(spec)
+        elif not isinstance(spec, str):
             raise GrammarError(f"a {kind} grammar must be a string, got {type(spec).__name__}")
-        return kind, spec
+        else:
+            key = kind, spec
+        size = sum(map(len, key[1])) if kind == "choices" else len(key[1])
+        if size > self.max_spec_chars:
+            raise GrammarError(f"{kind} spec is {size} characters; the limit is "
+                               f"{self.max_spec_chars}")  # fmt: skip
+        return key
 
     def _compile(self, kind: str, spec: Any) -> Grammar:
-        vocab = self.vocab
-        if kind == "regex":
-            from .regex_grammar import CompiledRegex, RegexGrammar
-
-            return RegexGrammar(CompiledRegex(spec, vocab))
-        if kind == "json_schema":
-            return compile_json_schema(spec, vocab, self.json_options)
-        if kind == "choices":
-            from .choices import compile_choices
-
-            return compile_choices(list(spec), vocab)
-        try:
-            from . import ebnf
-        except ImportError as e:  # pragma: no cover - the CFG engine ships separately
-            raise GrammarError(f"the {kind} engine is not available: {e}") from None
-        fn = getattr(ebnf, "compile_gbnf" if kind == "ebnf" else "compile_lark", None)
-        if fn is None:
-            raise GrammarError(f"the {kind} engine is not available yet")
-        return fn(spec, vocab)
+        """Translate (in a killable worker when the backend has a timeout), then build.
+        `spec` for json_schema is the normalized schema's JSON text."""
+        if kind == "json_schema" and isinstance(spec, str):
+            spec = json.loads(spec)
+        args = (kind, spec, self.json_options, self.engine.json_form)
+        if self._translators is None:
+            form = translate(*args)
+        else:
+            form = self._translators.translate(args, self.compile_timeout)
+        return self.engine.build(form)
 
 
 class _Job:

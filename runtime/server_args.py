@@ -11,6 +11,7 @@ from pathlib import Path
 BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
 
 ATTENTION_BACKENDS = ("torch", "triton")
+GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "outlines")  # loom.grammar.engines.ENGINES
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 
@@ -50,7 +51,7 @@ class ServerArgs:
     cpu_threads: int | None = None
 
     # Grammar
-    grammar_backend: str = "loom"
+    grammar_backend: str = "llguidance"
     grammar_compile_timeout: float = 30.0
     disable_jump_forward: bool = False
 
@@ -116,6 +117,11 @@ class ServerArgs:
             self.cpu_threads is None or self.cpu_threads >= 1,
             "cpu_threads",
             f"must be >= 1, got {self.cpu_threads}",
+        )
+        need(
+            self.grammar_backend in GRAMMAR_BACKENDS,
+            "grammar_backend",
+            f"must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}",
         )
         need(
             self.grammar_compile_timeout > 0,
@@ -184,6 +190,8 @@ class ServerArgs:
                 kwargs["choices"] = SCHEDULE_POLICIES
             if f.name == "dtype":
                 kwargs["choices"] = DTYPES
+            if f.name == "grammar_backend":
+                kwargs["choices"] = GRAMMAR_BACKENDS
             parser.add_argument(flag, **kwargs)
 
     @classmethod

@@ -2,7 +2,9 @@
 
 A request with a regex / json_schema / ebnf constraint waits here until its compile future is
 done; a compile error or a compile slower than `--grammar-compile-timeout` finishes the request
-with that error (status 400) and never blocks the others. The timeout counts from when the
+with that error (status 400) and never blocks the others: the backend translates in worker
+processes it kills at that timeout (grammar/translation.py), so a runaway spec leaves nothing
+running. `engine` is `--grammar-backend`. The timeout counts from when the
 compile starts (a burst of distinct specs queues for the compile workers); waiting for a worker
 is bounded separately (QUEUE_WAIT_FACTOR timeouts). A spec that timed out fails fast after that,
 so retries cannot pile more runaway compiles onto the workers.
@@ -19,8 +21,11 @@ QUEUE_WAIT_FACTOR = 4
 
 
 class GrammarQueue:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, timeout: float):
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_ids, timeout: float, engine: str = "llguidance"
+    ):
         self.tokenizer = tokenizer
+        self.engine = engine
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.timeout = timeout
@@ -32,7 +37,13 @@ class GrammarQueue:
         if self._backend is None:
             from loom.grammar.backend import GrammarBackend
 
-            self._backend = GrammarBackend(self.tokenizer, self.vocab_size, set(self.eos_token_ids))
+            self._backend = GrammarBackend(
+                self.tokenizer,
+                self.vocab_size,
+                set(self.eos_token_ids),
+                engine=self.engine,
+                compile_timeout=self.timeout,
+            )
         return self._backend
 
     def __len__(self) -> int:

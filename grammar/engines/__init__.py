@@ -1,0 +1,49 @@
+"""Mask engines behind loom's translation: a registry and a factory with lazy imports.
+
+An engine turns a `Form` (forms.py: a regex or a Lark grammar) into a `Grammar` over one
+vocabulary. It is built once per `GrammarBackend` (building its tokenizer view is the
+expensive part: about a second at 128k tokens) and shared by every compile.
+
+    llguidance  lazy Earley parser + token trie + derivative regexes (the default)
+    xgrammar    pushdown automata with an adaptive token-mask cache
+    outlines    loom's eager engine: outlines-core's regex x vocabulary Index for regular
+                forms, loom's LALR(1) engine (ebnf/) for Lark forms
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+from ..base import Grammar
+from ..forms import Form
+
+ENGINES = {
+    "llguidance": ("llguidance_engine", "LLGuidanceEngine"),
+    "xgrammar": ("xgrammar_engine", "XGrammarEngine"),
+    "outlines": ("outlines_engine", "OutlinesEngine"),
+}
+DEFAULT_ENGINE = "llguidance"
+
+
+class Engine(ABC):
+    """`json_form`: how json_schema specs reach `build` (see forms.translate)."""
+
+    name: str
+    json_form: str = "lark"
+
+    @abstractmethod
+    def build(self, form: Form) -> Grammar:
+        """A fresh grammar object at the start of `form`; raises GrammarError."""
+
+
+def check_engine(name: str) -> str:
+    if name not in ENGINES:
+        raise ValueError(f"unknown grammar engine {name!r}; expected one of {tuple(ENGINES)}")
+    return name
+
+
+def make_engine(name: str, tokenizer: Any, vocab) -> Engine:
+    module, cls = ENGINES[check_engine(name)]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(tokenizer, vocab)

@@ -1,0 +1,152 @@
+"""llguidance as loom's mask engine: lazy, so a compile costs milliseconds at any vocabulary.
+
+llguidance parses a Lark grammar (or a regex) with an Earley parser over lexemes whose regexes
+are matched by derivatives, and computes a mask by walking the tokenizer's trie against that
+state: nothing is precomputed per (state, token), so compile time does not grow with the
+vocabulary. Every step is bounded by its `LLParserLimits` (lexer fuel, Earley items, lexer
+states, grammar size): a grammar that exceeds them fails with llguidance's message instead of
+running on.
+
+The engine's tokenizer view (`LLTokenizer`) is built once from loom's `TokenVocabulary`, so the
+bytes of every id are the ones loom's other engines see; ids without bytes (special tokens, the
+padding past the tokenizer in a larger model vocabulary) are marked special, and a grammar's
+text never matches them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..base import Grammar, GrammarError, allocate_token_bitmask
+from ..forms import Form
+from . import Engine
+
+log = logging.getLogger(__name__)
+
+
+class LLGuidanceEngine(Engine):
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab):
+        import llguidance
+
+        self.vocab = vocab
+        self.eos = sorted(vocab.eos_token_ids)
+        self.tokenizer = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_Wrapper(tokenizer, vocab)),
+            n_vocab=vocab.vocab_size,
+            eos_token=self.eos or None,
+        )
+        self.limits = llguidance.LLParserLimits(verbose_errors=False)
+
+    def build(self, form: Form) -> Grammar:
+        import llguidance
+
+        if form.syntax == "regex":
+            text = llguidance.LLMatcher.grammar_from_regex(form.text)
+        else:
+            text = llguidance.LLMatcher.grammar_from_lark(form.text)
+        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise GrammarError(f"cannot compile {form.syntax}: {_first_line(matcher.get_error())}")
+        first = allocate_token_bitmask(1, self.vocab.vocab_size)
+        matcher.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * 4)
+        if matcher.is_error():
+            raise GrammarError(f"cannot compile {form.syntax}: {_first_line(matcher.get_error())}")
+        return LLGuidanceGrammar(self, matcher, first[0])
+
+
+class LLGuidanceGrammar(Grammar):
+    """One request's llguidance matcher. `_n` counts accepted tokens (the rollback bound);
+    `_first` is the mask at the start, computed once at compile time and shared by copies."""
+
+    def __init__(self, engine: LLGuidanceEngine, matcher, first: torch.Tensor):
+        self.engine = engine
+        self.matcher = matcher
+        self._first = first
+        self._n = 0
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._n == 0:
+            bitmask[row].copy_(self._first)
+            return
+        target = bitmask[row]
+        if target.device.type != "cpu" or not target.is_contiguous():
+            raise GrammarError("llguidance fills a contiguous CPU int32 bitmask row")
+        self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+        if self.matcher.is_error():
+            # a step past llguidance's limits: end the output rather than let it run free
+            log.warning("grammar step failed, only EOS allowed: %s", self.matcher.get_error())
+            target.zero_()
+            for t in self.engine.eos:
+                target[t // 32] |= _bit(t)
+
+    def accept_token(self, token_id: int) -> None:
+        if token_id in self.engine.vocab.eos_token_ids and not self.matcher.is_accepting():
+            raise GrammarError(f"EOS token {token_id} before the grammar is complete")
+        if self.matcher.try_consume_tokens([token_id]) != 1:
+            raise GrammarError(f"token {token_id} is not allowed here")
+        self._n += 1
+
+    def rollback(self, k: int) -> None:
+        if k < 0 or k > self._n:
+            raise GrammarError(f"cannot roll back {k} of {self._n} tokens")
+        if k:
+            self.matcher.rollback(k)
+            self._n -= k
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+    def jump_forward(self) -> str | None:
+        if self.matcher.is_stopped():
+            return None
+        forced = self.matcher.compute_ff_bytes()
+        try:
+            text = forced.decode("utf-8")
+        except UnicodeDecodeError as e:  # cut before a character the forced bytes only start
+            text = forced[: e.start].decode("utf-8")
+        return text or None
+
+    def copy(self) -> LLGuidanceGrammar:
+        g = LLGuidanceGrammar(self.engine, self.matcher.deep_copy(), self._first)
+        g._n = self._n
+        return g
+
+
+class _Wrapper:
+    """What `llguidance.TokenizerWrapper` reads: the bytes of every id (loom's, so every engine
+    sees the same vocabulary), the special ids, and an encoder for forced text."""
+
+    def __init__(self, tokenizer: Any, vocab):
+        self.eos_token_id = min(vocab.eos_token_ids) if vocab.eos_token_ids else None
+        self.bos_token_id = None
+        self.tokens = [
+            b if b is not None else f"<[loom-special-{i}]>".encode()
+            for i, b in enumerate(vocab.token_bytes)
+        ]
+        self.special_token_ids = [i for i, b in enumerate(vocab.token_bytes) if b is None]
+        self._encode = _encoder(tokenizer)
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._encode(text)
+
+
+def _encoder(tokenizer: Any):
+    if hasattr(tokenizer, "backend_tokenizer") or not hasattr(tokenizer, "encode_batch"):
+        return lambda s: list(tokenizer.encode(s, add_special_tokens=False))
+    return lambda s: tokenizer.encode(s, add_special_tokens=False).ids  # tokenizers.Tokenizer
+
+
+def _bit(t: int) -> int:
+    b = 1 << (t % 32)
+    return b - (1 << 32) if b >= 1 << 31 else b  # int32 two's complement
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0][:500] if message.strip() else "unknown error"
