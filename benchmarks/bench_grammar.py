@@ -1,14 +1,24 @@
-"""Grammar engines side by side: loom beside xgrammar and llguidance on the same tokenizers and
-MaskBench schemas, then end-to-end JSON decoding with jump-forward on and off.
+"""Grammar engines side by side: loom beside llguidance and xgrammar on the same tokenizer and
+the same MaskBench schemas, then end-to-end JSON decoding with jump-forward on and off.
 
-For each engine and schema: compile time (schema -> first mask), then the valid instances are
-serialised (`json.dumps`), tokenised and walked token by token; each step times one mask fill
-plus one token accept. Reported: schemas compiled, compile p50/p99, mask p50/p99. Tokenizers:
-the bundled model's (4k) and a 32k byte-level BPE trained here on the MaskBench texts.
+Each engine runs in its own worker process (forked after the tokenizer is loaded, so every
+engine starts from the same resident set), one thread each (xgrammar `max_threads=1`, torch
+and rayon 1), and the schemas go to the engines in turn, schema by schema, so a change in the
+machine's load touches every engine alike. Per schema: compile = schema to first mask (the
+first fill included); then the first --instances valid instances are serialized with
+`json.dumps`, tokenized and walked, each on a fresh matcher at the start state (loom's
+`Grammar.copy()`, llguidance's `LLMatcher.deep_copy()`, a new xgrammar `GrammarMatcher`);
+each step times one mask fill plus one token accept (maskbench_coverage.py's harness).
 
-    pip install xgrammar llguidance      # bench-only extras
-    python benchmarks/bench_grammar.py [--stride 20] [--timeout 10] [--skip-e2e | --only-e2e]
-        [--tokenizers bundled,bpe32k]
+The percentiles of every engine are taken over the same set, stated in the output:
+compile over the schemas that every engine compiled (the failures of each engine are listed
+by name, and a second row counts them at the timeout value over the union); masks over the
+valid instances that every engine walked to the end (the same token sequences for all).
+Peak RSS is each engine's worker's high-water mark.
+
+    python benchmarks/bench_grammar.py [--tokenizers llama3,bundled] [--stride 20]
+        [--instances 3] [--timeout 10] [--engines loom,llguidance,xgrammar]
+        [--loom-engine llguidance|xgrammar|outlines] [--skip-e2e | --only-e2e] [--requests 64]
 """
 
 from __future__ import annotations
@@ -16,201 +26,132 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
+import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "maskbench"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from maskbench_coverage import (  # noqa: E402
+    DATA,
+    Pool,
+    engine_label,
+    load_tokenizer,
+    pct,
+    preload_loom,
+)
+
+TARGETS = {"compile p50": 2.0, "compile p99": 3.0, "mask p50": 1.0, "mask p99": 1.5, "RSS": 2.0}
 
 
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def load_cases(stride: int) -> list[tuple[str, str, list]]:
-    cases = []
-    for path in sorted(DATA.glob("*.json"))[::stride]:
+def load_cases(stride: int) -> list[str]:
+    """Every `stride`-th MaskBench file (sorted names) that has a valid instance."""
+    out = []
+    for path in sorted(Path(DATA).glob("*.json"))[::stride]:
         doc = json.loads(path.read_text())
-        valid = [t["data"] for t in doc.get("tests", []) if t.get("valid")]
-        if valid:
-            cases.append((path.stem, json.dumps(doc["schema"]), valid[:3]))
-    return cases
+        if any(t.get("valid") for t in doc.get("tests", [])):
+            out.append(str(path))
+    return out
 
 
-def train_large_tokenizer(folder: Path, size: int = 32000) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    if (folder / "tokenizer.json").exists():
-        return folder
-    texts = []
-    for path in sorted(DATA.glob("*.json")):
-        doc = json.loads(path.read_text())
-        texts.append(json.dumps(doc["schema"]))
-        texts.extend(json.dumps(t["data"]) for t in doc.get("tests", []))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
-    return folder
-
-
-class Loom:
-    name = "loom"
-
-    def __init__(self, tok, vocab_size):
-        from loom.grammar.backend import GrammarBackend
-
-        self.backend = GrammarBackend(tok, vocab_size, max_workers=1, cache_size=1)
-        self.vocab_size = vocab_size
-
-    def compile(self, schema: str):
-        return self.backend.compile("json_schema", schema)
-
-    def walker(self, g):
-        from loom.grammar.base import allocate_token_bitmask
-
-        mask = allocate_token_bitmask(1, self.vocab_size)
-        g = g.copy()
-
-        def step(t: int) -> bool:
-            g.fill_mask(mask, 0)
-            if not (int(mask[0, t // 32]) >> (t % 32)) & 1:
-                return False
-            g.accept_token(t)
-            return True
-
-        return step
-
-
-class XGrammar:
-    name = "xgrammar"
-
-    def __init__(self, tok, vocab_size):
-        import xgrammar as xgr
-
-        self.xgr = xgr
-        self.compiler = xgr.GrammarCompiler(
-            xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size), cache_enabled=False
-        )
-        self.vocab_size = vocab_size
-
-    def compile(self, schema: str):
-        return self.compiler.compile_json_schema(schema)
-
-    def walker(self, compiled):
-        m = self.xgr.GrammarMatcher(compiled)
-        mask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
-
-        def step(t: int) -> bool:
-            m.fill_next_token_bitmask(mask)
-            return m.accept_token(t)
-
-        return step
-
-
-class LLGuidance:
-    name = "llguidance"
-
-    def __init__(self, tok, vocab_size):
-        import llguidance
-        import llguidance.hf
-        import llguidance.torch
-
-        self.llg = llguidance
-        self.tok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab_size)
-
-    def compile(self, schema: str):
-        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema)
-        m = self.llg.LLMatcher(self.tok, grammar)
-        if m.is_error():
-            raise ValueError(m.get_error())
-        return grammar
-
-    def walker(self, grammar):
-        m = self.llg.LLMatcher(self.tok, grammar)
-        mask = self.llg.torch.allocate_token_bitmask(1, self.tok.vocab_size)
-
-        def step(t: int) -> bool:
-            self.llg.torch.fill_next_token_bitmask(m, mask, 0)
-            return m.consume_token(t)
-
-        return step
-
-
-class SchemaTimeout(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise SchemaTimeout
-
-
-def bench_engine(engine, cases, tok, timeout_s: int) -> dict:
-    """Per schema, compile + walk get `timeout_s` seconds (SIGALRM); a schema that runs out is
-    counted in `timeouts` and its partial timings are kept."""
-    import signal
-
-    signal.signal(signal.SIGALRM, _alarm)
-    compiled, compile_ms, mask_us, accepted, walked, timeouts = 0, [], [], 0, 0, 0
-    for _, schema, instances in cases:
-        signal.alarm(timeout_s)
-        try:
-            _bench_schema(engine, schema, instances, tok, compile_ms, mask_us, counts := [0, 0, 0])
-        except SchemaTimeout:
-            timeouts += 1
-            continue
-        finally:
-            signal.alarm(0)
-        compiled += counts[0]
-        walked += counts[1]
-        accepted += counts[2]
-    return {
-        "compiled": compiled,
-        "compile_p50": pct(compile_ms, 0.5),
-        "compile_p99": pct(compile_ms, 0.99),
-        "mask_p50": pct(mask_us, 0.5),
-        "mask_p99": pct(mask_us, 0.99),
-        "accepted": accepted,
-        "walked": walked,
-        "timeouts": timeouts,
+def bench_tokenizer(name: str, args) -> None:
+    tok, vocab_size, label = load_tokenizer(name)
+    engines = args.engines.split(",")
+    if any(e.startswith("loom") for e in engines):
+        preload_loom()
+    cases = load_cases(args.stride)
+    pools = {
+        e: Pool(1, tok, vocab_size, args.loom_engine, args.timeout, args.max_rss_gb, args.instances)
+        for e in engines
     }
-
-
-def _bench_schema(engine, schema, instances, tok, compile_ms, mask_us, counts) -> None:
-    """counts: [compiled, walked, accepted], updated in place."""
-    t = time.perf_counter()
+    base_mb = _rss_mb()
+    recs: dict[str, dict[str, dict]] = {e: {} for e in engines}
+    load0, t0 = os.getloadavg(), time.time()
     try:
-        grammar = engine.compile(schema)
-    except SchemaTimeout:
-        raise
-    except Exception:  # noqa: BLE001 - an engine refusing a schema is a data point
-        return
-    compile_ms.append(1000 * (time.perf_counter() - t))
-    counts[0] += 1
-    for inst in instances:
-        ids = tok.encode(json.dumps(inst), add_special_tokens=False)
-        step = engine.walker(grammar)
-        counts[1] += 1
-        ok = True
-        for token in ids:
-            s = time.perf_counter()
-            ok = step(token)
-            mask_us.append(1e6 * (time.perf_counter() - s))
-            if not ok:
-                break
-        counts[2] += ok
+        for path in cases:
+            for e in engines:
+                pools[e].run([(e, path)], lambda e, p, r: recs[e].__setitem__(Path(p).stem, r))
+    finally:
+        for pool in pools.values():
+            pool.close()
+    load1 = os.getloadavg()
+    print(f"\ntokenizer {label}; {len(cases)} MaskBench schemas (every {args.stride}th with a "
+          f"valid instance), up to {args.instances} valid instances each; one thread per engine")  # fmt: skip
+    print(f"loadavg {load0[0]:.2f} at start, {load1[0]:.2f} at end; {time.time() - t0:.0f} s")
+    rows = summarize(recs, engines, cases, args.timeout * 1e3)
+    width = max(len(engine_label(e, args.loom_engine)) for e in engines)
+    print(f"  {'engine':{width}s} {'compiled':>9s} {'compile p50':>11s} {'p99':>9s} "
+          f"{'p99 (fails at timeout)':>22s} {'mask p50':>9s} {'p99':>8s} {'peak RSS':>9s}  "
+          f"valid accepted")  # fmt: skip
+    for e in engines:
+        r = rows[e]
+        print(f"  {engine_label(e, args.loom_engine):{width}s} {r['compiled']:4d}/{len(cases):<4d} "
+              f"{r['compile p50']:8.2f} ms {r['compile p99']:6.1f} ms {r['union p99']:19.1f} ms "
+              f"{r['mask p50']:6.1f} us {r['mask p99']:5.0f} us {pools[e].peak_rss_mb:6.0f} MB  "
+              f"{r['accepted']}/{r['walked']}")  # fmt: skip
+        rows[e]["RSS"] = pools[e].peak_rss_mb
+    common = rows[engines[0]]
+    print(f"  sets: compile over {common['n_common']} schemas every engine compiled; masks over "
+          f"{common['n_tokens']} steps of {common['n_walks']} valid instances every engine "
+          f"accepted; RSS at fork {base_mb:.0f} MB")  # fmt: skip
+    for e in engines:
+        if rows[e]["failed"]:
+            fails = ", ".join(f"{f} ({s})" for f, s in sorted(rows[e]["failed"].items()))
+            print(f"  {e} failed {len(rows[e]['failed'])}: {fails}")
+    for e in engines:
+        if e.startswith("loom") and "llguidance" in rows:
+            lo, ll = rows[e], rows["llguidance"]
+            parts = []
+            for key, target in TARGETS.items():
+                ratio = lo[key] / ll[key] if ll[key] else float("nan")
+                parts.append(f"{key} {ratio:.2f}x ({'met' if ratio <= target else 'MISSED'}, "
+                             f"target <= {target:g}x)")  # fmt: skip
+            print(f"  {e} / llguidance: " + "; ".join(parts))
+
+
+def summarize(recs, engines, cases, timeout_ms: float) -> dict:
+    names = [Path(p).stem for p in cases]
+    compiled = {e: {f for f in names if "compile_ms" in recs[e].get(f, {})} for e in engines}
+    common = set.intersection(*compiled.values())
+    # valid instances every engine accepted to the end: (schema, instance index)
+    accepted = {
+        e: {(f, i) for f in common for i, ok, _ in recs[e][f]["walks"] if ok} for e in engines
+    }
+    walks = set.intersection(*accepted.values())
+    out = {}
+    for e in engines:
+        comp = [recs[e][f]["compile_ms"] for f in sorted(common)]
+        union = [recs[e][f].get("compile_ms", timeout_ms) for f in names]
+        union = [x if f in compiled[e] else timeout_ms for f, x in zip(names, union)]
+        mask = []
+        for f in sorted(common):
+            r, at = recs[e][f], 0
+            for i, _ok, n in r["walks"]:
+                if (f, i) in walks:
+                    mask.extend(r["mask_us"][at : at + n])
+                at += n
+        out[e] = {
+            "compiled": len(compiled[e]),
+            "compile p50": pct(comp, 50),
+            "compile p99": pct(comp, 99),
+            "union p99": pct(union, 99),
+            "mask p50": pct(mask, 50),
+            "mask p99": pct(mask, 99),
+            "accepted": sum(ok for f in compiled[e] for _, ok, _ in recs[e][f]["walks"]),
+            "walked": sum(len(recs[e][f]["walks"]) for f in compiled[e]),
+            "failed": {f: recs[e][f]["status"] for f in names if f not in compiled[e]},
+            "n_common": len(common),
+            "n_walks": len(walks),
+            "n_tokens": len(mask),
+        }
+    return out
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) / 1024
+    return 0.0
 
 
 E2E_SCHEMAS = {
@@ -314,70 +255,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--tokenizers", default="llama3", help="comma list: llama3, bundled, folders")
     ap.add_argument("--stride", type=int, default=20, help="every Nth MaskBench schema")
+    ap.add_argument("--instances", type=int, default=3, help="valid instances walked per schema")
+    ap.add_argument("--timeout", type=float, default=10.0, help="CPU seconds per engine+schema")
+    ap.add_argument("--max-rss-gb", type=float, default=6.0, help="kill an engine's worker above")
+    ap.add_argument("--engines", default="loom,llguidance,xgrammar")
+    ap.add_argument("--loom-engine", default=None, help="GrammarBackend(engine=...) for loom")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--only-e2e", action="store_true")
-    ap.add_argument("--tokenizers", default="bundled,bpe32k", help="comma list of: bundled, bpe32k")
-    ap.add_argument("--timeout", type=int, default=10, help="seconds per schema (compile + walk)")
     ap.add_argument("--requests", type=int, default=64, help="requests per end-to-end run")
     args = ap.parse_args()
+    if args.stride < 1 or args.instances < 1 or args.timeout <= 0:
+        ap.error("--stride and --instances must be >= 1, --timeout > 0")
+    for e in args.engines.split(","):
+        if e not in ("loom", "loom-spec", "llguidance", "xgrammar"):
+            ap.error(f"--engines: unknown engine {e!r}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers import AutoTokenizer
-
-    from loom.runtime.server_args import BUNDLED_MODEL_PATH
-
-    if args.only_e2e:
-        print(f"end-to-end JSON extraction on the bundled model ({args.requests} requests, greedy)")
-        bench_e2e(args.requests)
-        return
-    cases = load_cases(args.stride)
-    big = train_large_tokenizer(Path(tempfile.gettempdir()) / "loom-bench-bpe32k")
-    print(
-        f"{len(cases)} MaskBench schemas (every {args.stride}th with a valid instance), one thread"
-    )
-    chosen = args.tokenizers.split(",")
-    for name, label, path in (
-        ("bundled", "bundled 4k", BUNDLED_MODEL_PATH),
-        ("bpe32k", "BPE 32k", str(big)),
-    ):
-        if name not in chosen:
-            continue
-        tok = AutoTokenizer.from_pretrained(path)
-        vocab = max(len(tok), tok.vocab_size)
-        vocab = (vocab + 63) // 64 * 64
-        print(f"\ntokenizer {label} (model vocab {vocab})")
-        print(
-            f"  {'engine':11s} {'compiled':>9s} {'compile p50':>12s} {'p99':>9s} {'mask p50':>10s} {'p99':>9s}  accepted"
-        )
-        rows = {}
-        for cls in (Loom, XGrammar, LLGuidance):
-            try:
-                engine = cls(tok, vocab)
-            except ImportError as e:
-                print(f"  {cls.name:11s} not installed ({e})")
-                continue
-            except BaseException as e:  # a Rust panic (pyo3 PanicException) is not an Exception
-                if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                    raise
-                print(f"  {cls.name:11s} cannot load this tokenizer ({type(e).__name__}: {e})")
-                continue
-            r = rows[cls.name] = bench_engine(engine, cases, tok, args.timeout)
-            print(
-                f"  {cls.name:11s} {r['compiled']:5d}/{len(cases):<4d} {r['compile_p50']:9.2f} ms "
-                f"{r['compile_p99']:7.1f} ms {r['mask_p50']:7.1f} us {r['mask_p99']:7.0f} us"
-                f"  {r['accepted']}/{r['walked']}"
-            )
-        if "loom" in rows and "llguidance" in rows:
-            lo, ll = rows["loom"], rows["llguidance"]
-            print(
-                f"  loom / llguidance: compile p50 {lo['compile_p50'] / ll['compile_p50']:.2f}x, "
-                f"mask p50 {lo['mask_p50'] / ll['mask_p50']:.2f}x, mask p99 {lo['mask_p99'] / ll['mask_p99']:.2f}x"
-            )
+    if not args.only_e2e:
+        for name in args.tokenizers.split(","):
+            bench_tokenizer(name, args)
     if not args.skip_e2e:
-        print(
-            f"\nend-to-end JSON extraction on the bundled model ({args.requests} requests, greedy, "
-            "schema-constrained)"
-        )
+        print(f"\nend-to-end JSON extraction on the bundled model ({args.requests} requests, "
+              "greedy, schema-constrained, the default grammar engine)")  # fmt: skip
         bench_e2e(args.requests)
 
 

@@ -1,20 +1,37 @@
-"""MaskBench coverage of loom's JSON-schema grammars (no model involved).
+"""MaskBench like for like: loom, llguidance and xgrammar through one harness, one table.
 
-For every schema in the corpus: compile it (time to first mask), then for every test instance
-serialize it (compact `json.dumps`, UTF-8), tokenize it and walk the grammar token by token,
-timing each fill_mask + accept_token. A schema *passes* when it compiles, every valid instance
-is accepted to the end (and EOS is then allowed), and every invalid instance is rejected at
-some token or cannot end. This is MaskBench's definition; the published figures (Llama-3.1
-tokenizer, one thread) are llguidance 8,909, XGrammar 8,122, outlines-core 7,050 of 11,306.
+Every engine gets the same schemas, the same tokenizer and MaskBench's walk rules (its
+`runner.py`): each test instance is serialized with `json.dumps` and its default separators
+(", " and ": "), tokenized without special tokens and walked token by token; each step fills
+the mask, checks the token's bit and, if set, accepts the token. A valid instance is handled
+right when every token is allowed; an invalid one when some token is rejected. There is no
+end-of-sequence check in MaskBench, so an invalid instance that is a prefix of a valid one
+(`1` where the minimum is 10) counts as accepted. Whether EOS was allowed after each valid
+walk is recorded beside it (`valid_no_eos`) without changing the verdict.
 
-    python benchmarks/maskbench_coverage.py [--data ../shared/data/maskbench] [--workers 2]
-        [--timeout 30] [--tokenizer HF_DIR] [--limit N] [--stride K] [--lenient]
-        [--spec-additional] [--files names.txt] [--out f.jsonl]
+A schema *passes* when it compiles and every instance is handled right. Otherwise its status
+is `compile_error` (the engine refused it: any exception, as in MaskBench), `wrong_invalid`
+(an invalid instance accepted: the soundness failure, reported first), `wrong_valid` (a valid
+instance rejected), `timeout` (over --timeout seconds of the worker's own CPU time, compile
+and walks together), `memory` (the worker passed --max-rss-gb) or `crash` (the worker died,
+or the engine raised while walking).
 
-Each schema runs in a worker process that is killed past --timeout seconds of its own CPU
-time (or four times that on the wall clock), counted as a failure.
-Without --tokenizer the bundled tokenizer is used when present, else a byte-level BPE trained
-on the fly (tests/conftest_grammar.py).
+    python benchmarks/maskbench_coverage.py [--tokenizer llama3|bundled|HF_DIR]
+        [--engines loom,loom-spec,llguidance,xgrammar] [--loom-engine NAME] [--workers 1]
+        [--timeout 30] [--stride K] [--limit N] [--files names.txt] [--out f.jsonl] [--resume]
+
+Engines: `loom` is loom's GrammarBackend with its defaults (unlisted object keys forbidden);
+`loom-spec` the same with `additional_properties_default=True` (JSON Schema's rule, as
+`--spec-additional` was called before); `llguidance` is `LLMatcher` with its default JSON
+options; `xgrammar` is `GrammarCompiler(max_threads=1, cache_enabled=False)` with
+MaskBench's settings (`strict_mode=True`, `any_whitespace=False`). Compile time runs from the
+schema to the first mask (the first fill included); each instance walks a fresh matcher at
+the start state, as MaskBench's runner does: loom's `Grammar.copy()` of the compiled grammar,
+a `deep_copy()` of llguidance's compiled `LLMatcher` (MaskBench's llg engine copies its
+interpreter the same way), a new xgrammar `GrammarMatcher` of the compiled grammar.
+
+Each (engine, schema) pair runs in a worker process that is killed past its CPU-time budget;
+workers are forked after the tokenizer is loaded and build their engines after the fork.
 """
 
 from __future__ import annotations
@@ -23,165 +40,340 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import resource
 import signal
 import sys
 import time
 from collections import Counter
+from importlib.metadata import version
 from multiprocessing.connection import wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(ROOT, "..", "shared", "data", "maskbench")
+ENGINES = ("loom", "loom-spec", "llguidance", "xgrammar")
+STATUSES = ("pass", "compile_error", "wrong_valid", "wrong_invalid", "timeout", "memory", "crash")
 
 
-def load_tokenizer(path: str | None, vocab_size: int):
+# --------------------------------------------------------------------------- tokenizers
+
+
+def load_tokenizer(name: str):
+    """(tokenizer, vocab_size, label) for `llama3`, `bundled` or a local HF tokenizer folder."""
     from transformers import AutoTokenizer
 
-    bundled = os.path.join(ROOT, "runtime", "bundled")
-    if path is None and os.path.exists(os.path.join(bundled, "tokenizer.json")):
-        path = bundled
-    if path:
-        return AutoTokenizer.from_pretrained(path), path
-    sys.path.insert(0, ROOT)
-    from tests.conftest_grammar import byte_bpe
+    if name == "llama3":
+        sys.path.insert(0, ROOT)
+        from tests.real_tokenizers import llama3_tokenizer_path
 
-    return byte_bpe(vocab_size), f"byte-level BPE trained on the fly ({vocab_size})"
+        path, label = llama3_tokenizer_path(), "Llama 3 (llama-models wheel)"
+    elif name == "bundled":
+        path, label = os.path.join(ROOT, "runtime", "bundled"), "loom's bundled model"
+    elif os.path.isdir(name):
+        path, label = name, name
+    else:
+        raise SystemExit(f"--tokenizer: expected llama3, bundled or a folder, got {name!r}")
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab_size = max(len(tok), tok.vocab_size)
+    return tok, vocab_size, f"{label}, {vocab_size:,} tokens"
 
 
-def check_schema(path: str, tok, vocab, opts) -> dict:
-    from loom.grammar.base import GrammarError
-    from loom.grammar.json_schema import compile_json_schema
+# --------------------------------------------------------------------------- engines
+# Each engine: compile(schema dict) -> compiled (first mask filled), and matcher(compiled) ->
+# an object with step(t) -> bool (fill the mask, check t's bit, accept t if allowed) and
+# eos_allowed() -> bool (fill the mask, check the EOS bit).
 
-    with open(path) as f:
-        d = json.load(f)
-    rec = {"file": os.path.basename(path), "status": "pass", "mask_us": []}
+
+class _Bits:
+    """A torch int32 bitmask [1, words] read through a numpy view (cheap per-token checks)."""
+
+    def __init__(self, mask):
+        self.mask, self.words = mask, mask.numpy()[0]
+
+    def has(self, t: int) -> bool:
+        return (int(self.words[t >> 5]) >> (t & 31)) & 1 == 1
+
+
+class LoomEngine:
+    def __init__(self, tok, vocab_size: int, spec_additional: bool, engine: str | None):
+        from loom.grammar.backend import GrammarBackend
+        from loom.grammar.base import allocate_token_bitmask
+        from loom.grammar.json_schema import JsonSchemaOptions
+
+        opts = JsonSchemaOptions(additional_properties_default=spec_additional)
+        kw = {"engine": engine} if engine else {}
+        self.backend = GrammarBackend(tok, vocab_size, json_options=opts, max_workers=1, **kw)
+        self.bits = _Bits(allocate_token_bitmask(1, vocab_size))
+        self.eos = sorted(self.backend.vocab.eos_token_ids)
+
+    def compile(self, schema):
+        g = self.backend.compile("json_schema", schema)
+        g.fill_mask(self.bits.mask, 0)
+        return g
+
+    def matcher(self, compiled):
+        return _LoomMatcher(compiled.copy(), self.bits, self.eos)
+
+
+class _LoomMatcher:
+    def __init__(self, g, bits, eos):
+        self.g, self.bits, self.eos = g, bits, eos
+
+    def step(self, t: int) -> bool:
+        self.g.fill_mask(self.bits.mask, 0)
+        if not self.bits.has(t):
+            return False
+        self.g.accept_token(t)
+        return True
+
+    def eos_allowed(self) -> bool:
+        self.g.fill_mask(self.bits.mask, 0)
+        return any(self.bits.has(e) for e in self.eos)
+
+
+class LLGuidanceEngine:
+    def __init__(self, tok, vocab_size: int):
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self.llg = llguidance
+        self.tok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab_size)
+        self.bits = _Bits(llguidance.torch.allocate_token_bitmask(1, vocab_size))
+        self.eos = list(self.tok.eos_tokens)
+
+    def compile(self, schema):
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(schema)
+        m = self.llg.LLMatcher(self.tok, grammar)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        self.llg.torch.fill_next_token_bitmask(m, self.bits.mask, 0)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return m
+
+    def matcher(self, first):
+        return _LLGMatcher(first.deep_copy(), self.llg.torch, self.bits, self.eos)
+
+
+class _LLGMatcher:
+    def __init__(self, m, llgt, bits, eos):
+        self.m, self.fill, self.bits, self.eos = m, llgt.fill_next_token_bitmask, bits, eos
+
+    def step(self, t: int) -> bool:
+        self.fill(self.m, self.bits.mask, 0)
+        return self.bits.has(t) and self.m.consume_token(t)
+
+    def eos_allowed(self) -> bool:
+        self.fill(self.m, self.bits.mask, 0)
+        return any(self.bits.has(e) for e in self.eos)
+
+
+class XGrammarEngine:
+    def __init__(self, tok, vocab_size: int):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.bits = _Bits(xgr.allocate_token_bitmask(1, vocab_size))
+        self.eos = list(info.stop_token_ids)
+
+    def compile(self, schema):
+        compiled = self.compiler.compile_json_schema(
+            json.dumps(schema), any_whitespace=False, strict_mode=True
+        )
+        self.xgr.GrammarMatcher(compiled).fill_next_token_bitmask(self.bits.mask)
+        return compiled
+
+    def matcher(self, compiled):
+        return _XGRMatcher(self.xgr.GrammarMatcher(compiled), self.bits, self.eos)
+
+
+class _XGRMatcher:
+    def __init__(self, m, bits, eos):
+        self.m, self.bits, self.eos = m, bits, eos
+
+    def step(self, t: int) -> bool:
+        self.m.fill_next_token_bitmask(self.bits.mask)
+        return self.bits.has(t) and self.m.accept_token(t)
+
+    def eos_allowed(self) -> bool:
+        self.m.fill_next_token_bitmask(self.bits.mask)
+        return any(self.bits.has(e) for e in self.eos)
+
+
+def make_engine(name: str, tok, vocab_size: int, loom_engine: str | None):
+    if name in ("loom", "loom-spec"):
+        return LoomEngine(tok, vocab_size, name == "loom-spec", loom_engine)
+    if name == "llguidance":
+        return LLGuidanceEngine(tok, vocab_size)
+    if name == "xgrammar":
+        return XGrammarEngine(tok, vocab_size)
+    raise SystemExit(f"--engines: unknown engine {name!r}; expected some of {ENGINES}")
+
+
+def engine_label(name: str, loom_engine: str | None) -> str:
+    if name.startswith("loom"):
+        from loom.grammar.engines import DEFAULT_ENGINE
+
+        rule = "strict" if name == "loom" else "spec-additional"
+        return f"loom {rule} ({loom_engine or DEFAULT_ENGINE})"
+    return f"{name} {version(name)}"
+
+
+# --------------------------------------------------------------------------- one schema
+
+
+def check_schema(engine, doc: dict, tok, max_valid: int | None = None) -> dict:
+    """Compile and walk one MaskBench document with MaskBench's rules (module docstring).
+
+    `max_valid`: walk only the first `max_valid` valid instances (bench_grammar's timing set).
+    `walks` lists (instance index, accepted, steps) in the order of `mask_us`."""
+    rec = {"status": "pass", "mask_us": [], "valid_rejected": 0, "invalid_accepted": 0}
+    rec["valid_no_eos"], rec["walks"] = 0, []
     t0 = time.perf_counter()
     try:
-        grammar = compile_json_schema(d["schema"], vocab, opts)
-        bitmask = _first_mask(grammar, vocab)
-    except GrammarError as e:
-        return {**rec, "status": "compile_error", "reason": str(e)[:300]}
-    except Exception as e:  # an engine bug: report it, keep going
-        return {**rec, "status": "crash", "reason": f"{type(e).__name__}: {e}"[:300]}
-    rec["compile_s"] = time.perf_counter() - t0
-    for i, test in enumerate(d.get("tests", [])):
-        text = json.dumps(test["data"], ensure_ascii=False, separators=(",", ":"))
-        ok = walk(
-            grammar.copy(),
-            tok.encode(text, add_special_tokens=False),
-            vocab,
-            bitmask,
-            rec["mask_us"],
-        )
-        if ok != test["valid"]:
-            rec["status"] = "wrong_valid" if test["valid"] else "wrong_invalid"
-            rec["reason"] = f"test {i}: {text[:200]}"
-            break
+        compiled = engine.compile(doc["schema"])
+    except Exception as e:  # MaskBench: any exception while compiling is a compile error
+        return {**rec, "status": "compile_error", "reason": f"{type(e).__name__}: {e}"[:300]}
+    rec["compile_ms"] = 1e3 * (time.perf_counter() - t0)
+    tests = list(enumerate(doc.get("tests", [])))
+    if max_valid is not None:
+        tests = [(i, t) for i, t in tests if t["valid"]][:max_valid]
+    for i, test in tests:
+        text = json.dumps(test["data"], ensure_ascii=False)
+        ids = tok.encode(text, add_special_tokens=False)
+        try:
+            m = engine.matcher(compiled)
+            before = len(rec["mask_us"])
+            accepted = walk(m, ids, rec["mask_us"])
+            rec["walks"].append((i, accepted, len(rec["mask_us"]) - before))
+            if accepted and test["valid"] and not m.eos_allowed():  # untimed, off the verdict
+                rec["valid_no_eos"] += 1
+        except Exception as e:
+            return {**rec, "status": "crash", "reason": f"test {i}: {type(e).__name__}: {e}"[:300]}
+        if accepted != test["valid"]:
+            key = "valid_rejected" if test["valid"] else "invalid_accepted"
+            rec[key] += 1
+            rec.setdefault("reason", f"test {i} ({'valid' if test['valid'] else 'invalid'}): "
+                           f"{text[:200]}")  # fmt: skip
+    if rec["invalid_accepted"]:
+        rec["status"] = "wrong_invalid"
+    elif rec["valid_rejected"]:
+        rec["status"] = "wrong_valid"
     return rec
 
 
-def _first_mask(grammar, vocab):
-    from loom.grammar.base import allocate_token_bitmask
-
-    bitmask = allocate_token_bitmask(1, vocab.vocab_size)
-    grammar.fill_mask(bitmask, 0)
-    return bitmask
-
-
-def _allowed(bitmask, t: int) -> bool:
-    return (int(bitmask[0, t // 32]) >> (t % 32)) & 1 == 1
-
-
-def walk(g, ids, vocab, bitmask, mask_us) -> bool:
+def walk(m, ids: list[int], mask_us: list[float]) -> bool:
     for t in ids:
         t0 = time.perf_counter()
-        g.fill_mask(bitmask, 0)
-        ok = _allowed(bitmask, t)
-        if ok:
-            g.accept_token(t)
-        mask_us.append((time.perf_counter() - t0) * 1e6)
+        ok = m.step(t)
+        mask_us.append(1e6 * (time.perf_counter() - t0))
         if not ok:
             return False
-    g.fill_mask(bitmask, 0)
-    return any(_allowed(bitmask, e) for e in vocab.eos_token_ids)
+    return True
 
 
-def worker(conn, args):
-    from loom.grammar.json_schema import JsonSchemaOptions
-    from loom.grammar.vocab import TokenVocabulary
+# --------------------------------------------------------------------------- worker pool
 
-    tok, _ = load_tokenizer(args.tokenizer, args.vocab_size)
-    vocab = TokenVocabulary.from_tokenizer(tok)
-    opts = JsonSchemaOptions(
-        lenient=args.lenient, additional_properties_default=args.spec_additional
-    )
+
+def _worker(conn, tok, vocab_size: int, loom_engine: str | None, max_valid):
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    engines: dict = {}
     conn.send("ready")
     while True:
-        path = conn.recv()
-        if path is None:
+        task = conn.recv()
+        if task is None:
             return
-        conn.send(check_schema(path, tok, vocab, opts))
+        name, path = task
+        if name not in engines:
+            engines[name] = make_engine(name, tok, vocab_size, loom_engine)
+        with open(path) as f:
+            doc = json.load(f)
+        rec = check_schema(engines[name], doc, tok, max_valid)
+        rec["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        conn.send(rec)
 
 
-def run(files: list[str], args, sink=None) -> list[dict]:
-    ctx = mp.get_context("fork")
-    todo, results, busy, busy_cpu = list(reversed(files)), [], {}, {}
+class Pool:
+    """Forked workers that run (engine, schema file) tasks under a CPU-time and an RSS budget.
 
-    def spawn():
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=worker, args=(child, args), daemon=True)
+    A worker over budget is killed and replaced; its task is reported as `timeout` (CPU time
+    past `timeout`, or wall time past 4x that) or `memory` (resident set past `max_rss_gb`).
+    `peak_rss_mb` is the largest resident set any of its workers reached (sampled by the parent
+    every half second and reported by the worker itself after each task)."""
+
+    def __init__(self, n, tok, vocab_size, loom_engine, timeout, max_rss_gb, max_valid=None):
+        self.ctx = mp.get_context("fork")
+        self.args = (tok, vocab_size, loom_engine, max_valid)
+        self.timeout, self.max_rss_kb = timeout, max_rss_gb * 1024 * 1024
+        self.workers = [self._spawn() for _ in range(n)]
+        self.peak_rss_mb = 0.0
+
+    def _spawn(self):
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(target=_worker, args=(child, *self.args), daemon=True)
         p.start()
         assert parent.recv() == "ready"
         return parent, p
 
-    workers = [spawn() for _ in range(args.workers)]
-    idle = list(range(len(workers)))
-    while todo or busy:
-        while idle and todo:
-            w = idle.pop()
-            path = todo.pop()
-            workers[w][0].send(path)
-            busy[w] = (path, time.monotonic())
-            busy_cpu[w] = _cpu_seconds(workers[w][1].pid)
-        ready = wait([workers[w][0] for w in busy], timeout=1.0)
-        now = time.monotonic()
-        for w in list(busy):
-            conn, proc = workers[w]
-            path, started = busy[w]
-            if conn in ready:
-                try:
-                    rec = conn.recv()
-                except EOFError:
-                    rec = {"file": os.path.basename(path), "status": "crash", "mask_us": []}
-            elif (
-                _cpu_seconds(proc.pid) - busy_cpu[w] > args.timeout
-                or now - started > 4 * args.timeout
-                or not proc.is_alive()
-            ):
-                status = "timeout" if proc.is_alive() else "crash"
-                proc.kill()
-                proc.join()
-                workers[w] = spawn()
-                rec = {"file": os.path.basename(path), "status": status, "mask_us": []}
-            else:
-                continue
-            del busy[w]
-            idle.append(w)
-            results.append(rec)
-            if sink is not None:
-                rec["mask_us"] = [round(x, 1) for x in rec["mask_us"]]
-                sink.write(json.dumps(rec) + "\n")
-                sink.flush()
-            if len(results) % 200 == 0:
-                n_pass = sum(r["status"] == "pass" for r in results)
-                print(f"[{len(results)}/{len(files)}] pass {n_pass}", flush=True)
-    for conn, p in workers:
-        conn.send(None)
-        p.join(timeout=5)
-    return results
+    def run(self, tasks, on_result) -> None:
+        """tasks: [(engine, path)]; on_result(engine, path, rec) as each finishes."""
+        todo, busy, idle = list(reversed(tasks)), {}, list(range(len(self.workers)))
+        while todo or busy:
+            while idle and todo:
+                w = idle.pop()
+                task = todo.pop()
+                self.workers[w][0].send(task)
+                busy[w] = (task, time.monotonic(), _cpu_seconds(self.workers[w][1].pid))
+            ready = wait([self.workers[w][0] for w in busy], timeout=0.5)
+            for w in list(busy):
+                conn, proc = self.workers[w]
+                task, started, cpu0 = busy[w]
+                rss = _rss_kb(proc.pid)
+                if conn in ready:
+                    try:
+                        rec = conn.recv()
+                    except EOFError:
+                        rec = self._replace(w, "crash")
+                elif not proc.is_alive():
+                    rec = self._replace(w, "crash")
+                elif rss > self.max_rss_kb:
+                    rec = self._replace(w, "memory")
+                elif (
+                    _cpu_seconds(proc.pid) - cpu0 > self.timeout
+                    or time.monotonic() - started > 4 * self.timeout
+                ):
+                    rec = self._replace(w, "timeout")
+                else:
+                    self.peak_rss_mb = max(self.peak_rss_mb, rss / 1024)
+                    continue
+                self.peak_rss_mb = max(self.peak_rss_mb, rec.pop("rss_mb", 0.0), rss / 1024)
+                del busy[w]
+                idle.append(w)
+                on_result(task[0], task[1], rec)
+
+    def _replace(self, w: int, status: str) -> dict:
+        conn, proc = self.workers[w]
+        proc.kill()
+        proc.join()
+        self.workers[w] = self._spawn()
+        return {"status": status, "mask_us": []}
+
+    def close(self) -> None:
+        for conn, p in self.workers:
+            conn.send(None)
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
 
 
 def _cpu_seconds(pid: int) -> float:
-    """CPU time a worker has used: the timeout counts the schema's own work, so a run that
-    shares the machine does not time out schemas it merely starved."""
+    """A worker's CPU time: the budget counts the schema's own work, so a run that shares the
+    machine does not time out schemas it merely starved."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -190,71 +382,20 @@ def _cpu_seconds(pid: int) -> float:
         return time.monotonic()  # no /proc: fall back to the wall clock
 
 
-def pct(xs, q):
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+def _rss_kb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
 
 
-def report(results, total, tok_name) -> str:
-    status = Counter(r["status"] for r in results)
-    compile_s = [r["compile_s"] for r in results if "compile_s" in r]
-    mask_us = [x for r in results for x in r["mask_us"]]
-    n_pass = status["pass"]
-    lines = [
-        f"tokenizer: {tok_name}",
-        f"schemas passing: {n_pass} / {total} ({100 * n_pass / max(total, 1):.1f}%)"
-        + (
-            f"; {len(results)} of {total} run, {100 * n_pass / max(len(results), 1):.1f}% of those"
-            if len(results) < total
-            else ""
-        ),
-        "by status: " + ", ".join(f"{k} {v}" for k, v in status.most_common()),
-        f"compile (to first mask) p50 {pct(compile_s, 50) * 1e3:.1f} ms, "
-        f"p99 {pct(compile_s, 99) * 1e3:.1f} ms",
-        f"mask (fill_mask + accept) p50 {pct(mask_us, 50):.1f} us, p99 {pct(mask_us, 99):.1f} us"
-        f" over {len(mask_us)} tokens",
-    ]
-    by_subset: dict[str, Counter] = {}
-    for r in results:
-        sub = r["file"].split("---")[0].split("_")[0]
-        by_subset.setdefault(sub, Counter())[r["status"] == "pass"] += 1
-    for sub, c in sorted(by_subset.items()):
-        lines.append(f"  {sub:16s} {c[True]:5d} / {c[True] + c[False]:5d}")
-    return "\n".join(lines)
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=os.path.join(ROOT, "..", "shared", "data", "maskbench"))
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=30.0)
-    ap.add_argument("--tokenizer", default=None)
-    ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--stride", type=int, default=1)
-    ap.add_argument("--lenient", action="store_true", help="warn on unenforceable keywords")
-    ap.add_argument(
-        "--spec-additional",
-        action="store_true",
-        help="a missing additionalProperties allows unlisted keys (JSON Schema's rule)",
-    )
-    ap.add_argument("--out", default=None, help="write one JSON line per schema here")
-    ap.add_argument(
-        "--files", default=None, help="only the schema files named in this file (one per line)"
-    )
-    args = ap.parse_args()
-    files = sorted(os.path.join(args.data, f) for f in os.listdir(args.data) if f.endswith(".json"))
-    if args.files:
-        wanted = {line.strip() for line in open(args.files) if line.strip()}
-        files = [f for f in files if os.path.basename(f) in wanted]
-    files = files[:: args.stride][: args.limit]
-    # interleave the subsets, so a run cut short is still a fair sample
-    files = [f for i in range(50) for f in files[i::50]]
-    _, tok_name = load_tokenizer(args.tokenizer, args.vocab_size)
-    # every grammar module is loaded before forking, so one run measures one code version
-    # even if the files change while it runs
+def preload_loom() -> None:
+    """Every grammar module is imported before forking, so one run measures one code version
+    even if the files change while it runs."""
     import importlib
     import pkgutil
 
@@ -263,20 +404,167 @@ def main():
     for m in pkgutil.walk_packages(loom.grammar.__path__, "loom.grammar."):
         importlib.import_module(m.name)
 
+
+# --------------------------------------------------------------------------- report
+
+
+def pct(xs, q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+def subset_of(file: str) -> str:
+    return file.split("---")[0].split("_")[0]
+
+
+def report(results: dict, engines: list[str], labels: dict, total: int) -> str:
+    """results[engine][file] = rec."""
+    w = max(len(labels[e]) for e in engines)
+    head = f"{'engine':{w}s} " + " ".join(f"{s:>13s}" for s in STATUSES)
+    head += f" {'valid_no_eos':>12s} {'compile p50':>11s} {'p99':>9s} {'mask p50':>9s} {'p99':>8s}"
+    lines = [head]
+    for e in engines:
+        recs = results[e].values()
+        c = Counter(r["status"] for r in recs)
+        comp = [r["compile_ms"] for r in recs if "compile_ms" in r]
+        mask = [x for r in recs for x in r["mask_us"]]
+        row = f"{labels[e]:{w}s} " + " ".join(f"{c[s]:13d}" for s in STATUSES)
+        row += f" {sum(r.get('valid_no_eos', 0) for r in recs):12d}"
+        row += f" {pct(comp, 50):8.2f} ms {pct(comp, 99):6.0f} ms"
+        row += f" {pct(mask, 50):6.1f} us {pct(mask, 99):5.0f} us"
+        lines.append(row)
+    n_done = min(len(results[e]) for e in engines)
+    lines.append(f"schemas: {total} in the set, {n_done} done by every engine")
+    subsets = sorted({subset_of(f) for e in engines for f in results[e]})
+    lines.append("\npasses by subset: " + " / ".join(engines))
+    for sub in subsets:
+        counts = [
+            sum(r["status"] == "pass" for f, r in results[e].items() if subset_of(f) == sub)
+            for e in engines
+        ]
+        n = sum(subset_of(f) == sub for f in results[engines[0]])
+        lines.append(f"  {sub:14s} {n:5d}  " + " ".join(f"{x:6d}" for x in counts))
+    return "\n".join(lines)
+
+
+def gaps(results: dict, data: str, ours: str, peers: list[str], top: int = 15) -> str:
+    """Schemas a peer passes and `ours` fails: by status and by MaskBench feature, with ids."""
+    lost = {
+        f: r["status"]
+        for f, r in results[ours].items()
+        if r["status"] != "pass"
+        and any(results[p].get(f, {}).get("status") == "pass" for p in peers)
+    }
+    if not lost:
+        return f"{ours}: no schema that {'/'.join(peers)} passes fails"
+    by_feature: dict[str, list[str]] = {}
+    for f in lost:
+        with open(os.path.join(data, f)) as fh:
+            feats = json.load(fh).get("meta", {}).get("features", [])
+        for feat in feats or ["(none)"]:
+            by_feature.setdefault(feat, []).append(f)
+    lines = [f"{ours} fails {len(lost)} schemas that {'/'.join(peers)} pass(es); by status: "
+             + ", ".join(f"{k} {v}" for k, v in Counter(lost.values()).most_common())]  # fmt: skip
+    for feat, files in sorted(by_feature.items(), key=lambda kv: -len(kv[1]))[:top]:
+        lines.append(f"  {feat:28s} {len(files):4d}  e.g. {', '.join(sorted(files)[:3])}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def select_files(args) -> list[str]:
+    if not os.path.isdir(args.data):
+        raise SystemExit(f"--data: no MaskBench folder at {args.data}")
+    files = sorted(f for f in os.listdir(args.data) if f.endswith(".json"))
+    if args.files:
+        wanted = {line.strip() for line in open(args.files) if line.strip()}
+        files = [f for f in files if f in wanted]
+    files = files[:: args.stride]
+    # interleave the subsets, so a run cut short is still a fair sample
+    files = [f for i in range(50) for f in files[i::50]]
+    return files[: args.limit]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--data", default=DATA)
+    ap.add_argument("--tokenizer", default="llama3", help="llama3 (default), bundled, or a folder")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {ENGINES}")
+    ap.add_argument("--loom-engine", default=None, help="GrammarBackend(engine=...) for loom")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=30.0, help="CPU seconds per engine+schema")
+    ap.add_argument("--max-rss-gb", type=float, default=6.0, help="kill a worker above this")
+    ap.add_argument("--stride", type=int, default=1, help="every Kth schema file (sorted)")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--files", default=None, help="only the schema files named in this file")
+    ap.add_argument("--out", default=None, help="one JSON line per (engine, schema)")
+    ap.add_argument("--resume", action="store_true", help="skip pairs already in --out")
+    ap.add_argument("--gaps", default="loom", help="list what this engine fails and peers pass")
+    args = ap.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
+    for e in engines:
+        if e not in ENGINES:
+            ap.error(f"--engines: unknown engine {e!r}; expected some of {ENGINES}")
+    if args.workers < 1 or args.timeout <= 0:
+        ap.error("--workers must be >= 1 and --timeout > 0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    files = select_files(args)
+    tok, vocab_size, tok_label = load_tokenizer(args.tokenizer)
+    if any(e.startswith("loom") for e in engines):
+        preload_loom()
+    labels = {e: engine_label(e, args.loom_engine) for e in engines}
+
+    results: dict[str, dict] = {e: {} for e in engines}
+    if args.resume and args.out and os.path.exists(args.out):
+        for line in open(args.out):
+            r = json.loads(line)
+            if r.get("engine") in results:
+                results[r["engine"]][r["file"]] = r
+    sink = open(args.out, "a" if args.resume else "w") if args.out else None
+    tasks = [(e, os.path.join(args.data, f)) for f in files for e in engines
+             if f not in results[e]]  # fmt: skip
+    done = [sum(len(v) for v in results.values())]
+    t0, load0 = time.time(), os.getloadavg()
+
+    def on_result(engine: str, path: str, rec: dict) -> None:
+        rec["file"], rec["engine"] = os.path.basename(path), engine
+        results[engine][rec["file"]] = rec
+        if sink is not None:
+            sink.write(json.dumps({**rec, "mask_us": [round(x, 1) for x in rec["mask_us"]]}) + "\n")
+            sink.flush()
+        done[0] += 1
+        if done[0] % 500 == 0:
+            passing = " ".join(
+                f"{e} {sum(r['status'] == 'pass' for r in results[e].values())}" for e in engines
+            )
+            print(f"[{done[0]}/{len(files) * len(engines)}] pass: {passing}", flush=True)
+
+    print(f"tokenizer: {tok_label}; {len(files)} schemas; engines: {', '.join(labels.values())}")
+    print(f"{args.workers} worker(s), {args.timeout:g} s CPU per engine+schema, "
+          f"loadavg at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)  # fmt: skip
+    pool = Pool(args.workers, tok, vocab_size, args.loom_engine, args.timeout, args.max_rss_gb)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    t0 = time.time()
-    results: list[dict] = []
-    sink = open(args.out, "w") if args.out else None
     try:
-        results = run(files, args, sink)
+        pool.run(tasks, on_result)
     except KeyboardInterrupt:
-        print("interrupted: reporting the schemas done so far", flush=True)
-        if args.out:
+        print("interrupted: reporting the pairs done so far", flush=True)
+    finally:
+        pool.close()
+        if sink is not None:
             sink.close()
-            results = [json.loads(line) for line in open(args.out)]
-    print(report(results, len(files), tok_name))
-    print(f"schemas done: {len(results)} of {len(files)}")
-    print(f"wall {time.time() - t0:.0f} s, {args.workers} workers, timeout {args.timeout} s")
+    print(report(results, engines, labels, len(files)))
+    if args.gaps in engines:
+        peers = [e for e in engines if not e.startswith("loom")]
+        if peers:
+            print(gaps(results, args.data, args.gaps, peers))
+    load = os.getloadavg()
+    print(f"wall {time.time() - t0:.0f} s; loadavg at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+          f"; peak worker RSS {pool.peak_rss_mb:.0f} MB (all engines in each worker)")  # fmt: skip
 
 
 if __name__ == "__main__":

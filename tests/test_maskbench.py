@@ -1,72 +1,71 @@
-"""MaskBench on a fixed subset: compile, accept every valid instance, reject every invalid one.
+"""MaskBench on a fixed subset, at Llama 3's 128k vocabulary, with MaskBench's own walk rules.
 
-The subset is every STRIDE-th schema file in sorted name order (all subsets are spread through
-the sorted list), skipping none; it is small enough for a few CPU minutes. The full corpus runs
-in benchmarks/maskbench_coverage.py. A schema that does not compile must fail with a
-GrammarError (a clear reason), never another exception.
+The subset is every STRIDE-th schema file in sorted name order (all of MaskBench's subsets are
+spread through the sorted list). Each schema is compiled by loom's GrammarBackend (the default
+engine) and every test instance walked through benchmarks/maskbench_coverage.py's harness, the
+one the full-corpus figures in docs/benchmarks.md come from: `json.dumps` with its default
+separators, a valid instance must have every token allowed, an invalid one some token rejected.
+
+Two checks: no invalid instance is accepted outside PINNED (each entry says why the schema
+cannot be held exactly by a token mask), and the share of schemas passing stays near the one
+measured. A schema that does not compile must fail with a GrammarError that says why.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
-from loom.grammar.base import GrammarError, allocate_token_bitmask
-from loom.grammar.json_schema import compile_json_schema
-from loom.grammar.vocab import TokenVocabulary
-from tests.conftest_grammar import byte_bpe
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "maskbench"
+STRIDE = 40  # 11,305 files -> 283 schemas, under a minute at 128k tokens on one core
+# Invalid instances a token mask accepts and why (MaskBench has no end-of-output check, so an
+# instance that is a prefix of a valid one is accepted by every engine).
+PINNED: dict[str, str] = {}
+FLOOR = 0.70  # measured 0.739 (209 of 283) with the llguidance engine, 16:25
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "maskbench")
-STRIDE = 57  # 11,305 files -> 199 schemas
-MAX_TESTS = 6  # instances walked per schema
-SKIP = {}  # file -> why (schemas whose outlines-core DFA build takes minutes)
-FLOOR = 0.78  # measured 0.844 (168 of 199) with the trained byte-level BPE
+
+def _harness():
+    spec = importlib.util.spec_from_file_location(
+        "maskbench_coverage", ROOT / "benchmarks" / "maskbench_coverage.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _subset() -> list[str]:
-    files = sorted(f for f in os.listdir(DATA) if f.endswith(".json"))
-    return [f for f in files[::STRIDE] if f not in SKIP]
+    return sorted(f for f in os.listdir(DATA) if f.endswith(".json"))[::STRIDE]
 
 
-def _walk(g, ids, vocab, bitmask) -> bool:
-    for t in ids:
-        g.fill_mask(bitmask, 0)
-        if not (int(bitmask[0, t // 32]) >> (t % 32)) & 1:
-            return False
-        g.accept_token(t)
-    g.fill_mask(bitmask, 0)
-    return any((int(bitmask[0, e // 32]) >> (e % 32)) & 1 for e in vocab.eos_token_ids)
+@pytest.mark.skipif(not DATA.is_dir(), reason="MaskBench data not present")
+def test_maskbench_subset_llama3():
+    pytest.importorskip("llama_models")
+    from tests.real_tokenizers import llama3_tokenizer
 
-
-@pytest.mark.skipif(not os.path.isdir(DATA), reason="MaskBench data not present")
-def test_maskbench_subset():
-    tok = byte_bpe()
-    vocab = TokenVocabulary.from_tokenizer(tok)
-    bitmask = allocate_token_bitmask(1, vocab.vocab_size)
+    mb = _harness()
+    tok = llama3_tokenizer()
+    engine = mb.LoomEngine(tok, len(tok), spec_additional=False, engine=None)
     status: Counter = Counter()
-    wrong = []
-    subset = _subset()
-    for name in subset:
-        with open(os.path.join(DATA, name)) as f:
-            d = json.load(f)
-        try:
-            grammar = compile_json_schema(d["schema"], vocab)
-        except GrammarError as e:
-            assert str(e), name
-            status["compile_error"] += 1
-            continue
-        ok = True
-        for test in d["tests"][:MAX_TESTS]:
-            text = json.dumps(test["data"], ensure_ascii=False, separators=(",", ":"))
-            ids = tok.encode(text, add_special_tokens=False)
-            if _walk(grammar.copy(), ids, vocab, bitmask) != test["valid"]:
-                ok = False
-                wrong.append((name, test["valid"], text[:120]))
-                break
-        status["pass" if ok else "wrong"] += 1
-    share = status["pass"] / len(subset)
-    print(f"maskbench subset: {dict(status)} of {len(subset)}; pass share {share:.3f}")
-    assert share >= FLOOR, (status, wrong[:10])
+    accepted_invalid, wrong_valid = [], []
+    for name in _subset():
+        doc = json.loads((DATA / name).read_text())
+        rec = mb.check_schema(engine, doc, tok)
+        status[rec["status"]] += 1
+        if rec["status"] == "compile_error":
+            assert rec["reason"].startswith("GrammarError: ") and len(rec["reason"]) > 14, rec
+        if rec["invalid_accepted"] and name not in PINNED:
+            accepted_invalid.append((name, rec["reason"]))
+        if rec["valid_rejected"]:
+            wrong_valid.append((name, rec["reason"]))
+        assert rec["status"] != "crash", (name, rec["reason"])
+    n = sum(status.values())
+    share = status["pass"] / n
+    print(f"maskbench subset (Llama 3): {dict(status)} of {n}; pass share {share:.3f}")
+    assert not accepted_invalid, accepted_invalid
+    assert share >= FLOOR, (dict(status), wrong_valid[:10])
