@@ -1,10 +1,12 @@
-"""Where loom's grammar time goes, on the same schemas as bench_grammar.py (no peer engines).
+"""Where loom's compile time goes, on bench_grammar.py's schema set: loom's translation (schema
+-> Lark or regex, pure Python) and the engine's build (Lark -> matcher + first mask) timed apart,
+beside llguidance compiling the same schema with its own JSON-schema front end.
 
-Compile: per regex-path schema, the schema -> regex translation and the outlines-core `Index`
-build timed apart. Masks: every fill_mask + accept_token walking the valid instances, split by
-engine (regex path: outlines-core rows; CFG path: lark + interegular + token trie).
+    python benchmarks/grammar_time_split.py [--tokenizer llama3|bundled] [--stride 20]
+        [--engine llguidance|xgrammar|outlines] [--timeout 10]
 
-    python benchmarks/grammar_time_split.py [--stride 40] [--timeout 10]
+One process, one thread; a schema whose translation or build runs past --timeout seconds
+(SIGALRM; the engines' own limits bound their native steps) is counted and skipped.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_grammar import Loom, load_cases, pct  # noqa: E402
+from bench_grammar import load_cases  # noqa: E402
+from maskbench_coverage import load_tokenizer, pct  # noqa: E402
 
 
 class _Timeout(Exception):
@@ -30,62 +33,71 @@ def _alarm(signum, frame):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stride", type=int, default=40)
+    ap.add_argument("--tokenizer", default="llama3")
+    ap.add_argument("--stride", type=int, default=20)
+    ap.add_argument("--engine", default="llguidance")
     ap.add_argument("--timeout", type=int, default=10, help="seconds per schema")
     args = ap.parse_args()
-    from outlines_core import Index
-    from transformers import AutoTokenizer
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+    import torch
 
-    from loom.grammar.base import GrammarError
-    from loom.grammar.json_schema import JsonSchemaOptions, NeedsCFG, _to_regex, normalize_schema
-    from loom.grammar.vocab import SENTINEL
-    from loom.runtime.server_args import BUNDLED_MODEL_PATH
+    from loom.grammar.backend import GrammarBackend
+    from loom.grammar.base import GrammarError, allocate_token_bitmask
+    from loom.grammar.forms import translate
+    from loom.grammar.json_schema import normalize_schema
 
-    tok = AutoTokenizer.from_pretrained(BUNDLED_MODEL_PATH)
-    engine = Loom(tok, len(tok))
-    vocabulary = engine.backend.vocab.outlines_vocabulary()
+    torch.set_num_threads(1)
+    tok, vocab_size, label = load_tokenizer(args.tokenizer)
+    backend = GrammarBackend(tok, vocab_size, engine=args.engine, max_workers=1, cache_size=1)
+    engine, opts = backend.engine, backend.json_options
+    llg_tok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab_size)
+    mask = allocate_token_bitmask(1, vocab_size)
+    parts: dict[str, list[float]] = {"normalize": [], "translate": [], "build": [], "llg": []}
+    sizes, refused, timeouts = [], 0, 0
     signal.signal(signal.SIGALRM, _alarm)
-    translate_ms, index_ms, steps, timeouts = [], [], {}, 0
-    for _, schema, instances in load_cases(args.stride):
+    for path in load_cases(args.stride):
+        schema = json.load(open(path))["schema"]
         signal.alarm(args.timeout)
         try:
-            try:
-                t = time.perf_counter()
-                regex, _ = _to_regex(normalize_schema(schema), JsonSchemaOptions())
-                translate_ms.append(1e3 * (time.perf_counter() - t))
-                t = time.perf_counter()
-                Index(f"{SENTINEL}(?:{regex}){SENTINEL}", vocabulary)
-                index_ms.append(1e3 * (time.perf_counter() - t))
-            except (NeedsCFG, GrammarError, ValueError):
-                pass
-            try:
-                grammar = engine.compile(schema)
-            except GrammarError:
-                continue
-            kind = type(grammar).__name__
-            for inst in instances:
-                step = engine.walker(grammar)
-                for token in tok.encode(json.dumps(inst), add_special_tokens=False):
-                    t = time.perf_counter()
-                    ok = step(token)
-                    steps.setdefault(kind, []).append(1e6 * (time.perf_counter() - t))
-                    if not ok:
-                        break
+            t0 = time.perf_counter()
+            norm = normalize_schema(schema)
+            t1 = time.perf_counter()
+            form = translate("json_schema", norm, opts, engine.json_form)
+            t2 = time.perf_counter()
+            engine.build(form)
+            t3 = time.perf_counter()
+            m = llguidance.LLMatcher(llg_tok, llguidance.LLMatcher.grammar_from_json_schema(schema))
+            if not m.is_error():
+                llguidance.torch.fill_next_token_bitmask(m, mask, 0)
+            t4 = time.perf_counter()
+        except GrammarError:
+            refused += 1
+            continue
         except _Timeout:
             timeouts += 1
+            continue
         finally:
             signal.alarm(0)
-    share = [i / (i + t) for i, t in zip(index_ms, translate_ms)]
-    print(f"regex-path compiles: {len(index_ms)}; translation p50 {pct(translate_ms, 0.5):.2f} ms "
-          f"p99 {pct(translate_ms, 0.99):.2f} ms; Index build p50 {pct(index_ms, 0.5):.2f} ms "
-          f"p99 {pct(index_ms, 0.99):.1f} ms; Index share of the two p50 "
-          f"{100 * pct(share, 0.5):.0f}%, min {100 * min(share, default=0):.0f}%")  # fmt: skip
-    every = [x for v in steps.values() for x in v]
-    print(f"mask steps: {len(every)}, p50 {pct(every, 0.5):.1f} us, p99 {pct(every, 0.99):.1f} us")
-    for kind, xs in sorted(steps.items()):
-        print(f"  {kind:14s} {len(xs):6d} steps  p50 {pct(xs, 0.5):7.1f} us  "
-              f"p90 {pct(xs, 0.9):7.1f} us  p99 {pct(xs, 0.99):7.1f} us")  # fmt: skip
-    print(f"schemas past the {args.timeout} s timeout: {timeouts}")
+        for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            parts[key].append(1e3 * dt)
+        sizes.append(len(form.text))
+    load = os.getloadavg()
+    print(f"tokenizer {label}; engine {args.engine}; {len(sizes)} schemas timed "
+          f"({refused} refused by loom, {timeouts} over {args.timeout} s); loadavg {load[0]:.2f}")  # fmt: skip
+    names = {
+        "normalize": "loom: normalize the schema",
+        "translate": f"loom: translate to {engine.json_form}",
+        "build": f"loom: {args.engine} build + first mask",
+        "llg": "llguidance: its own JSON schema -> first mask",
+    }
+    for key, name in names.items():
+        xs = parts[key]
+        print(f"  {name:46s} p50 {pct(xs, 50):7.2f} ms  p90 {pct(xs, 90):7.2f} ms  "
+              f"p99 {pct(xs, 99):8.2f} ms  total {sum(xs) / 1e3:6.2f} s")  # fmt: skip
+    print(f"  form size: p50 {pct(sizes, 50):.0f} chars, p99 {pct(sizes, 99):.0f} chars")
 
 
 if __name__ == "__main__":
