@@ -1,7 +1,10 @@
-"""ForwardBatch: the tensors one model forward reads, and the context that carries it.
+"""The seam between the scheduler and the model runner, and the context a forward reads.
 
-Model files never take the batch as an argument: attention layers read it with
-`get_forward_batch()`, so model code reads like the Hugging Face reference.
+`ModelInput` is what the scheduler hands the runner for one step (CPU tensors and lists,
+sampling parameters included); `ForwardOutput` is what comes back (token ids and logprobs,
+never logits). `ForwardBatch` is the runner's device-side view of one forward. Model files
+never take the batch as an argument: attention layers read it with `get_forward_batch()`, so
+model code reads like the Hugging Face reference.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ import torch
 if TYPE_CHECKING:
     from loom.runtime.attention.base import AttentionBackend
     from loom.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+    from loom.runtime.sampler import SamplingInfo
 
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prompt (or prompt chunk) tokens after a cached prefix
     DECODE = "decode"  # one new token per request
-    VERIFY = "verify"  # speculative draft tokens, attended through a custom mask
 
     @property
     def is_decode(self) -> bool:
@@ -49,7 +52,6 @@ class ForwardBatch:
     token_to_kv_pool: TokenToKVPool
     attn_backend: AttentionBackend
     logits_indices: torch.Tensor  # [N] rows of the hidden states that need logits
-    custom_mask: torch.Tensor | None = None  # flattened [extend_len x seq_len] per request
     attn_metadata: Any = field(default=None)
 
     @property
@@ -59,6 +61,51 @@ class ForwardBatch:
     @property
     def extend_lens_cpu(self) -> list[int]:
         return [s - p for s, p in zip(self.seq_lens_cpu, self.prefix_lens_cpu)]
+
+
+@dataclass
+class ModelInput:
+    """One step as the scheduler plans it, on the CPU (the runner moves it to its device).
+
+    Token tensors have length T, per-request lists length B. Request i computes positions
+    prefix_lens[i] .. seq_lens[i]-1. Sampling: request i samples `sample_counts[i]` tokens
+    (0: none, e.g. a prompt chunk; 1: the next token; 1 + len(draft_ids[i]): draft
+    verification), from the logits of its last `sample_counts[i]` positions; `sampling` has
+    one row per request with sample_counts > 0. Prompt logprobs: `input_logprob_targets[i]`
+    are the prompt tokens scored by the logits of this step's positions starting at
+    `input_logprob_starts[i]` (an index into this request's positions), or None.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T]
+    req_pool_indices: torch.Tensor  # [B]
+    seq_lens: list[int]
+    prefix_lens: list[int]
+    sample_counts: list[int]
+    draft_ids: list[list[int]]
+    sampling: SamplingInfo | None
+    logprob_top_nums: list[int | None]  # per request: None = no logprobs, else top-k count
+    input_logprob_starts: list[int]
+    input_logprob_targets: list[list[int] | None]
+
+
+@dataclass
+class ForwardOutput:
+    """What one step produced, per request (lists of length B, ragged inside).
+
+    `next_ids[i]`: the tokens request i gains this step, k >= 1 when it sampled (the accepted
+    draft tokens then one sampled token), [] otherwise. `logprobs[i][j]` is the raw model
+    logprob of next_ids[i][j] and `top_logprobs[i][j]` its [(logprob, id)] top list (both
+    only for requests that asked). `input_logprobs[i]` scores `input_logprob_targets[i]`.
+    """
+
+    next_ids: list[list[int]]
+    logprobs: list[list[float]]
+    top_logprobs: list[list[list[tuple[float, int]]]]
+    input_logprobs: list[list[float]]
+    input_top_logprobs: list[list[list[tuple[float, int]]]]
 
 
 _current: ForwardBatch | None = None

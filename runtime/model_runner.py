@@ -1,4 +1,5 @@
-"""ModelRunner: owns the weights, the KV pools and the attention backend; runs one forward."""
+"""ModelRunner: owns the weights, the KV pools and the attention backend; runs one step
+(forward, sampling, draft verification, logprobs) and returns tokens, never logits."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import logging
 import torch
 
 from loom.runtime.attention.base import create_attention_backend
-from loom.runtime.forward_batch import ForwardBatch, forward_context
+from loom.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelInput, forward_context
 from loom.runtime.memory_pool import PagedAllocator, ReqToTokenPool, TokenToKVPool
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
-from loom.runtime.scheduler.batch import ModelInput
+from loom.runtime.sampler import sample, token_logprobs
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, inp: ModelInput) -> torch.Tensor:
-        """Runs the model on one step's tokens; returns float32 logits [len(logits_indices), V]."""
+    def forward(self, inp: ModelInput) -> ForwardOutput:
+        """Run the model on one step's tokens, then sample (and verify drafts) on this device.
+        Returns token ids and logprobs per request; logits never leave the runner."""
         dev = self.device
+        sample_rows, lp_rows, lp_targets = _logits_rows(inp)
         batch = ForwardBatch(
             mode=inp.mode,
             input_ids=inp.input_ids.to(dev, non_blocking=True),
@@ -90,8 +93,108 @@ class ModelRunner:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
-            logits_indices=inp.logits_indices.to(dev, non_blocking=True),
+            logits_indices=torch.tensor(sample_rows + lp_rows, dtype=torch.int64).to(
+                dev, non_blocking=True
+            ),
         )
         self.attn_backend.init_forward_metadata(batch)
         with forward_context(batch):
-            return self.model(batch.input_ids, batch.positions)
+            logits = self.model(batch.input_ids, batch.positions)
+        return self._sample(inp, logits, len(sample_rows), lp_targets)
+
+    def _sample(
+        self, inp: ModelInput, logits: torch.Tensor, n_sample: int, lp_targets: list[int]
+    ) -> ForwardOutput:
+        counts = [c for c in inp.sample_counts if c]
+        # rows whose logprobs were asked for: sampled rows of such requests, then prompt rows
+        want = [n is not None for n, c in zip(inp.logprob_top_nums, inp.sample_counts) if c]
+        lp_sample_rows = [r for r, w in zip(range(n_sample), _repeat(want, counts)) if w]
+        lp_logits = None
+        if lp_sample_rows or lp_targets:
+            rows = torch.tensor(lp_sample_rows, dtype=torch.int64, device=logits.device)
+            lp_logits = torch.cat([logits[rows], logits[n_sample:]])  # raw, before sampling
+        sampled: list[int] = []
+        sampled_t = None
+        if n_sample:
+            info = inp.sampling.to(logits.device).expand(counts)
+            sampled_t = sample(logits[:n_sample], info)
+            sampled = sampled_t.tolist()
+        chosen, top_v, top_i = [], None, None
+        if lp_logits is not None:
+            parts = [torch.tensor(lp_targets, dtype=torch.int64, device=logits.device)]
+            if lp_sample_rows:
+                parts.insert(0, sampled_t[torch.tensor(lp_sample_rows, device=logits.device)])
+            targets = torch.cat(parts)
+            top = max((n or 0) for n in inp.logprob_top_nums)
+            chosen_t, top_vt, top_it = token_logprobs(lp_logits, targets, top)
+            chosen = chosen_t.tolist()
+            if top_vt is not None:
+                top_v, top_i = top_vt.tolist(), top_it.tolist()
+        return _assemble(inp, sampled, chosen, top_v, top_i)
+
+
+def _repeat(values: list, counts: list[int]) -> list:
+    return [v for v, c in zip(values, counts) for _ in range(c)]
+
+
+def _logits_rows(inp: ModelInput) -> tuple[list[int], list[int], list[int]]:
+    """Hidden-state rows that need logits: every request's sampled positions (its last
+    sample_counts rows) first, then the prompt-logprob rows; and the prompt tokens scored."""
+    sample_rows, lp_rows, lp_targets = [], [], []
+    start = 0
+    for prefix, seq, count, lp_start, targets in zip(
+        inp.prefix_lens,
+        inp.seq_lens,
+        inp.sample_counts,
+        inp.input_logprob_starts,
+        inp.input_logprob_targets,
+    ):
+        end = start + seq - prefix
+        sample_rows.extend(range(end - count, end))
+        if targets:
+            lp_rows.extend(range(start + lp_start, start + lp_start + len(targets)))
+            lp_targets.extend(targets)
+        start = end
+    return sample_rows, lp_rows, lp_targets
+
+
+def _assemble(inp: ModelInput, sampled, chosen, top_v, top_i) -> ForwardOutput:
+    """Per-request lists from the flat rows: accept each request's draft tokens up to the
+    first one the sampler disagrees with, then that sampled token (greedy or seeded, the
+    accepted tokens are exactly those plain decoding would give: the noise depends only on
+    seed and position)."""
+    n = len(inp.sample_counts)
+    out = ForwardOutput([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)],
+                        [[] for _ in range(n)], [[] for _ in range(n)])  # fmt: skip
+    row = lp = 0
+    pending_lp = []
+    for i, (count, top_n) in enumerate(zip(inp.sample_counts, inp.logprob_top_nums)):
+        if not count:
+            continue
+        rows = sampled[row : row + count]
+        draft = inp.draft_ids[i]
+        k = 0
+        while k < len(draft) and rows[k] == draft[k]:
+            k += 1
+        out.next_ids[i] = rows[: k + 1]
+        if top_n is not None:
+            pending_lp.append((i, lp, k + 1, top_n))
+            lp += count
+        row += count
+    for i, first, keep, top_n in pending_lp:
+        out.logprobs[i] = chosen[first : first + keep]
+        if top_n:
+            out.top_logprobs[i] = [
+                list(zip(top_v[r][:top_n], top_i[r][:top_n])) for r in range(first, first + keep)
+            ]
+    for i, targets in enumerate(inp.input_logprob_targets):
+        if not targets:
+            continue
+        out.input_logprobs[i] = chosen[lp : lp + len(targets)]
+        top_n = inp.logprob_top_nums[i]
+        if top_n:
+            out.input_top_logprobs[i] = [
+                list(zip(top_v[r][:top_n], top_i[r][:top_n])) for r in range(lp, lp + len(targets))
+            ]
+        lp += len(targets)
+    return out

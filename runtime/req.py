@@ -27,7 +27,13 @@ class LogprobState:
 
 class Req:
     """Invariants (checked by `check`): 0 <= len(prefix_indices) <= kv_len <= len(fill_ids),
-    and positions [0, kv_len) of fill_ids have KV in row `req_pool_idx` of req_to_token."""
+    and positions [0, kv_len) of fill_ids have KV in row `req_pool_idx` of req_to_token.
+
+    Life: grammar queue -> waiting -> (chunked) prefill -> running (decode steps) -> finished.
+    A finished request whose last sampled token has no KV yet is `finishing`: it rides one
+    more decode step (its answer already sent) so that its whole prompt + output reaches the
+    prefix cache before any later prefix match, then it is released.
+    """
 
     def __init__(
         self,
@@ -64,14 +70,16 @@ class Req:
         self.prefix_indices: torch.Tensor = _EMPTY
         self.last_node: Any = None
         self.kv_len = 0
-        self.extend_len = 0  # tokens computed in the current extend step
+        self.extend_len = 0  # positions computed in the current step (drafts included)
+        self.draft_ids: list[int] = []  # proposed tokens verified in the current step
         self.new_slots: torch.Tensor = _EMPTY  # KV slots allocated for the current step
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported)
         self.is_chunked = False
 
         self.finished_reason: dict | None = None
-        self.to_abort = False
+        self.stop_match: str | None = None  # the text a stop_regex matched (trimmed like a stop)
         self.retract_count = 0
+        self.spec_verify_ct = 0  # steps that verified draft tokens
         self.sent_output_len = 0  # output tokens already streamed to the detokenizer
         self.sent_input_logprobs = False
         self.jump_forward_tokens = 0
@@ -100,6 +108,14 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens - len(self.output_ids)
 
+    def samples_at(self, end: int) -> bool:
+        """Whether a step computing positions up to `end` samples this request's next token."""
+        return (
+            end == self.seq_len
+            and not self.finished
+            and self.sampling_params.max_new_tokens > len(self.output_ids)
+        )
+
     def note_decode_step(self, step: int, batch_size: int) -> None:
         if self.first_decode_step is None:
             self.first_decode_step = step
@@ -113,6 +129,7 @@ class Req:
         self.last_node = None
         self.kv_len = 0
         self.extend_len = 0
+        self.draft_ids = []
         self.is_chunked = False
 
     def check(self) -> None:

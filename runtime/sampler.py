@@ -7,7 +7,7 @@ position, never on what else is in the batch, and resume identically after a ret
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -37,13 +37,17 @@ def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torc
 
 @dataclass
 class SamplingInfo:
+    """One row per sampling request, built on the CPU by the scheduler (`from_reqs`); the
+    runner moves it to its device (`to`) and, for draft verification, repeats each row once
+    per position it samples (`expand`)."""
+
     temperatures: torch.Tensor  # [B, 1]
     top_ps: torch.Tensor
     top_ks: torch.Tensor
     min_ps: torch.Tensor
     greedy: torch.Tensor  # [B] bool
     seeds: torch.Tensor
-    steps: torch.Tensor
+    steps: torch.Tensor  # [B] sequence position of the token sampled (the noise counter)
     need_top_filter: bool
     need_min_p: bool
     all_greedy: bool
@@ -53,7 +57,7 @@ class SamplingInfo:
     vocab_mask: torch.Tensor | None = None  # grammar bitmask [B, words]
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: str) -> SamplingInfo:
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: str = "cpu") -> SamplingInfo:
         ps = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in ps]
         temps = [1.0 if g else p.temperature for p, g in zip(ps, greedy)]
@@ -93,6 +97,42 @@ class SamplingInfo:
             penalty=_penalty_tensors(reqs, vocab_size, dev),
             banned=banned,
         )
+
+    def to(self, device: torch.device | str) -> SamplingInfo:
+        def move(x):
+            if isinstance(x, torch.Tensor):
+                return x.to(device, non_blocking=True)
+            if isinstance(x, tuple):
+                return tuple(move(t) for t in x)
+            return x
+
+        return SamplingInfo(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+    def expand(self, counts: list[int]) -> SamplingInfo:
+        """Row i repeated counts[i] times, its noise counter advancing by one per copy (the
+        copy j samples the token at position steps[i] + j)."""
+        if all(c == 1 for c in counts):
+            return self
+        if self.penalty is not None or self.banned is not None or self.vocab_mask is not None:
+            raise ValueError(
+                "draft verification: penalties, min_new_tokens and grammars change per position"
+            )
+        dev = self.seeds.device
+        reps = torch.tensor(counts, device=dev)
+        src = torch.repeat_interleave(torch.arange(len(counts), device=dev), reps)
+        first = torch.cumsum(reps, 0) - reps
+        offset = torch.arange(len(src), device=dev) - torch.repeat_interleave(first, reps)
+        out = replace(
+            self,
+            **{
+                name: getattr(self, name).index_select(0, src)
+                for name in ("temperatures", "top_ps", "top_ks", "min_ps", "greedy", "seeds")
+            },
+        )
+        out.steps = self.steps.index_select(0, src) + offset
+        if self.logit_bias is not None:
+            out.logit_bias = self.logit_bias.index_select(0, src)
+        return out
 
 
 def _penalty_tensors(reqs: list[Req], vocab_size: int, dev):
@@ -155,7 +195,8 @@ def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_num: int):
-    """Raw-model logprobs of `token_ids` and the top-`top_num` entries per row."""
+    """Raw-model logprobs of `token_ids` and the top-`top_num` entries per row: one
+    log_softmax over all the rows given (the caller gathers every row that needs one)."""
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(1, token_ids[:, None]).squeeze(1)
     if top_num > 0:

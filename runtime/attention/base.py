@@ -17,8 +17,8 @@ class AttentionBackend(ABC):
     """Computes attention for one layer over the paged KV cache.
 
     `init_forward_metadata` runs once per forward (index tensors shared by all layers);
-    `forward_extend` handles prompt tokens after a cached prefix, with a causal mask or, when
-    `batch.custom_mask` is set, the given mask over the new tokens (tree verification);
+    `forward_extend` handles new tokens after a cached prefix with a causal mask (prompt
+    chunks, jump-forward text, and linear draft verification, which is causal too);
     `forward_decode` handles one token per request. q is [T, heads, head_dim]; k and v are
     [T, kv_heads, head_dim] and are written to the cache before attending.
     """

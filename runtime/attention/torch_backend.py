@@ -59,19 +59,13 @@ class TorchAttnBackend(AttentionBackend):
             batch.attn_metadata = meta
             return
         kv_slots, masks, starts, exts = [], [], [], []
-        start, mask_offset = 0, 0
+        start = 0
         req_rows = batch.req_pool_indices.tolist()
         for row, prefix, seq in zip(req_rows, batch.prefix_lens_cpu, batch.seq_lens_cpu):
             ext = seq - prefix
             kv_slots.append(table[row, :seq])
-            if batch.custom_mask is not None:
-                custom = batch.custom_mask[mask_offset : mask_offset + ext * seq].view(ext, seq)
-                mask = custom.to(torch.bool)
-                mask_offset += ext * seq
-            else:
-                # no cached prefix: plain causal attention, which takes the fused kernel
-                mask = None if prefix == 0 else causal_mask(prefix, ext, device)
-            masks.append(mask)
+            # no cached prefix: plain causal attention, which takes the fused kernel
+            masks.append(None if prefix == 0 else causal_mask(prefix, ext, device))
             starts.append(start)
             exts.append(ext)
             start += ext

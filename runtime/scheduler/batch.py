@@ -1,105 +1,106 @@
-"""ScheduleBatch: the CPU-side plan of one step, and the inputs it hands the model runner."""
+"""ScheduleBatch: the CPU-side plan of one step, and the `ModelInput` it hands the runner."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from loom.runtime.forward_batch import ForwardMode
+from loom.runtime.forward_batch import ForwardMode, ModelInput
 from loom.runtime.req import Req
-
-
-@dataclass
-class ModelInput:
-    """What the runner needs, as CPU tensors/lists (the runner moves them to the device)."""
-
-    mode: ForwardMode
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    out_cache_loc: torch.Tensor
-    req_pool_indices: torch.Tensor
-    seq_lens: list[int]
-    prefix_lens: list[int]
-    logits_indices: torch.Tensor
-    # per request: (first logits row, number of rows, first prompt position scored) or None
-    input_logprob_rows: list[tuple[int, int, int] | None]
-    sample_rows: list[int | None]  # per request: logits row to sample from, or None
+from loom.runtime.sampler import SamplingInfo
 
 
 class ScheduleBatch:
-    """Requests that run together in one step. For EXTEND each request computes positions
-    [kv_len, kv_len + extend_len); for DECODE each computes its one new token."""
+    """Requests that run together in one step. Each computes positions
+    [kv_len, kv_len + extend_len): prompt tokens (a prefill), its last token (a decode step),
+    or its last token and `draft_ids` (a verify step). `is_decode` says which owner built it."""
 
-    def __init__(self, reqs: list[Req], mode: ForwardMode):
+    def __init__(self, reqs: list[Req], is_decode: bool):
         self.reqs = reqs
-        self.mode = mode
-        self.out_cache_loc: torch.Tensor | None = None
+        self.is_decode = is_decode
         self.model_input: ModelInput | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
 
-    def build_input(self) -> ModelInput:
-        assert self.out_cache_loc is not None, "KV slots must be allocated before building input"
+    @property
+    def mode(self) -> ForwardMode:
+        if self.is_decode and all(r.extend_len == 1 for r in self.reqs):
+            return ForwardMode.DECODE
+        return ForwardMode.EXTEND  # prompts, jump-forward text and draft verification
+
+    def build_input(self, vocab_size: int) -> ModelInput:
+        """The step's tokens, positions and KV slots, what each request samples and with
+        which parameters (grammar masks filled here, where the grammars live)."""
         ids: list[int] = []
         positions: list[int] = []
-        logits_rows: list[int] = []
-        lp_rows: list[tuple[int, int] | None] = []
-        sample_rows: list[int | None] = []
-        prefix_lens, seq_lens = [], []
-        start = 0
+        prefix_lens, seq_lens, counts, drafts = [], [], [], []
+        lp_starts, lp_targets, top_nums = [], [], []
+        sampling_reqs = []
         for req in self.reqs:
-            fill = req.fill_ids
-            if self.mode is ForwardMode.DECODE:
-                begin, end = req.kv_len, req.kv_len + 1
-            else:
-                begin, end = req.kv_len, req.kv_len + req.extend_len
-            ids.extend(fill[begin:end])
+            begin, end = req.kv_len, req.kv_len + req.extend_len
+            draft = req.draft_ids
+            ids.extend(req.fill_ids[begin : end - len(draft)])
+            ids.extend(draft)
             positions.extend(range(begin, end))
             prefix_lens.append(begin)
             seq_lens.append(end)
-            lp_rows.append(
-                self._input_logprob_rows(req, begin, end, start, len(logits_rows), logits_rows)
-            )
-            if (
-                end == req.seq_len
-                and not req.finished
-                and req.sampling_params.max_new_tokens > len(req.output_ids)
-            ):
-                sample_rows.append(len(logits_rows))
-                logits_rows.append(start + end - begin - 1)
+            real_end = end - len(draft)
+            if req.samples_at(real_end):
+                counts.append(1 + len(draft))
+                sampling_reqs.append(req)
             else:
-                sample_rows.append(None)
-            start += end - begin
+                assert not draft, "draft tokens for a request that does not sample"
+                counts.append(0)
+            drafts.append(draft)
+            start, targets = _input_logprob_span(req, begin, real_end)
+            lp_starts.append(start)
+            lp_targets.append(targets)
+            top_nums.append(req.logprob.top_num if req.return_logprob else None)
+        sampling = None
+        if sampling_reqs:
+            sampling = SamplingInfo.from_reqs(sampling_reqs, vocab_size)
+            _fill_grammar_mask(sampling_reqs, sampling, vocab_size)
         self.model_input = ModelInput(
             mode=self.mode,
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
-            out_cache_loc=self.out_cache_loc,
+            out_cache_loc=torch.cat([r.new_slots for r in self.reqs]),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
             seq_lens=seq_lens,
             prefix_lens=prefix_lens,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
-            input_logprob_rows=lp_rows,
-            sample_rows=sample_rows,
+            sample_counts=counts,
+            draft_ids=drafts,
+            sampling=sampling,
+            logprob_top_nums=top_nums,
+            input_logprob_starts=lp_starts,
+            input_logprob_targets=lp_targets,
         )
         return self.model_input
 
-    @staticmethod
-    def _input_logprob_rows(
-        req: Req, begin: int, end: int, token_start: int, row0: int, rows: list[int]
-    ):
-        """Prompt logprobs: the logits at position p score prompt token p+1. Collect positions
-        p in [begin, end) with max(start_len, 1) - 1 <= p < len(prompt) - 1."""
-        if not req.return_logprob:
-            return None
-        prompt_len = len(req.origin_input_ids)
-        if len(req.logprob.input_token_logprobs) >= prompt_len - req.logprob.start_len:
-            return None  # already computed (a resumed request)
-        lo = max(begin, max(req.logprob.start_len, 1) - 1)
-        hi = min(end, prompt_len - 1)
-        if lo >= hi:
-            return None
-        rows.extend(range(token_start + lo - begin, token_start + hi - begin))
-        return (row0, hi - lo, lo + 1)
+
+def _input_logprob_span(req: Req, begin: int, end: int) -> tuple[int, list[int] | None]:
+    """Prompt logprobs: the logits at position p score prompt token p+1. This step scores
+    positions p in [begin, end) with max(start_len, 1) - 1 <= p < len(prompt) - 1; returns
+    (index of the first such p among this step's positions, the prompt tokens scored)."""
+    if not req.return_logprob:
+        return 0, None
+    prompt_len = len(req.origin_input_ids)
+    if len(req.logprob.input_token_logprobs) >= prompt_len - req.logprob.start_len:
+        return 0, None  # already computed (a resumed request)
+    lo = max(begin, max(req.logprob.start_len, 1) - 1)
+    hi = min(end, prompt_len - 1)
+    if lo >= hi:
+        return 0, None
+    return lo - begin, req.origin_input_ids[lo + 1 : hi + 1]
+
+
+def _fill_grammar_mask(reqs: list[Req], info: SamplingInfo, vocab_size: int) -> None:
+    if not any(r.grammar is not None for r in reqs):
+        return
+    from loom.grammar.base import allocate_token_bitmask
+
+    mask = allocate_token_bitmask(len(reqs), vocab_size)
+    for i, r in enumerate(reqs):
+        if r.grammar is not None:
+            r.grammar.fill_mask(mask, i)
+    info.vocab_mask = mask

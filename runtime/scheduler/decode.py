@@ -1,13 +1,13 @@
-"""Decode steps: one new token per running request, retracting requests when KV runs short."""
+"""Decode: the running requests (one new token each per step, or a verified draft), the
+finishing ones (writing their last token's KV), and retraction when KV runs short."""
 
 from __future__ import annotations
 
 import logging
 
-import torch
-
-from loom.runtime.forward_batch import ForwardMode
+from loom.runtime.req import Req
 from loom.runtime.scheduler.batch import ScheduleBatch
+from loom.runtime.scheduler.kv import KVManager
 
 logger = logging.getLogger(__name__)
 
@@ -16,50 +16,101 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
 
 
-class DecodeMixin:
-    def prepare_decode(self) -> ScheduleBatch | None:
-        """Allocate one slot per running request, retracting requests while KV is short."""
+class DecodeManager:
+    """`running`: requests between prefill and finish. `finishing`: finished requests whose
+    last sampled token has no KV yet; the next decode step writes it (sampling nothing) and
+    releases them, so a follow-up turn finds prompt + output cached. `drafter` (optional)
+    proposes tokens that a step verifies: `propose(req, max_len) -> list[int]`."""
+
+    def __init__(self, kv: KVManager, conservativeness: float, context_len: int, drafter=None):
+        self.kv = kv
+        self.conservativeness = conservativeness
+        self.context_len = context_len
+        self.drafter = drafter
+        self.running: list[Req] = []
+        self.finishing: list[Req] = []
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * conservativeness
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self.finishing)
+
+    def schedule(self) -> tuple[ScheduleBatch | None, list[Req]]:
+        """(the decode batch, the requests retracted to make room for it)."""
+        retracted = []
+        use_drafts = True
         while True:
-            need = (
-                sum(self.allocator.pages_needed(r.kv_len, 1) for r in self.running) * self.page_size
-            )
-            short = need - self.allocator.available_size()
-            if short > 0:
-                self.tree_cache.evict(short)
-                short = need - self.allocator.available_size()
-            if short <= 0 or len(self.running) == 1:
+            reqs = self.finishing + self.running
+            if not reqs:
+                return None, retracted
+            drafts = [self._draft(r) if use_drafts else [] for r in reqs]
+            short = self.kv.pages_short(reqs, [1 + len(d) for d in drafts])
+            if short <= 0:
                 break
-            self.retract_one()
-        if short > 0:
-            raise RuntimeError(
-                f"KV cache too small: one request needs more than {self.allocator.size} tokens"
-            )
-        for req in self.running:
-            slots = self.alloc_for_req(req, 1)
-            assert slots is not None
+            if any(drafts):  # drafts are optional: drop them before retracting anyone
+                use_drafts = False
+                continue
+            if len(reqs) == 1:
+                raise RuntimeError(
+                    f"KV cache too small: one request needs more than {self.kv.size} tokens"
+                )
+            victim = self._retract_one()
+            if victim is not None:
+                retracted.append(victim)
+        for req, draft in zip(reqs, drafts):
+            req.draft_ids = draft
+            req.extend_len = 1 + len(draft)
+            assert self.kv.alloc(req, req.extend_len) is not None
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
-        batch = ScheduleBatch(list(self.running), ForwardMode.DECODE)
-        batch.out_cache_loc = torch.cat([r.new_slots for r in self.running])
-        return batch
+        return ScheduleBatch(reqs, is_decode=True), retracted
 
-    def retract_one(self) -> None:
-        """Put back the running request with the least progress; its KV is released (into the
-        radix cache when enabled) and recomputed when it is admitted again."""
-        done = [r for r in self.running if r.finished]
-        if done:  # only completing its KV for the cache: drop that instead of real work
-            self.running.remove(done[0])
-            self._release(done[0])
-            return
+    def _draft(self, req: Req) -> list[int]:
+        if self.drafter is None or req.finished or not _can_draft(req):
+            return []
+        room = min(req.remaining_new_tokens - 1, self.context_len - req.seq_len - 1)
+        if room <= 0:
+            return []
+        return list(self.drafter.propose(req, room))[:room]
+
+    def _retract_one(self) -> Req | None:
+        """Free KV: drop a finishing request's last-token write first (its answer is out),
+        else put back the running request with the least progress; its KV goes to the cache
+        and is recomputed when it is admitted again."""
+        if self.finishing:
+            self.kv.release(self.finishing.pop(0))
+            return None
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
         self.running.remove(victim)
-        self._release(victim)
-        victim.reset_kv()
-        victim.retract_count += 1
-        self.waiting.insert(0, victim)
-        self.stats["num_retractions"] += 1
-        self.new_token_ratio = min(
-            1.0, INIT_NEW_TOKEN_RATIO * self.args.schedule_conservativeness * 1.5
-        )
+        self.kv.retract(victim)
+        self.new_token_ratio = min(1.0, INIT_NEW_TOKEN_RATIO * self.conservativeness * 1.5)
         logger.info("retracted %s (KV short); %d running", victim.rid, len(self.running))
+        return victim
+
+    def after_step(self, batch: ScheduleBatch, running: list[Req], finishing: list[Req]) -> None:
+        """The batch's requests are replaced by those still running / now finishing."""
+        if batch.is_decode:
+            self.running, self.finishing = [], []
+        self.running.extend(running)
+        self.finishing.extend(finishing)
+
+    def remove(self, rid: str) -> tuple[list[Req], list[Req]]:
+        """Take out the requests with this rid ("" = all): (running ones, finishing ones)."""
+        run = [r for r in self.running if rid in ("", r.rid)]
+        fin = [r for r in self.finishing if rid in ("", r.rid)]
+        self.running = [r for r in self.running if r not in run]
+        self.finishing = [r for r in self.finishing if r not in fin]
+        return run, fin
+
+
+def _can_draft(req: Req) -> bool:
+    """Drafts are verified row by row with the request's sampling parameters; grammars,
+    penalties and min_new_tokens change with every accepted token, so those never draft."""
+    p = req.sampling_params
+    return (
+        req.grammar is None
+        and len(req.output_ids) >= p.min_new_tokens
+        and p.frequency_penalty == 0
+        and p.presence_penalty == 0
+        and p.repetition_penalty == 1
+    )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from loom.runtime.req import Req
+from loom.runtime.scheduler.kv import KVManager
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ MAX_WINDOW = 3
 MIN_GAIN = 2
 
 
-def try_jump_forward(sched, req: Req) -> bool:
+def try_jump_forward(req: Req, tokenizer, kv: KVManager) -> bool:
     """Rewrite `req`'s output tail with the grammar's forced string. True when it jumped: the
     request then needs an extend step (its kv_len is behind its seq_len)."""
     if req.grammar is None or req.return_logprob or req.sampling_params.stop:
@@ -32,7 +33,7 @@ def try_jump_forward(sched, req: Req) -> bool:
     # of MIN_GAIN bytes or fewer cannot save MIN_GAIN steps: skip the tokenizer work
     if not forced or len(forced.encode()) <= MIN_GAIN:
         return False
-    tok = sched.tokenizer
+    tok = tokenizer
     out = req.output_ids
     prompt_len = len(req.origin_input_ids)
     owned_from = max(len(req.prefix_indices), prompt_len)  # first position we may rewrite
@@ -66,22 +67,9 @@ def try_jump_forward(sched, req: Req) -> bool:
     kept = len(out) - k
     del out[kept:]
     out.extend(new_tail)
-    _truncate_kv(sched, req, prompt_len + kept)
+    kv.truncate(req, min(req.kv_len, prompt_len + kept), req.kv_len)
     if req.sent_output_len > kept:
         req.pending_rewind += req.sent_output_len - kept
         req.sent_output_len = kept
     req.jump_forward_tokens += len(new_tail) - k
     return True
-
-
-def _truncate_kv(sched, req: Req, new_len: int) -> None:
-    """Drop the request's KV at positions >= new_len (all owned by the request)."""
-    old = req.kv_len
-    if new_len >= old:
-        return
-    page = sched.page_size
-    first_free = -(-new_len // page) * page  # the partial page stays: alloc_extend refills it
-    if first_free < old:
-        row = sched.req_to_token_pool.req_to_token[req.req_pool_idx]
-        sched.allocator.free(row[first_free:old].cpu())
-    req.kv_len = new_len

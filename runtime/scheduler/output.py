@@ -1,110 +1,128 @@
-"""Turning a step's sampled tokens into request state and outputs."""
+"""Result processing: a step's tokens (k >= 1 per request) into request state and outputs."""
 
 from __future__ import annotations
 
-import torch
+import re
+from dataclasses import dataclass, field
 
-from loom.runtime.forward_batch import ForwardMode
+from loom.runtime.forward_batch import ForwardOutput
 from loom.runtime.io_struct import ReqOutput
 from loom.runtime.req import Req
-from loom.runtime.sampler import token_logprobs
+from loom.runtime.scheduler.batch import ScheduleBatch
 from loom.runtime.scheduler.jump_forward import try_jump_forward
+from loom.runtime.scheduler.kv import KVManager
 
 # Tokens decoded from the end of the output when looking for stop strings: enough to cover
 # the longest stop string even when every token is a single byte of a multi-byte character.
 _STOP_TAIL_SLACK = 8
+# A stop_regex is searched in the decoded last tokens only (the whole output would make every
+# step cost O(output)); a match must lie within this many tokens.
+_STOP_REGEX_TAIL = 256
 
 
-class OutputMixin:
-    pending_outputs: list[Req]
+@dataclass
+class Routes:
+    """Where each request of a processed batch goes next."""
 
-    def process_batch_result(self, batch, next_ids, logprob_logits, logits) -> None:
+    running: list[Req] = field(default_factory=list)
+    finishing: list[Req] = field(default_factory=list)  # finished; last token's KV to write
+    requeue: list[Req] = field(default_factory=list)  # jumped forward: the next prefill
+    chunked: Req | None = None
+
+
+class OutputProcessor:
+    """Turns a step's `ForwardOutput` into request state (tokens, logprobs, grammar, stop
+    checks, KV bookkeeping through the KV manager) and keeps the outputs to stream."""
+
+    def __init__(self, kv: KVManager, tokenizer, context_len: int, jump_forward: bool, stats):
+        self.kv = kv
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.jump_forward = jump_forward
+        self.stats = stats
+        self.pending: list[Req] = []
+
+    def finish_with_error(self, req: Req, message: str, status_code: int | None = 400) -> None:
+        req.finished_reason = {"type": "abort", "message": message}
+        if status_code is not None:
+            req.finished_reason["status_code"] = status_code
+        self.pending.append(req)
+
+    def process(self, batch: ScheduleBatch, out: ForwardOutput) -> Routes:
         inp = batch.model_input
-        sampled = iter(next_ids or ())
-        self.stats["steps"] += 1
-        step = self.stats["steps"]
-        if batch.mode is ForwardMode.DECODE:
-            self.stats["decode_steps"] += 1
-            self.stats["decode_batch_sizes"] += len(batch)
+        st = self.stats
+        st["steps"] += 1
+        if batch.is_decode:
+            st["decode_steps"] += 1
+            st["decode_batch_sizes"] += len(batch)
+        routes = Routes()
         for i, req in enumerate(batch.reqs):
-            if batch.mode is ForwardMode.DECODE:
-                req.kv_len += 1
-                if req.finished:  # its last token's KV is now written: hand it all to the cache
-                    self.running.remove(req)
-                    self._release(req)
-                    continue
-                req.note_decode_step(step, len(batch))
-            else:
-                req.kv_len += req.extend_len
-                if not req.prompt_counted and req.kv_len == req.seq_len:
-                    req.prompt_counted = True
-                    self.stats["prompt_tokens"] += len(req.origin_input_ids)
-                    self.stats["cached_tokens"] += req.cached_tokens
-            lp = req.logprob
-            if req.return_logprob and lp.start_len == 0 and not lp.input_token_logprobs:
-                lp.input_token_logprobs.append((None, req.origin_input_ids[0]))
-                lp.input_top_logprobs.append(None)
-            if inp.input_logprob_rows[i] is not None:
-                self._add_input_logprobs(req, inp.input_logprob_rows[i], logprob_logits)
-            if batch.mode is ForwardMode.EXTEND and req.is_chunked:
-                self.tree_cache.cache_unfinished_req(req)
-                self.chunked_req = req
+            written_end = req.kv_len + req.extend_len
+            req.kv_len = written_end - len(req.draft_ids)
+            if req.finished:  # finishing: its last token's KV is now written
+                self.kv.release(req)
                 continue
-            if self.chunked_req is req:
-                self.chunked_req = None
-            row = inp.sample_rows[i]
-            if row is not None:
-                token = next(sampled)
-                self._append_token(req, token, logprob_logits, row)
-            else:  # max_new_tokens reached before sampling (max_new_tokens == 0)
-                req.finished_reason = {
-                    "type": "length",
-                    "length": req.sampling_params.max_new_tokens,
-                }
+            if batch.is_decode:
+                req.note_decode_step(st["steps"], len(batch))
+                if req.draft_ids:
+                    req.spec_verify_ct += 1
+            elif not req.prompt_counted and req.kv_len == req.seq_len:
+                req.prompt_counted = True
+                st["prompt_tokens"] += len(req.origin_input_ids)
+                st["cached_tokens"] += req.cached_tokens
+            self._add_input_logprobs(req, inp.input_logprob_targets[i], out, i)
+            if not batch.is_decode and req.is_chunked:
+                self.kv.cache_unfinished(req)
+                routes.chunked = req
+                continue
+            tokens = out.next_ids[i]
+            if inp.sample_counts[i] == 0:  # max_new_tokens reached before sampling (== 0)
+                req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+            for j, token in enumerate(tokens):
+                self._append_token(req, token, out, i, j)
+                if req.finished:
+                    break  # the rest of a verified chunk comes after the stop: dropped
+            if tokens:
+                # KV is valid for the fed tokens that match the sequence: every appended
+                # token but the last was an accepted draft token (or the step's last input)
+                req.kv_len = min(written_end, req.seq_len - 1)
+            self.kv.truncate(req, req.kv_len, written_end)
+            req.draft_ids = []
             if req.finished:
-                self.pending_outputs.append(req)
+                self.pending.append(req)
                 if self._completes_kv(req):
-                    if req not in self.running:
-                        self.running.append(req)
-                    continue
-                if req in self.running:
-                    self.running.remove(req)
-                self._release(req)
+                    routes.finishing.append(req)
+                else:
+                    self.kv.release(req)
                 continue
-            if batch.mode is ForwardMode.EXTEND:
-                self.tree_cache.cache_unfinished_req(req)
-                self.running.append(req)
+            if not batch.is_decode:
+                self.kv.cache_unfinished(req)
             if req.stream:
-                self.pending_outputs.append(req)
-            if not self.args.disable_jump_forward and try_jump_forward(self, req):
-                self.running.remove(req)
-                self.jumped.append(req)
+                self.pending.append(req)
+            if self.jump_forward and try_jump_forward(req, self.tokenizer, self.kv):
+                routes.requeue.append(req)
+            else:
+                routes.running.append(req)
+        return routes
 
     def _completes_kv(self, req: Req) -> bool:
         """A finished request's last token was sampled but never fed, so it has no KV. With the
         radix cache on, the request rides one more decode step (its output is already sent) so
         a follow-up that resends prompt + output finds all of it cached."""
         return (
-            not self.tree_cache.disable
+            not self.kv.tree_cache.disable
             and req.finished_reason["type"] != "abort"
             and bool(req.output_ids)
             and req.kv_len == req.seq_len - 1
         )
 
-    def _append_token(self, req: Req, token: int, logprob_logits, row: int) -> None:
+    def _append_token(self, req: Req, token: int, out: ForwardOutput, i: int, j: int) -> None:
         req.output_ids.append(token)
         self.stats["generated_tokens"] += 1
-        if req.return_logprob and logprob_logits is not None:
-            lp, top_v, top_i = token_logprobs(
-                logprob_logits[row : row + 1],
-                torch.tensor([token], device=logprob_logits.device),
-                req.logprob.top_num,
-            )
-            req.logprob.output_token_logprobs.append((float(lp[0]), token))
+        if req.return_logprob:
+            req.logprob.output_token_logprobs.append((out.logprobs[i][j], token))
             if req.logprob.top_num:
-                req.logprob.output_top_logprobs.append(
-                    list(zip(top_v[0].tolist(), top_i[0].tolist()))
-                )
+                req.logprob.output_top_logprobs.append(out.top_logprobs[i][j])
         if req.grammar is not None and token not in req.eos_token_ids:
             req.grammar.accept_token(token)
         self._check_finished(req, token)
@@ -123,39 +141,59 @@ class OutputMixin:
             if req.grammar is not None and req.grammar.is_terminated():
                 req.finished_reason = {"type": "stop", "matched": None}
                 return
-            if p.stop and self.tokenizer is not None:
-                tail_len = p.max_stop_str_len + _STOP_TAIL_SLACK
-                tail = self.tokenizer.decode(
-                    req.output_ids[-tail_len:], skip_special_tokens=p.skip_special_tokens
-                )
-                for stop in p.stop:
-                    if stop in tail:
-                        req.finished_reason = {"type": "stop", "matched": stop}
-                        return
+            if (p.stop or getattr(p, "stop_regex", None)) and self.tokenizer is not None:
+                matched = self._match_stop(req)
+                if matched is not None:
+                    req.finished_reason = {"type": "stop", "matched": matched}
+                    return
         if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
             req.finished_reason = {"type": "length", "length": len(req.output_ids)}
 
-    def _add_input_logprobs(self, req: Req, span: tuple[int, int, int], logits) -> None:
-        first, count, begin = span
-        lp = req.logprob
-        targets = torch.tensor(req.origin_input_ids[begin : begin + count], device=logits.device)
-        vals, top_v, top_i = token_logprobs(logits[first : first + count], targets, lp.top_num)
-        for j, (v, t) in enumerate(zip(vals.tolist(), targets.tolist())):
-            lp.input_token_logprobs.append((v, t))
-            if lp.top_num:
-                lp.input_top_logprobs.append(list(zip(top_v[j].tolist(), top_i[j].tolist())))
-            else:
-                lp.input_top_logprobs.append(None)
+    def _match_stop(self, req: Req) -> str | None:
+        """The stop string, or the text a stop_regex matched, in the output's decoded tail."""
+        p = req.sampling_params
+        if p.stop:
+            tail_len = p.max_stop_str_len + _STOP_TAIL_SLACK
+            tail = self.tokenizer.decode(
+                req.output_ids[-tail_len:], skip_special_tokens=p.skip_special_tokens
+            )
+            for stop in p.stop:
+                if stop in tail:
+                    return stop
+        patterns = getattr(p, "stop_regex", None)
+        if patterns:
+            tail = self.tokenizer.decode(
+                req.output_ids[-_STOP_REGEX_TAIL:], skip_special_tokens=p.skip_special_tokens
+            )
+            for pattern in patterns:
+                m = re.search(pattern, tail)
+                if m is not None:
+                    req.stop_match = m.group(0)
+                    return m.group(0)
+        return None
 
-    def drain_outputs(self) -> list[ReqOutput]:
+    def _add_input_logprobs(self, req: Req, targets, out: ForwardOutput, i: int) -> None:
+        lp = req.logprob
+        if req.return_logprob and lp.start_len == 0 and not lp.input_token_logprobs:
+            lp.input_token_logprobs.append((None, req.origin_input_ids[0]))
+            lp.input_top_logprobs.append(None)
+        if not targets:
+            return
+        lp.input_token_logprobs.extend(zip(out.input_logprobs[i], targets))
+        if lp.top_num:
+            lp.input_top_logprobs.extend(out.input_top_logprobs[i])
+        else:
+            lp.input_top_logprobs.extend([None] * len(targets))
+
+    def drain(self) -> list[ReqOutput]:
         outs = []
         seen = set()
-        for req in self.pending_outputs:
+        for req in self.pending:
             if id(req) in seen:
                 continue
             seen.add(id(req))
             outs.append(self._make_output(req))
-        self.pending_outputs = []
+        self.pending = []
         return outs
 
     def _make_output(self, req: Req) -> ReqOutput:
@@ -171,9 +209,10 @@ class OutputMixin:
             cached_tokens=req.cached_tokens,
             skip_special_tokens=p.skip_special_tokens,
             spaces_between_special_tokens=p.spaces_between_special_tokens,
-            stop=p.stop,
+            stop=p.stop if req.stop_match is None else [*(p.stop or ()), req.stop_match],
             no_stop_trim=p.no_stop_trim,
             jump_forward_tokens=req.jump_forward_tokens,
+            spec_verify_ct=req.spec_verify_ct,
             rewind=req.pending_rewind,
             first_decode_step=req.first_decode_step,
             last_decode_step=req.last_decode_step,

@@ -12,14 +12,10 @@ from loom.runtime.req import Req
 _MAX_QUEUE_FOR_CACHE_AWARE = 128
 
 
-def _match_len(tree_cache, req: Req) -> tuple[int, object]:
-    result = tree_cache.match_prefix(req.fill_ids, extra_key=req.extra_key)
-    return len(result.indices), result.last_node
-
-
-def order_waiting(queue: list[Req], policy: str, tree_cache, rng: random.Random) -> list[Req]:
+def order_waiting(queue: list[Req], policy: str, kv, rng: random.Random) -> list[Req]:
+    """`kv` answers `match_len(req) -> (cached tokens, radix node)` (the KV manager)."""
     if policy in ("lpm", "dfs-weight") and (
-        tree_cache.disable or len(queue) > _MAX_QUEUE_FOR_CACHE_AWARE
+        kv.tree_cache.disable or len(queue) > _MAX_QUEUE_FOR_CACHE_AWARE
     ):
         policy = "fcfs"
     if policy == "fcfs" or len(queue) < 2:
@@ -30,7 +26,7 @@ def order_waiting(queue: list[Req], policy: str, tree_cache, rng: random.Random)
         shuffled = list(queue)
         rng.shuffle(shuffled)
         return shuffled
-    matches = {id(r): _match_len(tree_cache, r) for r in queue}
+    matches = {id(r): kv.match_len(r) for r in queue}
     if policy == "lpm":
         return sorted(queue, key=lambda r: -matches[id(r)][0])
     return _dfs_weight(queue, matches)

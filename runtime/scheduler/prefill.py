@@ -1,10 +1,14 @@
-"""PrefillAdder: admits waiting requests into one extend batch under token and KV budgets."""
+"""Prefill: the waiting queue, the chunked request, and the adder that admits requests into one
+extend batch under token and KV budgets."""
 
 from __future__ import annotations
 
 import torch
 
 from loom.runtime.req import Req
+from loom.runtime.scheduler.batch import ScheduleBatch
+from loom.runtime.scheduler.kv import KVManager
+from loom.runtime.scheduler.policy import order_waiting
 
 # Future decode tokens reserved per running request are clipped to this many, as in SGLang.
 CLIP_MAX_NEW_TOKENS = 4096
@@ -16,18 +20,23 @@ class PrefillAdder:
     order (the policy) is respected. A request that exceeds the chunk budget is cut at the
     budget and becomes the chunked request."""
 
-    def __init__(self, sched, running: list[Req], new_token_ratio: float, slots_left: int):
-        self.s = sched
-        self.page = sched.page_size
-        chunk = sched.args.effective_chunked_prefill_size
-        self.chunked = chunk is not None
-        self.rem_input = chunk if chunk is not None else sched.args.max_prefill_tokens
+    def __init__(
+        self,
+        kv: KVManager,
+        chunk_size: int | None,
+        max_prefill_tokens: int,
+        running: list[Req],
+        new_token_ratio: float,
+        slots_left: int,
+    ):
+        self.kv = kv
+        self.page = kv.page_size
+        self.chunked = chunk_size is not None
+        self.rem_input = chunk_size if chunk_size is not None else max_prefill_tokens
         reserved = sum(
             min(r.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * new_token_ratio for r in running
         )
-        self.rem_total = (
-            sched.allocator.available_size() + sched.tree_cache.evictable_size() - reserved
-        )
+        self.rem_total = kv.available() + kv.evictable() - reserved
         self.ratio = new_token_ratio
         self.slots_left = slots_left
         self.can_run: list[Req] = []
@@ -35,7 +44,6 @@ class PrefillAdder:
     def add(self, req: Req, continuing: bool = False) -> bool:
         """Try to admit `req` (`continuing`: the chunked request's next chunk); returns False
         when nothing more can be admitted this step."""
-        s = self.s
         if self.rem_input <= 0 or (not continuing and self.slots_left <= 0):
             return False
         if req.req_pool_idx is None and not self._admit(req):
@@ -55,8 +63,7 @@ class PrefillAdder:
         future = 0 if truncated else min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.ratio
         if self.can_run and extend + future > self.rem_total:
             return self._undo(req)
-        slots = s.alloc_for_req(req, extend)
-        if slots is None:
+        if self.kv.alloc(req, extend) is None:
             return self._undo(req)
         req.extend_len = extend
         req.is_chunked = truncated
@@ -68,37 +75,91 @@ class PrefillAdder:
         return not truncated
 
     def _admit(self, req: Req) -> bool:
-        """Give `req` a request row and its cached prefix (locked)."""
-        s = self.s
-        row = s.req_to_token_pool.alloc()
-        if row is None:
-            return False
-        req.req_pool_idx = row
-        limit = req.seq_len - 1  # compute at least one token: its logits give the next one
+        """A request row and the cached prefix; at least one token is computed (its logits
+        give the next one), and prompt logprobs asked for are not served from the cache."""
+        limit = req.seq_len - 1
         if req.return_logprob and len(req.logprob.input_token_logprobs) == 0:
             limit = min(limit, max(req.logprob.start_len, 1) - 1)
-        limit = max(0, limit) // self.page * self.page
-        match = s.tree_cache.match_prefix(req.fill_ids[:limit], extra_key=req.extra_key)
-        req.prefix_indices, req.last_node = match.indices, match.last_node
-        s.tree_cache.inc_lock_ref(req.last_node)
-        n = len(match.indices)
-        if n:
-            s.req_to_token_pool.req_to_token[row, :n] = match.indices.to(
-                s.req_to_token_pool.req_to_token.device
-            )
-        req.kv_len = n
+        if not self.kv.admit(req, limit):
+            return False
         if req.retract_count == 0:
-            req.cached_tokens = n
+            req.cached_tokens = req.kv_len
         return True
 
     def _undo(self, req: Req) -> bool:
         """Release what `_admit` took for a request that does not fit after all."""
         if req.is_chunked or req.kv_len > len(req.prefix_indices):
             return False  # already holds computed KV (a chunked request): keep it
-        self.s.tree_cache.dec_lock_ref(req.last_node)
-        self.s.req_to_token_pool.free(req.req_pool_idx)
-        req.reset_kv()
+        self.kv.undo_admit(req)
         return False
+
+
+class PrefillManager:
+    """Owns the waiting queue and the chunked request; builds prefill batches."""
+
+    def __init__(self, kv: KVManager, args, max_running_requests: int, rng):
+        self.kv = kv
+        self.chunk_size = args.effective_chunked_prefill_size
+        self.max_prefill_tokens = args.max_prefill_tokens
+        self.policy = args.effective_schedule_policy
+        self.max_running_requests = max_running_requests
+        self.rng = rng
+        self.waiting: list[Req] = []
+        self.chunked_req: Req | None = None
+
+    def __len__(self) -> int:
+        return len(self.waiting) + (self.chunked_req is not None)
+
+    def live(self) -> list[Req]:
+        """Requests here that hold KV (a chunked one, and retracted/jumped ones re-admitted)."""
+        live = [r for r in self.waiting if r.req_pool_idx is not None]
+        return live + ([self.chunked_req] if self.chunked_req is not None else [])
+
+    def schedule(self, running: list[Req], new_token_ratio: float) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        slots_left = self.max_running_requests - len(running) - (self.chunked_req is not None)
+        adder = PrefillAdder(
+            self.kv, self.chunk_size, self.max_prefill_tokens, running, new_token_ratio, slots_left
+        )
+        if self.chunked_req is not None:
+            adder.add(self.chunked_req, continuing=True)
+        if adder.rem_input > 0 and self.waiting:
+            holding = [r for r in self.waiting if r.req_pool_idx is not None]
+            fresh = [r for r in self.waiting if r.req_pool_idx is None]
+            self.waiting = holding + order_waiting(fresh, self.policy, self.kv, self.rng)
+            in_batch = None if self.kv.tree_cache.disable else InBatchPrefixes(self.kv)
+            for req in list(self.waiting):
+                if in_batch is not None and in_batch.should_defer(req):
+                    continue
+                if not adder.add(req):
+                    break
+                if in_batch is not None:
+                    in_batch.add(req)
+            admitted = {id(r) for r in adder.can_run}
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        if self.chunked_req in adder.can_run:
+            self.chunked_req = None  # it comes back through `requeue` if still chunked
+        if not adder.can_run:
+            return None
+        return ScheduleBatch(adder.can_run, is_decode=False)
+
+    def requeue(self, reqs: list[Req], chunked: Req | None = None) -> None:
+        """Put requests back at the front (retracted, or jumped forward: their new tail is
+        computed by the next prefill); `chunked` continues with its next chunk."""
+        self.waiting[:0] = reqs
+        if chunked is not None:
+            assert self.chunked_req is None
+            self.chunked_req = chunked
+
+    def remove(self, rid: str) -> list[Req]:
+        """Take out the requests with this rid ("" = all); their KV is still theirs."""
+        gone = [r for r in self.waiting if rid in ("", r.rid)]
+        self.waiting = [r for r in self.waiting if r not in gone]
+        if self.chunked_req is not None and rid in ("", self.chunked_req.rid):
+            gone.append(self.chunked_req)
+            self.chunked_req = None
+        return gone
 
 
 class InBatchPrefixes:
@@ -108,10 +169,10 @@ class InBatchPrefixes:
 
     THRESHOLD = 32
 
-    def __init__(self, tree_cache):
+    def __init__(self, kv: KVManager):
         from loom.radix.tree import RadixTree
 
-        self.cache = tree_cache
+        self.kv = kv
         self.tree = RadixTree(page_size=1)
 
     def should_defer(self, req: Req) -> bool:
@@ -120,7 +181,7 @@ class InBatchPrefixes:
         shared = len(self.tree.match_prefix(req.fill_ids, extra_key=req.extra_key).indices)
         if shared < self.THRESHOLD:
             return False
-        cached = len(self.cache.match_prefix(req.fill_ids, extra_key=req.extra_key).indices)
+        cached, _ = self.kv.match_len(req)
         return shared - cached >= self.THRESHOLD
 
     def add(self, req: Req) -> None:

@@ -1,7 +1,7 @@
 """The scheduler: admits requests, builds batches, runs them, and turns results into outputs.
 
-The loop is `schedule -> run -> process results`; policy lives here, mechanics in the model
-runner. It runs in-process (tests, `Scheduler.step()`) or as its own process behind ZMQ
+The loop is `schedule -> run -> process results`; policy lives in the owners composed here,
+mechanics (forward, sampling, logprobs) behind the model runner. It runs in-process (tests, `Scheduler.step()`) or as its own process behind ZMQ
 (`run_scheduler_process`).
 """
 
@@ -11,104 +11,118 @@ import logging
 import random
 import time
 
-import torch
-
-from loom.runtime.forward_batch import ForwardMode
 from loom.runtime.io_struct import ReqOutput, TokenizedGenerateReq
 from loom.runtime.req import Req
-from loom.runtime.sampler import SamplingInfo, sample
 from loom.runtime.scheduler.batch import ScheduleBatch
-from loom.runtime.scheduler.decode import INIT_NEW_TOKEN_RATIO, DecodeMixin
+from loom.runtime.scheduler.decode import DecodeManager
 from loom.runtime.scheduler.grammar_queue import GrammarQueue
-from loom.runtime.scheduler.output import OutputMixin
-from loom.runtime.scheduler.policy import order_waiting
-from loom.runtime.scheduler.prefill import InBatchPrefixes, PrefillAdder
+from loom.runtime.scheduler.kv import KVManager
+from loom.runtime.scheduler.output import OutputProcessor
+from loom.runtime.scheduler.prefill import PrefillManager
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(DecodeMixin, OutputMixin):
-    def __init__(self, args: ServerArgs, model_runner=None, tokenizer=None):
+class Scheduler:
+    """Composes the owners: `kv` (all KV memory), `grammar_queue` (compiling grammars),
+    `prefill` (waiting queue, chunked request), `decode` (running and finishing requests) and
+    `output` (result processing, outputs to stream). The scheduler only routes requests
+    between them; none of them sees the scheduler."""
+
+    def __init__(self, args: ServerArgs, model_runner=None, tokenizer=None, drafter=None):
         from loom.runtime.model_runner import ModelRunner
 
         self.args = args
         self.runner = model_runner or ModelRunner(args)
         r = self.runner
-        self.page_size = args.page_size
-        self.req_to_token_pool, self.allocator = r.req_to_token_pool, r.allocator
-        self.max_running_requests = r.max_running_requests
         self.context_len = r.context_len
         self.vocab_size = r.vocab_size
         self.tree_cache = _make_tree_cache(args, r)
+        self.kv = KVManager(r.req_to_token_pool, r.allocator, self.tree_cache, args.page_size)
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(args)
         self.eos_token_ids = _eos_ids(args.model_path, self.tokenizer)
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        self.chunked_req: Req | None = None
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness
-        self.rng = random.Random(args.random_seed)
-        self.stats = {
-            "num_retractions": 0,
-            "prompt_tokens": 0,
-            "cached_tokens": 0,
-            "steps": 0,
-            "generated_tokens": 0,
-            "decode_batch_sizes": 0,
-            "decode_steps": 0,
-        }
-        self.check_integrity_every_step = False
-        self.pending_outputs: list[Req] = []
-        self.jumped: list[Req] = []
+        self.stats = dict.fromkeys(
+            ("num_retractions", "prompt_tokens", "cached_tokens", "steps", "generated_tokens",
+             "decode_batch_sizes", "decode_steps"), 0)  # fmt: skip
         self.grammar_queue = GrammarQueue(
-            self.tokenizer, self.vocab_size, self.eos_token_ids, args.grammar_compile_timeout
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            args.grammar_compile_timeout,
+            engine=args.grammar_backend,
         )
-        self._last_log = 0.0
+        self.prefill = PrefillManager(
+            self.kv, args, r.max_running_requests, random.Random(args.random_seed)
+        )
+        self.decode = DecodeManager(
+            self.kv, args.schedule_conservativeness, self.context_len, drafter
+        )
+        self.output = OutputProcessor(
+            self.kv, self.tokenizer, self.context_len, not args.disable_jump_forward, self.stats
+        )
+        self.check_integrity_every_step = False
         self.decode_timing: dict[int, list] = {}
+        self._last_log = 0.0
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[ReqOutput]:
         """One iteration: schedule -> run -> process results. Returns the outputs to stream."""
-        self._step_start = time.perf_counter()
-        batch = self.get_next_batch()
+        start = time.perf_counter()
+        batch = self.schedule()
         if batch is None:
             self.check_integrity()
-            return self.drain_outputs()
-        inp = batch.build_input()
+            return self.output.drain()
+        inp = batch.build_input(self.vocab_size)
         t1 = time.perf_counter()
-        logits = self.runner.forward(inp)
+        result = self.runner.forward(inp)
         t2 = time.perf_counter()
-        next_ids, logprob_info = self.sample(batch, logits)
-        self.process_batch_result(batch, next_ids, logprob_info, logits)
+        routes = self.output.process(batch, result)
+        self.decode.after_step(batch, routes.running, routes.finishing)
+        self.prefill.requeue(routes.requeue, routes.chunked)
         if self.check_integrity_every_step:
             self.check_integrity()
-        outputs = self.drain_outputs()
-        if batch.mode is ForwardMode.DECODE:
-            self._record_decode_timing(len(batch), time.perf_counter() - self._step_start, t2 - t1)
-        return outputs
+        if batch.is_decode:
+            self._record_decode_timing(len(batch), time.perf_counter() - start, t2 - t1)
+        return self.output.drain()
+
+    def schedule(self) -> ScheduleBatch | None:
+        """Finishing requests' KV first (so no prefix match misses it), then prefill, then
+        decode."""
+        self._poll_grammars()
+        if not self.decode.finishing:
+            batch = self.prefill.schedule(self.decode.running, self.decode.new_token_ratio)
+            if batch is not None:
+                self._log_prefill(batch)
+                return batch
+        batch, retracted = self.decode.schedule()
+        if retracted:
+            self.stats["num_retractions"] += len(retracted)
+            self.prefill.requeue(retracted)
+        return batch
 
     def _record_decode_timing(self, batch_size: int, step: float, forward: float) -> None:
-        """Per decode batch size: [steps, total step seconds, model forward seconds]."""
+        """Per decode batch size: [steps, total step seconds, runner.forward seconds]."""
         entry = self.decode_timing.setdefault(batch_size, [0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += step
         entry[2] += forward
 
     @property
+    def running(self) -> list[Req]:
+        return self.decode.running
+
+    @property
+    def pending_outputs(self) -> list[Req]:
+        return self.output.pending
+
+    @property
     def is_idle(self) -> bool:
-        return not (
-            self.waiting
-            or self.running
-            or self.chunked_req
-            or self.jumped
-            or len(self.grammar_queue)
-        )
+        return not (len(self.prefill) or len(self.decode) or len(self.grammar_queue))
 
     @property
     def only_waiting_for_grammar(self) -> bool:
-        return len(self.grammar_queue) > 0 and not (
-            self.waiting or self.running or self.chunked_req
-        )
+        return len(self.grammar_queue) > 0 and not (len(self.prefill) or len(self.decode))
 
     # ---------------------------------------------------------------- admission
     def add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -127,35 +141,39 @@ class Scheduler(DecodeMixin, OutputMixin):
         )
         error = self._validate(req)
         if error:
-            req.finished_reason = {"type": "abort", "message": error, "status_code": 400}
-            self.pending_outputs.append(req)
+            self.output.finish_with_error(req, error)
             return
         spec = p.grammar_spec
         if spec is not None:
             error = self.grammar_queue.add(req, *spec)
             if error:
-                req.finished_reason = {"type": "abort", "message": error, "status_code": 400}
-                self.pending_outputs.append(req)
+                self.output.finish_with_error(req, error)
             return
-        self.waiting.append(req)
+        self.prefill.waiting.append(req)
+
+    def _poll_grammars(self) -> None:
+        if len(self.grammar_queue):
+            ready, failed = self.grammar_queue.poll()
+            self.prefill.waiting.extend(ready)
+            for req, message in failed:
+                self.output.finish_with_error(req, message)
 
     def _validate(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
+        size = self.kv.size
         if n == 0:
             return "input_ids: the prompt is empty"
         if n >= self.context_len:
             return f"input_ids: the prompt has {n} tokens; the context length is {self.context_len}"
         if max(req.origin_input_ids) >= self.vocab_size or min(req.origin_input_ids) < 0:
             return f"input_ids: token ids must be in [0, {self.vocab_size})"
-        if n + 1 > self.allocator.size:
+        if n + 1 > size:
             return (
                 f"input_ids: the prompt needs {n + 1} KV slots; the KV cache holds "
-                f"{self.allocator.size} (max_total_tokens)"
+                f"{size} (max_total_tokens)"
             )
         # a request running alone must always fit: cap its output by the context and the pool
-        max_new = min(
-            req.sampling_params.max_new_tokens, self.context_len - n, self.allocator.size - n
-        )
+        max_new = min(req.sampling_params.max_new_tokens, self.context_len - n, size - n)
         if max_new != req.sampling_params.max_new_tokens:
             req.sampling_params.max_new_tokens = max_new
             req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens, max_new)
@@ -163,81 +181,26 @@ class Scheduler(DecodeMixin, OutputMixin):
 
     def abort(self, rid: str) -> None:
         """Abort one request (or all with rid ""), wherever it is; its KV is released now."""
-        for req in self.grammar_queue.remove(rid):
-            self._finish_abort(req)
-        for req in [r for r in self.waiting if rid in ("", r.rid)]:
-            self.waiting.remove(req)
+        reqs = self.grammar_queue.remove(rid) + self.prefill.remove(rid)
+        running, finishing = self.decode.remove(rid)
+        for req in reqs + running + finishing:
             if req.req_pool_idx is not None:
-                self._release(req)
-            self._finish_abort(req)
-        for req in [r for r in self.jumped if rid in ("", r.rid)]:
-            self.jumped.remove(req)
-            self._release(req)
-            self._finish_abort(req)
-        for req in [r for r in self.running if rid in ("", r.rid)]:
-            self.running.remove(req)
-            self._release(req)
-            if not req.finished:  # a finished one is only completing its KV: already answered
-                self._finish_abort(req)
-        if self.chunked_req is not None and rid in ("", self.chunked_req.rid):
-            req, self.chunked_req = self.chunked_req, None
-            self._release(req)
-            self._finish_abort(req)
+                self.kv.release(req)
+        for req in reqs + running:  # a finishing one was already answered
+            self.output.finish_with_error(req, "aborted by request", status_code=None)
 
-    def _finish_abort(self, req: Req) -> None:
-        req.finished_reason = {"type": "abort", "message": "aborted by request"}
-        self.pending_outputs.append(req)
-
-    # ---------------------------------------------------------------- scheduling
-    def get_next_batch(self) -> ScheduleBatch | None:
-        if self.jumped:  # jump-forward text is computed by the next extend, before anything new
-            self.waiting[:0] = self.jumped
-            self.jumped = []
-        if len(self.grammar_queue):
-            ready, failed = self.grammar_queue.poll()
-            self.waiting.extend(ready)
-            for req, message in failed:
-                req.finished_reason = {"type": "abort", "message": message, "status_code": 400}
-                self.pending_outputs.append(req)
-        if any(r.finished for r in self.running):
-            # a finished request's last token KV goes to the cache before any new prefix match
-            return self.prepare_decode()
-        batch = self.get_new_prefill_batch()
-        if batch is not None:
-            return batch
-        if not self.running:
-            return None
-        return self.prepare_decode()
-
-    def get_new_prefill_batch(self) -> ScheduleBatch | None:
-        if not self.waiting and self.chunked_req is None:
-            return None
-        slots_left = self.max_running_requests - len(self.running) - (self.chunked_req is not None)
-        adder = PrefillAdder(self, self.running, self.new_token_ratio, slots_left)
-        if self.chunked_req is not None:
-            adder.add(self.chunked_req, continuing=True)
-        if adder.rem_input > 0 and self.waiting:
-            holding = [r for r in self.waiting if r.req_pool_idx is not None]
-            fresh = [r for r in self.waiting if r.req_pool_idx is None]
-            self.waiting = holding + order_waiting(
-                fresh, self.args.effective_schedule_policy, self.tree_cache, self.rng
-            )
-            in_batch = None if self.tree_cache.disable else InBatchPrefixes(self.tree_cache)
-            for req in list(self.waiting):
-                if in_batch is not None and in_batch.should_defer(req):
-                    continue
-                if not adder.add(req):
-                    break
-                if in_batch is not None:
-                    in_batch.add(req)
-            admitted = {id(r) for r in adder.can_run}
-            self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        if not adder.can_run:
-            return None
-        batch = ScheduleBatch(adder.can_run, ForwardMode.EXTEND)
-        batch.out_cache_loc = torch.cat([r.new_slots for r in adder.can_run])
-        self._log_prefill(batch)
-        return batch
+    # ---------------------------------------------------------------- control
+    def flush_cache(self) -> tuple[bool, str]:
+        # Finishing requests (already answered) are not work a caller can see: drop them, or
+        # a flush right after the last answer is refused.
+        for req in self.decode.finishing:
+            self.kv.release(req)
+        self.decode.finishing = []
+        if not self.is_idle:
+            return False, "flush_cache: refused while requests are running or waiting"
+        self.kv.flush()
+        self.check_integrity()
+        return True, "cache flushed"
 
     def _log_prefill(self, batch: ScheduleBatch) -> None:
         now = time.monotonic()
@@ -251,112 +214,32 @@ class Scheduler(DecodeMixin, OutputMixin):
             len(batch),
             sum(r.extend_len for r in batch.reqs),
             sum(len(r.prefix_indices) for r in batch.reqs),
-            len(self.running),
-            len(self.waiting),
+            len(self.decode.running),
+            len(self.prefill.waiting),
             100 * st["cached_tokens"] / max(1, st["prompt_tokens"]),
-            self.allocator.available_size(),
-            self.allocator.size,
+            self.kv.available(),
+            self.kv.size,
         )
-
-    def alloc_for_req(self, req: Req, n: int) -> torch.Tensor | None:
-        """KV slots for positions kv_len .. kv_len+n-1 of `req`, evicting cache if needed.
-        The slots are written into the request's row and kept on `req.new_slots`."""
-        need = self.allocator.pages_needed(req.kv_len, n) * self.page_size
-        if need > self.allocator.available_size():
-            self.tree_cache.evict(need - self.allocator.available_size())
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        last = int(row[req.kv_len - 1]) if req.kv_len > 0 else 0
-        slots = self.allocator.alloc_extend(req.kv_len, last, n)
-        if slots is None:
-            return None
-        row[req.kv_len : req.kv_len + n] = slots.to(row.device)
-        req.new_slots = slots
-        return slots
-
-    def _release(self, req: Req) -> None:
-        """Hand the request's KV to the prefix cache (which frees what it does not keep)."""
-        self.tree_cache.cache_finished_req(req)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
-        req.last_node = None
-
-    # ---------------------------------------------------------------- sampling
-    def sample(self, batch: ScheduleBatch, logits: torch.Tensor):
-        inp = batch.model_input
-        rows = [(i, r) for i, r in enumerate(inp.sample_rows) if r is not None]
-        logprob_info = None
-        if any(batch.reqs[i].return_logprob for i, _ in rows) or any(
-            lp is not None for lp in inp.input_logprob_rows
-        ):
-            logprob_info = logits.clone()
-        if not rows:
-            return None, logprob_info
-        reqs = [batch.reqs[i] for i, _ in rows]
-        sample_logits = logits[[r for _, r in rows]]
-        info = SamplingInfo.from_reqs(reqs, self.vocab_size, str(logits.device))
-        self.fill_grammar_mask(reqs, info)
-        return sample(sample_logits, info).tolist(), logprob_info
-
-    def fill_grammar_mask(self, reqs: list[Req], info: SamplingInfo) -> None:
-        if not any(r.grammar is not None for r in reqs):
-            return
-        from loom.grammar.base import allocate_token_bitmask
-
-        mask = allocate_token_bitmask(len(reqs), self.vocab_size)
-        for i, r in enumerate(reqs):
-            if r.grammar is not None:
-                r.grammar.fill_mask(mask, i)
-        info.vocab_mask = mask
-
-    # ---------------------------------------------------------------- control
-    def flush_cache(self) -> tuple[bool, str]:
-        # Finished requests still writing their last token's KV (already answered) are not
-        # work a caller can see: drop them, or a flush right after the last answer is refused.
-        for req in [r for r in self.running if r.finished]:
-            self.running.remove(req)
-            self._release(req)
-        if not self.is_idle:
-            return False, "flush_cache: refused while requests are running or waiting"
-        self.tree_cache.reset()
-        self.check_integrity()
-        return True, "cache flushed"
 
     def get_state(self) -> dict:
         st = self.stats
         return {
-            "max_total_tokens": self.allocator.size,
-            "max_running_requests": self.max_running_requests,
+            "max_total_tokens": self.kv.size,
+            "max_running_requests": self.prefill.max_running_requests,
             "context_length": self.context_len,
             "vocab_size": self.vocab_size,
-            "num_running_reqs": len(self.running) + (self.chunked_req is not None),
-            "num_waiting_reqs": len(self.waiting),
-            "kv_available_tokens": self.allocator.available_size(),
+            "num_running_reqs": len(self.decode.running) + (self.prefill.chunked_req is not None),
+            "num_waiting_reqs": len(self.prefill.waiting),
+            "kv_available_tokens": self.kv.available(),
             "cache_size_tokens": self.tree_cache.total_size(),
             "cache_hit_rate": st["cached_tokens"] / max(1, st["prompt_tokens"]),
             "decode_timing": {str(k): v for k, v in self.decode_timing.items()},
             **st,
         }
 
-    # ---------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
-        """free + cached + in use == total, and every request's invariants."""
-        live = self.running + ([self.chunked_req] if self.chunked_req else [])
-        live += [r for r in self.waiting + self.jumped if r.req_pool_idx is not None]
-        in_use = 0
-        for req in live:
-            req.check()
-            shared = 0 if self.tree_cache.disable else len(req.prefix_indices)
-            own = req.kv_len - shared
-            in_use += -(-own // self.page_size) * self.page_size
-        free = self.allocator.available_size()
-        cached = self.tree_cache.total_size()
-        assert free + cached + in_use == self.allocator.size, (
-            f"KV leak: free {free} + cached {cached} + in use {in_use} != total {self.allocator.size}"
-        )
-        self.allocator.check_no_duplicates()
-        if hasattr(self.tree_cache, "check_integrity"):
-            self.tree_cache.check_integrity()
-        assert self.req_to_token_pool.available_size() + len(live) == self.req_to_token_pool.size
+        """free + cached + in use == total, and every live request's invariants."""
+        self.kv.check_integrity(self.decode.finishing + self.decode.running + self.prefill.live())
 
 
 def _make_tree_cache(args: ServerArgs, runner):

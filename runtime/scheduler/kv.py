@@ -1,0 +1,152 @@
+"""KVManager: the scheduler's one owner of KV memory.
+
+KV regions. Every KV slot (counted in whole pages) is exactly one of:
+
+- free: in the allocator's free list;
+- cached: held by the prefix cache (radix tree) and evictable unless a live request locks it;
+- owned by a live request: `req_to_token[row, len(req.prefix_indices):req.kv_len]`, plus, for
+  the length of one step, the slots allocated for the positions that step computes
+  (`req.new_slots`, positions kv_len .. kv_len + extend_len - 1). Owned slots fill whole pages;
+  the request's last page may be partly filled.
+
+A live request also borrows `req_to_token[row, :len(req.prefix_indices)]` from the cache (kept
+alive by the lock on `req.last_node`), and holds one request row of the ReqToTokenPool from
+admission to release. Hence `free + cached + owned == total` whenever no step is in flight
+(`check_integrity`).
+
+Only this class allocates, frees, truncates or retracts KV; prefill, decode, result
+processing and jump-forward ask it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loom.runtime.req import Req
+
+
+class KVManager:
+    def __init__(self, req_to_token_pool, allocator, tree_cache, page_size: int):
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.page_size = page_size
+
+    @property
+    def size(self) -> int:
+        return self.allocator.size
+
+    def available(self) -> int:
+        return self.allocator.available_size()
+
+    def evictable(self) -> int:
+        return self.tree_cache.evictable_size()
+
+    def match_len(self, req: Req) -> tuple[int, object]:
+        """Cached prefix length of `req` (and the node it ends at), without locking it."""
+        m = self.tree_cache.match_prefix(req.fill_ids, extra_key=req.extra_key)
+        return len(m.indices), m.last_node
+
+    # ------------------------------------------------------------ admission
+    def admit(self, req: Req, limit: int) -> bool:
+        """Give `req` a request row and its cached prefix of at most `limit` tokens (locked).
+        False when no request row is free."""
+        row = self.req_to_token_pool.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx = row
+        limit = max(0, limit) // self.page_size * self.page_size
+        match = self.tree_cache.match_prefix(req.fill_ids[:limit], extra_key=req.extra_key)
+        req.prefix_indices, req.last_node = match.indices, match.last_node
+        self.tree_cache.inc_lock_ref(req.last_node)
+        n = len(match.indices)
+        if n:
+            table = self.req_to_token_pool.req_to_token
+            table[row, :n] = match.indices.to(table.device)
+        req.kv_len = n
+        return True
+
+    def undo_admit(self, req: Req) -> None:
+        """Give back what `admit` took (the request computed nothing yet)."""
+        assert req.kv_len == len(req.prefix_indices) and not req.is_chunked
+        self.tree_cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.reset_kv()
+
+    # ------------------------------------------------------------ allocation
+    def pages_short(self, reqs: list[Req], n_each: list[int]) -> int:
+        """Slots missing to give each request n_each more positions, after evicting cache."""
+        need = (
+            sum(self.allocator.pages_needed(r.kv_len, n) for r, n in zip(reqs, n_each))
+            * self.page_size
+        )
+        short = need - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+            short = need - self.allocator.available_size()
+        return short
+
+    def alloc(self, req: Req, n: int) -> torch.Tensor | None:
+        """Slots for positions kv_len .. kv_len+n-1 of `req`, evicting cache if needed; they
+        are written into the request's row and kept on `req.new_slots`."""
+        need = self.allocator.pages_needed(req.kv_len, n) * self.page_size
+        if need > self.allocator.available_size():
+            self.tree_cache.evict(need - self.allocator.available_size())
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        last = int(row[req.kv_len - 1]) if req.kv_len > 0 else 0
+        slots = self.allocator.alloc_extend(req.kv_len, last, n)
+        if slots is None:
+            return None
+        row[req.kv_len : req.kv_len + n] = slots.to(row.device)
+        req.new_slots = slots
+        return slots
+
+    def truncate(self, req: Req, new_len: int, written_end: int) -> None:
+        """Keep the request's KV for positions < new_len; free its slots for positions up to
+        written_end (all owned by the request). The partial last page stays: alloc refills it."""
+        assert len(req.prefix_indices) <= new_len <= written_end, (req, new_len, written_end)
+        first_free = -(-new_len // self.page_size) * self.page_size
+        if first_free < written_end:
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.allocator.free(row[first_free:written_end].cpu())
+        req.kv_len = new_len
+
+    # ------------------------------------------------------------ caching and release
+    def cache_unfinished(self, req: Req) -> None:
+        """Share what `req` has computed so far through the cache (it keeps running)."""
+        self.tree_cache.cache_unfinished_req(req)
+
+    def release(self, req: Req) -> None:
+        """Hand the request's KV to the prefix cache (which frees what it does not keep) and
+        free its row."""
+        self.tree_cache.cache_finished_req(req)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.last_node = None
+
+    def retract(self, req: Req) -> None:
+        """Release `req`'s KV (into the cache when enabled); it is recomputed on readmission."""
+        self.release(req)
+        req.reset_kv()
+        req.retract_count += 1
+
+    def flush(self) -> None:
+        self.tree_cache.reset()
+
+    # ------------------------------------------------------------ integrity
+    def check_integrity(self, live: list[Req]) -> None:
+        """free + cached + owned == total, every live request's invariants, one row each."""
+        in_use = 0
+        for req in live:
+            req.check()
+            shared = 0 if self.tree_cache.disable else len(req.prefix_indices)
+            in_use += -(-(req.kv_len - shared) // self.page_size) * self.page_size
+        free = self.allocator.available_size()
+        cached = self.tree_cache.total_size()
+        assert free + cached + in_use == self.allocator.size, (
+            f"KV leak: free {free} + cached {cached} + in use {in_use} != total {self.allocator.size}"
+        )
+        self.allocator.check_no_duplicates()
+        self.tree_cache.check_integrity()
+        pool = self.req_to_token_pool
+        assert pool.available_size() + len(live) == pool.size, "request rows leaked"
