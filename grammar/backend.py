@@ -169,7 +169,8 @@ class GrammarBackend:
         if kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {KINDS}")
         if kind == "json_schema":
-            key = kind, json.dumps(normalize_schema(spec), sort_keys=True)
+            # not sort_keys: the order of `properties` is the order the output is written in
+            key = kind, json.dumps(normalize_schema(spec))
         elif kind == "choices":
             if isinstance(spec, str) or not isinstance(spec, (list, tuple)):
                 raise GrammarError("choices must be a list of strings")

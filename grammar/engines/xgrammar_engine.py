@@ -1,4 +1,4 @@
-"""xgrammar as loom's mask engine: pushdown automata with an adaptive token-mask cache.
+r"""xgrammar as loom's mask engine: pushdown automata with an adaptive token-mask cache.
 
 Regular forms go to `Grammar.from_regex`; Lark forms are written as xgrammar EBNF by
 `lark_to_ebnf` (lark's own loader expands the EBNF sugar into plain rules, and each terminal's
@@ -6,6 +6,11 @@ regex becomes an EBNF expression through xgrammar's regex converter). xgrammar's
 character-level: a Lark terminal matches exactly its regex's strings, with none of a lexer's
 longest-match rules, which is the meaning loom's translations are written for. `%ignore` has no
 character-level equivalent and is refused.
+
+xgrammar reads a negated class (`[^"\\]`, `.`, `\D`...) as every code point outside it,
+UTF-16 surrogates included, whose 3-byte encodings are not UTF-8: the soundness suite caught it
+emitting them inside JSON strings. `no_surrogates` adds the surrogate range to every negated
+class before a regex reaches xgrammar.
 
 Compiles run on one thread (`max_threads=1`), like every other engine here; the compile is
 xgrammar's (eager per-rule token cache), not bounded by step limits the way llguidance's is.
@@ -43,7 +48,7 @@ class XGrammarEngine(Engine):
 
         try:
             if form.syntax == "regex":
-                grammar = xgr.Grammar.from_regex(form.text)
+                grammar = xgr.Grammar.from_regex(no_surrogates(form.text))
             else:
                 grammar = xgr.Grammar.from_ebnf(lark_to_ebnf(form.text))
             compiled = self.compiler.compile_grammar(grammar)
@@ -125,7 +130,7 @@ def lark_to_ebnf(text: str) -> str:
             body = _ebnf_string(p.value)
         else:
             try:
-                body = _regex_to_ebnf(p.to_regexp(), with_rule_name=False)
+                body = _regex_to_ebnf(no_surrogates(p.to_regexp()), with_rule_name=False)
             except Exception as e:  # noqa: BLE001 - xgrammar's converter names the problem
                 raise GrammarError(f"terminal {t.name}: {str(e).strip()[:300]}") from None
         lines.append(f"t_{t.name} ::= {body}")
@@ -142,3 +147,36 @@ def _ebnf_string(s: str) -> str:
         else:
             out.append(c)
     return '"' + "".join(out) + '"'
+
+
+_SURROGATES = "\\uD800-\\uDFFF"
+_NEGATED_ESCAPES = {"D": "0-9", "W": "a-zA-Z0-9_", "S": " \\t\\n\\r\\f\\v"}
+
+
+def no_surrogates(regex: str) -> str:
+    """`regex` with the UTF-16 surrogates taken out of every negated class, `.` and `\\D \\W
+    \\S` outside classes (the strings it matches are unchanged for valid Unicode text)."""
+    out, i, n = [], 0, len(regex)
+    while i < n:
+        c = regex[i]
+        if c == "\\":
+            esc = regex[i + 1 : i + 2]
+            out.append(f"[^{_NEGATED_ESCAPES[esc]}{_SURROGATES}]" if esc in _NEGATED_ESCAPES
+                       else regex[i : i + 2])  # fmt: skip
+            i += 2
+        elif c == "[":
+            j = i + 1
+            negated = regex.startswith("^", j)
+            j += negated
+            j += regex.startswith("]", j)  # a leading "]" is a literal
+            while j < n and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            out.append(regex[i:j] + (_SURROGATES if negated else "") + "]")
+            i = j + 1
+        elif c == ".":
+            out.append(f"[^\\n{_SURROGATES}]")
+            i += 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
