@@ -68,7 +68,9 @@ class DecodeManager:
     def _draft(self, req: Req) -> list[int]:
         if self.drafter is None or req.finished or not _can_draft(req):
             return []
-        room = min(req.remaining_new_tokens - 1, self.context_len - req.seq_len - 1)
+        # bounded by the context only: tokens past max_new_tokens or a stop are dropped when
+        # the result is processed, like any chunk that ends mid-way
+        room = self.context_len - req.seq_len - 1
         if room <= 0:
             return []
         return list(self.drafter.propose(req, room))[:room]
