@@ -11,6 +11,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from loom.runtime.io_struct import GENERATE_FIELDS, GenerateReqInput, decode_generate_request
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,9 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs: Any):
         from loom.runtime.model_loader import check_model_folder
+        from loom.runtime.process import check_main_guard
 
+        check_main_guard("loom.Engine()")
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         check_model_folder(self.server_args.model_path)  # a bad path fails here, clearly
         self._procs: list = []
@@ -73,29 +76,19 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool | list[bool] = False,
-        logprob_start_len: int | list[int] | None = None,
-        top_logprobs_num: int | list[int] | None = None,
-        return_text_in_logprobs: bool = False,
         stream: bool = False,
-        rid: str | list[str] | None = None,
+        **fields: Any,
     ) -> dict | list[dict] | Iterator[dict]:
-        obj = _request(
-            prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            return_text_in_logprobs,
-            rid,
-        )
+        """SGLang's Engine.generate. `fields` are the other GenerateReqInput fields (rid,
+        return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs, ...),
+        checked by the same decoder as an HTTP body."""
+        obj = _request(prompt, sampling_params, input_ids, fields)
         self._check_open()
         if stream:
             return self._stream_sync(obj)
         return self._call(self.tokenizer_manager.generate(obj))
 
-    def _stream_sync(self, obj: dict) -> Iterator[dict]:
+    def _stream_sync(self, obj: GenerateReqInput) -> Iterator[dict]:
         q: queue.Queue = queue.Queue()
         done = object()
 
@@ -121,30 +114,18 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        return_logprob: bool | list[bool] = False,
-        logprob_start_len: int | list[int] | None = None,
-        top_logprobs_num: int | list[int] | None = None,
-        return_text_in_logprobs: bool = False,
         stream: bool = False,
-        rid: str | list[str] | None = None,
+        **fields: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
-        obj = _request(
-            prompt,
-            sampling_params,
-            input_ids,
-            return_logprob,
-            logprob_start_len,
-            top_logprobs_num,
-            return_text_in_logprobs,
-            rid,
-        )
+        """`generate` for asyncio callers."""
+        obj = _request(prompt, sampling_params, input_ids, fields)
         self._check_open()
         if stream:
             return self._stream_async(obj)
         fut = asyncio.run_coroutine_threadsafe(self.tokenizer_manager.generate(obj), self._loop)
         return await asyncio.wrap_future(fut)
 
-    async def _stream_async(self, obj: dict) -> AsyncIterator[dict]:
+    async def _stream_async(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
         agen = self.tokenizer_manager.generate_stream(obj)
         try:
             while True:
@@ -211,30 +192,12 @@ class Engine:
             pass
 
 
-def _request(
-    prompt,
-    sampling_params,
-    input_ids,
-    return_logprob,
-    logprob_start_len,
-    top_logprobs_num,
-    return_text_in_logprobs,
-    rid,
-) -> dict:
-    obj: dict[str, Any] = {"sampling_params": sampling_params}
-    if prompt is not None:
-        obj["text"] = prompt
-    if input_ids is not None:
-        obj["input_ids"] = input_ids
-    obj["return_logprob"] = return_logprob
-    if logprob_start_len is not None:
-        obj["logprob_start_len"] = logprob_start_len
-    if top_logprobs_num is not None:
-        obj["top_logprobs_num"] = top_logprobs_num
-    obj["return_text_in_logprobs"] = return_text_in_logprobs
-    if rid is not None:
-        obj["rid"] = rid
-    return obj
+def _request(prompt, sampling_params, input_ids, fields: dict) -> GenerateReqInput:
+    unknown = sorted(set(fields) - GENERATE_FIELDS - {"stream"})
+    if unknown:
+        raise TypeError(f"generate: unexpected keyword argument(s) {', '.join(unknown)}")
+    body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params}
+    return decode_generate_request({**body, **fields})
 
 
 def _public_args(args: ServerArgs) -> dict:

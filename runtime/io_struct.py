@@ -8,9 +8,144 @@ Topology (see docs/architecture.md):
 
 from __future__ import annotations
 
+import logging
+import re
+from typing import Any
+
 import msgspec
 
 from loom.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class GenerateReqInput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """SGLang's /generate body, one schema for HTTP and the Engine: decoded once at the edge
+    (`decode_generate_request`, strict) and expanded into TokenizedGenerateReqs by the
+    TokenizerManager. A batch is a list of texts or of id lists; per-prompt fields may be a
+    list (one per prompt) or one value for all."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None  # list[int] or list[list[int]]; checked on expansion
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    extra_key: str | None = None  # prefix-cache namespace (SGLang's extra_key / cache_salt)
+    cache_salt: str | None = None
+    log_metrics: bool = True  # False: this request is left out of /metrics
+
+
+# SGLang GenerateReqInput fields loom does not implement: each is accepted at the value that
+# means "off" and refused with a 400 naming it otherwise (never silently ignored).
+_OFF: dict[str, tuple] = {
+    **dict.fromkeys(
+        (
+            "session_id",
+            "input_embeds",
+            "image_data",
+            "video_data",
+            "audio_data",
+            "mm_hashes",
+            "mm_content_hashes",
+            "video_config",
+            "watermark",
+            "token_ids_logprob",
+            "sampling_logprobs_mode",
+            "modalities",
+            "session_params",
+            "lora_path",
+            "lora_id",
+            "custom_logit_processor",
+            "positional_embed_overrides",
+            "bootstrap_host",
+            "bootstrap_port",
+            "bootstrap_room",
+            "bootstrap_pair_key",
+            "decode_tp_size",
+            "routed_dp_rank",
+            "data_parallel_rank",
+            "disagg_prefill_dp_rank",
+            "priority",
+            "max_thinking_tokens",
+            "num_items_assigned",
+            "encoder_urls",
+            "max_dynamic_patch",
+            "min_dynamic_patch",
+            "image_max_dynamic_patch",
+            "video_max_dynamic_patch",
+            "images_config",
+            "mm_processor_kwargs",
+            "multi_item_delimiter_indices",
+            "token_indices_to_pool",
+        ),
+        (None, [], {}),
+    ),
+    **dict.fromkeys(
+        (
+            "use_audio_in_video",
+            "return_sampling_mask",
+            "return_flat_raw_top_logprobs",
+            "return_flat_raw_output_top_logprobs",
+            "return_hidden_states",
+            "return_routed_experts",
+            "return_indexer_topk",
+            "background",
+            "require_reasoning",
+            "return_bytes",
+            "return_entropy",
+            "return_prompt_token_ids",
+            "need_wait_for_mm_inputs",
+        ),
+        (None, False),
+    ),
+    "routed_experts_start_len": (None, 0),
+}
+# SGLang fields that only label a request for logs and routing; loom has one route and logs
+# no request bodies, so honouring them means accepting them.
+_LABELS = frozenset(
+    (
+        "no_logs",
+        "custom_labels",
+        "received_time",
+        "external_trace_header",
+        "conversation_id",
+        "routing_key",
+        "http_worker_ipc",
+    )
+)
+_FIELDS = frozenset(GenerateReqInput.__struct_fields__)
+GENERATE_FIELDS = _FIELDS | frozenset(_OFF) | _LABELS  # every name SGLang's body may carry
+_AT = re.compile(r"^(.*?)(?: - at `\$\.?([^`]*)`)?$", re.S)
+
+
+def _is_off(value: Any, allowed: tuple) -> bool:
+    if isinstance(value, list) and value:  # per-prompt lists: every entry off
+        return all(_is_off(v, allowed) for v in value)
+    return any(value == a and type(value) is type(a) for a in allowed)
+
+
+def decode_generate_request(body: Any) -> GenerateReqInput:
+    """A decoded JSON /generate body (or Engine kwargs) -> GenerateReqInput; ValueError naming
+    the field. Unknown fields outside SGLang's schema are ignored with a warning, as SGLang
+    does; SGLang fields loom cannot honour are refused when set."""
+    if not isinstance(body, dict):
+        raise ValueError("body: a JSON object is required")
+    for name, allowed in _OFF.items():
+        if name in body and not _is_off(body[name], allowed):
+            raise ValueError(f"{name}: not supported by loom (send null or leave it out)")
+    unknown = sorted(set(body) - _FIELDS - set(_OFF) - _LABELS)
+    if unknown:
+        logger.warning("/generate: ignoring unknown field(s) %s", ", ".join(unknown))
+    fields = {k: v for k, v in body.items() if k in _FIELDS}
+    try:
+        return msgspec.convert(fields, GenerateReqInput, strict=True)
+    except msgspec.ValidationError as e:
+        message, where = _AT.match(str(e)).groups()
+        raise ValueError(f"{where or 'body'}: {message}") from None
 
 
 class TokenizedGenerateReq(msgspec.Struct, tag=True):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import logging
 import multiprocessing as mp
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -87,7 +89,11 @@ def start_process(target, args: tuple, name: str) -> tuple[mp.Process, object]:
     end of its ready pipe)."""
     ctx = _context()
     reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=target, args=(*args, os.getpid(), writer), name=name, daemon=True)
+    # Not daemonic: the scheduler starts helper processes of its own (grammar translation
+    # workers), which daemonic processes may not. Owners stop their children explicitly
+    # (Engine.shutdown, launch_server's finally), and an orphan exits with its owner
+    # (_exit_with_parent).
+    proc = ctx.Process(target=target, args=(*args, os.getpid(), writer), name=name, daemon=False)
     proc.start()
     writer.close()
     return proc, reader
@@ -109,3 +115,47 @@ def wait_ready(proc: mp.Process, reader, timeout: float) -> dict:
             break
     code = proc.exitcode
     raise RuntimeError(f"{proc.name} process exited during start-up (exit code {code})")
+
+
+def check_main_guard(what: str) -> None:
+    """Raise if `what` is being created by a script's top-level code outside an
+    `if __name__ == "__main__":` block: every child process re-imports the main script (the
+    forkserver start method), would run that code again and die during start-up."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return  # an interactive session or `python -c`: nothing is re-imported
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            break
+        frame = frame.f_back
+    if frame is None or _inside_main_guard(path, frame.f_lineno):
+        return
+    raise RuntimeError(
+        f"{what} is created at the top level of {path} (line {frame.f_lineno}). loom starts "
+        "child processes, and each re-imports the main script, so it must be created under "
+        '`if __name__ == "__main__":` (or in a function called from there).'
+    )
+
+
+def _inside_main_guard(path: str, line: int) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return True  # cannot tell: do not stand in the way
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
+                return True
+    return False
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.comparators) == 1):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    consts = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and consts == ["__main__"]

@@ -7,6 +7,7 @@ allowed range, so the HTTP layer can return it as a 400 unchanged.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -19,6 +20,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     min_new_tokens: int = 0
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: list[str] | None = None  # finish when the output's tail matches (re.search)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -36,8 +38,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
-    stream_interval: int | None = None
-    custom_params: dict[str, Any] | None = None
+    stream_interval: int | None = None  # stream every k tokens (the TokenizerManager)
 
     @property
     def is_greedy(self) -> bool:
@@ -56,6 +57,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return max((len(s) for s in self.stop or ()), default=0)
 
 
+# SGLang's sampling fields loom does not implement: accepted at their default (None), a 400
+# naming the field otherwise.
+_REFUSED = {
+    "beam_width": "beam search is not supported yet",
+    "structural_tag": "structural tags are not supported yet",
+    "watermark": "watermarking is not supported",
+    "custom_params": "custom logit processors are not supported, so their params are refused",
+}
 _FIELDS = set(SamplingParams.__struct_fields__)
 _INT_FIELDS = {"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"}
 _FLOAT_FIELDS = {
@@ -93,10 +102,13 @@ def make_sampling_params(
     else:
         if not isinstance(raw, dict):
             raise ValueError(f"sampling_params: must be an object, got {type(raw).__name__}")
-        unknown = sorted(set(raw) - _FIELDS)
+        for name, why in _REFUSED.items():
+            if raw.get(name) is not None and not (name == "beam_width" and raw[name] == 1):
+                raise ValueError(f"{name}: {why}")
+        unknown = sorted(set(raw) - _FIELDS - set(_REFUSED))
         if unknown:
-            raise ValueError(f"sampling_params: unknown field(s) {', '.join(unknown)}")
-        values = {k: v for k, v in raw.items() if v is not None}
+            raise ValueError(f"{unknown[0]}: unknown field (not one of SGLang's sampling params)")
+        values = {k: v for k, v in raw.items() if v is not None and k not in _REFUSED}
         for name, v in values.items():
             if name in _INT_FIELDS and not _is_int(v):
                 if isinstance(v, float) and v.is_integer():
@@ -107,12 +119,13 @@ def make_sampling_params(
                 raise ValueError(f"{name}: must be a finite number, got {v!r}")
             elif name in _BOOL_FIELDS and not isinstance(v, bool):
                 raise ValueError(f"{name}: must be a boolean, got {v!r}")
-        stop = values.get("stop")
-        if isinstance(stop, str):
-            values["stop"] = [stop]
-        elif stop is not None:
-            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-                raise ValueError("stop: must be a string or a list of strings")
+        for name in ("stop", "stop_regex"):
+            stop = values.get(name)
+            if isinstance(stop, str):
+                values[name] = [stop]
+            elif stop is not None:
+                if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+                    raise ValueError(f"{name}: must be a string or a list of strings")
         ids = values.get("stop_token_ids")
         if ids is not None and (not isinstance(ids, list) or not all(_is_int(i) for i in ids)):
             raise ValueError("stop_token_ids: must be a list of integers")
@@ -184,6 +197,12 @@ def _validate(p: SamplingParams, vocab_size: int | None) -> None:
     )
     if p.stop is not None:
         need(all(len(s) > 0 for s in p.stop), "stop: stop strings must be non-empty")
+    for pattern in p.stop_regex or ():
+        need(len(pattern) > 0, "stop_regex: patterns must be non-empty")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"stop_regex: {pattern!r} is not a valid regex: {e}") from None
     specs = [k for k in ("regex", "json_schema", "ebnf") if getattr(p, k)]
     need(
         len(specs) <= 1,

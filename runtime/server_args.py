@@ -8,9 +8,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+API_KEY_ENV = "LOOM_API_KEY"
 BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch",)  # "triton" comes back with its kernels (kernels/)
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "outlines")  # loom.grammar.engines.ENGINES
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
@@ -32,9 +33,12 @@ class ServerArgs:
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = None  # children get it via LOOM_API_KEY, never on a command line
     log_level: str = "info"
     enable_metrics: bool = False
+    max_batch_request: int = 1024
+    max_request_body_bytes: int = 64 * 2**20
+    incremental_streaming_output: bool = False
 
     # Memory and scheduling
     max_total_tokens: int | None = None
@@ -87,7 +91,7 @@ class ServerArgs:
         need(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
-            f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+            f"{self.attention_backend!r} is not supported yet (only {ATTENTION_BACKENDS})",
         )
         need(
             self.schedule_policy in SCHEDULE_POLICIES,
@@ -113,6 +117,29 @@ class ServerArgs:
             f"must be -1 (off) or >= page_size, got {self.chunked_prefill_size}",
         )
         need(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
+        need(
+            self.max_batch_request >= 1,
+            "max_batch_request",
+            f"must be >= 1, got {self.max_batch_request}",
+        )
+        need(
+            self.max_request_body_bytes >= 1024,
+            "max_request_body_bytes",
+            f"must be >= 1024, got {self.max_request_body_bytes}",
+        )
+        need(
+            self.watchdog_timeout > 0,
+            "watchdog_timeout",
+            f"must be > 0, got {self.watchdog_timeout}",
+        )
+        # Accepted by SGLang's CLI, not built in loom yet: refused at start-up rather than
+        # accepted and ignored.
+        for name, off in _NOT_SUPPORTED_YET.items():
+            need(
+                getattr(self, name) == off,
+                name,
+                f"{getattr(self, name)!r} is not supported yet (only {off!r})",
+            )
         need(
             self.cpu_threads is None or self.cpu_threads >= 1,
             "cpu_threads",
@@ -197,7 +224,10 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        values = {k: v for k, v in vars(args).items() if k in names}
+        if values.get("api_key") is None:  # a parent passes it this way, out of `ps`
+            values["api_key"] = os.environ.get(API_KEY_ENV) or None
+        return cls(**values)
 
 
 _HELP = {
@@ -210,7 +240,7 @@ _HELP = {
     "context_length": "Maximum context length; default: the config's max_position_embeddings",
     "host": "HTTP bind address",
     "port": "HTTP port",
-    "api_key": "Require 'Authorization: Bearer <key>' on every request",
+    "api_key": "Require 'Authorization: Bearer <key>' on every request (or set LOOM_API_KEY, which keeps it off the command line)",
     "log_level": "Logging level",
     "enable_metrics": "Serve Prometheus metrics at /metrics",
     "max_total_tokens": "KV cache size in tokens",
@@ -235,7 +265,22 @@ _HELP = {
     "node_rank": "This node's rank",
     "dist_init_addr": "host:port of the torch.distributed rendezvous",
     "skip_tokenizer_init": "Take and return token ids only",
-    "watchdog_timeout": "Seconds a forward step may take before the scheduler is declared stuck",
+    "watchdog_timeout": "Seconds the runtime may go without answering while requests wait before it is declared stuck (the server then exits)",
+    "max_batch_request": "Most generations one request body may expand to (prompts x n)",
+    "max_request_body_bytes": "Largest HTTP request body accepted (413 beyond)",
+    "incremental_streaming_output": "Stream only the new text and ids in each chunk (SGLang's flag), not the cumulative output",
+}
+
+# Flags loom accepts only at their off value until the feature lands (a later issue builds
+# each): name -> the one value accepted.
+_NOT_SUPPORTED_YET = {
+    "tp_size": 1,
+    "ep_size": 1,
+    "dp_size": 1,
+    "nnodes": 1,
+    "node_rank": 0,
+    "dist_init_addr": None,
+    "trust_remote_code": False,
 }
 
 

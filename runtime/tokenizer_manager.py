@@ -9,14 +9,17 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
 
 from loom.runtime.io_struct import (
     AbortReq,
     BatchStrOut,
     ControlOut,
     FlushCacheReq,
+    GenerateReqInput,
     StateReq,
     TokenizedGenerateReq,
     ToTokenizer,
@@ -27,23 +30,9 @@ from loom.runtime.sampling_params import make_sampling_params
 
 logger = logging.getLogger(__name__)
 
-_GENERATE_FIELDS = {
-    "text",
-    "input_ids",
-    "sampling_params",
-    "rid",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "return_text_in_logprobs",
-    "stream",
-    "extra_key",
-    "modalities",
-    "lora_path",
-    "custom_logit_processor",
-    "image_data",
-    "bootstrap_host",
-}
+_NATIVE: Mapping[str, str] = {}
+
+MAX_TOP_LOGPROBS = 128  # top_logprobs_num bound: each one costs a top-k per token
 
 
 class RequestError(ValueError):
@@ -53,23 +42,10 @@ class RequestError(ValueError):
 
 
 @dataclasses.dataclass
-class SingleReq:
-    rid: str
-    input_ids: list[int]
-    text: str | None
-    sampling_params: Any
-    seed: int
-    return_logprob: bool
-    logprob_start_len: int
-    top_logprobs_num: int
-    return_text_in_logprobs: bool
-    stream: bool
-    extra_key: str | None = None
-
-
-@dataclasses.dataclass
 class ReqState:
-    req: SingleReq
+    msg: TokenizedGenerateReq
+    with_text: bool  # return_text_in_logprobs
+    log_metrics: bool
     created: float
     event: asyncio.Event
     text: str = ""
@@ -81,6 +57,8 @@ class ReqState:
     output_token_logprobs: list = dataclasses.field(default_factory=list)
     output_top_logprobs: list = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
+    streamed_text: int = 0  # chars / ids already sent (incremental streaming, stream_interval)
+    streamed_ids: int = 0
 
 
 class TokenizerManager:
@@ -98,6 +76,9 @@ class TokenizerManager:
         self._next_control_id = 0
         self._rng = random.Random()
         self._started = False
+        self._last_recv = time.monotonic()
+        # Tokenizing a long prompt takes milliseconds of CPU: off the event loop.
+        self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="loom-tokenize")
 
     async def start(self) -> None:
         """Open sockets on the running event loop and start the receive and watchdog tasks."""
@@ -121,214 +102,242 @@ class TokenizerManager:
         for task in getattr(self, "_tasks", []):
             task.cancel()
         await asyncio.gather(*getattr(self, "_tasks", []), return_exceptions=True)
+        self._tokenize_pool.shutdown(wait=False)
         if self._started:
             self.send_sock.close(linger=0)
             self.recv_sock.close(linger=0)
 
     # ------------------------------------------------------------------ input
-    def normalize(self, obj: dict) -> tuple[list[SingleReq], bool]:
-        """Expand a /generate body into single requests; returns (requests, is_batch)."""
-        if not isinstance(obj, dict):
-            raise RequestError("request: the body must be a JSON object")
-        unknown = sorted(set(obj) - _GENERATE_FIELDS)
-        if unknown:
-            raise RequestError(f"request: unknown field(s) {', '.join(unknown)}")
-        text, ids = obj.get("text"), obj.get("input_ids")
-        if (text is None) == (ids is None):
-            raise RequestError("text, input_ids: exactly one of them must be given")
-        if text is not None:
-            is_batch = isinstance(text, list)
-            texts = text if is_batch else [text]
-            if not all(isinstance(t, str) for t in texts):
-                raise RequestError("text: must be a string or a list of strings")
-            prompts = [(t, self._encode(t)) for t in texts]
+    async def normalize(
+        self, obj: GenerateReqInput, names: Mapping[str, str] = _NATIVE
+    ) -> tuple[list[ReqState], bool]:
+        """Expand a request into one state per prompt and copy (n); returns (states, is_batch).
+        Every check runs before anything is sent. `names` maps native field names to the ones
+        the client used (the OpenAI layer's `max_tokens`, `prompt`), so errors name its field."""
+
+        def name(field: str) -> str:
+            return names.get(field, field)
+
+        prompt_field = name("text") if obj.text is not None else name("input_ids")
+        if (obj.text is None) == (obj.input_ids is None):
+            raise RequestError(f"{name('text')}, {name('input_ids')}: exactly one must be given")
+        if obj.text is not None:
+            is_batch = isinstance(obj.text, list)
+            texts: list[str | None] = obj.text if is_batch else [obj.text]
         else:
-            is_batch = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
+            ids = obj.input_ids
+            is_batch = bool(ids) and isinstance(ids[0], list)
             id_lists = ids if is_batch else [ids]
             for lst in id_lists:
-                if not isinstance(lst, list) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) for i in lst
-                ):
+                if not isinstance(lst, list) or not all(type(i) is int for i in lst):
                     raise RequestError(
-                        "input_ids: must be a list of integers or a list of such lists"
+                        f"{prompt_field}: must be a list of integers or a list of such lists"
                     )
-            prompts = [(None, list(lst)) for lst in id_lists]
-        if is_batch and not prompts:
-            raise RequestError("text, input_ids: the batch is empty")
-        params = obj.get("sampling_params")
-        if isinstance(params, list):
-            if len(params) != len(prompts):
-                raise RequestError(
-                    f"sampling_params: a list of {len(params)} for a batch of {len(prompts)}"
-                )
-            param_list = params
-        else:
-            param_list = [params] * len(prompts)
-        rids = obj.get("rid")
-        if rids is None:
-            rid_list = [uuid.uuid4().hex for _ in prompts]
-        elif is_batch:
-            if not isinstance(rids, list) or len(rids) != len(prompts):
-                raise RequestError("rid: a batch needs a list of rids, one per prompt")
-            rid_list = [str(r) for r in rids]
-        else:
-            if isinstance(rids, (list, dict)):
-                raise RequestError("rid: a single prompt takes a single rid string")
-            rid_list = [str(rids)]
-        return_logprob = self._per_item(obj, "return_logprob", False, len(prompts), bool)
-        start = self._per_item(obj, "logprob_start_len", -1, len(prompts), int)
-        top = self._per_item(obj, "top_logprobs_num", 0, len(prompts), int)
-        with_text = bool(obj.get("return_text_in_logprobs", False))
-        stream = bool(obj.get("stream", False))
-        out: list[SingleReq] = []
-        for i, ((t, input_ids), raw, rid) in enumerate(zip(prompts, param_list, rid_list)):
+            texts = [None] * len(id_lists)
+        count = len(texts)
+        if is_batch and not count:
+            raise RequestError(f"{prompt_field}: the batch is empty")
+        params = self._per_prompt(obj.sampling_params, "sampling_params", count, None)
+        sps = []
+        for raw in params:
             try:
-                sp = make_sampling_params(raw, self.vocab_size)
+                sps.append(make_sampling_params(raw, self.vocab_size))
             except ValueError as e:
-                raise RequestError(f"sampling_params.{e}") from None
-            self._check_prompt(input_ids, sp)
-            if not 0 <= top[i] <= self.vocab_size:
-                raise RequestError(
-                    f"top_logprobs_num: must be in [0, {self.vocab_size}], got {top[i]}"
+                field, _, why = str(e).partition(": ")
+                where = names.get(field) or (
+                    field if field == "sampling_params" else f"sampling_params.{field}"
                 )
-            if start[i] >= max(1, len(input_ids)):
+                raise RequestError(f"{where}: {why}") from None
+        total = sum(sp.n for sp in sps)
+        cap = self.args.max_batch_request
+        if total > cap:
+            raise RequestError(
+                f"{prompt_field}: this request expands to {total} generations (prompts x n); "
+                f"the server's --max-batch-request is {cap}"
+            )
+        rids = self._rids(obj.rid, is_batch, count, name("rid"))
+        return_logprob = self._per_prompt(obj.return_logprob, "return_logprob", count, False)
+        starts = self._per_prompt(obj.logprob_start_len, "logprob_start_len", count, -1)
+        tops = self._per_prompt(obj.top_logprobs_num, "top_logprobs_num", count, 0)
+        if obj.text is not None:
+            prompts = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, self._encode_all, texts, prompt_field
+            )
+        else:
+            prompts = [list(lst) for lst in id_lists]
+        extra_key = obj.extra_key
+        if obj.cache_salt is not None:
+            extra_key = f"{extra_key or ''}\x00{obj.cache_salt}"
+        states: list[ReqState] = []
+        now = time.monotonic()
+        for i, (input_ids, sp, rid) in enumerate(zip(prompts, sps, rids)):
+            self._check_prompt(input_ids, prompt_field)
+            room = self.context_len - len(input_ids)
+            if sp.min_new_tokens > room:
                 raise RequestError(
-                    f"logprob_start_len: {start[i]} is past the prompt ({len(input_ids)} tokens)"
+                    f"{name('min_new_tokens')}: {sp.min_new_tokens} new tokens do not fit the "
+                    f"context ({self.context_len}) after a {len(input_ids)}-token prompt"
                 )
+            if not 0 <= tops[i] <= MAX_TOP_LOGPROBS:
+                raise RequestError(
+                    f"{name('top_logprobs_num')}: must be in [0, {MAX_TOP_LOGPROBS}], got {tops[i]}"
+                )
+            start = starts[i]
+            if not -1 <= start <= len(input_ids):
+                raise RequestError(
+                    f"{name('logprob_start_len')}: must be in [-1, {len(input_ids)}] (-1: output "
+                    f"logprobs only; the prompt has {len(input_ids)} tokens), got {start}"
+                )
+            if start == -1:  # SGLang: no input logprobs
+                start = len(input_ids)
             for j in range(sp.n):
-                copy = make_sampling_params(_single_copy(sp))
+                copy = msgspec.structs.replace(sp, n=1, max_new_tokens=min(sp.max_new_tokens, room))
                 seed = (
                     sp.sampling_seed + j
                     if sp.sampling_seed is not None
                     else self._rng.getrandbits(62)
                 )
-                out.append(
-                    SingleReq(
-                        rid if sp.n == 1 else f"{rid}-{j}",
-                        input_ids,
-                        t,
-                        copy,
-                        seed,
-                        return_logprob[i],
-                        start[i],
-                        top[i],
-                        with_text,
-                        stream,
-                        obj.get("extra_key"),
+                msg = TokenizedGenerateReq(
+                    rid=rid if sp.n == 1 else f"{rid}-{j}",
+                    input_ids=input_ids,
+                    sampling_params=copy,
+                    seed=seed,
+                    stream=obj.stream,
+                    return_logprob=return_logprob[i],
+                    logprob_start_len=start,
+                    top_logprobs_num=tops[i],
+                    extra_key=extra_key,
+                )
+                states.append(
+                    ReqState(
+                        msg, obj.return_text_in_logprobs, obj.log_metrics, now, asyncio.Event()
                     )
                 )
-        return out, is_batch or len(out) > 1
+        seen: set[str] = set()
+        for st in states:
+            rid = st.msg.rid
+            if rid in seen or rid in self.rid_to_state:
+                raise RequestError(f"{name('rid')}: {rid!r} is already running or repeated")
+            seen.add(rid)
+        return states, is_batch or len(states) > 1
 
     @staticmethod
-    def _per_item(obj, name, default, n, kind):
-        value = obj.get(name, default)
+    def _per_prompt(value, field: str, n: int, default) -> list:
+        """One value per prompt: a list of n, or one value (None: the default) for all."""
         if value is None:
-            value = default
-        values = value if isinstance(value, list) else [value] * n
-        if len(values) != n:
-            raise RequestError(f"{name}: a list of {len(values)} for a batch of {n}")
-        for v in values:
-            if kind is int and (not isinstance(v, int) or isinstance(v, bool)):
-                raise RequestError(f"{name}: must be an integer, got {v!r}")
-            if kind is bool and not isinstance(v, bool):
-                raise RequestError(f"{name}: must be a boolean, got {v!r}")
-        return values
+            return [default] * n
+        if isinstance(value, list):
+            if len(value) != n:
+                raise RequestError(f"{field}: a list of {len(value)} for a batch of {n}")
+            return [default if v is None else v for v in value]
+        return [value] * n
 
-    def _encode(self, text: str) -> list[int]:
+    @staticmethod
+    def _rids(rids, is_batch: bool, n: int, field: str) -> list[str]:
+        if rids is None:
+            return [uuid.uuid4().hex for _ in range(n)]
+        if not is_batch:
+            if isinstance(rids, list):
+                raise RequestError(f"{field}: a single prompt takes a single rid string")
+            return [rids]
+        if not isinstance(rids, list) or len(rids) != n:
+            raise RequestError(f"{field}: a batch needs a list of rids, one per prompt")
+        return list(rids)
+
+    def _encode_all(self, texts: list[str], field: str) -> list[list[int]]:
         if self.tokenizer is None:
             raise RequestError(
-                "text: this server was started with skip_tokenizer_init; send input_ids"
+                f"{field}: this server was started with skip_tokenizer_init; send input_ids"
             )
-        return self.tokenizer.encode(text)
+        return [self.tokenizer.encode(t) for t in texts]
 
-    def _check_prompt(self, ids: list[int], sp) -> None:
+    def _check_prompt(self, ids: list[int], field: str) -> None:
         if not ids:
-            raise RequestError("text, input_ids: the prompt is empty")
+            raise RequestError(f"{field}: the prompt is empty")
         if len(ids) >= self.context_len:
             raise RequestError(
-                f"input_ids: the prompt has {len(ids)} tokens; the context length is {self.context_len}"
+                f"{field}: the prompt has {len(ids)} tokens; the context length is {self.context_len}"
             )
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise RequestError(f"input_ids: token id {bad[0]} is outside [0, {self.vocab_size})")
+            raise RequestError(f"{field}: token id {bad[0]} is outside [0, {self.vocab_size})")
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, obj: dict) -> dict | list[dict]:
-        reqs, is_batch = self.normalize(obj)
-        if any(r.stream for r in reqs):
+    async def generate(
+        self, obj: GenerateReqInput, names: Mapping[str, str] = _NATIVE
+    ) -> dict | list[dict]:
+        if obj.stream:
             raise RequestError("stream: use generate_stream for streaming requests")
-        states = self._send(reqs)
+        states, is_batch = await self.normalize(obj, names)
+        self._send(states)
         try:
             results = await asyncio.gather(*(self._wait_finished(s) for s in states))
-        except asyncio.CancelledError:
+        except BaseException:
             for s in states:
-                self.abort_request(s.req.rid)
+                self.abort_request(s.msg.rid)
             raise
         return results if is_batch else results[0]
 
-    async def generate_stream(self, obj: dict) -> AsyncIterator[dict]:
-        """Yields cumulative outputs as they grow; with several requests, each carries 'index'."""
-        reqs, is_batch = self.normalize(obj)
-        for r in reqs:
-            r.stream = True
-        states = self._send(reqs)
-        pending = {i: s for i, s in enumerate(states)}
+    async def generate_stream(
+        self, obj: GenerateReqInput, names: Mapping[str, str] = _NATIVE
+    ) -> AsyncIterator[dict]:
+        """Yields outputs as they grow (cumulative text, or only the new text and ids with
+        --incremental-streaming-output), every `stream_interval` tokens; with several
+        requests, each carries 'index'."""
+        obj = msgspec.structs.replace(obj, stream=True)
+        states, is_batch = await self.normalize(obj, names)
+        self._send(states)
+        pending = dict(enumerate(states))
         try:
             while pending:
-                done, _ = await asyncio.wait(
-                    [asyncio.ensure_future(s.event.wait()) for s in pending.values()],
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                for t in done:
-                    t.result()
+                waiters = {i: asyncio.ensure_future(s.event.wait()) for i, s in pending.items()}
+                try:
+                    await asyncio.wait(waiters.values(), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waiters.values():
+                        w.cancel()
                 for i, s in list(pending.items()):
                     if not s.event.is_set():
                         continue
                     s.event.clear()
-                    out = self._result(s)
+                    finished = s.finished_reason is not None
+                    interval = s.msg.sampling_params.stream_interval
+                    if interval and not finished and len(s.output_ids) - s.streamed_ids < interval:
+                        continue
+                    out = self._result(s, incremental=self.args.incremental_streaming_output)
                     if is_batch:
                         out["index"] = i
-                    if s.finished_reason is not None:
+                    if finished:
                         del pending[i]
-                        self.rid_to_state.pop(s.req.rid, None)
+                        self.rid_to_state.pop(s.msg.rid, None)
                         self._raise_if_rejected(s)
                     yield out
         finally:
             for s in pending.values():
-                self.abort_request(s.req.rid)
+                self.abort_request(s.msg.rid)
 
-    def _send(self, reqs: list[SingleReq]) -> list[ReqState]:
+    def _send(self, states: list[ReqState]) -> None:
+        """Register and send every request, or none: a failure part-way aborts what was sent."""
         if self.dead_reason:
             raise RuntimeError(self.dead_reason)
-        states = []
-        for r in reqs:
-            if r.rid in self.rid_to_state:
-                raise RequestError(f"rid: {r.rid!r} is already running")
-            state = ReqState(r, time.monotonic(), asyncio.Event())
-            self.rid_to_state[r.rid] = state
-            states.append(state)
-            self.send_sock.send(
-                encode(
-                    TokenizedGenerateReq(
-                        r.rid,
-                        r.input_ids,
-                        r.sampling_params,
-                        r.seed,
-                        r.stream,
-                        r.return_logprob,
-                        r.logprob_start_len,
-                        r.top_logprobs_num,
-                        r.extra_key,
-                    )
-                )
-            )
-        return states
+        sent: list[str] = []
+        try:
+            for state in states:
+                self.rid_to_state[state.msg.rid] = state
+                self.send_sock.send(encode(state.msg))
+                sent.append(state.msg.rid)
+        except BaseException:
+            for state in states:
+                self.rid_to_state.pop(state.msg.rid, None)
+            for rid in sent:
+                self.send_sock.send(encode(AbortReq(rid)))
+            raise
 
     async def _wait_finished(self, state: ReqState) -> dict:
         while state.finished_reason is None:
             await state.event.wait()
             state.event.clear()
-        self.rid_to_state.pop(state.req.rid, None)
+        self.rid_to_state.pop(state.msg.rid, None)
         self._raise_if_rejected(state)
         return self._result(state)
 
@@ -348,6 +357,7 @@ class TokenizerManager:
         dec = decoder(ToTokenizer)
         while True:
             msg = dec.decode(await self.recv_sock.recv())
+            self._last_recv = time.monotonic()
             if isinstance(msg, BatchStrOut):
                 self._handle_outputs(msg)
             elif isinstance(msg, ControlOut):
@@ -386,7 +396,7 @@ class TokenizerManager:
             if tok.output_top_logprobs:
                 state.output_top_logprobs.extend(tok.output_top_logprobs)
             state.finished_reason = tok.finished_reason
-            if self.on_output is not None:
+            if self.on_output is not None and state.log_metrics:
                 self.on_output(state, len(tok.new_ids), now)
             state.event.set()
 
@@ -400,8 +410,8 @@ class TokenizerManager:
         )
         return [[lp, tid, t] for (lp, tid), t in zip(pairs, texts)]
 
-    def _result(self, state: ReqState) -> dict:
-        r = state.req
+    def _result(self, state: ReqState, incremental: bool = False) -> dict:
+        r = state.msg
         meta = {
             "id": r.rid,
             "finish_reason": state.finished_reason,
@@ -416,9 +426,10 @@ class TokenizerManager:
             "e2e_latency": time.monotonic() - state.created,
         }
         if r.return_logprob:
-            wt = r.return_text_in_logprobs
+            wt = state.with_text
             meta["input_token_logprobs"] = self._triples(state.input_token_logprobs, wt)
             meta["output_token_logprobs"] = self._triples(state.output_token_logprobs, wt)
+            meta["output_token_logprobs_length"] = len(state.output_token_logprobs)
             if r.top_logprobs_num:
                 meta["input_top_logprobs"] = [
                     None if top is None else self._triples(top, wt)
@@ -427,7 +438,11 @@ class TokenizerManager:
                 meta["output_top_logprobs"] = [
                     self._triples(top, wt) for top in state.output_top_logprobs
                 ]
-        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+        text, ids = state.text, state.output_ids
+        if incremental:
+            text, ids = text[state.streamed_text :], ids[state.streamed_ids :]
+        state.streamed_text, state.streamed_ids = len(state.text), len(state.output_ids)
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
     # ------------------------------------------------------------------ control
     async def _control(self, msg_factory, timeout: float = 60.0) -> ControlOut:
@@ -446,27 +461,42 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ health
     async def _watchdog(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
+        """Child death is event-driven (each process's sentinel fd wakes the loop the moment
+        it exits, whatever the machine's load); a runtime that stops answering while requests
+        wait is probed, and declared stuck after `watchdog_timeout` seconds without an answer."""
+        loop = asyncio.get_running_loop()
+        for proc in self.watched_processes:
+            loop.add_reader(proc.sentinel, self._child_exited, proc)
+        timeout = self.args.watchdog_timeout
+        try:
+            while self.dead_reason is None:
+                await asyncio.sleep(min(1.0, timeout / 4))
+                quiet = time.monotonic() - self._last_recv
+                if self.rid_to_state and quiet > timeout / 2:
+                    try:
+                        await self._control(StateReq, timeout=timeout)
+                    except asyncio.TimeoutError:
+                        self._declare_dead(
+                            f"the runtime did not answer for {timeout:g}s (watchdog_timeout)"
+                        )
+        finally:
             for proc in self.watched_processes:
-                if not proc.is_alive() and self.dead_reason is None:
-                    self.dead_reason = f"the {proc.name} process died (exit code {proc.exitcode})"
-                    logger.error(self.dead_reason)
-                    for state in list(self.rid_to_state.values()):
-                        state.finished_reason = {
-                            "type": "abort",
-                            "message": self.dead_reason,
-                            "status_code": 503,
-                        }
-                        state.event.set()
-                    if self.on_dead is not None:
-                        self.on_dead(self.dead_reason)
+                loop.remove_reader(proc.sentinel)
+
+    def _child_exited(self, proc) -> None:
+        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        proc.join(1.0)  # reap it, so its exit code is known
+        self._declare_dead(f"the {proc.name} process died (exit code {proc.exitcode})")
+
+    def _declare_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error(reason)
+        for state in list(self.rid_to_state.values()):
+            state.finished_reason = {"type": "abort", "message": reason, "status_code": 503}
+            state.event.set()
+        if self.on_dead is not None:
+            self.on_dead(reason)
 
     on_dead = None
-
-
-def _single_copy(sp):
-    """The per-copy params of an n > 1 request: n becomes 1."""
-    import msgspec
-
-    return msgspec.structs.replace(sp, n=1)

@@ -295,7 +295,8 @@ def test_native_errors_name_the_field(server):
         ({"text": "a", "input_ids": [1]}, "exactly one"),
         ({"text": 5}, "text"),
         ({"text": "a", "sampling_params": {"regex": "(a+"}}, "regex"),
-        ({"text": "a", "unknown_field": 1}, "unknown_field"),
+        ({"text": "a", "sampling_params": {"unknown_field": 1}}, "sampling_params.unknown_field"),
+        ({"text": "a", "lora_path": "/some/adapter"}, "lora_path"),
     ]
     for body, needle in cases:
         r = post(server, "/generate", body)

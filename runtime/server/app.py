@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import math
@@ -152,7 +153,7 @@ class _AuthMiddleware:
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}"
+        self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
         if (
@@ -160,14 +161,45 @@ class _AuthMiddleware:
             and scope["method"] != "OPTIONS"
             and not scope["path"].startswith(_AUTH_EXEMPT)
         ):
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if auth != self.expected:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):  # constant time
                 response = error_response(
                     "authorization: a valid 'Bearer <api key>' header is required", 401
                 )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _BodyLimitMiddleware:
+    """413 for a body over `limit` bytes: by its Content-Length at once, or while it streams
+    in (chunked uploads), before the route has buffered it."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_big = (
+            f"body: larger than the server's limit of {self.limit} bytes (--max-request-body-bytes)"
+        )
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            return await error_response(too_big, 413)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise APIError(413, too_big)  # the route's error handler answers
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -191,6 +223,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     if state.args.api_key:
         app.add_middleware(_AuthMiddleware, api_key=state.args.api_key)
+    app.add_middleware(_BodyLimitMiddleware, limit=state.args.max_request_body_bytes)
     app.include_router(native.router)
     app.include_router(openai_api.router)
     if state.metrics is not None:

@@ -94,7 +94,7 @@ class Metrics:
             state._metrics_last_token = now
         if state.finished_reason is not None:
             self.requests.inc()
-            self.prompt_tokens.inc(state.meta.get("prompt_tokens", len(state.req.input_ids)))
+            self.prompt_tokens.inc(state.meta.get("prompt_tokens", len(state.msg.input_ids)))
             self.cached_tokens.inc(state.meta.get("cached_tokens", 0))
             self.e2e.observe(now - state.created)
 

@@ -6,14 +6,16 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from loom.runtime.io_struct import GenerateReqInput, decode_generate_request
 from loom.runtime.server.app import APIError, JSONOut, ServerState, json_dumps
 from loom.runtime.server.protocol import (
     AbortRequest,
+    ConcateAndAppendRequest,
     DetokenizeRequest,
-    GenerateRequest,
     TokenizeRequest,
 )
 
@@ -108,23 +110,49 @@ def sse_response(
 
 
 # --------------------------------------------------------------------------- generate
-@router.post("/generate")
-async def generate(body: GenerateRequest, request: Request):
-    state = server_state(request)
-    obj = body.model_dump(exclude_none=True)
-    stream = obj.pop("stream", False)
-    batch = isinstance(body.text, list) or (
-        isinstance(body.input_ids, list)
-        and bool(body.input_ids)
-        and isinstance(body.input_ids[0], list)
+def _generate_body_schema() -> dict:
+    """/openapi.json's description of the body, taken from the one request struct."""
+    (schema,), components = msgspec.json.schema_components(
+        [GenerateReqInput], ref_template="#/components/schemas/{name}"
     )
-    if isinstance(body.rid, list) and not batch:
-        raise APIError(400, "rid: must be a string for a single prompt")
-    if not stream:
+    body = components["GenerateReqInput"]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}
+
+
+async def read_json(request: Request) -> Any:
+    """The body as JSON whatever its Content-Type (SGLang's clients do not always send one)."""
+    raw = await request.body()
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"body: malformed JSON ({e})") from None
+
+
+@router.post("/generate", openapi_extra=_generate_body_schema())
+async def generate(request: Request):
+    state = server_state(request)
+    obj = decode_generate_request(await read_json(request))
+    if not obj.stream:
         return JSONOut(await unless_disconnected(request, state.tm.generate(obj)))
     agen = state.tm.generate_stream(obj)
     first = await prime(agen)
     return sse_response(first, agen, lambda out: [sse(out)], lambda: [])
+
+
+@router.post("/concate_and_append_request")
+async def concate_and_append_request(body: ConcateAndAppendRequest, request: Request):
+    """SGLang's `join(mode="concate_and_append")` hint. SGLang's client names its fork states
+    by ids it never sends with /generate, so no server can tell which KV they hold; the client
+    appends the forks' text itself, and the next /generate reuses the shared prefix from the
+    radix cache and computes the appended fork text (as the text join mode does). Answered
+    so that SGLang programs run; nothing is copied, and the reply says so."""
+    if len(set(body.src_rids)) != len(body.src_rids):
+        raise APIError(400, "src_rids: the ids must be distinct")
+    return {
+        "success": True,
+        "kv_copied": False,
+        "message": "text appended by the client; the shared prefix is reused from the prefix cache",
+    }
 
 
 # --------------------------------------------------------------------------- health
@@ -142,11 +170,12 @@ async def health_generate(request: Request):
     state = server_state(request)
     if state.tm.dead_reason:
         raise APIError(503, f"unhealthy: {state.tm.dead_reason}")
-    obj: dict = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-    if state.tokenizer is not None:
-        obj["text"] = "."
-    else:
-        obj["input_ids"] = [0]
+    obj = GenerateReqInput(
+        text="." if state.tokenizer is not None else None,
+        input_ids=None if state.tokenizer is not None else [0],
+        sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        log_metrics=False,
+    )
     try:
         await asyncio.wait_for(state.tm.generate(obj), _HEALTH_TIMEOUT)
     except asyncio.TimeoutError:

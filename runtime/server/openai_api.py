@@ -7,13 +7,13 @@ n copies has index i * n + k, the TokenizerManager's own order.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
 
+from loom.runtime.io_struct import GenerateReqInput
 from loom.runtime.server.app import APIError, JSONOut, ServerState
 from loom.runtime.server.native import (
     prime,
@@ -32,30 +32,28 @@ from loom.runtime.tokenizer_manager import RequestError
 
 router = APIRouter()
 
-# Native names in the runtime's messages -> the OpenAI names the client sent.
-_RENAMES = (
-    ("sampling_params.", ""),
-    ("max_new_tokens", "max_tokens"),
-    ("min_new_tokens", "min_tokens"),
-    ("sampling_seed", "seed"),
-)
-_PROMPT_FIELDS = ("text, input_ids", "input_ids", "text")
+
+# The OpenAI names of the native fields the runtime validates: its errors name the client's
+# field (`max_tokens: must be >= 0`), not the native one.
+def openai_names(prompt_field: str) -> dict[str, str]:
+    return {
+        "text": prompt_field,
+        "input_ids": prompt_field,
+        "max_new_tokens": "max_tokens",
+        "min_new_tokens": "min_tokens",
+        "sampling_seed": "seed",
+        "top_logprobs_num": "logprobs" if prompt_field == "prompt" else "top_logprobs",
+        "logprob_start_len": "echo",
+        "stop_token_ids": "stop_token_ids",
+        **{f: f for f in _SAMPLING_NAMES},
+    }
 
 
-@contextlib.contextmanager
-def openai_errors(prompt_field: str):
-    """Say `prompt`/`messages`/`max_tokens` where the runtime says text/input_ids/max_new_tokens."""
-    try:
-        yield
-    except RequestError as e:
-        message = str(e)
-        for old, new in _RENAMES:
-            message = message.replace(old, new)
-        for name in _PROMPT_FIELDS:
-            if message.startswith(name + ":"):
-                message = prompt_field + message[len(name) :]
-                break
-        raise RequestError(message) from None
+_SAMPLING_NAMES = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "stop", "logit_bias", "regex", "json_schema", "ebnf", "n",
+    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+)  # fmt: skip
 
 
 def check_model(state: ServerState, name: str) -> None:
@@ -68,30 +66,8 @@ def check_model(state: ServerState, name: str) -> None:
 
 
 def sampling_params(state: ServerState, req: _SamplingExtras, max_tokens: int) -> dict:
-    sp: dict[str, Any] = {
-        "max_new_tokens": max_tokens,
-        "min_new_tokens": req.min_tokens,
-        "n": req.n,
-        "ignore_eos": req.ignore_eos,
-        "skip_special_tokens": req.skip_special_tokens,
-        "spaces_between_special_tokens": req.spaces_between_special_tokens,
-        "no_stop_trim": req.no_stop_trim,
-    }
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "stop",
-        "stop_token_ids",
-        "logit_bias",
-        "regex",
-        "json_schema",
-        "ebnf",
-    ):
+    sp: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens}
+    for name in (*_SAMPLING_NAMES, "stop_token_ids"):
         value = getattr(req, name)
         if value is not None:
             sp[name] = value
@@ -235,12 +211,12 @@ async def completions(req: CompletionRequest, request: Request):
         isinstance(prompt, list) and any(len(p) == 0 for p in prompt if isinstance(p, (str, list)))
     ):
         raise RequestError("prompt: must not be empty")
-    obj: dict[str, Any] = {}
+    text = input_ids = None
     if isinstance(prompt, str) or isinstance(prompt[0], str):
-        obj["text"] = prompt
+        text = prompt
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
     else:
-        obj["input_ids"] = prompt
+        input_ids = prompt
         lists = prompt if isinstance(prompt[0], list) else [prompt]
         vocab = state.tm.vocab_size
         for ids in lists:
@@ -248,17 +224,20 @@ async def completions(req: CompletionRequest, request: Request):
             if bad:
                 raise RequestError(f"prompt: token id {bad[0]} is outside [0, {vocab})")
         texts = [_decode(state, ids) for ids in lists] if req.echo else [""] * len(lists)
-    obj["sampling_params"] = sampling_params(
-        state, req, req.max_tokens if req.max_tokens is not None else 16
+    logprobs = req.logprobs is not None
+    obj = GenerateReqInput(
+        text=text,
+        input_ids=input_ids,
+        sampling_params=sampling_params(
+            state, req, req.max_tokens if req.max_tokens is not None else 16
+        ),
+        return_logprob=logprobs,
+        top_logprobs_num=req.logprobs if logprobs else None,
+        return_text_in_logprobs=logprobs,
+        logprob_start_len=0 if logprobs and req.echo else None,
+        rid=req.rid or None,
     )
-    if req.logprobs is not None:
-        obj["return_logprob"] = True
-        obj["top_logprobs_num"] = req.logprobs
-        obj["return_text_in_logprobs"] = True
-        if req.echo:
-            obj["logprob_start_len"] = 0
-    if req.rid:
-        obj["rid"] = req.rid
+    names = openai_names("prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     shaper = _CompletionShaper(req, texts)
@@ -273,16 +252,14 @@ async def completions(req: CompletionRequest, request: Request):
         }
 
     if not req.stream:
-        with openai_errors("prompt"):
-            res = await unless_disconnected(request, state.tm.generate(obj))
+        res = await unless_disconnected(request, state.tm.generate(obj, names))
         outs = res if isinstance(res, list) else [res]
         body = envelope([shaper.choice(k, o, delta=False) for k, o in enumerate(outs)])
         body["usage"] = usage(outs, req.n)
         return JSONOut(body)
 
-    with openai_errors("prompt"):
-        agen = state.tm.generate_stream(obj)
-        first = await prime(agen)
+    agen = state.tm.generate_stream(obj, names)
+    first = await prime(agen)
 
     def render(out: dict) -> list[str]:
         choice = shaper.choice(out.get("index", 0), out, delta=True)
@@ -370,16 +347,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     )
     if max_tokens is None:
         max_tokens = max(0, state.context_len - len(ids))
-    obj: dict[str, Any] = {
-        "input_ids": ids,
-        "sampling_params": sampling_params(state, req, max_tokens),
-    }
-    if req.logprobs:
-        obj["return_logprob"] = True
-        obj["top_logprobs_num"] = req.top_logprobs or 0
-        obj["return_text_in_logprobs"] = True
-    if req.rid:
-        obj["rid"] = req.rid
+    obj = GenerateReqInput(
+        input_ids=ids,
+        sampling_params=sampling_params(state, req, max_tokens),
+        return_logprob=req.logprobs,
+        top_logprobs_num=req.top_logprobs or 0,
+        return_text_in_logprobs=req.logprobs,
+        rid=req.rid or None,
+    )
+    names = openai_names("messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
 
@@ -402,8 +378,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         )
 
     if not req.stream:
-        with openai_errors("messages"):
-            res = await unless_disconnected(request, state.tm.generate(obj))
+        res = await unless_disconnected(request, state.tm.generate(obj, names))
         outs = res if isinstance(res, list) else [res]
         choices = []
         for k, out in enumerate(outs):
@@ -421,9 +396,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         body["usage"] = usage(outs, req.n)
         return JSONOut(body)
 
-    with openai_errors("messages"):
-        agen = state.tm.generate_stream(obj)
-        first = await prime(agen)
+    agen = state.tm.generate_stream(obj, names)
+    first = await prime(agen)
     sent_text: dict[int, int] = {}
     sent_lps: dict[int, int] = {}
     final: dict[int, dict] = {}

@@ -20,20 +20,12 @@ class _Body(BaseModel):
 
 
 # --------------------------------------------------------------------------- native
-class GenerateRequest(BaseModel):
-    """SGLang's /generate body; the TokenizerManager validates it field by field."""
+# /generate's body is loom.runtime.io_struct.GenerateReqInput (msgspec, decoded once).
 
-    model_config = ConfigDict(extra="allow", strict=True)
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    rid: str | list[str] | None = None
-    return_logprob: bool | list[bool] | None = None
-    logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: int | list[int] | None = None
-    return_text_in_logprobs: bool | None = None
-    stream: bool = False
+class ConcateAndAppendRequest(_Body):
+    src_rids: list[str]
+    dst_rid: str
 
 
 class TokenizeRequest(_Body):

@@ -12,7 +12,7 @@ import tempfile
 import time
 from typing import Any
 
-from loom.runtime.server_args import ServerArgs
+from loom.runtime.server_args import API_KEY_ENV, ServerArgs
 
 _LOG_TAIL = 4000
 
@@ -29,7 +29,7 @@ def server_argv(args: ServerArgs) -> list[str]:
 
     argv: list[str] = []
     for f in dataclasses.fields(ServerArgs):
-        if f.name == "extra":
+        if f.name in ("extra", "api_key"):  # the key travels by environment, not in `ps`
             continue
         value = getattr(args, f.name)
         if value is None or value == f.default:
@@ -55,6 +55,9 @@ class Runtime:
         self.log_path = self._log.name
         cmd = [sys.executable, "-m", "loom.launch_server", *server_argv(self.server_args)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop(API_KEY_ENV, None)
+        if self.server_args.api_key:
+            env[API_KEY_ENV] = self.server_args.api_key
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         atexit.register(self.shutdown)
         try:
