@@ -1,33 +1,36 @@
-"""Issue #5's acceptance test: constrained generation on MaskBench schemas, in the worst case.
+"""Constrained generation on MaskBench schemas, in the worst case, at two vocabularies.
 
-A tiny random-weight model (tests/tiny_models.py: byte-level BPE of 320 ids, model vocabulary
-padded to 384) samples at temperature 1.0, so it wants garbage at every step and only the
-grammar mask keeps the text in the schema's language. All schemas are submitted at once to an
-in-process scheduler, so they go through the real path: grammar queue and compile thread pool,
-one packed bitmask for the batch in the sampler, grammar advance and jump-forward.
+A tiny random-weight model samples at temperature 1.0, so it wants garbage at every step and
+only the grammar mask keeps the text in the schema's language. Two models: the toy one
+(tests/tiny_models.py: byte-level BPE of 320 ids, model vocabulary padded to 384) and one
+whose vocabulary is Llama 3's real tokenizer (128,256 rows; hidden size 32, one layer, so the
+128k-wide embedding is the only large weight). Both run the default engine
+(`--grammar-backend llguidance`). All schemas are submitted at once to an in-process
+scheduler, so they go through the real path: grammar queue and compile workers, one packed
+bitmask for the batch in the sampler, grammar advance and jump-forward.
 
-The subset: every STRIDE-th file of ../shared/data/maskbench in sorted order (the subsets are
-spread through the sorted list), minus SKIP. A schema that does not compile (GrammarError: the
-request finishes with a 400 abort) is counted, not failed: compile coverage is measured by
-test_maskbench.py and benchmarks/maskbench_coverage.py. At least COMPILED_FLOOR of the subset
-must compile, so this cannot pass vacuously.
+The subset: every STRIDE[vocab]-th file of ../shared/data/maskbench in sorted order (spread
+through the sorted list). A schema that does not compile (GrammarError: the request finishes
+with a 400 abort) is counted, not failed: compile coverage is measured by test_maskbench.py
+and benchmarks/maskbench_coverage.py. At least COMPILED_FLOOR of the subset must compile, so
+this cannot pass vacuously.
 
 Every compiled schema must give a complete document (finish reason "stop"): json.loads, then
 valid under jsonschema's validator for the schema's $schema. Why a logit bias: a random model
 closes a free-form string only when it happens to pick one of the few quote tokens among the
-~300 the mask allows, so a string runs ~150 tokens and a schema with a few required strings
-does not end within the 1,024-token context (measured: 4 of 40 schemas capped at 512 tokens,
-with strings of 100-500 characters). The translator has no option that bounds free strings
-(JsonSchemaOptions bounds whitespace, free-form nesting and huge repeats, not this), and a
-grammar change would be testing a different language. Numbers (digit after digit), arrays and optional
-properties run long the same way. So each request carries a logit bias of CLOSE_BIAS on the
-closing tokens `"`, `",`, `}` and `]`, a stand-in for a real model's wish to finish what it
-opened. Everything else (which property, enum member, digit, escape, whether to go on) stays
-the random model's choice at T=1.0, and the bias is applied before the mask, so it can only
-move probability among tokens the grammar allows. What still cannot end: a `pattern` that
-needs a word somewhere in the string (e.g. "wifi", unanchored) which a random model never
-types; such requests hit max_new_tokens, as do a few very large documents. They are printed,
-and at most MAX_CAPPED may (about 3% of the compiled schemas).
+~300 the toy mask allows (~120k at 128k), so a string runs ~150 tokens and a schema with a
+few required strings does not end within the 1,024-token context (measured: 4 of 40 schemas
+capped at 512 tokens, with strings of 100-500 characters). The translator has no option that
+bounds free strings (JsonSchemaOptions bounds whitespace, free-form nesting and huge repeats,
+not this), and a grammar change would be testing a different language. Numbers (digit after
+digit), arrays and optional properties run long the same way. So each request carries a
+logit bias of CLOSE_BIAS[vocab] on the closing tokens CLOSERS[vocab], a stand-in for a real
+model's wish to finish what it opened. Everything else (which property, enum member, digit,
+escape, whether to go on) stays the random model's choice at T=1.0, and the bias is applied
+before the mask, so it can only move probability among tokens the grammar allows. What still
+cannot end: a `pattern` that needs a word somewhere in the string (e.g. "wifi", unanchored)
+which a random model never types; such requests hit max_new_tokens, as do a few very large
+documents. They are printed, and at most MAX_CAPPED[vocab] may (about 3% of the compiled).
 """
 
 from __future__ import annotations
@@ -44,24 +47,54 @@ import torch
 from tests.runtime_helpers import make_scheduler, run_all, submit
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "maskbench")
-STRIDE = 43  # 11,305 files -> 263 schemas
-SKIP = {  # interegular/outlines-core builds past 20 s (several GB): compile cost, measured
-    # by maskbench_coverage.py; here one would hold a compile worker for the whole test
-    "Github_hard---o9904.json": "compile > 20 s",
-    "JsonSchemaStore---sigrid-scope-file.schema.json": "compile > 20 s",
-    "Snowplow---sp_138_Normalized.json": "compile > 20 s",
-    "Snowplow---sp_17_Normalized.json": "compile > 20 s",
-}
+STRIDE = {"toy": 43, "llama3": 113}  # 11,305 files -> 263 / 101 schemas
 COMPILED_FLOOR = 0.80  # measured 233 of 259 (0.90) with the tiny model's tokenizer
-CLOSE_BIAS = 4.0
-MAX_NEW_TOKENS = 900  # the tiny model's context is 1,024
-MAX_CAPPED = 8  # measured 6: the 2 needle patterns, large documents with long numbers
+CLOSE_BIAS = {"toy": 4.0, "llama3": 9.0}
+# at 128k a number has ~1,100 digit-group tokens to go on with: "," ends it as often as "}"
+CLOSERS = {"toy": ('"', '",', "}", "]"), "llama3": ('"', '",', "}", "]", ",")}
+MAX_NEW_TOKENS = 900  # the tiny models' context is 1,024
+MAX_CAPPED = {"toy": 8, "llama3": 4}  # toy measured 6: 2 needle patterns, long numbers
 PROMPT = [5, 6, 7, 8, 9]
 
 
-def _subset() -> list[str]:
+def _subset(vocab: str) -> list[str]:
     files = sorted(f for f in os.listdir(DATA) if f.endswith(".json"))
-    return [f for f in files[::STRIDE] if f not in SKIP]
+    return files[:: STRIDE[vocab]]
+
+
+@pytest.fixture(scope="module")
+def llama3_vocab_model(tmp_path_factory) -> str:
+    """A random Llama checkpoint whose vocabulary is Llama 3's tokenizer (128,256 ids)."""
+    import shutil
+
+    import transformers as tf
+
+    from tests.real_tokenizers import llama3_tokenizer, llama3_tokenizer_path
+
+    folder = tmp_path_factory.mktemp("llama3_vocab_model")
+    tok = llama3_tokenizer()
+    config = tf.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(llama3_tokenizer_path(), name), folder / name)
+    return str(folder)
 
 
 @pytest.fixture
@@ -75,20 +108,27 @@ def one_thread():
 
 
 @pytest.mark.skipif(not os.path.isdir(DATA), reason="MaskBench data not present")
-def test_maskbench_schemas_generate_valid_documents(tiny_model_dir, one_thread):
+@pytest.mark.parametrize("vocab", ["toy", "llama3"])
+def test_maskbench_schemas_generate_valid_documents(vocab, tiny_model_dir, request, one_thread):
     from jsonschema.validators import validator_for
 
     t0 = time.perf_counter()
-    sched = make_scheduler(
-        tiny_model_dir("llama"), max_total_tokens=65536, grammar_compile_timeout=300
-    )
+    if vocab == "toy":
+        path = tiny_model_dir("llama")
+    else:
+        path = request.getfixturevalue("llama3_vocab_model")
+    sched = make_scheduler(path, max_total_tokens=65536, grammar_compile_timeout=60)
     sched.check_integrity_every_step = False  # checked once when idle (run_all)
     tok = sched.tokenizer
-    closing = [tok.convert_tokens_to_ids(t) for t in ('"', '",', "}", "]")]
+    closing = [tok.convert_tokens_to_ids(t) for t in CLOSERS[vocab]]
     assert all(isinstance(t, int) and t >= 0 for t in closing), closing
-    bias = {t: CLOSE_BIAS for t in closing}
-    assert sched.vocab_size > len(tok)  # the model vocabulary is padded past the tokenizer's
-    subset = _subset()
+    bias = {t: CLOSE_BIAS[vocab] for t in closing}
+    if vocab == "toy":
+        assert sched.vocab_size > len(tok)  # the model vocabulary is padded past the tokenizer's
+    else:
+        assert sched.vocab_size == len(tok) == 128_256
+    assert sched.grammar_queue.backend.engine_name == "llguidance"
+    subset = _subset(vocab)
     schemas = {}
     for i, name in enumerate(subset):
         with open(os.path.join(DATA, name)) as f:
@@ -132,12 +172,12 @@ def test_maskbench_schemas_generate_valid_documents(tiny_model_dir, one_thread):
     del sched, results
     gc.collect()
     print(
-        f"\nmaskbench generation: {len(subset)} schemas, {status['compiled']} compiled, "
+        f"\nmaskbench generation ({vocab}): {len(subset)} schemas, {status['compiled']} compiled, "
         f"{status['valid']} valid, {len(capped)} length-capped, {len(invalid)} invalid, "
         f"{status['compile_error']} compile errors; {time.perf_counter() - t0:.0f} s"
     )
     print("\n".join(capped))
     assert not invalid, "\n".join(invalid)
-    assert len(capped) <= MAX_CAPPED, "did not terminate:\n" + "\n".join(capped)
+    assert len(capped) <= MAX_CAPPED[vocab], "did not terminate:\n" + "\n".join(capped)
     assert status["compiled"] >= COMPILED_FLOOR * len(subset), status
     assert status["valid"] == status["compiled"] - len(capped)
