@@ -211,8 +211,6 @@ class ServerArgs:
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
             kwargs = {"type": kind, "default": default, "help": f"{help_text} (default: {default})"}
-            if f.name == "attention_backend":
-                kwargs["choices"] = ATTENTION_BACKENDS
             if f.name == "schedule_policy":
                 kwargs["choices"] = SCHEDULE_POLICIES
             if f.name == "dtype":
@@ -252,7 +250,7 @@ _HELP = {
     "schedule_policy": "Order of the waiting queue",
     "schedule_conservativeness": "Scale of the KV reserved for running requests' future tokens",
     "disable_radix_cache": "Turn off the radix prefix cache",
-    "attention_backend": "Attention implementation",
+    "attention_backend": "Attention implementation: torch (triton is not built yet and is refused by name)",
     "random_seed": "Seed of the server's random state",
     "cpu_threads": "Torch threads of the scheduler on CPU; default: CPU count - 1 (one core is left to the tokenizer and detokenizer processes)",
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
