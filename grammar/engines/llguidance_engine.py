@@ -28,7 +28,14 @@ log = logging.getLogger(__name__)
 
 
 class LLGuidanceEngine(Engine):
+    """JSON schemas come as one regex where the schema has one (`json_form = "regex"`): the
+    whole document is then one lexeme, matched exactly. In a Lark form each `/.../` terminal
+    is a lexeme that llguidance lexes greedily without backtracking between lexemes, so a
+    terminal that is a proper prefix of another one allowed at the same point (`,[ ]?` beside
+    `,[ ]?"role":...`) would lose valid documents; recursive schemas still need that form."""
+
     name = "llguidance"
+    json_form = "regex"
 
     def __init__(self, tokenizer: Any, vocab):
         import llguidance
