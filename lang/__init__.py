@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 # Bound eagerly: the submodule `loom.global_config` shares the name, and whichever import of it
 # came first would otherwise decide whether `loom.global_config` is the module or the object.
-from loom.global_config import global_config  # noqa: E402  (light: no torch)
+from loom.global_config import global_config  # noqa: E402, F401  (light: no torch)
 
 _LAZY = {
     # language

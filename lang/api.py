@@ -17,7 +17,6 @@ from loom.ir import (
     SglSamplingParams,
     SglSelect,
     as_expr,
-    schema_to_str,
 )
 from loom.program import SglFunction
 
@@ -56,113 +55,45 @@ def get_server_info(backend: Any = None) -> dict:
 
 def gen(
     name: str | None = None,
-    max_tokens: int | None = None,
-    min_tokens: int | None = None,
-    n: int | None = None,
-    stop: str | list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    ignore_eos: bool | None = None,
-    return_logprob: bool | None = None,
-    logprob_start_len: int | None = None,
-    top_logprobs_num: int | None = None,
-    return_text_in_logprobs: bool | None = None,
-    dtype: type | str | None = None,
+    *,
     choices: list[str] | None = None,
     choices_method: ChoicesSamplingMethod | None = None,
-    regex: str | None = None,
-    json_schema: Any = None,
+    **sampling: Any,
 ) -> SglExpr:
-    """Generate into variable `name`. Unset parameters inherit from `run(...)`; `choices`
-    makes it a `select`; `n > 1` makes the variable a list."""
+    """Generate into variable `name`. `sampling`: SGLang's gen parameters (`max_tokens`,
+    `min_tokens`, `n`, `stop`, `stop_token_ids`, `stop_regex`, `temperature`, `top_p`,
+    `top_k`, `min_p`, `frequency_penalty`, `presence_penalty`, `ignore_eos`, the logprob
+    fields, `dtype`, `regex`, `json_schema`: loom.ir.SglSamplingParams); unset ones inherit
+    from `run(...)`. `choices` makes it a `select`; `n > 1` makes the variable a list."""
+    params = SglSamplingParams.from_kwargs("gen", sampling)
     if choices:
+        temperature = params.temperature
         return SglSelect(
             name,
             choices,
             0.0 if temperature is None else temperature,
             token_length_normalized if choices_method is None else choices_method,
         )
-    if regex is not None:
-        re.compile(regex)  # a bad pattern fails here, in the program's own line
-    return SglGen(
-        name,
-        SglSamplingParams(
-            max_new_tokens=max_tokens,
-            min_new_tokens=min_tokens,
-            n=n,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            ignore_eos=ignore_eos,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs,
-            dtype=dtype,
-            regex=regex,
-            json_schema=None if json_schema is None else schema_to_str(json_schema),
-        ),
-    )
+    if params.regex is not None:
+        re.compile(params.regex)  # a bad pattern fails here, in the program's own line
+    return SglGen(name, params)
 
 
-def _typed_gen(dtype, name, kwargs) -> SglExpr:
-    return gen(name, dtype=dtype, **kwargs)
+def _typed_gen(dtype: type, where: str, name: str | None, sampling: dict) -> SglExpr:
+    taken = {"dtype", "regex", "json_schema", "min_tokens"} & set(sampling)
+    if taken:
+        raise TypeError(f"{where}() got an unexpected keyword argument {sorted(taken)[0]!r}")
+    return gen(name, dtype=dtype, **sampling)
 
 
-def gen_int(
-    name: str | None = None,
-    max_tokens: int | None = None,
-    n: int | None = None,
-    stop: str | list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    ignore_eos: bool | None = None,
-    return_logprob: bool | None = None,
-    logprob_start_len: int | None = None,
-    top_logprobs_num: int | None = None,
-    return_text_in_logprobs: bool | None = None,
-) -> SglExpr:
+def gen_int(name: str | None = None, **sampling: Any) -> SglExpr:
     """`gen` constrained to an integer (regex `[-+]?[0-9]+`, stopping at a space or newline)."""
-    kwargs = {k: v for k, v in locals().items() if k != "name"}
-    return _typed_gen(int, name, kwargs)
+    return _typed_gen(int, "gen_int", name, sampling)
 
 
-def gen_string(
-    name: str | None = None,
-    max_tokens: int | None = None,
-    n: int | None = None,
-    stop: str | list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    ignore_eos: bool | None = None,
-    return_logprob: bool | None = None,
-    logprob_start_len: int | None = None,
-    top_logprobs_num: int | None = None,
-    return_text_in_logprobs: bool | None = None,
-) -> SglExpr:
+def gen_string(name: str | None = None, **sampling: Any) -> SglExpr:
     """`gen` constrained to a double-quoted string of word characters and spaces."""
-    kwargs = {k: v for k, v in locals().items() if k != "name"}
-    return _typed_gen(str, name, kwargs)
+    return _typed_gen(str, "gen_string", name, sampling)
 
 
 def select(

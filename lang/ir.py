@@ -29,6 +29,7 @@ class SglSamplingParams:
     n: int | None = 1
     stop: str | list[str] | tuple | None = ()
     stop_token_ids: list[int] | tuple | None = ()
+    stop_regex: str | list[str] | tuple | None = ()
     temperature: float | None = 1.0
     top_p: float | None = 1.0
     top_k: int | None = -1
@@ -54,8 +55,31 @@ class SglSamplingParams:
         return dataclasses.replace(self, **values)
 
     def stop_list(self) -> list[str]:
-        stop = self.stop or []
-        return [stop] if isinstance(stop, str) else list(stop)
+        return _as_list(self.stop)
+
+    @classmethod
+    def from_kwargs(cls, where: str, kwargs: dict[str, Any]) -> SglSamplingParams:
+        """A gen's params from its keyword arguments (SGLang's names: `max_tokens`,
+        `min_tokens`); every field not given is None, i.e. inherited from `run(...)`."""
+        values = dict.fromkeys(_FIELDS)
+        for key, value in kwargs.items():
+            if key not in GEN_FIELDS and key not in GEN_ALIASES:
+                raise TypeError(f"{where}() got an unexpected keyword argument {key!r}")
+            values[GEN_ALIASES.get(key, key)] = value
+        if values["json_schema"] is not None:
+            values["json_schema"] = schema_to_str(values["json_schema"])
+        return cls(**values)
+
+    @classmethod
+    def run_defaults(cls, where: str, kwargs: dict[str, Any]) -> SglSamplingParams:
+        """Pop the sampling defaults of `run(...)`/`run_batch(...)` out of `kwargs` (the rest
+        are the program's arguments); unset ones take SGLang's defaults."""
+        values = {k: kwargs.pop(k) for k in RUN_FIELDS if k in kwargs}
+        params = cls(**values)
+        params.stop = params.stop or []
+        params.stop_token_ids = params.stop_token_ids or []
+        params.stop_regex = params.stop_regex or []
+        return params
 
     def to_native(self) -> tuple[dict, dict]:
         """(sampling_params, request fields) of SGLang's native /generate API."""
@@ -75,6 +99,7 @@ class SglSamplingParams:
             "n": self.n,
             "stop": stop,
             "stop_token_ids": list(self.stop_token_ids or []),
+            "stop_regex": _as_list(self.stop_regex),
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -98,6 +123,23 @@ class SglSamplingParams:
             if getattr(self, k) is not None
         }
         return params, fields
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(SglSamplingParams))
+# The sampling vocabulary, declared once (SglSamplingParams): a gen takes every field (with
+# SGLang's `max_tokens`/`min_tokens` spellings), `run(...)` the ones that make sense as a
+# default for every gen of a program.
+GEN_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+GEN_FIELDS = frozenset(_FIELDS) - set(GEN_ALIASES.values())
+RUN_FIELDS = tuple(
+    f for f in _FIELDS if f not in ("min_new_tokens", "dtype", "regex", "json_schema")
+)
+
+
+def _as_list(value: Any) -> list:
+    if not value:
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
 def schema_to_str(schema: Any) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from loom.global_config import global_config
 from loom.interpreter import StreamExecutor
-from loom.ir import SglSamplingParams
+from loom.ir import RUN_FIELDS, SglSamplingParams
 from loom.state import ProgramState
 
 
@@ -35,34 +35,13 @@ class SglFunction:
 
     # ------------------------------------------------------------------ run
     def run(
-        self,
-        *args,
-        max_new_tokens: int = 128,
-        n: int = 1,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        ignore_eos: bool = False,
-        return_logprob: bool | None = None,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool | None = None,
-        stream: bool = False,
-        backend=None,
-        use_thread: bool = True,
-        **kwargs,
+        self, *args, stream: bool = False, backend=None, use_thread: bool = True, **kwargs
     ) -> ProgramState:
-        """Run the program; returns its finished state (with `stream=True`, at once)."""
-        defaults = _defaults(
-            max_new_tokens, n, stop, stop_token_ids, temperature, top_p, top_k, min_p,
-            frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
-            top_logprobs_num, return_text_in_logprobs,
-        )  # fmt: skip
+        """Run the program; returns its finished state (with `stream=True`, at once).
+        `kwargs`: the program's arguments, and the sampling defaults every gen inherits
+        (SGLang's run parameters, loom.ir.RUN_FIELDS: max_new_tokens, n, stop, temperature,
+        ...)."""
+        defaults = SglSamplingParams.run_defaults("run", kwargs)
         if inspect.iscoroutinefunction(self.func):
             return asyncio.run(self._run_async(args, kwargs, defaults, stream, backend))
         return self._run(args, kwargs, defaults, stream, backend)
@@ -101,49 +80,21 @@ class SglFunction:
         self,
         batch_kwargs: list[dict],
         *,
-        max_new_tokens: int = 128,
-        n: int = 1,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        ignore_eos: bool = False,
-        return_logprob: bool | None = None,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool | None = None,
         backend=None,
         num_threads: str | int = "auto",
         progress_bar: bool = False,
         generator_style: bool = False,
+        **sampling: Any,
     ):
         """Run the program once per kwargs dict, concurrently; states come back in input order
-        (a generator of them with `generator_style=True`)."""
+        (a generator of them with `generator_style=True`). `sampling`: as for `run`."""
         if not isinstance(batch_kwargs, (list, tuple)) or not all(
             isinstance(k, dict) for k in batch_kwargs
         ):
             raise TypeError("run_batch: batch_kwargs must be a list of dicts")
-        sampling = dict(
-            max_new_tokens=max_new_tokens,
-            n=n,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            ignore_eos=ignore_eos,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs,
-        )
+        unknown = sorted(set(sampling) - set(RUN_FIELDS))
+        if unknown:
+            raise TypeError(f"run_batch() got an unexpected keyword argument {unknown[0]!r}")
         backend = resolve_backend(backend)
         if not batch_kwargs:
             return iter([]) if generator_style else []
@@ -178,36 +129,12 @@ class SglFunction:
                 bar.close()
 
     # ------------------------------------------------------------------ asyncio
-    async def run_async(
-        self,
-        *args,
-        max_new_tokens: int = 128,
-        n: int = 1,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        ignore_eos: bool = False,
-        return_logprob: bool | None = None,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool | None = None,
-        stream: bool = False,
-        backend=None,
-        **kwargs,
-    ) -> ProgramState:
+    async def run_async(self, *args, stream: bool = False, backend=None, **kwargs) -> ProgramState:
         """`await f.run_async(...)`: the program's states run as asyncio tasks on the calling
         loop (no thread per state). The program may be `async def` and `await s.aget(name)`;
-        with `stream=True` the state returns at once for `async for ... in text_async_iter()`."""
-        defaults = _defaults(
-            max_new_tokens, n, stop, stop_token_ids, temperature, top_p, top_k, min_p,
-            frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
-            top_logprobs_num, return_text_in_logprobs,
-        )  # fmt: skip
+        with `stream=True` the state returns at once for `async for ... in text_async_iter()`.
+        `kwargs`: as for `run`."""
+        defaults = SglSamplingParams.run_defaults("run_async", kwargs)
         return await self._run_async(args, kwargs, defaults, stream, backend)
 
     async def _run_async(self, args, kwargs, defaults, stream, backend) -> ProgramState:
@@ -248,31 +175,6 @@ class SglFunction:
         if args and isinstance(args[0], ProgramState):  # called as a sub-program
             return self.func(*args, **kwargs)
         return self.run(*args, **kwargs)
-
-
-def _defaults(
-    max_new_tokens, n, stop, stop_token_ids, temperature, top_p, top_k, min_p,
-    frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len,
-    top_logprobs_num, return_text_in_logprobs,
-) -> SglSamplingParams:  # fmt: skip
-    """The sampling defaults every gen of one run inherits."""
-    return SglSamplingParams(
-        max_new_tokens=max_new_tokens,
-        n=n,
-        stop=stop or [],
-        stop_token_ids=stop_token_ids or [],
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
-        ignore_eos=ignore_eos,
-        return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len,
-        top_logprobs_num=top_logprobs_num,
-        return_text_in_logprobs=return_text_in_logprobs,
-    )
 
 
 def _takes_var_kwargs(func) -> bool:

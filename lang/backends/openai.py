@@ -74,7 +74,15 @@ class OpenAI(BaseBackend):
         # Extensions understood by SGLang-, loom- and vLLM-style servers.
         extra = {
             k: sampling[k]
-            for k in ("top_k", "min_p", "regex", "json_schema", "ignore_eos", "stop_token_ids")
+            for k in (
+                "top_k",
+                "min_p",
+                "regex",
+                "json_schema",
+                "ignore_eos",
+                "stop_token_ids",
+                "stop_regex",
+            )  # fmt: skip
             if k in sampling and sampling[k] not in (None, -1, 0.0, False, [])
         }
         if sampling.get("min_new_tokens"):

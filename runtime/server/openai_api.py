@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from loom.runtime.io_struct import GenerateReqInput
+from loom.runtime.sampling_params import SamplingParams
 from loom.runtime.server.app import APIError, JSONOut, ServerState
 from loom.runtime.server.native import (
     prime,
@@ -44,16 +45,15 @@ def openai_names(prompt_field: str) -> dict[str, str]:
         "sampling_seed": "seed",
         "top_logprobs_num": "logprobs" if prompt_field == "prompt" else "top_logprobs",
         "logprob_start_len": "echo",
-        "stop_token_ids": "stop_token_ids",
         **{f: f for f in _SAMPLING_NAMES},
     }
 
 
-_SAMPLING_NAMES = (
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "stop", "logit_bias", "regex", "json_schema", "ebnf", "n",
-    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-)  # fmt: skip
+# The sampling fields OpenAI requests share with SGLang's SamplingParams (same names, same
+# meaning), passed through as they are; the renamed ones are set in `sampling_params`.
+_SAMPLING_NAMES = tuple(
+    sorted(set(SamplingParams.__struct_fields__) & set(_SamplingExtras.model_fields))
+)
 
 
 def check_model(state: ServerState, name: str) -> None:
@@ -67,7 +67,7 @@ def check_model(state: ServerState, name: str) -> None:
 
 def sampling_params(state: ServerState, req: _SamplingExtras, max_tokens: int) -> dict:
     sp: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": req.min_tokens}
-    for name in (*_SAMPLING_NAMES, "stop_token_ids"):
+    for name in _SAMPLING_NAMES:
         value = getattr(req, name)
         if value is not None:
             sp[name] = value

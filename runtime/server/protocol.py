@@ -78,6 +78,7 @@ class _SamplingExtras(_Body):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: _Stop = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
