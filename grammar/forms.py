@@ -51,11 +51,16 @@ def translate(kind: str, spec: Any, json_options=None, json_form: str = "lark") 
     if kind == "json_schema":
         import json
 
-        from .json_schema import NeedsCFG, json_schema_to_lark, json_schema_to_regex
+        from .json_schema import (
+            NeedsCFG,
+            has_recursive_ref,
+            json_schema_to_lark,
+            json_schema_to_regex,
+        )
 
         if json_form == "json_schema":
             return Form("json_schema", json.dumps(spec), json_options)
-        if json_form == "regex":
+        if json_form == "regex" and not has_recursive_ref(spec):
             try:
                 return Form("regex", json_schema_to_regex(spec, json_options))
             except NeedsCFG:

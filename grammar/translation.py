@@ -13,6 +13,7 @@ Workers are forked lazily (cheap, and the child shares the parent's loaded modul
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -24,6 +25,7 @@ from .base import GrammarError
 from .forms import translate
 
 MEMORY_BUDGET = 2 << 30
+log = logging.getLogger(__name__)
 
 
 class TranslatorPool:
@@ -33,10 +35,15 @@ class TranslatorPool:
         self._slots = threading.Semaphore(size)
         self._lock = threading.Lock()
         self._all: set[_Worker] = set()
-        self._closed = False
+        self._warned = False
 
     def translate(self, args: tuple, timeout: float):
         """forms.translate(*args) in a worker; GrammarError on failure or past `timeout` s."""
+        if mp.current_process().daemon:  # multiprocessing forbids children here
+            if not self._warned:
+                self._warned = True
+                log.warning("grammar translation runs unbounded: a daemonic process has no workers")
+            return translate(*args)
         with self._slots:
             worker = self._take()
             try:

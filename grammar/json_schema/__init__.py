@@ -46,6 +46,38 @@ def normalize_schema(spec: Any) -> dict | bool:
     raise GrammarError(f"json_schema must be a JSON string, dict or pydantic model, got {spec!r}")
 
 
+def has_recursive_ref(schema) -> bool:
+    """Whether a local `$ref` cycle is reachable from the root (such a schema has no regex).
+    A cheap walk over the schema's JSON, so callers can skip a regex attempt that would fail
+    only after translating most of the schema."""
+    from .merge import MergeError, resolve_pointer
+
+    done: set[str] = set()
+
+    def walk(node, refs: tuple) -> bool:
+        if isinstance(node, list):
+            return any(walk(x, refs) for x in node)
+        if not isinstance(node, dict):
+            return False
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            if ref in refs:
+                return True
+            if ref not in done:
+                try:
+                    target = resolve_pointer(schema, ref)
+                except (MergeError, ValueError, IndexError):
+                    target = None
+                if walk(target, (*refs, ref)):
+                    return True
+                done.add(ref)
+        # definitions are reached through the $refs that use them
+        skip = ("$ref", "const", "enum", "$defs", "definitions")
+        return any(walk(v, refs) for k, v in node.items() if k not in skip)
+
+    return walk(schema, ())
+
+
 def _options(opts: JsonSchemaOptions | None, kw) -> JsonSchemaOptions:
     return replace(opts or JsonSchemaOptions(), **kw)
 

@@ -13,7 +13,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, replace
-from functools import reduce
+from functools import lru_cache, reduce
 
 from ..base import GrammarError
 from . import numbers as N
@@ -293,14 +293,8 @@ class Translator:
             ra, rb = (
                 Translator(self.root, RegexAlgebra(MAX_CHECK_CHARS), opts).value(x) for x in (a, b)
             )
-            import interegular
-
-            fa = interegular.parse_pattern(ra).to_fsm()
-            fb = interegular.parse_pattern(rb).to_fsm()
-            return (fa & fb).empty()
+            return _regexes_disjoint(ra, rb)
         except (TooLarge, Recursive, RecursionError, GrammarError, Unsatisfiable):
-            return False
-        except Exception:  # noqa: BLE001 - a regex interegular cannot read proves nothing
             return False
 
     def types(self, s) -> list[str] | None:
@@ -662,3 +656,17 @@ def _join(A, items, sep) -> list:
 def _list(A, item, sep):
     """One or more `item`s separated by `sep`."""
     return A.seq(item, A.rep(A.seq(sep, item), 0, None))
+
+
+@lru_cache(maxsize=4096)
+def _regexes_disjoint(ra: str, rb: str) -> bool:
+    """No string matches both regexes (interegular automata; pure Python, so remembered: a
+    schema translated twice, or a oneOf seen again, pays once)."""
+    import interegular
+
+    try:
+        fa = interegular.parse_pattern(ra).to_fsm()
+        fb = interegular.parse_pattern(rb).to_fsm()
+        return (fa & fb).empty()
+    except Exception:  # noqa: BLE001 - a regex interegular cannot read proves nothing
+        return False
