@@ -109,8 +109,11 @@ def test_gen_with_stop_and_default_stop_regex(results):
     r = ok(results, "stop")
     assert r["text"] == r["free"][: r["free"].index(r["stop"])]
     assert r["meta"]["finish_reason"]["type"] == "stop"
-    r = ok(results, "stop_regex_default")  # SGLang sends "stop_regex": [] in every gen
-    assert r["text"] == r["free"]
+    r = ok(results, "stop_regex")
+    assert r["default"] == r["free"]  # SGLang sends "stop_regex": [] in every gen
+    # a pattern the output matches ends it there (whether the match is trimmed or kept)
+    assert r["meta"]["finish_reason"]["type"] == "stop", r["meta"]
+    assert r["free"].startswith(r["text"]) and len(r["text"]) < len(r["free"])
 
 
 def test_regex_and_typed_gen(results):

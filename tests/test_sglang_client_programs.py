@@ -89,9 +89,17 @@ def programs(sgl, url: str):
         return {"free": free, "text": st["a"], "stop": free[3:5], "meta": st.get_meta_info("a")}
 
     def run_stop_regex():
+        import re
+
         free = plain.run(**greedy)["a"]
-        st = stop_regex.run(pattern=[], **greedy)  # what SGLang's gen sends by default
-        return {"free": free, "text": st["a"]}
+        default = stop_regex.run(pattern=[], **greedy)  # what SGLang's gen sends by default
+        st = stop_regex.run(pattern=[re.escape(free[3:5]) + "|never"], **greedy)
+        return {
+            "free": free,
+            "default": default["a"],
+            "text": st["a"],
+            "meta": st.get_meta_info("a"),
+        }
 
     def run_regex():
         return {"code": regex.run(**greedy)["code"]}
@@ -144,7 +152,7 @@ def programs(sgl, url: str):
     return {
         "plain": run_plain,
         "stop": run_stop,
-        "stop_regex_default": run_stop_regex,
+        "stop_regex": run_stop_regex,
         "regex": run_regex,
         "typed": run_typed,
         "json_schema": run_schema,
