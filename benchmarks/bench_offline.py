@@ -12,6 +12,7 @@ decode batch.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
@@ -139,6 +140,12 @@ def main() -> None:
         f"decode batch {bs}: {steps} steps, {1000 * step_s / steps:.2f} ms/step, "
         f"outside the model forward {100 * (1 - fwd_s / step_s):.1f}%"
     )
+    steps, step_s, fwd_s = (sum(v[i] for v in timing.values()) for i in range(3))
+    print(
+        f"all decode steps (batch 1-{bs}): {steps} steps, {1000 * step_s / steps:.2f} ms/step, "
+        f"outside the model forward {100 * (1 - fwd_s / step_s):.1f}%"
+    )
+    print(f"load average {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,21 @@ class PagedAllocator:
         slots = (pages[:, None] * self.page_size + offsets).flatten()
         return slots[:num_tokens]
 
+    def alloc_decode(
+        self, prev_lens: torch.Tensor, last_slots: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One slot for each of B requests at positions prev_lens: the slot after last_slots
+        inside a partly filled page, else the first slot of a fresh page."""
+        if self.page_size == 1:
+            return self.alloc(len(prev_lens))
+        fresh = prev_lens % self.page_size == 0
+        pages = self._take_pages(int(fresh.sum()))
+        if pages is None:
+            return None
+        slots = last_slots + 1
+        slots[fresh] = pages * self.page_size
+        return slots
+
     def alloc_extend(self, prev_len: int, last_slot: int, num_tokens: int) -> torch.Tensor | None:
         """Slots for positions prev_len .. prev_len+num_tokens-1 of one request, continuing the
         partially filled page that ends at `last_slot` (ignored when prev_len is page-aligned)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -32,6 +33,7 @@ class ModelRunner:
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
         self.attn_backend = create_attention_backend(args.attention_backend)
+        self.last_model_seconds = 0.0
 
     def _init_memory(self) -> None:
         cfg, args = self.config, self.args
@@ -98,8 +100,11 @@ class ModelRunner:
             ),
         )
         self.attn_backend.init_forward_metadata(batch)
+        t0 = time.perf_counter()
         with forward_context(batch):
             logits = self.model(batch.input_ids, batch.positions)
+        # the model's own time (exact on the CPU; on CUDA it is launch time only)
+        self.last_model_seconds = time.perf_counter() - t0
         return self._sample(inp, logits, len(sample_rows), lp_targets)
 
     def _sample(

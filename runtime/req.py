@@ -96,6 +96,13 @@ class Req:
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    def tokens(self, begin: int, end: int) -> list[int]:
+        """fill_ids[begin:end] without building fill_ids (a decode step needs one token)."""
+        n = len(self.origin_input_ids)
+        if begin >= n:
+            return self.output_ids[begin - n : end - n]
+        return self.origin_input_ids[begin:end] + self.output_ids[: max(0, end - n)]
+
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)

@@ -18,6 +18,9 @@ class ScheduleBatch:
         self.reqs = reqs
         self.is_decode = is_decode
         self.model_input: ModelInput | None = None
+        # KV slots of the step's positions, in order (a decode step allocates them at once;
+        # otherwise each request's `new_slots`)
+        self.out_cache_loc: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -39,7 +42,7 @@ class ScheduleBatch:
         for req in self.reqs:
             begin, end = req.kv_len, req.kv_len + req.extend_len
             draft = req.draft_ids
-            ids.extend(req.fill_ids[begin : end - len(draft)])
+            ids.extend(req.tokens(begin, end - len(draft)))
             ids.extend(draft)
             positions.extend(range(begin, end))
             prefix_lens.append(begin)
@@ -64,7 +67,9 @@ class ScheduleBatch:
             mode=self.mode,
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
-            out_cache_loc=torch.cat([r.new_slots for r in self.reqs]),
+            out_cache_loc=self.out_cache_loc
+            if self.out_cache_loc is not None
+            else torch.cat([r.new_slots for r in self.reqs]),
             req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
             seq_lens=seq_lens,
             prefix_lens=prefix_lens,

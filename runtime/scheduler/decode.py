@@ -56,14 +56,20 @@ class DecodeManager:
             victim = self._retract_one()
             if victim is not None:
                 retracted.append(victim)
-        for req, draft in zip(reqs, drafts):
-            req.draft_ids = draft
-            req.extend_len = 1 + len(draft)
-            assert self.kv.alloc(req, req.extend_len) is not None
+        batch = ScheduleBatch(reqs, is_decode=True)
+        if any(drafts):
+            for req, draft in zip(reqs, drafts):
+                req.draft_ids = draft
+                req.extend_len = 1 + len(draft)
+                assert self.kv.alloc(req, req.extend_len) is not None
+        else:
+            for req in reqs:
+                req.extend_len = 1
+            batch.out_cache_loc = self.kv.alloc_decode(reqs)
         self.new_token_ratio = max(
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
-        return ScheduleBatch(reqs, is_decode=True), retracted
+        return batch, retracted
 
     def _draft(self, req: Req) -> list[int]:
         if self.drafter is None or req.finished or not _can_draft(req):

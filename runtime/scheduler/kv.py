@@ -101,6 +101,18 @@ class KVManager:
         req.new_slots = slots
         return slots
 
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
+        """One slot per request for position kv_len (the caller checked `pages_short`), in
+        one vectorized step; returns the slots in request order."""
+        table = self.req_to_token_pool.req_to_token
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        last = table[rows, (pos - 1).clamp(min=0)].cpu() if self.page_size > 1 else None
+        slots = self.allocator.alloc_decode(pos, last)
+        assert slots is not None, "alloc_decode after pages_short said it fits"
+        table[rows.to(table.device), pos.to(table.device)] = slots.to(table.device)
+        return slots
+
     def truncate(self, req: Req, new_len: int, written_end: int) -> None:
         """Keep the request's KV for positions < new_len; free its slots for positions up to
         written_end (all owned by the request). The partial last page stays: alloc refills it."""

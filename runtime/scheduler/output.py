@@ -86,8 +86,10 @@ class OutputProcessor:
                 # KV is valid for the fed tokens that match the sequence: every appended
                 # token but the last was an accepted draft token (or the step's last input)
                 req.kv_len = min(written_end, req.seq_len - 1)
-            self.kv.truncate(req, req.kv_len, written_end)
-            req.draft_ids = []
+            if req.kv_len < written_end:
+                self.kv.truncate(req, req.kv_len, written_end)
+            if req.draft_ids:
+                req.draft_ids = []
             if req.finished:
                 self.pending.append(req)
                 if self._completes_kv(req):

@@ -73,17 +73,16 @@ class Scheduler:
         if batch is None:
             self.check_integrity()
             return self.output.drain()
-        inp = batch.build_input(self.vocab_size)
-        t1 = time.perf_counter()
-        result = self.runner.forward(inp)
-        t2 = time.perf_counter()
+        result = self.runner.forward(batch.build_input(self.vocab_size))
         routes = self.output.process(batch, result)
         self.decode.after_step(batch, routes.running, routes.finishing)
         self.prefill.requeue(routes.requeue, routes.chunked)
         if self.check_integrity_every_step:
             self.check_integrity()
         if batch.is_decode:
-            self._record_decode_timing(len(batch), time.perf_counter() - start, t2 - t1)
+            self._record_decode_timing(
+                len(batch), time.perf_counter() - start, self.runner.last_model_seconds
+            )
         return self.output.drain()
 
     def schedule(self) -> ScheduleBatch | None:
@@ -102,7 +101,8 @@ class Scheduler:
         return batch
 
     def _record_decode_timing(self, batch_size: int, step: float, forward: float) -> None:
-        """Per decode batch size: [steps, total step seconds, runner.forward seconds]."""
+        """Per decode batch size: [steps, total step seconds, model forward seconds] (the rest
+        of a step is scheduling, input building, sampling and result processing)."""
         entry = self.decode_timing.setdefault(batch_size, [0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += step
