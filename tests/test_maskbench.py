@@ -69,3 +69,72 @@ def test_maskbench_subset_llama3():
     print(f"maskbench subset (Llama 3): {dict(status)} of {n}; pass share {share:.3f}")
     assert not accepted_invalid, accepted_invalid
     assert share >= FLOOR, (dict(status), wrong_valid[:10])
+
+
+class _Chars:
+    """A tokenizer whose tokens are characters (id = code point)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+class _PrefixEngine:
+    """An engine over a finite language: a token is allowed while the text stays a prefix of
+    one of the schema's `accept` strings; EOS once the text is one of them."""
+
+    def compile(self, schema):
+        if "accept" not in schema:
+            raise ValueError("no language")
+        return schema["accept"]
+
+    def matcher(self, accept):
+        return _PrefixMatcher(accept)
+
+
+class _PrefixMatcher:
+    def __init__(self, accept):
+        self.accept, self.text = accept, ""
+
+    def step(self, t):
+        if not any(a.startswith(self.text + chr(t)) for a in self.accept):
+            return False
+        self.text += chr(t)
+        return True
+
+    def eos_allowed(self):
+        return self.text in self.accept
+
+
+def _check(accept, tests):
+    mb = _harness()
+    doc = {"schema": {} if accept is None else {"accept": accept}}
+    doc["tests"] = [{"data": d, "valid": v} for d, v in tests]
+    return mb.check_schema(_PrefixEngine(), doc, _Chars())
+
+
+def test_harness_follows_maskbench_rules():
+    # json.dumps default separators: ", " and ": "
+    rec = _check(['{"a": 1, "b": [1, 2]}'], [({"a": 1, "b": [1, 2]}, True)])
+    assert rec["status"] == "pass" and rec["walks"] == [(0, True, 21)]
+    assert _check(['{"a":1}'], [({"a": 1}, True)])["status"] == "wrong_valid"
+    # an invalid instance passes when some token is rejected ...
+    assert _check(["10"], [(10, True), (11, False)])["status"] == "pass"
+    # ... and no end-of-output check rescues one that is a prefix of a valid document
+    rec = _check(["10"], [(10, True), (1, False)])
+    assert rec["status"] == "wrong_invalid" and rec["invalid_accepted"] == 1
+    # a valid walk that ends where EOS is not allowed still counts, and is recorded
+    rec = _check(["100"], [(10, True)])
+    assert rec["status"] == "pass" and rec["valid_no_eos"] == 1
+    # accepted-invalid is reported before rejected-valid; every instance is walked
+    rec = _check(["12"], [(3, True), (1, False), (12, True)])
+    assert rec["status"] == "wrong_invalid" and rec["valid_rejected"] == 1
+    assert [w[0] for w in rec["walks"]] == [0, 1, 2]
+    # any exception while compiling is a compile error, with its reason
+    rec = _check(None, [(1, True)])
+    assert rec["status"] == "compile_error" and rec["reason"] == "ValueError: no language"
+    # bench_grammar's timing set: the first valid instances only
+    mb = _harness()
+    doc = {"schema": {"accept": ["1", "2"]}, "tests": [
+        {"data": 3, "valid": False}, {"data": 1, "valid": True}, {"data": 2, "valid": True}]}  # fmt: skip
+    rec = mb.check_schema(_PrefixEngine(), doc, _Chars(), max_valid=1)
+    assert rec["walks"] == [(1, True, 1)]
