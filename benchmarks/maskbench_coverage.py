@@ -420,13 +420,16 @@ def subset_of(file: str) -> str:
 
 
 def report(results: dict, engines: list[str], labels: dict, total: int) -> str:
-    """results[engine][file] = rec."""
+    """results[engine][file] = rec. Every count is over the schemas that every engine has
+    done, so a run cut short (or resumed with another engine added) still compares like for
+    like."""
+    common = set.intersection(*(set(results[e]) for e in engines)) if engines else set()
     w = max(len(labels[e]) for e in engines)
     head = f"{'engine':{w}s} " + " ".join(f"{s:>13s}" for s in STATUSES)
     head += f" {'valid_no_eos':>12s} {'compile p50':>11s} {'p99':>9s} {'mask p50':>9s} {'p99':>8s}"
     lines = [head]
     for e in engines:
-        recs = results[e].values()
+        recs = [results[e][f] for f in common]
         c = Counter(r["status"] for r in recs)
         comp = [r["compile_ms"] for r in recs if "compile_ms" in r]
         mask = [x for r in recs for x in r["mask_us"]]
@@ -435,17 +438,12 @@ def report(results: dict, engines: list[str], labels: dict, total: int) -> str:
         row += f" {pct(comp, 50):8.2f} ms {pct(comp, 99):6.0f} ms"
         row += f" {pct(mask, 50):6.1f} us {pct(mask, 99):5.0f} us"
         lines.append(row)
-    n_done = min(len(results[e]) for e in engines)
-    lines.append(f"schemas: {total} in the set, {n_done} done by every engine")
-    subsets = sorted({subset_of(f) for e in engines for f in results[e]})
+    lines.append(f"schemas: {len(common)} done by every engine, of {total} in the set")
     lines.append("\npasses by subset: " + " / ".join(engines))
-    for sub in subsets:
-        counts = [
-            sum(r["status"] == "pass" for f, r in results[e].items() if subset_of(f) == sub)
-            for e in engines
-        ]
-        n = sum(subset_of(f) == sub for f in results[engines[0]])
-        lines.append(f"  {sub:14s} {n:5d}  " + " ".join(f"{x:6d}" for x in counts))
+    for sub in sorted({subset_of(f) for f in common}):
+        files = [f for f in common if subset_of(f) == sub]
+        counts = [sum(results[e][f]["status"] == "pass" for f in files) for e in engines]
+        lines.append(f"  {sub:14s} {len(files):5d}  " + " ".join(f"{x:6d}" for x in counts))
     return "\n".join(lines)
 
 
@@ -457,15 +455,17 @@ def gaps(results: dict, data: str, ours: str, peers: list[str], top: int = 15) -
         if r["status"] != "pass"
         and any(results[p].get(f, {}).get("status") == "pass" for p in peers)
     }
+    unsound = sorted(f for f, r in results[ours].items() if r["status"] == "wrong_invalid")
+    head = f"{ours} accepts an invalid instance of {len(unsound)} schemas: {', '.join(unsound)}\n"
     if not lost:
-        return f"{ours}: no schema that {'/'.join(peers)} passes fails"
+        return head + f"{ours}: no schema that {'/'.join(peers)} passes fails"
     by_feature: dict[str, list[str]] = {}
     for f in lost:
         with open(os.path.join(data, f)) as fh:
             feats = json.load(fh).get("meta", {}).get("features", [])
         for feat in feats or ["(none)"]:
             by_feature.setdefault(feat, []).append(f)
-    lines = [f"{ours} fails {len(lost)} schemas that {'/'.join(peers)} pass(es); by status: "
+    lines = [head + f"{ours} fails {len(lost)} schemas that {'/'.join(peers)} pass(es); by status: "
              + ", ".join(f"{k} {v}" for k, v in Counter(lost.values()).most_common())]  # fmt: skip
     for feat, files in sorted(by_feature.items(), key=lambda kv: -len(kv[1]))[:top]:
         lines.append(f"  {feat:28s} {len(files):4d}  e.g. {', '.join(sorted(files)[:3])}")
@@ -505,6 +505,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="one JSON line per (engine, schema)")
     ap.add_argument("--resume", action="store_true", help="skip pairs already in --out")
     ap.add_argument("--gaps", default="loom", help="list what this engine fails and peers pass")
+    ap.add_argument("--report-only", action="store_true", help="report --out's records, run none")
     args = ap.parse_args()
     engines = [e for e in args.engines.split(",") if e]
     for e in engines:
@@ -520,14 +521,21 @@ def main() -> None:
     labels = {e: engine_label(e, args.loom_engine) for e in engines}
 
     results: dict[str, dict] = {e: {} for e in engines}
-    if args.resume and args.out and os.path.exists(args.out):
+    if args.report_only and not (args.out and os.path.exists(args.out)):
+        ap.error("--report-only needs an existing --out file")
+    if (args.resume or args.report_only) and args.out and os.path.exists(args.out):
         for line in open(args.out):
             r = json.loads(line)
             if r.get("engine") in results:
                 results[r["engine"]][r["file"]] = r
-    sink = open(args.out, "a" if args.resume else "w") if args.out else None
     tasks = [(e, os.path.join(args.data, f)) for f in files for e in engines
              if f not in results[e]]  # fmt: skip
+    if args.report_only:
+        tasks = []
+        results = {e: {f: r for f, r in results[e].items() if f in set(files)} for e in engines}
+    sink = (
+        open(args.out, "a" if args.resume else "w") if args.out and not args.report_only else None
+    )
     done = [sum(len(v) for v in results.values())]
     t0, load0 = time.time(), os.getloadavg()
 
@@ -545,26 +553,30 @@ def main() -> None:
             print(f"[{done[0]}/{len(files) * len(engines)}] pass: {passing}", flush=True)
 
     print(f"tokenizer: {tok_label}; {len(files)} schemas; engines: {', '.join(labels.values())}")
-    print(f"{args.workers} worker(s), {args.timeout:g} s CPU per engine+schema, "
-          f"loadavg at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)  # fmt: skip
-    pool = Pool(args.workers, tok, vocab_size, args.loom_engine, args.timeout, args.max_rss_gb)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        pool.run(tasks, on_result)
-    except KeyboardInterrupt:
-        print("interrupted: reporting the pairs done so far", flush=True)
-    finally:
-        pool.close()
-        if sink is not None:
-            sink.close()
+    pool = None
+    if tasks:
+        print(f"{args.workers} worker(s), {args.timeout:g} s CPU per engine+schema, "
+              f"loadavg at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)  # fmt: skip
+        pool = Pool(args.workers, tok, vocab_size, args.loom_engine, args.timeout, args.max_rss_gb)
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        try:
+            pool.run(tasks, on_result)
+        except KeyboardInterrupt:
+            print("interrupted: reporting the pairs done so far", flush=True)
+        finally:
+            pool.close()
+    if sink is not None:
+        sink.close()
     print(report(results, engines, labels, len(files)))
     if args.gaps in engines:
         peers = [e for e in engines if not e.startswith("loom")]
         if peers:
             print(gaps(results, args.data, args.gaps, peers))
-    load = os.getloadavg()
-    print(f"wall {time.time() - t0:.0f} s; loadavg at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-          f"; peak worker RSS {pool.peak_rss_mb:.0f} MB (all engines in each worker)")  # fmt: skip
+    if pool is not None:
+        load = os.getloadavg()
+        print(f"wall {time.time() - t0:.0f} s; loadavg at end {load[0]:.2f} {load[1]:.2f} "
+              f"{load[2]:.2f}; peak worker RSS {pool.peak_rss_mb:.0f} MB (all engines in each "
+              "worker)")  # fmt: skip
 
 
 if __name__ == "__main__":
