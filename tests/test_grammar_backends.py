@@ -380,3 +380,15 @@ def test_pathological_specs_are_stopped_and_do_not_delay_others():
         assert backend.compile_async("regex", "[0-9]+").result(timeout=30) is not None
     finally:
         backend.shutdown()
+
+
+def test_grammar_backend_flag_names_the_engines():
+    from loom.runtime.server_args import GRAMMAR_BACKENDS, ServerArgs
+
+    assert set(GRAMMAR_BACKENDS) == set(ENGINES)
+    assert ServerArgs(model_path="x").grammar_backend == "llguidance"
+    with pytest.raises(ValueError, match="grammar_backend.*'loom'"):
+        ServerArgs(model_path="x", grammar_backend="loom")
+    tok = byte_bpe()
+    with pytest.raises(ValueError, match="unknown grammar engine 'lark'"):
+        GrammarBackend(tok, engine="lark")
