@@ -392,3 +392,18 @@ def test_grammar_backend_flag_names_the_engines():
     tok = byte_bpe()
     with pytest.raises(ValueError, match="unknown grammar engine 'lark'"):
         GrammarBackend(tok, engine="lark")
+
+
+def test_llguidance_from_a_raw_tokenizers_tokenizer():
+    """A `tokenizers.Tokenizer` (no transformers wrapper) reaches llguidance through loom's
+    own byte table (the path for any tokenizer llguidance cannot read itself)."""
+    tok = byte_bpe()
+    backend = GrammarBackend(tok.backend_tokenizer, len(tok) + 64, {tok.eos_token_id})
+    schema, good, bad = SCHEMAS[0]
+    g = backend.compile("json_schema", schema)
+    assert all(_accepts(backend, tok, g, json.dumps(v, ensure_ascii=False)) for v in good)
+    assert not any(_accepts(backend, tok, g, json.dumps(v, ensure_ascii=False)) for v in bad)
+    _check_walks(
+        backend, tok, g, lambda text: jsonschema.validate(json.loads(text), schema) or True
+    )
+    assert g.jump_forward() == '{"name":'
