@@ -148,7 +148,10 @@ def decode_generate_request(body: Any) -> GenerateReqInput:
         raise ValueError(f"{where or 'body'}: {message}") from None
 
 
-class TokenizedGenerateReq(msgspec.Struct, tag=True):
+class TokenizedGenerateReq(msgspec.Struct, tag=True, kw_only=True):
+    """One request for the scheduler: a single prompt and copy (the TokenizerManager expands
+    batches and n), built by keyword."""
+
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams

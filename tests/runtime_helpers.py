@@ -33,7 +33,13 @@ def make_scheduler(path: str, **kwargs) -> Scheduler:
 
 def submit(sched: Scheduler, rid: str, ids: list[int], params: dict, seed: int = 0, **kw) -> None:
     sched.add_request(
-        TokenizedGenerateReq(rid, list(ids), make_sampling_params(params), seed, **kw)
+        TokenizedGenerateReq(
+            rid=rid,
+            input_ids=list(ids),
+            sampling_params=make_sampling_params(params),
+            seed=seed,
+            **kw,
+        )
     )
 
 

@@ -54,9 +54,9 @@ def run_loom(path: str, prompts: list[list[int]], dtype: str = "float32") -> dic
     for i, ids in enumerate(prompts):
         s.add_request(
             TokenizedGenerateReq(
-                f"r{i}",
-                ids,
-                make_sampling_params(params),
+                rid=f"r{i}",
+                input_ids=ids,
+                sampling_params=make_sampling_params(params),
                 seed=0,
                 return_logprob=True,
                 logprob_start_len=0,
