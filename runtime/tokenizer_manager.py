@@ -160,9 +160,7 @@ class TokenizerManager:
         starts = self._per_prompt(obj.logprob_start_len, "logprob_start_len", count, -1)
         tops = self._per_prompt(obj.top_logprobs_num, "top_logprobs_num", count, 0)
         if obj.text is not None:
-            prompts = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, self._encode_all, texts, prompt_field
-            )
+            prompts = await self.off_loop(self._encode_all, texts, prompt_field)
         else:
             prompts = [list(lst) for lst in id_lists]
         extra_key = obj.extra_key
@@ -243,6 +241,11 @@ class TokenizerManager:
         if not isinstance(rids, list) or len(rids) != n:
             raise RequestError(f"{field}: a batch needs a list of rids, one per prompt")
         return list(rids)
+
+    async def off_loop(self, fn, *args):
+        """Run tokenizer work (encode, decode, chat templates) in the tokenization pool, so a
+        long prompt never stalls the event loop that serves every other request."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     def _encode_all(self, texts: list[str], field: str) -> list[list[int]]:
         if self.tokenizer is None:

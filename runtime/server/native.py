@@ -247,7 +247,11 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if state.tokenizer is None:
         raise APIError(400, "prompt: this server was started with skip_tokenizer_init")
     prompts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
-    ids = [state.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts]
+    ids = await state.tm.off_loop(
+        lambda: [
+            state.tokenizer.encode(p, add_special_tokens=body.add_special_tokens) for p in prompts
+        ]
+    )
     tokens: Any = ids if isinstance(body.prompt, list) else ids[0]
     count: Any = [len(i) for i in ids] if isinstance(body.prompt, list) else len(ids[0])
     return {"tokens": tokens, "count": count, "max_model_len": state.context_len}
@@ -265,7 +269,10 @@ async def detokenize(body: DetokenizeRequest, request: Request):
         bad = [t for t in lst if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens: token id {bad[0]} is outside [0, {vocab})")
-    texts = [
-        state.tokenizer.decode(lst, skip_special_tokens=body.skip_special_tokens) for lst in lists
-    ]
+    texts = await state.tm.off_loop(
+        lambda: [
+            state.tokenizer.decode(lst, skip_special_tokens=body.skip_special_tokens)
+            for lst in lists
+        ]
+    )
     return {"text": texts if batch else texts[0]}

@@ -223,7 +223,11 @@ async def completions(req: CompletionRequest, request: Request):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestError(f"prompt: token id {bad[0]} is outside [0, {vocab})")
-        texts = [_decode(state, ids) for ids in lists] if req.echo else [""] * len(lists)
+        texts = (
+            await state.tm.off_loop(lambda: [_decode(state, ids) for ids in lists])
+            if req.echo
+            else [""] * len(lists)
+        )
     logprobs = req.logprobs is not None
     obj = GenerateReqInput(
         text=text,
@@ -341,7 +345,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs: requires logprobs to be true")
     include_usage, continuous_usage = _stream_usage(req)
-    ids = render_chat(state, req)
+    ids = await state.tm.off_loop(render_chat, state, req)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
