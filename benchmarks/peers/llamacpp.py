@@ -1,0 +1,338 @@
+"""llama.cpp as loom's CPU peer: build it, convert the same model, check it, benchmark it.
+
+Optional and never a test or CI dependency. Everything is cached under ~/.cache/loom/llamacpp:
+
+  build     llama.cpp's tools from the llama-cpp-python source distribution (its vendor/llama.cpp;
+            `pip download --no-binary :all:`), cmake Release with GGML_NATIVE=ON, the web UI off
+            (LLAMA_USE_PREBUILT_UI=OFF, else the build downloads one); targets llama-server and
+            llama-batched-bench (~15 min on 2 idle cores, once).
+  convert   the benchmark model (benchmarks/common.py: bundled, qwen0.5b-f32, qwen0.5b-bf16) to
+            GGUF at the same dtype with llama.cpp's convert_hf_to_gguf.py. The bundled tokenizer's
+            pre-tokenizer (individual digits, then GPT-2's ByteLevel regex) has no hash in
+            llama.cpp's table; it is mapped explicitly to "refact" (`\\p{N}` then the GPT-2 regex),
+            after checking that both split sample texts identically.
+  check     llama-server's /tokenize equals the HF tokenizer on sample texts, and greedy tokens
+            from llama-server equal loom's on the same token-id prompts.
+  offline   bench_offline's workload (same requests) through llama-server: -np = the number of
+            requests, one unified KV pool, token-id prompts, cache_prompt off, the same thread count;
+            useful tok/s. Rows for llama.cpp's default (-fa auto) and -fa off.
+  batched   llama-batched-bench: prefill and decode tok/s at batch sizes 1/8/32/64.
+
+    python benchmarks/peers/llamacpp.py all --model bundled [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402
+
+CACHE = Path(os.environ.get("LOOM_BENCH_CACHE", Path.home() / ".cache" / "loom")) / "llamacpp"
+TARGETS = ("llama-server", "llama-batched-bench")
+PRE_TOKENIZER = (
+    "refact"  # llama.cpp's `\p{N}` + GPT-2 regex split == Digits(individual) + ByteLevel
+)
+# GPT-2's split as HF and llama.cpp's hand-written splitter for it (unicode.cpp) apply it.
+GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+SAMPLES = [
+    "Hello world! The year 2024 had 366 days.",
+    "  leading spaces,\ttabs\n\nand new lines   ",
+    "I've been told he's there, 'RE you sure? We'Ve a'lL",
+    "3.14159 + 2e10 = ?? -- 1,000,000 $$ 50%",
+    "naïve café résumé — “quotes” and emojis 🚀🦙",
+    "def f(x):\n    return x**2  # comment",
+    "<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def source_dir() -> Path:
+    """vendor/llama.cpp of the llama-cpp-python sdist, downloaded and unpacked once."""
+    found = sorted(CACHE.glob("*/llama_cpp_python-*/vendor/llama.cpp/CMakeLists.txt"))
+    if found:
+        return found[-1].parent
+    dl = CACHE / "sdist"
+    dl.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+         "llama-cpp-python", "-d", str(dl)],
+        check=True,
+    )  # fmt: skip
+    sdist = sorted(dl.glob("llama_cpp_python-*.tar.gz"))[-1]
+    version = sdist.name.removeprefix("llama_cpp_python-").removesuffix(".tar.gz")
+    with tarfile.open(sdist) as tf:
+        tf.extractall(CACHE / version, filter="data")
+    return CACHE / version / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+
+
+def build_dir() -> Path:
+    return source_dir().parents[2] / "build"
+
+
+def build(jobs: int = 2) -> Path:
+    """The folder holding llama-server and llama-batched-bench, built once."""
+    src, out = source_dir(), build_dir()
+    bins = out / "bin"
+    if all((bins / t).exists() for t in TARGETS):
+        return bins
+    if shutil.which("cmake") is None:
+        raise SystemExit("cmake not found: apt-get install cmake (or pip install cmake)")
+    subprocess.run(
+        ["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
+         "-DGGML_NATIVE=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
+         "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF"],
+        check=True,
+    )  # fmt: skip
+    subprocess.run(
+        ["cmake", "--build", str(out), "--config", "Release", f"-j{jobs}", "--target", *TARGETS],
+        check=True,
+    )
+    return bins
+
+
+def check_pre_tokenizer(model_dir: str) -> None:
+    """The bundled tokenizer's pre-tokenizer splits like llama.cpp's PRE_TOKENIZER regexes."""
+    import regex
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    for text in SAMPLES:
+        hf = [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+        bl = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        ours = []
+        for part in regex.split(r"(\p{N})", text):
+            for piece in regex.findall(GPT2_REGEX, part):
+                ours += [p for p, _ in bl.pre_tokenize_str(piece)]
+        if hf != ours:
+            raise SystemExit(
+                f"pre-tokenizer split differs from {PRE_TOKENIZER!r} on {text!r}:\n{hf}\n{ours}"
+            )
+    print(f"pre-tokenizer: splits equal llama.cpp's {PRE_TOKENIZER!r} on {len(SAMPLES)} samples")
+
+
+def convert(model: str) -> Path:
+    """The GGUF of a benchmark model, at the model's own dtype."""
+    label, path = common.resolve_model(model)
+    cfg = json.loads(Path(path, "config.json").read_text())
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
+    out = CACHE / "gguf" / f"{label}-{outtype}.gguf"
+    if out.exists():
+        return out
+    check_pre_tokenizer(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    src = source_dir()
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[2:]\n"
+        "import convert_hf_to_gguf as c\n"
+        "from conversion.base import TextModel\n"
+        "orig = TextModel.get_vocab_base_pre\n"
+        "def pre(self, tokenizer):\n"
+        "    try:\n"
+        "        return orig(self, tokenizer)\n"
+        "    except NotImplementedError:\n"
+        f"        return {PRE_TOKENIZER!r}\n"
+        "TextModel.get_vocab_base_pre = pre\n"
+        "orig_sp = TextModel._create_vocab_sentencepiece\n"
+        "def sp(self):\n"  # no tokenizer.model: the BPE path, without importing sentencepiece
+        "    if not (self.dir_model / 'tokenizer.model').is_file():\n"
+        "        raise FileNotFoundError(self.dir_model / 'tokenizer.model')\n"
+        "    return orig_sp(self)\n"
+        "TextModel._create_vocab_sentencepiece = sp\n"
+        "c.main()\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(src), "convert_hf_to_gguf.py", path,
+         "--outfile", str(out) + ".tmp", "--outtype", outtype],
+        check=True,
+    )  # fmt: skip
+    os.replace(str(out) + ".tmp", out)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 3600) -> dict:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+@contextmanager
+def server(gguf: Path, *, parallel: int, ctx: int, threads: int, fa: str = "auto"):
+    """A running llama-server; yields its base URL."""
+    port = _free_port()
+    cmd = [
+        str(build() / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+        "-np", str(parallel), "-c", str(ctx), "--kv-unified", "-t", str(threads), "-tb", str(threads),
+        "-fa", fa, "-cram", "0", "--no-webui", "-b", "2048", "-ub", "512",
+    ]  # fmt: skip
+    log = open(CACHE / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(
+                    f"llama-server exited {proc.returncode}; see {CACHE / 'server.log'}"
+                )
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit("llama-server did not become healthy in 300 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def complete(url: str, ids: list[int], n: int) -> dict:
+    return _post(
+        url + "/completion",
+        {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True,
+         "cache_prompt": False, "return_tokens": True},
+    )  # fmt: skip
+
+
+def check(model: str, threads: int) -> None:
+    """Tokenization and greedy tokens against the HF tokenizer and loom."""
+    import transformers
+
+    import loom
+
+    label, path = common.resolve_model(model)
+    gguf = convert(model)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = [tok.encode(t) for t in SAMPLES]
+    with server(gguf, parallel=1, ctx=1024, threads=threads) as url:
+        for text, ids in zip(SAMPLES, prompts, strict=True):
+            got = _post(
+                url + "/tokenize", {"content": text, "add_special": False, "parse_special": True}
+            )
+            if got["tokens"] != ids:
+                raise SystemExit(
+                    f"tokenization differs on {text!r}:\nHF    {ids}\nllama {got['tokens']}"
+                )
+        print(f"tokenization: llama-server equals the HF tokenizer on {len(SAMPLES)} samples")
+        theirs = [complete(url, ids, 16)["tokens"] for ids in prompts]
+    engine = loom.Engine(path, random_seed=0, cpu_threads=threads)
+    try:
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+        )
+    finally:
+        engine.shutdown()
+    ours = [o["output_ids"] for o in outs]
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    first = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 16) for a, b in zip(ours, theirs)
+    ]
+    print(
+        f"greedy tokens ({label}): {same}/{len(prompts)} prompts identical over 16 tokens; "
+        f"first difference at token {first} (16 = none)"
+    )
+
+
+def offline(model: str, threads: int, num_requests: int, seed: int, fa: str) -> float:
+    """Useful tok/s of llama-server on bench_offline's requests, all sent at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import transformers
+    from bench_offline import make_requests
+
+    _, path = common.resolve_model(model)
+    gguf = convert(model)
+    reqs = make_requests(transformers.AutoTokenizer.from_pretrained(path), num_requests, seed)
+    ctx = sum(len(p) + m for p, m in reqs) + 64 * len(reqs)
+    with server(gguf, parallel=len(reqs), ctx=ctx, threads=threads, fa=fa) as url:
+        complete(url, reqs[0][0], 4)  # warm-up
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            t = time.perf_counter()
+            outs = list(pool.map(lambda r: complete(url, r[0], r[1]), reqs))
+            elapsed = time.perf_counter() - t
+    useful = sum(len(o["tokens"]) for o in outs)
+    assert useful == sum(m for _, m in reqs), (useful, sum(m for _, m in reqs))
+    return useful / elapsed
+
+
+def batched(model: str, threads: int, pp: int, tg: int, batches: list[int], fa: str) -> list[dict]:
+    """llama-batched-bench rows: {pl, speed_pp, speed_tg, ...} per batch size."""
+    gguf = convert(model)
+    ctx = max(batches) * (pp + tg) + 64
+    cmd = [
+        str(build() / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-b", "2048",
+        "-ub", "512", "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, batches)),
+        "-t", str(threads), "-tb", str(threads), "-fa", fa, "--output-format", "jsonl",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"llama-batched-bench failed:\n{res.stderr[-2000:]}")
+    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("command", choices=["build", "convert", "check", "offline", "batched", "all"])
+    p.add_argument("--model", default="bundled", help=f"one of {common.MODELS} or a model folder")
+    p.add_argument("--threads", type=int, default=1, help="threads for llama.cpp and loom")
+    p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the build")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pp", type=int, default=128, help="batched: prompt tokens per sequence")
+    p.add_argument("--tg", type=int, default=32, help="batched: generated tokens per sequence")
+    p.add_argument("--batches", default="1,8,32,64")
+    args = p.parse_args()
+    print(common.header("llama.cpp peer"))
+    if args.command in ("build", "all"):
+        print(f"llama.cpp tools in {build(args.jobs)}")
+    if args.command in ("convert", "all"):
+        print(f"gguf {convert(args.model)}")
+    if args.command in ("check", "all"):
+        check(args.model, args.threads)
+    if args.command in ("offline", "all"):
+        for fa in ("auto", "off"):
+            tps = offline(args.model, args.threads, args.num_requests, args.seed, fa)
+            print(f"llama-server -fa {fa:4}  {tps:9.1f} useful tok/s")
+    if args.command in ("batched", "all"):
+        batches = [int(b) for b in args.batches.split(",")]
+        for fa in ("auto", "off"):
+            for r in batched(args.model, args.threads, args.pp, args.tg, batches, fa):
+                print(
+                    f"llama-batched-bench -fa {fa:4} B={r['pl']:3} pp {args.pp} tg {args.tg}: "
+                    f"prefill {r['speed_pp']:9.1f} tok/s  decode {r['speed_tg']:8.1f} tok/s"
+                )
+    print(common.loadavg())
+
+
+if __name__ == "__main__":
+    main()
