@@ -8,15 +8,22 @@
 - JSON agent: 4 dependent chat turns, each gen constrained by a JSON schema (the last turn is
   built from what the first two extracted), 8 inputs through `run_batch`.
 
-The three ways: the language on an Engine with the radix cache (the default); the language on
-a second Engine with `disable_radix_cache=True`; and "no language": the generate calls the
-program sent (recorded from the first way: prompt text and sampling parameters, exactly),
-replayed one after another with plain `engine.generate` in one thread, on the cache-on
-engine after `flush_cache()`. Greedy decoding throughout, so the replay must reproduce the
-program's outputs; the last column says whether it did. Each engine runs every program once
-on one input (untimed) first, so grammar compilation and first-call costs are not measured.
+The ways: the language on an Engine with the radix cache (the default); the language on a
+second Engine with `disable_radix_cache=True`; and two without the language, replaying the
+generate calls the program sent (recorded from the first way: prompt text and sampling
+parameters, exactly) on the cache-on engine after `flush_cache()`:
+- "batched calls", what a user would write by hand: the calls grouped by dependency depth (a
+  call depends on an earlier one when its prompt holds that call's prompt tail followed by its
+  output), each group sent as one batched `engine.generate` — this is the baseline that the
+  language's speed-up is quoted against;
+- "sequential calls": one after another in one thread (the strictly serial lower bound).
+Greedy decoding throughout, so the replays should reproduce the program's outputs; the
+"replay same" column says whether they did. Each engine runs every program once on one input
+(untimed) first, so grammar compilation and first-call costs are not measured. The ways
+alternate within each round (--rounds); times are medians, ratios median per-round ratios.
 
-    python benchmarks/bench_programs.py [--model-path PATH] [--torch-threads N]
+    python benchmarks/bench_programs.py [--model bundled|qwen0.5b-f32|PATH] [--torch-threads N]
+        [--rounds 3] [--scale 1]
 
 `--torch-threads 1` is for shared machines: on a 2-core box at load ~4, torch's two-thread
 kernels contended so badly that an 8-request decode step took 0.24 s instead of 0.005 s, which
@@ -29,8 +36,11 @@ import argparse
 import json
 import os
 import random
+import statistics
 import threading
 import time
+
+import common
 
 import loom as sgl
 from loom.backends.engine import EngineBackend
@@ -167,15 +177,19 @@ PEOPLE = [
 ]
 
 
-def workloads(tok) -> dict:
-    """name -> (program, batch of kwargs)."""
-    shots = few_shot_prefix(tok, 1000)
-    questions = [f"What is the capital of {c}?" for c, _, _ in COUNTRIES[:32]]
-    context = fact_context(tok, 300)
-    problems = [f"plan a three-day trip to {c}." for c, _, _ in COUNTRIES[27:31]]
+def workloads(tok, scale: float = 1.0) -> dict:
+    """name -> (program, batch of kwargs); scale shrinks prefixes and batch sizes."""
+
+    def sz(base: int) -> int:
+        return max(1, round(base * scale))
+
+    shots = few_shot_prefix(tok, sz(1000))
+    questions = [f"What is the capital of {c}?" for c, _, _ in COUNTRIES[: sz(32)]]
+    context = fact_context(tok, sz(300))
+    problems = [f"plan a three-day trip to {c}." for c, _, _ in COUNTRIES[27 : 27 + sz(4)]]
     texts = [
         f"{n} is {a} and lives in {c}. {n.split()[0]} works as a {j} and enjoys {h}."
-        for n, a, c, j, h in PEOPLE
+        for n, a, c, j, h in PEOPLE[: sz(8)]
     ]
     return {
         "few-shot QA": (few_shot_qa.bind(shots=shots), [{"question": q} for q in questions]),
@@ -229,6 +243,33 @@ def replay(engine, calls: list[tuple[dict, str]]) -> list[str]:
     return [engine.generate(body["text"], body["sampling_params"])["text"] for body, _ in calls]
 
 
+def stages(calls: list[tuple[dict, str]]) -> list[list[int]]:
+    """Call indices grouped by dependency depth. Call i depends on an earlier call j when i's
+    prompt holds the tail of j's prompt followed by j's output (a chat turn continued, a fork
+    joined); calls of one depth never depend on each other, so each group is one batch."""
+    depth: list[int] = []
+    for i, (body, _) in enumerate(calls):
+        d = 0
+        for j in range(i):
+            prev, out = calls[j][0]["text"], calls[j][1]
+            if out and prev[-40:] + out in body["text"]:
+                d = max(d, depth[j] + 1)
+        depth.append(d)
+    return [[i for i, d in enumerate(depth) if d == k] for k in range(max(depth, default=-1) + 1)]
+
+
+def replay_batched(engine, calls: list[tuple[dict, str]], groups: list[list[int]]) -> list[str]:
+    """The recorded calls as a user would batch them by hand: one generate per dependency depth."""
+    texts: list[str] = [""] * len(calls)
+    for group in groups:
+        outs = engine.generate(
+            [calls[i][0]["text"] for i in group], [calls[i][0]["sampling_params"] for i in group]
+        )
+        for i, o in zip(group, outs, strict=True):
+            texts[i] = o["text"]
+    return texts
+
+
 def warm_up(engine, work: dict) -> None:
     for program, batch in work.values():
         run_program(program, batch[:1], engine)
@@ -262,76 +303,121 @@ def report(name: str, way: str, elapsed: float, n: int, hit: float) -> None:
     )
 
 
-def main() -> None:
+WAYS = {
+    "language": "language + cache",
+    "batched": "batched calls",
+    "sequential": "sequential calls",
+    "no-cache": "language, no cache",
+}
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model-path", default=None, help="default: the bundled model")
+    parser.add_argument("--model", default="bundled", help=f"one of {common.MODELS} or a folder")
     parser.add_argument(
         "--torch-threads",
         type=int,
         default=None,
-        help="OMP_NUM_THREADS for the engines' processes (default: torch's own choice)",
+        help="threads for the engines' schedulers (default: loom's, CPU count - 1)",
     )
-    args = parser.parse_args()
-    if args.torch_threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)  # inherited by the fork server
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    parser.add_argument("--scale", type=float, default=1.0, help="workload size factor")
+    parser.add_argument("--skip-sequential", action="store_true")
+    args = parser.parse_args(argv)
+    label, path = common.resolve_model(args.model)
+    kw = {"log_level": "warning", "cpu_threads": args.torch_threads}
+    print(common.header("bench_programs"))
 
-    # (workload, way) -> (seconds, hit rate), way in language / sequential / no-cache
-    results: dict[tuple[str, str], tuple[float, float]] = {}
-    notes: dict[str, tuple[int, bool, str]] = {}  # name -> (calls, replay same, quality)
-
-    engine = sgl.Engine(args.model_path, log_level="warning")
+    secs: dict[tuple[str, str], list[float]] = {}
+    hits: dict[tuple[str, str], list[float]] = {}
+    notes: dict[str, tuple[int, int, bool, bool, str]] = {}
+    engine = sgl.Engine(path, **kw)
+    nocache = sgl.Engine(path, disable_radix_cache=True, **kw)
     try:
         tok = engine.tokenizer
-        work = workloads(tok)
+        work = workloads(tok, args.scale)
         shots = work["few-shot QA"][0].bind_arguments["shots"]
         context = work["tree of thought"][0].bind_arguments["context"]
         print(
-            f"model {engine.server_args.model_path}, torch threads "
-            f"{os.environ.get('OMP_NUM_THREADS', 'default')}, {os.cpu_count()} CPUs; "
+            f"model {label}, threads {engine.server_args.effective_cpu_threads}, "
+            f"{os.cpu_count()} CPUs, scale {args.scale}, {args.rounds} rounds alternating; "
             f"few-shot prefix {len(tok.encode(shots))} tokens, "
             f"tree-of-thought context {len(tok.encode(context))} tokens\n",
             flush=True,
         )
         warm_up(engine, work)
+        warm_up(nocache, work)
         for name, (program, batch) in work.items():
-            recorder = RecordingBackend(engine)
-            engine.flush_cache()
-            states, elapsed, hit = measure(engine, run_program, program, batch, recorder)
-            results[(name, "language")] = (elapsed, hit)
-            report(name, "language + cache", elapsed, len(batch), hit)
-            engine.flush_cache()
-            outs, elapsed, hit = measure(engine, replay, engine, recorder.calls)
-            results[(name, "sequential")] = (elapsed, hit)
-            report(name, "sequential calls", elapsed, len(batch), hit)
-            same = outs == [text for _, text in recorder.calls]
-            notes[name] = (len(recorder.calls), same, quality(name, states))
-    finally:
-        engine.shutdown()
+            recorder = None
+            same_b = same_s = True
+            for _ in range(args.rounds):
 
-    engine = sgl.Engine(args.model_path, disable_radix_cache=True, log_level="warning")
-    try:
-        warm_up(engine, work)
-        for name, (program, batch) in work.items():
-            _, elapsed, hit = measure(engine, run_program, program, batch, engine)
-            results[(name, "no-cache")] = (elapsed, hit)
-            report(name, "language, no cache", elapsed, len(batch), hit)
+                def note(way, elapsed, hit, name=name):
+                    secs.setdefault((name, way), []).append(elapsed)
+                    hits.setdefault((name, way), []).append(hit)
+
+                rec = RecordingBackend(engine)
+                engine.flush_cache()
+                states, elapsed, hit = measure(engine, run_program, program, batch, rec)
+                note("language", elapsed, hit)
+                if recorder is None:
+                    recorder, first_states = rec, states
+                calls = recorder.calls
+                expected = [text for _, text in calls]
+                _, elapsed, hit = measure(nocache, run_program, program, batch, nocache)
+                note("no-cache", elapsed, hit)
+                groups = stages(calls)
+                engine.flush_cache()
+                outs, elapsed, hit = measure(engine, replay_batched, engine, calls, groups)
+                note("batched", elapsed, hit)
+                same_b &= outs == expected
+                if not args.skip_sequential:
+                    engine.flush_cache()
+                    outs, elapsed, hit = measure(engine, replay, engine, calls)
+                    note("sequential", elapsed, hit)
+                    same_s &= outs == expected
+            for way, title in WAYS.items():
+                if (name, way) in secs:
+                    report(
+                        name,
+                        title,
+                        statistics.median(secs[(name, way)]),
+                        len(batch),
+                        statistics.median(hits[(name, way)]),
+                    )
+            notes[name] = (len(calls), len(groups), same_b, same_s, quality(name, first_states))
     finally:
         engine.shutdown()
+        nocache.shutdown()
 
     print(
-        "\nprogram          programs calls  speedup vs no-cache  vs sequential  "
-        "hit rate lang/seq  replay same  outputs"
+        "\nprogram          programs calls stages  vs batched calls        vs no-cache"
+        "              vs sequential   hit rate lang/batched  replay same (batched/seq)  outputs"
     )
+    out = {"model": label, "programs": {}}
     for name, (_, batch) in work.items():
-        lang, off, seq = (results[(name, w)][0] for w in ("language", "no-cache", "sequential"))
-        calls, same, q = notes[name]
-        hits = f"{100 * results[(name, 'language')][1]:.1f}% / {100 * results[(name, 'sequential')][1]:.1f}%"
+        # programs/s ratios = inverse time ratios, per round
+        lang = secs[(name, "language")]
+        row = {}
+        cols = []
+        for way in ("batched", "no-cache", "sequential"):
+            if (name, way) in secs:
+                row[way] = common.ratio_summary(secs[(name, way)], lang)
+                cols.append(f"{row[way][0]:6.2f}x ({row[way][1]:.2f}-{row[way][2]:.2f})")
+            else:
+                cols.append("     -")
+        out["programs"][name] = row
+        calls, ngroups, same_b, same_s, q = notes[name]
+        h = f"{100 * statistics.median(hits[(name, 'language')]):.1f}% / {100 * statistics.median(hits[(name, 'batched')]):.1f}%"
+        same = f"{'yes' if same_b else 'NO'}/{'yes' if same_s else 'NO'}"
         print(
-            f"{name:16s} {len(batch):8d} {calls:5d} {off / lang:19.2f}x {seq / lang:13.2f}x  "
-            f"{hits:>17s}  {'yes' if same else 'NO':>11s}  {q}"
+            f"{name:16s} {len(batch):8d} {calls:5d} {ngroups:6d}  {cols[0]:22s} {cols[1]:22s} "
+            f"{cols[2]:22s} {h:>17s}  {same:>12s}  {q}"
         )
+    print(common.loadavg())
+    return out
 
 
 if __name__ == "__main__":
