@@ -190,7 +190,7 @@ def batched(args, label: str, path: str, tok, threads: int) -> dict:
             )
     finally:
         loom_side.close()
-    return {"model": label, "pp": args.pp, "tg": args.tg, "rows": rows}
+    return {"model": label, "pp": args.pp, "tg": args.tg, "threads": threads, "rows": rows}
 
 
 def parser() -> argparse.ArgumentParser:

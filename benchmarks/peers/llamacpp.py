@@ -261,7 +261,15 @@ def check(model: str, threads: int) -> None:
     )
 
 
-def offline(model: str, threads: int, num_requests: int, seed: int, fa: str) -> float:
+def offline(
+    model: str,
+    threads: int,
+    num_requests: int,
+    seed: int,
+    fa: str,
+    max_prompt: int = 400,
+    max_new: int = 128,
+) -> float:
     """Useful tok/s of llama-server on bench_offline's requests, all sent at once."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -270,7 +278,8 @@ def offline(model: str, threads: int, num_requests: int, seed: int, fa: str) -> 
 
     _, path = common.resolve_model(model)
     gguf = convert(model)
-    reqs = make_requests(transformers.AutoTokenizer.from_pretrained(path), num_requests, seed)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    reqs = make_requests(tok, num_requests, seed, max_prompt, max_new)
     ctx = sum(len(p) + m for p, m in reqs) + 64 * len(reqs)
     with server(gguf, parallel=len(reqs), ctx=ctx, threads=threads, fa=fa) as url:
         complete(url, reqs[0][0], 4)  # warm-up
@@ -308,6 +317,8 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the build")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-prompt", type=int, default=400, help="offline: prompt lengths 10..this")
+    p.add_argument("--max-new", type=int, default=128, help="offline: new tokens 8..this")
     p.add_argument("--pp", type=int, default=128, help="batched: prompt tokens per sequence")
     p.add_argument("--tg", type=int, default=32, help="batched: generated tokens per sequence")
     p.add_argument("--batches", default="1,8,32,64")
@@ -321,7 +332,15 @@ def main() -> None:
         check(args.model, args.threads)
     if args.command in ("offline", "all"):
         for fa in ("auto", "off"):
-            tps = offline(args.model, args.threads, args.num_requests, args.seed, fa)
+            tps = offline(
+                args.model,
+                args.threads,
+                args.num_requests,
+                args.seed,
+                fa,
+                args.max_prompt,
+                args.max_new,
+            )
             print(f"llama-server -fa {fa:4}  {tps:9.1f} useful tok/s")
     if args.command in ("batched", "all"):
         batches = [int(b) for b in args.batches.split(",")]

@@ -1,0 +1,259 @@
+"""Every benchmark in one run, then one table of ratios against their targets.
+
+    python benchmarks/run_all.py --quick          # every benchmark at a small size (< 10 min idle)
+    python benchmarks/run_all.py                  # the sizes docs/benchmarks.md quotes
+    python benchmarks/run_all.py --models bundled,qwen0.5b-f32,qwen0.5b-bf16 --llamacpp
+
+The loom benchmarks run in this process one after another (each prints its own table, the
+machine, the commit and the load before and after); the grammar benchmarks (G-BENCH's) run as
+subprocesses at their small sizes. llama.cpp rows come from benchmarks/peers/llamacpp.py when
+--llamacpp is given (it builds llama.cpp once, ~15 min on 2 idle cores) or when its build is
+already cached. Writes docs/img/throughput_<model>.png: decode and prefill tok/s against batch
+size for loom, HF and llama.cpp. Ratios are medians of per-round ratios (A B A B ...), with the
+range; on a shared machine read them, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "peers"))
+
+import bench_offline  # noqa: E402
+import bench_prefix  # noqa: E402
+import bench_programs  # noqa: E402
+import bench_serving  # noqa: E402
+import common  # noqa: E402
+
+# (quick, full) arguments per benchmark and model size: "small" = the bundled 3.9M model,
+# "large" = the 0.36B Qwen2.5-0.5B-shaped models (a few tok/s per core in f32 on a CPU, so their
+# workloads are cut to what 2 shared cores finish; the tables say which sizes ran).
+PLANS = {
+    "offline": {
+        "small": (
+            "--num-requests 16 --max-prompt 200 --max-new 64 --rounds 2 --skip-serial",
+            "--num-requests 64 --rounds 3",
+        ),
+        "large": (
+            "--num-requests 4 --max-prompt 32 --max-new 8 --rounds 1 --skip-serial",
+            "--num-requests 16 --max-prompt 64 --max-new 16 --rounds 2 --skip-serial",
+        ),
+    },
+    "batched": {
+        "small": (
+            "--only-batched --batch-sizes 1,8,32,64 --pp 32 --tg 8 --rounds 1",
+            "--only-batched --batch-sizes 1,8,32,64 --pp 128 --tg 32 --rounds 2",
+        ),
+        "large": (
+            "--only-batched --batch-sizes 1,8 --pp 16 --tg 4 --rounds 1",
+            "--only-batched --batch-sizes 1,8,32,64 --pp 16 --tg 4 --rounds 1",
+        ),
+    },
+    "prefix": {"small": ("--rounds 1 --scale 0.25", "--rounds 3"), "large": None},
+    "programs": {
+        "small": ("--rounds 1 --scale 0.25 --skip-sequential", "--rounds 3"),
+        "large": None,
+    },
+    "serving": {
+        "small": (
+            "--num-prompts 16 --request-rates 4,16 --rounds 1",
+            "--num-prompts 64 --request-rates 2,8,32 --rounds 3",
+        ),
+        "large": None,
+    },
+}
+GRAMMAR = [  # G-BENCH's benchmarks at small sizes; their output is shown as printed
+    ("bench_grammar", ["--stride", "400", "--instances", "1", "--skip-e2e"]),
+    ("bench_grammar", ["--only-e2e", "--requests", "16"]),
+    ("maskbench_coverage", ["--stride", "400", "--timeout", "20"]),
+]
+TARGETS = {  # name -> (target, higher is better)
+    "offline: loom / HF static batch": (3.0, True),
+    "offline: loom / HF one at a time": (20.0, True),
+    "offline: decode overhead outside the forward": (0.15, False),
+    "offline: loom / llama.cpp (default)": (1.0, True),
+    "prefix few-shot: loom / HF": (4.0, True),
+    "prefix few-shot: loom / loom cache off": (4.0, True),
+    "programs tree of thought: language / batched calls": (1.0, True),
+    "programs tree of thought: language / sequential calls": (4.0, True),
+    "serving: server / Engine at saturation": (0.9, True),
+}
+
+
+def argv(plan: tuple[str, str] | None, quick: bool, model: str) -> list[str] | None:
+    if plan is None:
+        return None
+    return [*plan[0 if quick else 1].split(), "--model", model]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="every benchmark at a small size")
+    p.add_argument("--models", default=None, help="default: bundled (quick) or all three")
+    p.add_argument(
+        "--llamacpp", action="store_true", help="build llama.cpp if needed and add its rows"
+    )
+    p.add_argument("--skip-grammar", action="store_true")
+    p.add_argument(
+        "--only", default=None, help="comma list of offline,batched,prefix,programs,serving"
+    )
+    p.add_argument("--json", default=None, help="write every result to this file")
+    a = p.parse_args()
+    models = (a.models or ("bundled" if a.quick else ",".join(common.MODELS))).split(",")
+    only = set(a.only.split(",")) if a.only else set(PLANS)
+    t0 = time.time()
+    print(common.header("run_all" + (" --quick" if a.quick else "")), flush=True)
+    import llamacpp
+
+    have_llama = a.llamacpp or all(
+        (llamacpp.build_dir() / "bin" / t).exists() for t in llamacpp.TARGETS
+    )
+    results: dict = {}
+    rows: list[tuple[str, str, tuple[float, float, float] | float]] = []
+    for model in models:
+        size = "small" if model == "bundled" else "large"
+        for bench, fn in (
+            ("offline", bench_offline.main),
+            ("batched", bench_offline.main),
+            ("prefix", bench_prefix.main),
+            ("programs", bench_programs.main),
+            ("serving", bench_serving.main),
+        ):
+            args = argv(PLANS[bench][size], a.quick, model)
+            if bench not in only or args is None:
+                continue
+            print(f"\n===== {bench} {model}: {' '.join(args)}", flush=True)
+            results[(bench, model)] = r = fn(args)
+            if bench == "offline":
+                o = r["offline"]
+                rows.append((model, "offline: loom / HF static batch", o["vs_static"]))
+                if "vs_serial" in o:
+                    rows.append((model, "offline: loom / HF one at a time", o["vs_serial"]))
+                rows.append((model, "offline: decode overhead outside the forward", o["overhead"]))
+            elif bench == "prefix":
+                w = r["workloads"]["few-shot"]
+                rows.append((model, "prefix few-shot: loom / HF", w["vs_hf"]))
+                rows.append((model, "prefix few-shot: loom / loom cache off", w["vs_nocache"]))
+            elif bench == "programs":
+                t = r["programs"]["tree of thought"]
+                rows.append(
+                    (model, "programs tree of thought: language / batched calls", t["batched"])
+                )
+                if "sequential" in t:
+                    rows.append(
+                        (
+                            model,
+                            "programs tree of thought: language / sequential calls",
+                            t["sequential"],
+                        )
+                    )
+            elif bench == "serving" and "server_vs_engine" in r:
+                rows.append(
+                    (model, "serving: server / Engine at saturation", r["server_vs_engine"])
+                )
+        if have_llama and ("offline" in only or "batched" in only):
+            llama_rows(a, model, size, results, rows)
+        plot_throughput(model, results)
+    if not a.skip_grammar:
+        for script, extra in GRAMMAR:
+            cmd = [sys.executable, str(HERE / f"{script}.py"), *extra]
+            print(f"\n===== {script} {' '.join(extra)}", flush=True)
+            subprocess.run(cmd, check=False, timeout=900)
+    print(
+        f"\n===== summary ({time.time() - t0:.0f} s; {common.loadavg()}; commit {common.commit()})"
+    )
+    print(f"{'model':14} {'measure':55} {'measured':>28} {'target':>8}  met")
+    for model, name, v in rows:
+        target, higher = TARGETS[name]
+        if isinstance(v, tuple):
+            shown = f"{v[0]:.2f}x ({v[1]:.2f}-{v[2]:.2f})"
+            med = v[0]
+        else:
+            shown, med = f"{100 * v:.1f}%", v
+        tshown = f"{target:g}x" if higher else f"<={100 * target:g}%"
+        met = med >= target if higher else med <= target
+        print(f"{model:14} {name:55} {shown:>28} {tshown:>8}  {'yes' if met else 'no'}")
+    if a.json:
+        Path(a.json).write_text(
+            json.dumps({f"{k[0]}:{k[1]}": v for k, v in results.items()}, indent=1)
+        )
+
+
+def llama_rows(a, model: str, size: str, results: dict, rows: list) -> None:
+    import llamacpp
+
+    from loom.runtime.server_args import ServerArgs
+
+    threads = ServerArgs().effective_cpu_threads
+    print(f"\n===== llama.cpp {model} (threads {threads})", flush=True)
+    print(common.header("llama.cpp peer"))
+    llamacpp.build()
+    llamacpp.check(model, threads)
+    off = results.get(("offline", model))
+    if off is not None:
+        plan = argv(PLANS["offline"][size], a.quick, model)
+        ns = bench_offline.parser().parse_args(plan)
+        loom_tps = off["offline"]["tok_s"]["loom"]
+        for fa in ("auto", "off"):
+            tps = llamacpp.offline(
+                model, threads, ns.num_requests, ns.seed, fa, ns.max_prompt, ns.max_new
+            )
+            print(
+                f"llama-server -fa {fa:4}  {tps:9.1f} useful tok/s; loom / llama.cpp {loom_tps / tps:.2f}x"
+            )
+            results[("llama_offline_" + fa, model)] = tps
+            if fa == "auto":
+                rows.append((model, "offline: loom / llama.cpp (default)", loom_tps / tps))
+    bat = results.get(("batched", model))
+    if bat is not None:
+        b = bat["batched"]
+        sizes = [r["B"] for r in b["rows"]]
+        for fa in ("auto", "off"):
+            got = llamacpp.batched(model, threads, b["pp"], b["tg"], sizes, fa)
+            results[("llama_batched_" + fa, model)] = got
+            for r in got:
+                print(
+                    f"llama-batched-bench -fa {fa:4} B={r['pl']:3} pp {b['pp']} tg {b['tg']}: "
+                    f"prefill {r['speed_pp']:9.1f} tok/s  decode {r['speed_tg']:8.1f} tok/s"
+                )
+    print(common.loadavg())
+
+
+def plot_throughput(model: str, results: dict) -> None:
+    bat = results.get(("batched", model))
+    if bat is None:
+        return
+    b = bat["batched"]
+    xs = [r["B"] for r in b["rows"]]
+    for what in ("decode", "prefill"):
+        series = {
+            "loom": (xs, [r[f"loom_{what}"] for r in b["rows"]]),
+            "HF transformers": (xs, [r[f"hf_{what}"] for r in b["rows"]]),
+        }
+        for fa in ("auto", "off"):
+            got = results.get(("llama_batched_" + fa, model))
+            if got:
+                key = "speed_tg" if what == "decode" else "speed_pp"
+                series[f"llama.cpp -fa {fa}"] = ([r["pl"] for r in got], [r[key] for r in got])
+        common.plot(
+            f"throughput_{what}_{model}.png",
+            f"{what} tok/s vs batch size ({model}, pp {b['pp']}, tg {b['tg']}, {b['threads']} thread(s))",
+            "batch size",
+            f"{what} tok/s",
+            series,
+            logx=True,
+            logy=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
