@@ -5,32 +5,9 @@ from __future__ import annotations
 import logging
 import traceback
 
-from loom.runtime.io_struct import (
-    AbortReq,
-    BatchTokenIDOut,
-    ControlOut,
-    FlushCacheReq,
-    StateReq,
-    TokenizedGenerateReq,
-    ToScheduler,
-    decoder,
-    encode,
-)
+from loom.runtime.io_struct import BatchTokenIDOut, ToScheduler, decoder, encode
 
 logger = logging.getLogger(__name__)
-
-
-def handle_message(sched, msg) -> ControlOut | None:
-    if isinstance(msg, TokenizedGenerateReq):
-        sched.add_request(msg)
-    elif isinstance(msg, AbortReq):
-        sched.abort(msg.rid)
-    elif isinstance(msg, FlushCacheReq):
-        ok, message = sched.flush_cache()
-        return ControlOut(msg.request_id, ok, message)
-    elif isinstance(msg, StateReq):
-        return ControlOut(msg.request_id, True, state=sched.get_state())
-    return None
 
 
 def run_scheduler_process(args, ipc, owner_pid, ready_pipe) -> None:
@@ -63,7 +40,7 @@ def run_scheduler_process(args, ipc, owner_pid, ready_pipe) -> None:
     while True:
         timeout = 1000 if sched.is_idle else (1 if sched.only_waiting_for_grammar else 0)
         while poller.poll(timeout):
-            reply = handle_message(sched, dec.decode(recv.recv()))
+            reply = sched.handle_message(dec.decode(recv.recv()))
             if reply is not None:
                 send.send(encode(reply))
             timeout = 0

@@ -11,7 +11,14 @@ import logging
 import random
 import time
 
-from loom.runtime.io_struct import ReqOutput, TokenizedGenerateReq
+from loom.runtime.io_struct import (
+    AbortReq,
+    ControlOut,
+    FlushCacheReq,
+    ReqOutput,
+    StateReq,
+    TokenizedGenerateReq,
+)
 from loom.runtime.req import Req
 from loom.runtime.scheduler.batch import ScheduleBatch
 from loom.runtime.scheduler.decode import DecodeManager
@@ -124,20 +131,33 @@ class Scheduler:
     def only_waiting_for_grammar(self) -> bool:
         return len(self.grammar_queue) > 0 and not (len(self.prefill) or len(self.decode))
 
-    # ---------------------------------------------------------------- admission
+    # ---------------------------------------------------------------- messages
+    def handle_message(self, msg) -> ControlOut | None:
+        """One message from the tokenizer manager; returns the reply a control message gets."""
+        if isinstance(msg, TokenizedGenerateReq):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            ok, message = self.flush_cache()
+            return ControlOut(msg.request_id, ok, message)
+        elif isinstance(msg, StateReq):
+            return ControlOut(msg.request_id, True, state=self.get_state())
+        return None
+
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         p = msg.sampling_params
         req = Req(
-            msg.rid,
-            msg.input_ids,
-            p,
-            msg.seed,
-            msg.stream,
-            msg.return_logprob,
-            msg.logprob_start_len,
-            msg.top_logprobs_num,
-            self.eos_token_ids,
-            msg.extra_key,
+            rid=msg.rid,
+            input_ids=msg.input_ids,
+            sampling_params=p,
+            seed=msg.seed,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+            eos_token_ids=self.eos_token_ids,
+            extra_key=msg.extra_key,
         )
         error = self._validate(req)
         if error:
