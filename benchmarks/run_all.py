@@ -103,6 +103,7 @@ def main() -> None:
         "--llamacpp", action="store_true", help="build llama.cpp if needed and add its rows"
     )
     p.add_argument("--skip-grammar", action="store_true")
+    p.add_argument("--grammar-timeout", type=int, default=600, help="seconds per grammar benchmark")
     p.add_argument(
         "--only", default=None, help="comma list of offline,batched,prefix,programs,serving"
     )
@@ -167,7 +168,10 @@ def main() -> None:
         for script, extra in GRAMMAR:
             cmd = [sys.executable, str(HERE / f"{script}.py"), *extra]
             print(f"\n===== {script} {' '.join(extra)}", flush=True)
-            subprocess.run(cmd, check=False, timeout=900)
+            try:
+                subprocess.run(cmd, check=False, timeout=a.grammar_timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{script}: stopped after {a.grammar_timeout} s (--grammar-timeout)")
     print(
         f"\n===== summary ({time.time() - t0:.0f} s; {common.loadavg()}; commit {common.commit()})"
     )
