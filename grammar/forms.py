@@ -65,7 +65,8 @@ def translate(kind: str, spec: Any, json_options=None, json_form: str = "lark") 
                 return Form("regex", json_schema_to_regex(spec, json_options))
             except NeedsCFG:
                 pass
-        return Form("lark", json_schema_to_lark(spec, json_options))
+        # unfused terminals: the Lark engines here lex greedily or per character
+        return Form("lark", json_schema_to_lark(spec, json_options, fuse=False))
     if kind == "ebnf":
         return Form("lark", gbnf_as_lark(spec))
     if kind == "lark":

@@ -101,10 +101,13 @@ def _to_regex(schema, options: JsonSchemaOptions, unroll: int | None = None) -> 
         raise GrammarError(f"schema admits no value: {e}") from None
 
 
-def json_schema_to_lark(spec: Any, opts: JsonSchemaOptions | None = None, **kw) -> str:
-    """A Lark grammar (start rule `start`) for any schema, recursive `$ref`s included."""
+def json_schema_to_lark(
+    spec: Any, opts: JsonSchemaOptions | None = None, *, fuse: bool = True, **kw
+) -> str:
+    """A Lark grammar (start rule `start`) for any schema, recursive `$ref`s included.
+    `fuse=False` keeps every literal and leaf its own terminal (see LarkAlgebra)."""
     schema = normalize_schema(spec)
-    alg = LarkAlgebra()
+    alg = LarkAlgebra(fuse)
     tr = Translator(schema, alg, _options(opts, kw), rules=True)
     try:
         return alg.grammar(tr.value(schema))

@@ -77,11 +77,18 @@ def _unwrap(term: str) -> str:
 
 
 class LarkAlgebra:
-    """Nodes are (is_pure_regex, text): a pure node is a regex, the rest are Lark expressions."""
+    """Nodes are (is_pure_regex, text): a pure node is a regex, the rest are Lark expressions.
+
+    `fuse`: adjacent pure parts of a sequence become one terminal (what loom's LALR(1) engine
+    needs). A lexer that matches terminals greedily without backtracking (llguidance) wants
+    them apart: fused, `,[ ]?"role":...` beside a bare `,[ ]?` runs past the separator and
+    rejects the next key; apart, separators, keys and values are each their own lexeme (on a
+    MaskBench sample: 27 valid documents refused fused, 3 apart, the same 3 as one regex)."""
 
     HOIST = 200  # structural expressions longer than this become (deduplicated) rules
 
-    def __init__(self):
+    def __init__(self, fuse: bool = True):
+        self.fuse = fuse
         self.rules: dict[str, object] = {}
         self._hoisted: dict[str, str] = {}
 
@@ -109,7 +116,7 @@ class LarkAlgebra:
         for p in parts:
             if not p[1]:
                 continue
-            if p[0] and runs and runs[-1][0]:
+            if self.fuse and p[0] and runs and runs[-1][0]:
                 runs[-1] = (True, runs[-1][1] + group(p[1]))
             else:
                 runs.append((p[0], group(p[1]) if p[0] else p[1]))
