@@ -304,7 +304,13 @@ def batched(model: str, threads: int, pp: int, tg: int, batches: list[int], fa: 
     res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise SystemExit(f"llama-batched-bench failed:\n{res.stderr[-2000:]}")
-    return [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    lines = (res.stdout + "\n" + res.stderr).splitlines()  # LOG may go to either stream
+    rows = [json.loads(line) for line in lines if line.startswith('{"n_kv_max"')]
+    if len(rows) != len(batches):
+        raise SystemExit(
+            f"llama-batched-bench printed {len(rows)} rows for {len(batches)} batch sizes"
+        )
+    return rows
 
 
 def main() -> None:
