@@ -76,6 +76,11 @@ def source_dir() -> Path:
     return CACHE / version / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
 
 
+def built() -> bool:
+    """Whether a cached build has both tools (downloads and builds nothing)."""
+    return any(all((d / "bin" / t).exists() for t in TARGETS) for d in CACHE.glob("*/build"))
+
+
 def build_dir() -> Path:
     return source_dir().parents[2] / "build"
 
