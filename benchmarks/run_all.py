@@ -115,9 +115,7 @@ def main() -> None:
     print(common.header("run_all" + (" --quick" if a.quick else "")), flush=True)
     import llamacpp
 
-    have_llama = a.llamacpp or all(
-        (llamacpp.build_dir() / "bin" / t).exists() for t in llamacpp.TARGETS
-    )
+    have_llama = a.llamacpp or llamacpp.built()
     results: dict = {}
     rows: list[tuple[str, str, tuple[float, float, float] | float]] = []
     for model in models:
