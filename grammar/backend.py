@@ -190,12 +190,21 @@ class GrammarBackend:
         `spec` for json_schema is the normalized schema's JSON text."""
         if kind == "json_schema" and isinstance(spec, str):
             spec = json.loads(spec)
-        args = (kind, spec, self.json_options, self.engine.json_form)
+        form = self._translate(kind, spec, self.engine.json_form)
+        try:
+            return self.engine.build(form)
+        except GrammarError:
+            if kind != "json_schema" or form.syntax != "regex":
+                raise
+        # the engine refused the schema's regex (nested past its regex parser's depth limit,
+        # with many optional members): the same schema as Lark rules
+        return self.engine.build(self._translate(kind, spec, "lark"))
+
+    def _translate(self, kind: str, spec: Any, json_form: str):
+        args = (kind, spec, self.json_options, json_form)
         if self._translators is None:
-            form = translate(*args)
-        else:
-            form = self._translators.translate(args, self.compile_timeout)
-        return self.engine.build(form)
+            return translate(*args)
+        return self._translators.translate(args, self.compile_timeout)
 
 
 class _Job:

@@ -407,3 +407,19 @@ def test_llguidance_from_a_raw_tokenizers_tokenizer():
         backend, tok, g, lambda text: jsonschema.validate(json.loads(text), schema) or True
     )
     assert g.jump_forward() == '{"name":'
+
+
+@pytest.mark.parametrize("engine", ["llguidance", "xgrammar"])
+def test_schema_whose_regex_nests_too_deep_compiles_as_lark(engine):
+    """60 optional members nest the schema's regex past the engine's regex parser limit; the
+    backend then compiles the same schema as Lark rules."""
+    tok = byte_bpe()
+    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id}, engine=engine)
+    props = {f"k{i}": {"type": "string", "maxLength": 40} for i in range(60)}
+    schema = {"type": "object", "properties": props}
+    g = backend.compile("json_schema", schema)
+    assert _accepts(backend, tok, g, json.dumps({"k3": "x", "k59": "yz"}))
+    assert not _accepts(backend, tok, g, json.dumps({"k3": "x" * 41}))
+    _check_walks(
+        backend, tok, g, lambda text: jsonschema.validate(json.loads(text), schema) or True
+    )
