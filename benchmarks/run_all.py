@@ -52,7 +52,7 @@ PLANS = {
             "--only-batched --batch-sizes 1,8,32,64 --pp 128 --tg 32 --rounds 2",
         ),
         "large": (
-            "--only-batched --batch-sizes 1,8 --pp 16 --tg 4 --rounds 1",
+            "--only-batched --batch-sizes 1,8 --pp 8 --tg 8 --rounds 1",  # >= 7 decode steps
             "--only-batched --batch-sizes 1,8,32,64 --pp 16 --tg 4 --rounds 1",
         ),
     },
