@@ -124,6 +124,8 @@ class PrefillManager:
         )
         if self.chunked_req is not None:
             adder.add(self.chunked_req, continuing=True)
+            if self.chunked_req not in adder.can_run:
+                return None  # KV short for its next chunk: nothing may overtake it (decode runs)
         if adder.rem_input > 0 and self.waiting:
             holding = [r for r in self.waiting if r.req_pool_idx is not None]
             fresh = [r for r in self.waiting if r.req_pool_idx is None]
