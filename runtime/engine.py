@@ -76,6 +76,7 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
+        *,
         stream: bool = False,
         **fields: Any,
     ) -> dict | list[dict] | Iterator[dict]:
@@ -114,6 +115,7 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
+        *,
         stream: bool = False,
         **fields: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:

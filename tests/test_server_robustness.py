@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 
 import httpx
@@ -287,9 +288,12 @@ def test_dead_child_process_stops_the_server(tiny_model_dir, victim):
             except (requests.RequestException, httpx.HTTPError):
                 pass
             time.sleep(0.2)
-        rt.process.wait(max(0.1, 10 - (time.monotonic() - killed)))
-        assert rt.process.returncode == 1, rt.log_tail()
+        try:
+            rt.process.wait(max(0.1, 10 - (time.monotonic() - killed)))
+        except subprocess.TimeoutExpired:
+            pass
         took = time.monotonic() - killed
+        assert rt.process.returncode == 1, (took, statuses, rt.log_tail())
         print(f"{victim} killed -> server exited in {took:.2f}s (load {os.getloadavg()[0]:.1f})")
         assert took <= 10
         if 503 in statuses:  # once noticed, never healthy again

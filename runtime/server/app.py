@@ -137,6 +137,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _value_error(request: Request, exc: ValueError):
         return error_response(str(exc), 400)
 
+    @app.exception_handler(RuntimeError)  # handled here, not re-raised to uvicorn's log
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         state: ServerState = request.app.state.server

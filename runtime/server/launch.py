@@ -20,7 +20,9 @@ from loom.runtime.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT = 600.0
-_FORCED_EXIT_AFTER = 8.0  # seconds a dead runtime gets to drain before os._exit(1)
+# Seconds a dead runtime gets to send its 503s before os._exit(1): every pending request was
+# failed the moment the death was seen, so there is nothing else to drain.
+_FORCED_EXIT_AFTER = 3.0
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
@@ -153,12 +155,21 @@ def launch_server(args: ServerArgs) -> int:
             logger.error("shutting down: %s", reason)
             exit_code = 1
             server.should_exit = True
+            # The surviving children are stopped now, not after uvicorn's drain.
+            threading.Thread(target=stop_processes, args=(procs,), daemon=True).start()
             timer = threading.Timer(_FORCED_EXIT_AFTER, os._exit, args=(1,))
             timer.daemon = True
             timer.start()
 
         tm.on_dead = on_dead
         server.run()
+        if exit_code:
+            # A dead runtime: leave now. Tearing down an interpreter that imported torch and
+            # transformers takes seconds of CPU (over 10 s at load 10 on 2 cores), and the
+            # forced-exit timer cannot fire once finalization has begun.
+            stop_processes(procs)
+            logging.shutdown()
+            os._exit(exit_code)
         return exit_code
     finally:
         stop_processes(procs)
