@@ -77,7 +77,6 @@ class Req:
         self.is_chunked = False
 
         self.finished_reason: dict | None = None
-        self.stop_match: str | None = None  # the text a stop_regex matched (trimmed like a stop)
         self.retract_count = 0
         self.spec_verify_ct = 0  # steps that verified draft tokens
         self.sent_output_len = 0  # output tokens already streamed to the detokenizer

@@ -152,7 +152,11 @@ class OutputProcessor:
             req.finished_reason = {"type": "length", "length": len(req.output_ids)}
 
     def _match_stop(self, req: Req) -> str | None:
-        """The stop string, or the text a stop_regex matched, in the output's decoded tail."""
+        """The stop string, or the stop_regex pattern, found in the output's decoded tail.
+
+        As in SGLang: a stop string is trimmed from the text (unless no_stop_trim); a stop_regex
+        ends the output at the token that completes its match, keeps the matched text, and
+        finish_reason.matched names the pattern."""
         p = req.sampling_params
         if p.stop:
             tail_len = p.max_stop_str_len + _STOP_TAIL_SLACK
@@ -168,10 +172,8 @@ class OutputProcessor:
                 req.output_ids[-_STOP_REGEX_TAIL:], skip_special_tokens=p.skip_special_tokens
             )
             for pattern in patterns:
-                m = re.search(pattern, tail)
-                if m is not None:
-                    req.stop_match = m.group(0)
-                    return m.group(0)
+                if re.search(pattern, tail) is not None:
+                    return pattern
         return None
 
     def _add_input_logprobs(self, req: Req, targets, out: ForwardOutput, i: int) -> None:
@@ -211,7 +213,7 @@ class OutputProcessor:
             cached_tokens=req.cached_tokens,
             skip_special_tokens=p.skip_special_tokens,
             spaces_between_special_tokens=p.spaces_between_special_tokens,
-            stop=p.stop if req.stop_match is None else [*(p.stop or ()), req.stop_match],
+            stop=p.stop,
             no_stop_trim=p.no_stop_trim,
             jump_forward_tokens=req.jump_forward_tokens,
             spec_verify_ct=req.spec_verify_ct,
