@@ -180,6 +180,9 @@ class Engine:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        from loom.runtime.process import stop_fork_server_if_idle
+
+        stop_fork_server_if_idle()
 
     def __enter__(self) -> Engine:
         return self

@@ -38,13 +38,19 @@ def configure_logging(level: str) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """False once `pid` has exited, also while it is an unreaped zombie (an owner killed by
+    a signal stays one until its own parent waits for it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return True
 
 
 def _exit_with_parent(owner_pid: int) -> None:
@@ -59,7 +65,7 @@ def _exit_with_parent(owner_pid: int) -> None:
 
     def watch() -> None:
         while _alive(owner_pid):
-            time.sleep(1.0)
+            time.sleep(0.5)
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -84,9 +90,35 @@ def _context():
     return ctx
 
 
+_started: list[mp.Process] = []  # children started here (to know when the fork server is idle)
+_owns_tracker = False  # whether loom brought up this process's multiprocessing resource tracker
+
+
+def stop_fork_server_if_idle() -> None:
+    """Stop the fork server once no child started from it is alive (owners call this after
+    stopping their children), so no fork server outlives the Engine or server that needed it."""
+    _started[:] = [p for p in _started if p.is_alive()]
+    if _started:
+        return
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()
+    if _owns_tracker:  # the resource tracker the fork server brought up, unless it was running
+        from multiprocessing import resource_tracker
+
+        resource_tracker._resource_tracker._stop()
+
+
 def start_process(target, args: tuple, name: str) -> tuple[mp.Process, object]:
     """Start `target(*args, owner_pid, ready_pipe)` in a child process; returns (process, reader
     end of its ready pipe)."""
+    global _owns_tracker
+    from multiprocessing import resource_tracker
+
+    if resource_tracker._resource_tracker._fd is None:
+        _owns_tracker = True
     ctx = _context()
     reader, writer = ctx.Pipe(duplex=False)
     # Not daemonic: the scheduler starts helper processes of its own (grammar translation
@@ -95,6 +127,7 @@ def start_process(target, args: tuple, name: str) -> tuple[mp.Process, object]:
     # (_exit_with_parent).
     proc = ctx.Process(target=target, args=(*args, os.getpid(), writer), name=name, daemon=False)
     proc.start()
+    _started.append(proc)
     writer.close()
     return proc, reader
 

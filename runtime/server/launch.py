@@ -96,6 +96,8 @@ def start_runtime_processes(args: ServerArgs, procs: list):
 
 
 def stop_processes(procs: list) -> None:
+    from loom.runtime.process import stop_fork_server_if_idle
+
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
@@ -104,6 +106,7 @@ def stop_processes(procs: list) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=5)
+    stop_fork_server_if_idle()
 
 
 def _exit_on_signal(signum, frame):
