@@ -4,7 +4,7 @@ median ratios, the benchmark models, and plots.
 Models (`--model` in every benchmark):
   bundled         the bundled 3.9M-parameter Qwen3 model (trained), float32
   qwen0.5b-f32    a Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14/2 heads, MLP 4864) with
-  qwen0.5b-bf16   random weights and the bundled 4,032-token tokenizer (so 0.36B parameters:
+  qwen0.5b-bf16   random weights and the bundled 4,000-token tokenizer (so 0.36B parameters:
                   Qwen2.5-0.5B's 151,936-row embedding is the only part not reproduced), built at
                   run time into ~/.cache/loom/models/ (nothing is downloaded)
 """
