@@ -110,6 +110,7 @@ class _Worker:
 
 def _serve(conn) -> None:
     """The worker's loop: translate each request, reply ("ok", Form) or ("error", message)."""
+    _exit_with_parent()
     try:
         with open("/proc/self/statm") as f:
             inherited = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -133,3 +134,17 @@ def _serve(conn) -> None:
         except Exception as e:  # noqa: BLE001 - a translator bug is the spec's error
             reply = ("error", f"cannot compile {args[0]}: {type(e).__name__}: {e}")
         conn.send(reply)
+
+
+def _exit_with_parent() -> None:
+    """End this worker when the process that forked it dies (a SIGKILLed scheduler). The pipe
+    alone cannot say so: workers forked later inherit the parent's ends of earlier workers'
+    pipes, so EOF never comes, and PR_SET_PDEATHSIG fires on the forking *thread's* exit."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="loom-translate-parent").start()
