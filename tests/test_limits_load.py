@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import pytest
 import requests
 
 from loom.runtime.server.runtime_client import Runtime
+from tests.server_helpers import wait_idle_and_intact
 
 CLIENTS = 256
 PREFIXES = [f"Shared system prompt number {k}: answer briefly." for k in range(4)]
@@ -22,22 +22,6 @@ PREFIXES = [f"Shared system prompt number {k}: answer briefly." for k in range(4
 def server(tiny_model_dir):
     with Runtime(tiny_model_dir("llama"), max_total_tokens=4096, max_running_requests=64) as rt:
         yield rt
-
-
-def server_info(url: str) -> dict:
-    return requests.get(url + "/server_info", timeout=30).json()
-
-
-def wait_idle_and_intact(url: str, timeout: float = 120.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = server_info(url)
-        idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-        intact = info["kv_available_tokens"] + info["cache_size_tokens"] == info["max_total_tokens"]
-        if idle and intact:
-            return info
-        assert time.monotonic() < deadline, f"not idle/intact: {info}"
-        time.sleep(0.2)
 
 
 def test_256_streaming_clients_with_random_aborts(server):
@@ -76,7 +60,7 @@ def test_256_streaming_clients_with_random_aborts(server):
             return await asyncio.gather(*(one(client, i, p) for i, p in enumerate(plans)))
 
     results = asyncio.run(main())
-    info = wait_idle_and_intact(server.url)
+    info = wait_idle_and_intact(server.url, timeout=120)
     assert info["num_running_reqs"] == 0
 
     finished = 0
@@ -99,4 +83,4 @@ def test_256_streaming_clients_with_random_aborts(server):
         requests.post(server.url + "/tokenize", json={"prompt": PREFIXES[0]}).json()["tokens"]
     )
     assert res["meta_info"]["cached_tokens"] >= prefix_len - 1, res["meta_info"]
-    wait_idle_and_intact(server.url)
+    wait_idle_and_intact(server.url, timeout=120)

@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from loom.runtime.server.runtime_client import Runtime
+from tests.server_helpers import wait_idle_and_intact
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +34,6 @@ def sse_events(lines) -> list:
             payload = line[len("data: ") :]
             out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
-
-
-def wait_idle_and_intact(url: str, timeout: float = 20.0) -> dict:
-    """Poll the scheduler until idle; then every KV slot is free or cached."""
-    deadline = time.monotonic() + timeout
-    while True:
-        info = requests.get(url + "/server_info", timeout=10).json()
-        idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-        intact = info["kv_available_tokens"] + info["cache_size_tokens"] == info["max_total_tokens"]
-        if idle and intact:
-            return info
-        assert time.monotonic() < deadline, f"not idle/intact: {info}"
-        time.sleep(0.2)
 
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}

@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from loom.runtime.server.runtime_client import Runtime
+from tests.server_helpers import server_info, wait_idle_and_intact
 
 CONTEXT = 64
 
@@ -32,22 +33,6 @@ def server(tiny_model_dir):
 
 def model_name(server) -> str:
     return server.server_args.served_model_name
-
-
-def server_info(url: str) -> dict:
-    return requests.get(url + "/server_info", timeout=10).json()
-
-
-def wait_idle_and_intact(url: str, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = server_info(url)
-        idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-        intact = info["kv_available_tokens"] + info["cache_size_tokens"] == info["max_total_tokens"]
-        if idle and intact:
-            return info
-        assert time.monotonic() < deadline, f"not idle/intact: {info}"
-        time.sleep(0.2)
 
 
 def pid_alive(pid: int) -> bool:
