@@ -16,7 +16,7 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ..base import Grammar
+from ..base import Grammar, GrammarError
 from ..forms import Form
 
 ENGINES = {
@@ -36,6 +36,22 @@ class Engine(ABC):
     @abstractmethod
     def build(self, form: Form) -> Grammar:
         """A fresh grammar object at the start of `form`; raises GrammarError."""
+
+
+class MatcherGrammar(Grammar):
+    """A Grammar over a native matcher that rolls back by token count: `matcher.rollback(k)`.
+    `_n` counts the tokens accepted since the start (the rollback bound); subclasses add one
+    per accepted token and carry it into copies."""
+
+    matcher: Any
+    _n: int
+
+    def rollback(self, k: int) -> None:
+        if k < 0 or k > self._n:
+            raise GrammarError(f"cannot roll back {k} of {self._n} tokens")
+        if k:
+            self.matcher.rollback(k)
+            self._n -= k
 
 
 def check_engine(name: str) -> str:

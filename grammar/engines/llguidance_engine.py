@@ -23,7 +23,7 @@ import torch
 
 from ..base import Grammar, GrammarError, allocate_token_bitmask
 from ..forms import Form
-from . import Engine
+from . import Engine, MatcherGrammar
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class LLGuidanceEngine(Engine):
         return LLGuidanceGrammar(self, matcher, first[0])
 
 
-class LLGuidanceGrammar(Grammar):
+class LLGuidanceGrammar(MatcherGrammar):
     """One request's llguidance matcher. `_n` counts accepted tokens (the rollback bound);
     `_first` is the mask at the start, computed once at compile time and shared by copies."""
 
@@ -105,13 +105,6 @@ class LLGuidanceGrammar(Grammar):
         if self.matcher.try_consume_tokens([token_id]) != 1:
             raise GrammarError(f"token {token_id} is not allowed here")
         self._n += 1
-
-    def rollback(self, k: int) -> None:
-        if k < 0 or k > self._n:
-            raise GrammarError(f"cannot roll back {k} of {self._n} tokens")
-        if k:
-            self.matcher.rollback(k)
-            self._n -= k
 
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()

@@ -24,7 +24,7 @@ import torch
 
 from ..base import Grammar, GrammarError
 from ..forms import Form
-from . import Engine
+from . import Engine, MatcherGrammar
 
 
 class XGrammarEngine(Engine):
@@ -59,7 +59,7 @@ class XGrammarEngine(Engine):
         return XGrammarGrammar(self, xgr.GrammarMatcher(compiled, override_stop_tokens=self.eos))
 
 
-class XGrammarGrammar(Grammar):
+class XGrammarGrammar(MatcherGrammar):
     def __init__(self, engine: XGrammarEngine, matcher):
         self.engine = engine
         self.matcher = matcher
@@ -74,13 +74,6 @@ class XGrammarGrammar(Grammar):
                 raise GrammarError(f"EOS token {token_id} before the grammar is complete")
             raise GrammarError(f"token {token_id} is not allowed here")
         self._n += 1
-
-    def rollback(self, k: int) -> None:
-        if k < 0 or k > self._n:
-            raise GrammarError(f"cannot roll back {k} of {self._n} tokens")
-        if k:
-            self.matcher.rollback(k)
-            self._n -= k
 
     def is_terminated(self) -> bool:
         if self.matcher.is_terminated():
