@@ -14,6 +14,24 @@ import random
 EOS = "<|endoftext|>"
 
 
+# An arithmetic grammar in both CFG syntaxes loom reads (GBNF and Lark), for engine and
+# runtime tests.
+ARITH_GBNF = r"""
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= [0-9]{1,3} | "(" expr ")"
+"""
+
+ARITH_LARK = r"""
+start: expr
+expr: term (("+" | "-") term)*
+term: factor (("*" | "/") factor)*
+factor: NUMBER | "(" expr ")"
+NUMBER: /[0-9]{1,3}/
+"""
+
+
 def corpus() -> list[str]:
     rng = random.Random(0)
     words = "the quick brown fox jumps over lazy dog name value type items true false null".split()

@@ -27,7 +27,7 @@ import pytest
 from loom.grammar.backend import GrammarBackend
 from loom.grammar.base import GrammarError, allocate_token_bitmask, unpack_bitmask
 from loom.grammar.engines import ENGINES
-from tests.conftest_grammar import byte_bpe
+from tests.conftest_grammar import ARITH_GBNF, ARITH_LARK, byte_bpe
 
 SCHEMAS = [
     (
@@ -115,19 +115,6 @@ REGEXES = [
     (r"-?\d+(\.\d+)?", ["0", "-12.50"], ["1.", "--1", ".5"]),
 ]
 CHOICES = (["yes", "no", "maybe", "y"], ["y", "yes", "maybe"], ["ye", "yess", "No"])
-ARITH_GBNF = r"""
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= factor (("*" | "/") factor)*
-factor ::= [0-9]{1,3} | "(" expr ")"
-"""
-ARITH_LARK = r"""
-start: expr
-expr: term (("+" | "-") term)*
-term: factor (("*" | "/") factor)*
-factor: NUMBER | "(" expr ")"
-NUMBER: /[0-9]{1,3}/
-"""
 ARITH_VALID, ARITH_INVALID = ["1+2*(3-4)", "7", "(((1)))/2"], ["1+", "(1", "1234", "1 + 2"]
 ARITH_PARSER = lark.Lark(ARITH_LARK, parser="earley")
 

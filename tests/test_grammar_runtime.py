@@ -10,6 +10,7 @@ import jsonschema
 import lark
 import pytest
 
+from tests.conftest_grammar import ARITH_GBNF, ARITH_LARK
 from tests.runtime_helpers import make_scheduler, run_all, submit
 
 REGEXES = [
@@ -21,20 +22,6 @@ REGEXES = [
     r"(héllo|wörld|你好|😀)( (héllo|wörld|你好|😀)){0,3}",
 ]
 
-ARITH_GBNF = r"""
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= factor (("*" | "/") factor)*
-factor ::= [0-9]{1,3} | "(" expr ")"
-"""
-
-ARITH_LARK = r"""
-start: expr
-expr: term (("+" | "-") term)*
-term: factor (("*" | "/") factor)*
-factor: NUMBER | "(" expr ")"
-NUMBER: /[0-9]{1,3}/
-"""
 
 SCHEMAS = [
     {
