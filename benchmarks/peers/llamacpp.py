@@ -7,10 +7,14 @@ Optional and never a test or CI dependency. Everything is cached under ~/.cache/
             (LLAMA_USE_PREBUILT_UI=OFF, else the build downloads one); targets llama-server and
             llama-batched-bench (~15 min on 2 idle cores, once).
   convert   the benchmark model (benchmarks/common.py: bundled, qwen0.5b-f32, qwen0.5b-bf16) to
-            GGUF at the same dtype with llama.cpp's convert_hf_to_gguf.py. The bundled tokenizer's
-            pre-tokenizer (individual digits, then GPT-2's ByteLevel regex) has no hash in
-            llama.cpp's table; it is mapped explicitly to "refact" (`\\p{N}` then the GPT-2 regex),
-            after checking that both split sample texts identically.
+            GGUF at the same dtype with llama.cpp's convert_hf_to_gguf.py. The models' pre-tokenizers
+            have no hash in llama.cpp's table (its hashes are of whole vocabularies), so each is
+            mapped explicitly to the llama.cpp pre-tokenizer whose split equals the one the HF
+            tokenizer (transformers.AutoTokenizer, as loom and the HF baselines load it) applies:
+            the bundled Qwen3 model keeps tokenizer.json's (individual digits, then GPT-2's
+            ByteLevel regex) = "refact"; for a Qwen2 config transformers 5 loads Qwen2Tokenizer,
+            which replaces it with Qwen2's regex ("\\n\\n" is one piece there, two in GPT-2's)
+            = "qwen2". A model whose split equals no candidate is refused.
   check     llama-server's /tokenize equals the HF tokenizer on sample texts, and greedy tokens
             from llama-server equal loom's on the same token-id prompts.
   offline   bench_offline's workload (same requests) through llama-server: -np = the number of
@@ -41,11 +45,13 @@ import common  # noqa: E402
 
 CACHE = Path(os.environ.get("LOOM_BENCH_CACHE", Path.home() / ".cache" / "loom")) / "llamacpp"
 TARGETS = ("llama-server", "llama-batched-bench")
-PRE_TOKENIZER = (
-    "refact"  # llama.cpp's `\p{N}` + GPT-2 regex split == Digits(individual) + ByteLevel
-)
 # GPT-2's split as HF and llama.cpp's hand-written splitter for it (unicode.cpp) apply it.
 GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Qwen2's split as llama.cpp writes it (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2).
+QWEN2_REGEX = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SAMPLES = [
     "Hello world! The year 2024 had 366 days.",
     "  leading spaces,\ttabs\n\nand new lines   ",
@@ -54,6 +60,7 @@ SAMPLES = [
     "naïve café résumé — “quotes” and emojis 🚀🦙",
     "def f(x):\n    return x**2  # comment",
     "<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n",
+    "line one\r\n\r\n  line two\n \n3rd DON'T   \n\tend",
 ]
 
 
@@ -106,49 +113,66 @@ def build(jobs: int = 2) -> Path:
     return bins
 
 
-def check_pre_tokenizer(model_dir: str) -> None:
-    """The bundled tokenizer's pre-tokenizer splits like llama.cpp's PRE_TOKENIZER regexes."""
+def _split(name: str, text: str) -> list[str]:
+    """llama.cpp pre-tokenizer `name`'s pieces of `text`, in ByteLevel form as HF shows them."""
     import regex
     import tokenizers
 
-    tok = tokenizers.Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-    for text in SAMPLES:
-        hf = [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
-        bl = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        ours = []
-        for part in regex.split(r"(\p{N})", text):
-            for piece in regex.findall(GPT2_REGEX, part):
-                ours += [p for p, _ in bl.pre_tokenize_str(piece)]
-        if hf != ours:
-            raise SystemExit(
-                f"pre-tokenizer split differs from {PRE_TOKENIZER!r} on {text!r}:\n{hf}\n{ours}"
+    if name == "refact":  # `\p{N}` first, then GPT-2's regex on each part
+        parts = regex.split(r"(\p{N})", text)
+        pieces = [x for part in parts for x in regex.findall(GPT2_REGEX, part)]
+    elif name == "qwen2":
+        pieces = regex.findall(QWEN2_REGEX, text)
+    else:
+        raise ValueError(f"no reference split for llama.cpp pre-tokenizer {name!r}")
+    bl = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return [p for piece in pieces for p, _ in bl.pre_tokenize_str(piece)]
+
+
+PRE_TOKENIZERS = ("refact", "qwen2")
+
+
+def pre_tokenizer(model_dir: str) -> str:
+    """The llama.cpp pre-tokenizer whose split equals, on every sample, the split of the HF
+    tokenizer as transformers.AutoTokenizer loads it for this model (what loom and the HF
+    baselines tokenize with; for a Qwen2 config it is Qwen2's regex, not tokenizer.json's)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    pre = tok.backend_tokenizer.pre_tokenizer
+    hf = [[piece for piece, _ in pre.pre_tokenize_str(t)] for t in SAMPLES]
+    for name in PRE_TOKENIZERS:
+        if all(_split(name, t) == h for t, h in zip(SAMPLES, hf, strict=True)):
+            print(
+                f"pre-tokenizer: {type(tok).__name__}'s split equals llama.cpp's {name!r} "
+                f"on {len(SAMPLES)} samples"
             )
-    print(f"pre-tokenizer: splits equal llama.cpp's {PRE_TOKENIZER!r} on {len(SAMPLES)} samples")
+            return name
+    raise SystemExit(
+        f"{model_dir}: the HF pre-tokenizer ({pre}) splits the samples like none of llama.cpp's "
+        f"{PRE_TOKENIZERS}"
+    )
 
 
 def convert(model: str) -> Path:
-    """The GGUF of a benchmark model, at the model's own dtype."""
+    """The GGUF of a benchmark model, at the model's own dtype, with the llama.cpp
+    pre-tokenizer that splits as the model's HF tokenizer does."""
     label, path = common.resolve_model(model)
     cfg = json.loads(Path(path, "config.json").read_text())
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
-    out = CACHE / "gguf" / f"{label}-{outtype}.gguf"
+    pre = pre_tokenizer(path)
+    out = CACHE / "gguf" / f"{label}-{outtype}-{pre}.gguf"
     if out.exists():
         return out
-    check_pre_tokenizer(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     src = source_dir()
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[2:]\n"
         "import convert_hf_to_gguf as c\n"
         "from conversion.base import TextModel\n"
-        "orig = TextModel.get_vocab_base_pre\n"
-        "def pre(self, tokenizer):\n"
-        "    try:\n"
-        "        return orig(self, tokenizer)\n"
-        "    except NotImplementedError:\n"
-        f"        return {PRE_TOKENIZER!r}\n"
-        "TextModel.get_vocab_base_pre = pre\n"
+        # the converter hashes the whole vocabulary's tokenization; ours is in no table
+        f"TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}\n"
         "orig_sp = TextModel._create_vocab_sentencepiece\n"
         "def sp(self):\n"  # no tokenizer.model: the BPE path, without importing sentencepiece
         "    if not (self.dir_model / 'tokenizer.model').is_file():\n"
