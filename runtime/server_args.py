@@ -14,6 +14,9 @@ BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
 ATTENTION_BACKENDS = ("torch",)  # "triton" comes back with its kernels (kernels/)
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "outlines")  # loom.grammar.engines.ENGINES
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+# OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
+TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 
 
@@ -25,6 +28,8 @@ class ServerArgs:
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     chat_template: str | None = None
+    tool_call_parser: str | None = None  # default: from the model type (tools.get_format)
+    reasoning_parser: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"
     device: str | None = None
@@ -87,6 +92,16 @@ class ServerArgs:
             if not cond:
                 raise ValueError(f"{name}: {what}")
 
+        need(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            "tool_call_parser",
+            f"must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}",
+        )
+        need(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            "reasoning_parser",
+            f"must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}",
+        )
         need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         need(
             self.attention_backend in ATTENTION_BACKENDS,
@@ -217,6 +232,10 @@ class ServerArgs:
                 kwargs["choices"] = DTYPES
             if f.name == "grammar_backend":
                 kwargs["choices"] = GRAMMAR_BACKENDS
+            if f.name == "tool_call_parser":
+                kwargs["choices"] = TOOL_CALL_PARSERS
+            if f.name == "reasoning_parser":
+                kwargs["choices"] = REASONING_PARSERS
             parser.add_argument(flag, **kwargs)
 
     @classmethod
@@ -233,6 +252,8 @@ _HELP = {
     "tokenizer_path": "Tokenizer folder; defaults to model_path",
     "served_model_name": "Model name reported by /v1/models and /model_info",
     "chat_template": "Built-in chat template name or a path to a jinja file",
+    "tool_call_parser": "How the model writes tool calls on /v1/chat/completions (qwen25: <tool_call> JSON, llama3: JSON, mistral: [TOOL_CALLS]); default: from the model type, else qwen25",
+    "reasoning_parser": "Split <think>...</think> into reasoning_content (qwen3: when the reply opens one; deepseek-r1: the reply starts inside it)",
     "dtype": "Weight and activation dtype; auto takes the config's torch_dtype",
     "device": "cpu or cuda; default: cuda when available",
     "context_length": "Maximum context length; default: the config's max_position_embeddings",

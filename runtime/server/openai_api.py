@@ -7,15 +7,18 @@ n copies has index i * n + k, the TokenizerManager's own order.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 
 from loom.runtime.io_struct import GenerateReqInput
 from loom.runtime.sampling_params import SamplingParams
 from loom.runtime.server.app import APIError, JSONOut, ServerState
+from loom.runtime.server.chat import ReplyParser, ToolPlan, constrain, render_messages
 from loom.runtime.server.native import (
     prime,
     server_state,
@@ -26,12 +29,27 @@ from loom.runtime.server.native import (
 from loom.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    TextPart,
     _SamplingExtras,
 )
 from loom.runtime.tokenizer_manager import RequestError
 
 router = APIRouter()
+logger = logging.getLogger(__name__)
+_WARNED: set[str] = set()
+
+
+def warn_unknown(model: BaseModel, path: str = "") -> None:
+    """One warning log line per unknown field name (per process); the field is ignored."""
+    for name in model.model_extra or {}:
+        field = f"{path}{name}"
+        if field not in _WARNED:
+            _WARNED.add(field)
+            logger.warning("ignoring unknown field %r (loom does not implement it)", field)
+    for name, value in model:
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, BaseModel):
+                warn_unknown(item, f"{path}{name}.")
 
 
 # The OpenAI names of the native fields the runtime validates: its errors name the client's
@@ -75,10 +93,13 @@ def sampling_params(state: ServerState, req: _SamplingExtras, max_tokens: int) -
         sp["sampling_seed"] = req.seed
     rf = req.response_format
     if rf is not None and rf.type != "text":
+        taken = [k for k in ("regex", "json_schema", "ebnf") if k in sp]
+        if taken:
+            raise RequestError(f"response_format: cannot be combined with {taken[0]}")
         if rf.type == "json_object":
             sp["json_schema"] = '{"type": "object"}'
         else:
-            schema = (rf.json_schema or {}).get("schema")
+            schema = rf.json_schema.schema_ if rf.json_schema is not None else None
             if not isinstance(schema, dict):
                 raise RequestError("response_format.json_schema.schema: a JSON schema is required")
             sp["json_schema"] = schema
@@ -201,6 +222,7 @@ class _CompletionShaper:
 async def completions(req: CompletionRequest, request: Request):
     state = server_state(request)
     check_model(state, req.model)
+    warn_unknown(req)
     if req.suffix:
         raise RequestError("suffix: not supported")
     if req.best_of is not None and req.best_of != req.n:
@@ -288,26 +310,16 @@ def _decode(state: ServerState, ids: list[int]) -> str:
 
 
 # --------------------------------------------------------------------------- chat
-def render_chat(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+def render_chat(state: ServerState, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
     tok = state.tokenizer
     if tok is None:
         raise RequestError("messages: this server was started with skip_tokenizer_init")
-    messages = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, TextPart):
-                    raise RequestError(f"messages[{i}].content[{j}]: only text parts are supported")
-                parts.append(part.text)
-            content = "".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
     template = state.chat_template or getattr(tok, "chat_template", None)
     if not template:
         raise RequestError(
             "messages: the model has no chat template; start the server with --chat-template"
         )
+    messages, extra = render_messages(req, plan, template)
     try:
         ids = tok.apply_chat_template(
             messages,
@@ -315,6 +327,7 @@ def render_chat(state: ServerState, req: ChatCompletionRequest) -> list[int]:
             add_generation_prompt=not req.continue_final_message,
             continue_final_message=req.continue_final_message,
             tokenize=True,
+            **extra,
             **(req.chat_template_kwargs or {}),
         )
     except Exception as e:  # noqa: BLE001 - a template that cannot render this input is a 400
@@ -340,20 +353,24 @@ def chat_logprobs(token_lps: list, top_lps: list | None) -> dict:
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = server_state(request)
     check_model(state, req.model)
-    if req.tools and req.tool_choice != "none":
-        raise RequestError("tools: tool calling is not supported yet")
+    warn_unknown(req)
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs: requires logprobs to be true")
     include_usage, continuous_usage = _stream_usage(req)
-    ids = await state.tm.off_loop(render_chat, state, req)
+    plan = ToolPlan(req, state.args)
+    reasoning = state.args.reasoning_parser
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
+    sp = sampling_params(state, req, 0)
+    await state.tm.off_loop(constrain, sp, req, plan, reasoning)  # schema translation: CPU
+    ids = await state.tm.off_loop(render_chat, state, req, plan)
     if max_tokens is None:
         max_tokens = max(0, state.context_len - len(ids))
+    sp["max_new_tokens"] = max_tokens
     obj = GenerateReqInput(
         input_ids=ids,
-        sampling_params=sampling_params(state, req, max_tokens),
+        sampling_params=sp,
         return_logprob=req.logprobs,
         top_logprobs_num=req.top_logprobs or 0,
         return_text_in_logprobs=req.logprobs,
@@ -387,12 +404,15 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         choices = []
         for k, out in enumerate(outs):
             reason, matched = finish_reason(out["meta_info"])
+            reply = ReplyParser(plan, reasoning)
+            reply.feed(out["text"])
+            reply.finish()
             choices.append(
                 {
                     "index": k,
-                    "message": {"role": "assistant", "content": out["text"]},
+                    "message": reply.message(),
                     "logprobs": logprobs_of(out["meta_info"], 0),
-                    "finish_reason": reason,
+                    "finish_reason": reply.finish_reason(reason),
                     "matched_stop": matched,
                 }
             )
@@ -404,6 +424,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     first = await prime(agen)
     sent_text: dict[int, int] = {}
     sent_lps: dict[int, int] = {}
+    replies: dict[int, ReplyParser] = {}
     final: dict[int, dict] = {}
 
     def chunk(k: int, delta: dict, logprobs: dict | None, reason=None, matched=None) -> str:
@@ -419,17 +440,24 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         if k not in sent_text:
             events.append(chunk(k, {"role": "assistant", "content": ""}, None))
             sent_text[k] = 0
+            replies[k] = ReplyParser(plan, reasoning)
+        reply = replies[k]
         text = out["text"][sent_text[k] :]
         sent_text[k] = len(out["text"])
         start = sent_lps.get(k, 0)
         sent_lps[k] = len(meta.get("output_token_logprobs", []))
         logprobs = logprobs_of(meta, start)
-        if text or (logprobs and logprobs["content"]):
-            events.append(chunk(k, {"content": text}, logprobs))
         reason, matched = finish_reason(meta)
+        deltas = reply.feed(text) if text else []
+        if reason is not None:
+            deltas += reply.finish()
+        if logprobs and logprobs["content"] and not deltas:
+            deltas = [{}]
+        for i, delta in enumerate(deltas):
+            events.append(chunk(k, delta, logprobs if i == 0 else None))
         if reason is not None:
             final[k] = out
-            events.append(chunk(k, {}, None, reason, matched))
+            events.append(chunk(k, {}, None, reply.finish_reason(reason), matched))
         if continuous_usage and events:
             events.append(sse({**envelope([], "chat.completion.chunk"), "usage": usage([out], 1)}))
         return events

@@ -46,19 +46,63 @@ class AbortRequest(BaseModel):
 
 
 # --------------------------------------------------------------------------- OpenAI
-class StreamOptions(_Body):
+class _Lenient(BaseModel):
+    """OpenAI bodies: fields loom does not know are kept in `model_extra` (the route logs each
+    name once and ignores it, as vLLM and SGLang do); known fields keep strict types."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class JsonSchemaFormat(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
+
+class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingExtras(_Body):
+class FunctionDef(_Lenient):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _SamplingExtras(_Lenient):
     """Sampling fields shared by both OpenAI endpoints, OpenAI's and SGLang's extras."""
 
     model: str
@@ -100,17 +144,18 @@ class CompletionRequest(_SamplingExtras):
     suffix: str | None = None
 
 
-class TextPart(_Body):
+class TextPart(_Lenient):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
+class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_SamplingExtras):
@@ -119,8 +164,8 @@ class ChatCompletionRequest(_SamplingExtras):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -1,0 +1,347 @@
+"""Tool calling on /v1/chat/completions: call formats, their parsers, and the grammars that keep
+calls well formed.
+
+A *format* is how a model family writes calls (`--tool-call-parser`, SGLang's names):
+
+    qwen25   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (one block per call)
+    llama3   {"name": "f", "parameters": {...}}; {"name": ...}             (the whole reply)
+    mistral  [TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]
+
+`tool_regex` writes the output a request may produce as one regex (every grammar engine takes
+regexes): with `tool_choice` required or a named function, one or more calls whose arguments
+follow each tool's parameter schema (loom's JSON-schema translation); with `auto`, free text
+that never contains the format's trigger, optionally followed by such calls, so a call the
+model starts is always complete and valid. `ToolCallParser` reads the output incrementally;
+the non-streamed answer is the same parser fed the whole text, so streamed deltas reassemble
+to exactly the non-streamed calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import uuid
+from functools import lru_cache
+
+from loom.runtime.tokenizer_manager import RequestError
+
+logger = logging.getLogger(__name__)
+
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_META = set("\\.^$|?*+()[]{}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    call_open: str  # before each call's name
+    args_key: str
+    call_close: str  # after each call's arguments
+    separator: str  # between parallel calls
+    section_open: str = ""  # once before the calls (mistral's "[TOOL_CALLS] [")
+    section_close: str = ""
+    trigger: str | None = None  # what starts the call section in free text; None: only at start
+    needs_special_tokens: bool = False  # the trigger is a special token the detokenizer keeps
+
+    def call_regex(self, name: str, args_regex: str) -> str:
+        head = f'{self.call_open}{{"name": "{name}", "{self.args_key}": '
+        return f"{lit(head)}(?:{args_regex}){lit('}' + self.call_close)}"
+
+    def render_calls(self, calls: list[tuple[str, str]]) -> str:
+        """Calls (name, arguments JSON text) written as the model writes them (for history)."""
+        body = self.separator.join(
+            f'{self.call_open}{{"name": "{n}", "{self.args_key}": {a}}}{self.call_close}'
+            for n, a in calls
+        )
+        return self.section_open + body + self.section_close
+
+
+FORMATS = {
+    "qwen25": ToolFormat(
+        "qwen25", "<tool_call>\n", "arguments", "\n</tool_call>", "\n", trigger="<tool_call>"
+    ),
+    "llama3": ToolFormat("llama3", "", "parameters", "", "; "),
+    "mistral": ToolFormat(
+        "mistral",
+        "",
+        "arguments",
+        "",
+        ", ",
+        section_open="[TOOL_CALLS] [",
+        section_close="]",
+        trigger="[TOOL_CALLS]",
+        needs_special_tokens=True,
+    ),
+}
+ALIASES = {"qwen": "qwen25", "qwen3": "qwen25", "hermes": "qwen25", "llama4": "llama3"}
+PARSER_NAMES = tuple(sorted([*FORMATS, *ALIASES]))
+_BY_MODEL_TYPE = {
+    "qwen2": "qwen25",
+    "qwen3": "qwen25",
+    "qwen2_moe": "qwen25",
+    "qwen3_moe": "qwen25",
+}
+_BY_MODEL_TYPE |= {"llama": "llama3", "mistral": "mistral", "mixtral": "mistral"}
+
+
+def get_format(parser: str | None, model_type: str | None) -> ToolFormat:
+    """The flag's format, else the model family's, else qwen25 (the documented default)."""
+    if parser:
+        name = ALIASES.get(parser, parser)
+        if name not in FORMATS:
+            raise ValueError(f"tool_call_parser: {parser!r} is not one of {PARSER_NAMES}")
+        return FORMATS[name]
+    return FORMATS[_BY_MODEL_TYPE.get(model_type or "", "qwen25")]
+
+
+# --------------------------------------------------------------------------- grammar
+def lit(text: str) -> str:
+    """`text` as a regex matching itself."""
+    return "".join("\\" + c if c in _META else ("\\n" if c == "\n" else c) for c in text)
+
+
+def avoid_regex(word: str) -> str:
+    """Every string that does not contain `word` (whose first character occurs only once in
+    it, as in every trigger here). A KMP automaton written as a regex: after a partial match
+    c0..c(k-1), a mismatch returns to state 0, or to state 1 on c0."""
+    c0, rest = word[0], word[1:]
+    assert rest and c0 not in rest, word
+    k0, not_c0 = lit(c0), f"[^{_class(c0)}]"
+
+    def out(i: int) -> str:  # c0 c1..ci matched: a character that is neither c(i+1) nor c0
+        leave = f"[^{_class(rest[i])}{_class(c0)}]"
+        return leave if i == len(rest) - 1 else f"(?:{leave}|{lit(rest[i])}{out(i + 1)})"
+
+    restart = _prefixes(rest[:-1]) + k0  # a partial match that meets c0 again
+    partial = f"{k0}(?:{restart})*"
+    return f"(?:{not_c0}|{partial}{out(0)})*(?:{partial}{_prefixes(rest[:-1])})?"
+
+
+def _prefixes(s: str) -> str:
+    """Regex of every prefix of `s` (the empty one included)."""
+    out = ""
+    for c in reversed(s):
+        out = f"(?:{lit(c)}{out})?"
+    return out
+
+
+def _class(c: str) -> str:
+    return "\\" + c if c in "\\]^-[" else ("\\n" if c == "\n" else c)
+
+
+def tool_names(tools: list) -> list[str]:
+    return [t.function.name for t in tools]
+
+
+@lru_cache(maxsize=256)
+def _args_regex(schema_json: str, strict: bool) -> str:
+    from loom.grammar.base import GrammarError
+    from loom.grammar.json_schema import json_schema_to_regex
+
+    try:
+        return json_schema_to_regex(json.loads(schema_json))
+    except GrammarError as e:
+        if strict:
+            raise
+        logger.warning("tool parameters not enforced (%s); any JSON object is allowed", e)
+        return json_schema_to_regex({"type": "object"})
+
+
+def args_regex(tool, where: str) -> str:
+    from loom.grammar.base import GrammarError
+
+    params = tool.function.parameters
+    schema = params if params else {"type": "object", "properties": {}}
+    try:
+        return _args_regex(json.dumps(schema, sort_keys=False), bool(tool.function.strict))
+    except GrammarError as e:
+        raise RequestError(f"{where}.function.parameters: cannot be enforced: {e}") from None
+
+
+def tool_regex(fmt: ToolFormat, tools: list, mode: str, parallel: bool) -> str:
+    """The regex of an output under `mode` ("auto", "required" or a tool's name)."""
+    chosen = [
+        (i, t)
+        for i, t in enumerate(tools)
+        if mode in ("auto", "required") or t.function.name == mode
+    ]
+    one = "|".join(fmt.call_regex(t.function.name, args_regex(t, f"tools[{i}]")) for i, t in chosen)
+    one = f"(?:{one})"
+    calls = f"{one}(?:{lit(fmt.separator)}{one})*" if parallel else one
+    calls = lit(fmt.section_open) + calls + lit(fmt.section_close)
+    if mode != "auto":
+        return calls
+    if fmt.trigger is not None:
+        return f"{avoid_regex(fmt.trigger)}(?:{calls})?"
+    return f"(?:{calls}|(?:[^{{\\s](?:.|\\n)*)?)"  # llama3: a reply is all calls or all text
+
+
+# --------------------------------------------------------------------------- parsing
+_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
+)
+_PYTHON_TAG = "<|python_tag|>"
+
+
+class ToolCallParser:
+    """Incremental: `feed(text)` and `finish()` return events ("content", text),
+    ("call", name) (a new call starts) and ("args", fragment) (of the latest call)."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt = fmt
+        self.buf = ""
+        self.mode = "text"
+        self.calls = 0
+        self._scan: _JsonScan | None = None
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.buf += text
+        events: list[tuple[str, str]] = []
+        while self.buf and self._step(events):
+            pass
+        return events
+
+    def finish(self) -> list[tuple[str, str]]:
+        events = []
+        if self.mode in ("text", "plain", "start") and self.buf:
+            events.append(("content", self.buf))
+        self.buf = ""
+        return events
+
+    def _step(self, events: list) -> bool:
+        """Process what the buffer allows; False when it must wait for more text."""
+        fmt, buf = self.fmt, self.buf
+        if self.mode == "text" and fmt.trigger is None:
+            self.mode = "start"
+        if self.mode == "start":  # llama3: calls only when the reply starts with one
+            s = buf.lstrip()
+            if s.startswith(_PYTHON_TAG):
+                s = s[len(_PYTHON_TAG) :]
+            elif not s or _PYTHON_TAG.startswith(s):
+                return False
+            self.mode, self.buf = ("section", s) if s.startswith("{") else ("plain", buf)
+            return True
+        if self.mode == "plain":
+            events.append(("content", buf))
+            self.buf = ""
+            return False
+        if self.mode == "text":
+            i = buf.find(fmt.trigger)
+            if i >= 0:
+                if i:
+                    events.append(("content", buf[:i]))
+                self.buf, self.mode = buf[i + len(fmt.trigger) :], "section"
+                return True
+            hold = _partial_suffix(buf, fmt.trigger)
+            if len(buf) > hold:
+                events.append(("content", buf[: len(buf) - hold]))
+                self.buf = buf[len(buf) - hold :]
+            return False
+        if self.mode == "section":
+            j = buf.find("{")
+            self.buf, self.mode = (buf[j:], "head") if j >= 0 else ("", "section")
+            return j >= 0
+        if self.mode == "head":
+            m = _HEAD.match(buf)
+            if m is None:
+                return False
+            events.append(("call", json.loads(f'"{m.group(1)}"')))
+            self.calls += 1
+            self.buf, self.mode, self._scan = buf[m.end() :], "args", _JsonScan()
+            return True
+        # args: everything up to the end of the arguments value
+        n, done = self._scan.consume(buf)
+        if n:
+            events.append(("args", buf[:n]))
+        self.buf = buf[n:]
+        if done:
+            self.mode = "section"
+        return done
+
+
+def _partial_suffix(text: str, word: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `word`."""
+    for k in range(min(len(word) - 1, len(text)), 0, -1):
+        if text.endswith(word[:k]):
+            return k
+    return 0
+
+
+class _JsonScan:
+    """Finds where one JSON value ends in text that arrives in pieces."""
+
+    def __init__(self):
+        self.kind: str | None = None
+        self.depth = 0
+        self.in_str = False
+        self.esc = False
+
+    def consume(self, text: str) -> tuple[int, bool]:
+        for i, c in enumerate(text):
+            if self.kind is None:
+                self.kind = "container" if c in "{[" else ("string" if c == '"' else "bare")
+            if self.kind == "bare":
+                if c in ",}] \n\t\r;":
+                    return i, True
+                continue
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif c == "\\":
+                    self.esc = True
+                elif c == '"':
+                    self.in_str = False
+                    if self.kind == "string":
+                        return i + 1, True
+                continue
+            if c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1, True
+        return len(text), False
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def assemble(events: list[tuple[str, str]]) -> tuple[str, list[dict]]:
+    """Content and OpenAI tool_calls from a parser's events."""
+    content, calls = [], []
+    for kind, value in events:
+        if kind == "content":
+            content.append(value)
+        elif kind == "call":
+            calls.append(
+                {
+                    "id": new_call_id(),
+                    "type": "function",
+                    "function": {"name": value, "arguments": ""},
+                }
+            )
+        else:
+            calls[-1]["function"]["arguments"] += value
+    return "".join(content), calls
+
+
+# --------------------------------------------------------------------------- prompts
+def tool_system_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
+    """The documented default for templates without a `tools` variable (Qwen2.5's wording)."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    example = fmt.render_calls([("<function-name>", "<args-json-object>")])
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listing}\n</tools>\n\n"
+        f"For each function call, write it in this form:\n{example}"
+    )
+
+
+def template_uses_tools(template: str) -> bool:
+    return bool(re.search(r"\btools\b", template or ""))
