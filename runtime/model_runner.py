@@ -119,10 +119,13 @@ class ModelRunner:
             rows = torch.tensor(lp_sample_rows, dtype=torch.int64, device=logits.device)
             lp_logits = torch.cat([logits[rows], logits[n_sample:]])  # raw, before sampling
         sampled: list[int] = []
+        accepted: list[bool] | None = None
         sampled_t = None
         if n_sample:
-            info = inp.sampling.to(logits.device).expand(counts)
-            sampled_t = sample(logits[:n_sample], info)
+            sampled_t, accepted_t = sample(logits[:n_sample], inp.sampling.to(logits.device))
+            if accepted_t is not None:  # accepted rows carry the draft token
+                sampled_t = torch.where(accepted_t, inp.sampling.draft_tokens.to(logits.device), sampled_t)
+                accepted = accepted_t.tolist()
             sampled = sampled_t.tolist()
         chosen, top_v, top_i = [], None, None
         if lp_logits is not None:
@@ -135,7 +138,7 @@ class ModelRunner:
             chosen = chosen_t.tolist()
             if top_vt is not None:
                 top_v, top_i = top_vt.tolist(), top_it.tolist()
-        return _assemble(inp, sampled, chosen, top_v, top_i)
+        return _assemble(inp, sampled, accepted, chosen, top_v, top_i)
 
 
 def _repeat(values: list, counts: list[int]) -> list:
@@ -163,11 +166,10 @@ def _logits_rows(inp: ModelInput) -> tuple[list[int], list[int], list[int]]:
     return sample_rows, lp_rows, lp_targets
 
 
-def _assemble(inp: ModelInput, sampled, chosen, top_v, top_i) -> ForwardOutput:
-    """Per-request lists from the flat rows: accept each request's draft tokens up to the
-    first one the sampler disagrees with, then that sampled token (greedy or seeded, the
-    accepted tokens are exactly those plain decoding would give: the noise depends only on
-    seed and position)."""
+def _assemble(inp: ModelInput, sampled, accepted, chosen, top_v, top_i) -> ForwardOutput:
+    """Per-request lists from the flat rows: each request's draft tokens up to the first row
+    the sampler rejected, then that row's token (the residual sample, or the last row's
+    sample when every draft token was accepted). Greedy, this is exactly plain decoding."""
     n = len(inp.sample_counts)
     out = ForwardOutput([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)],
                         [[] for _ in range(n)], [[] for _ in range(n)])  # fmt: skip
@@ -179,7 +181,7 @@ def _assemble(inp: ModelInput, sampled, chosen, top_v, top_i) -> ForwardOutput:
         rows = sampled[row : row + count]
         draft = inp.draft_ids[i]
         k = 0
-        while k < len(draft) and rows[k] == draft[k]:
+        while k < len(draft) and accepted[row + k]:
             k += 1
         out.next_ids[i] = rows[: k + 1]
         if top_n is not None:

@@ -72,6 +72,9 @@ class Req:
         self.kv_len = 0
         self.extend_len = 0  # positions computed in the current step (drafts included)
         self.draft_ids: list[int] = []  # proposed tokens verified in the current step
+        self.draft_masks: torch.Tensor | None = None  # grammar rows of the draft positions
+        self.draft_forced = 0  # leading draft tokens that are grammar-forced text
+        self.spec_state: Any = None  # the drafter's incremental state for this request
         self.new_slots: torch.Tensor = _EMPTY  # KV slots allocated for the current step
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported)
         self.is_chunked = False
@@ -79,6 +82,7 @@ class Req:
         self.finished_reason: dict | None = None
         self.retract_count = 0
         self.spec_verify_ct = 0  # steps that verified draft tokens
+        self.spec_accepted = 0  # draft tokens accepted over those steps
         self.sent_output_len = 0  # output tokens already streamed to the detokenizer
         self.sent_input_logprobs = False
         self.jump_forward_tokens = 0
@@ -136,6 +140,7 @@ class Req:
         self.kv_len = 0
         self.extend_len = 0
         self.draft_ids = []
+        self.draft_masks = None
         self.is_chunked = False
 
     def check(self) -> None:

@@ -7,7 +7,7 @@ position, never on what else is in the batch, and resume identically after a ret
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -27,7 +27,16 @@ def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
 def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, V] uniforms in (0, 1) from splitmix64 over (seed, step, token)."""
     token = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = seeds[:, None] * _M1 + steps[:, None] * _M3 + token[None, :] * _M2
+    return _splitmix_uniform(seeds[:, None] * _M1 + steps[:, None] * _M3 + token[None, :] * _M2)
+
+
+def hashed_uniform_column(seeds: torch.Tensor, steps: torch.Tensor, column: int) -> torch.Tensor:
+    """[B] uniforms for one counter value (a column no token uses, e.g. -1: the draft
+    acceptance test's coin, independent of the token noise)."""
+    return _splitmix_uniform(seeds * _M1 + steps * _M3 + column * _M2)
+
+
+def _splitmix_uniform(x: torch.Tensor) -> torch.Tensor:
     x = (x ^ _srl(x, 30)) * _M2
     x = (x ^ _srl(x, 27)) * _M3
     x = x ^ _srl(x, 31)
@@ -37,28 +46,40 @@ def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torc
 
 @dataclass
 class SamplingInfo:
-    """One row per sampling request, built on the CPU by the scheduler (`from_reqs`); the
-    runner moves it to its device (`to`) and, for draft verification, repeats each row once
-    per position it samples (`expand`)."""
+    """One row per sampled position, built on the CPU by the scheduler (`from_reqs`) and moved
+    to the runner's device (`to`). A request verifying a draft of k tokens has k + 1 rows:
+    row j checks `draft_tokens[row]` (the draft's j-th token; -1 on its last row, which only
+    samples) with the sampling state that holds once the j tokens before it are accepted
+    (noise counter, penalty counts, min_new_tokens, grammar mask)."""
 
-    temperatures: torch.Tensor  # [B, 1]
+    temperatures: torch.Tensor  # [N, 1]
     top_ps: torch.Tensor
     top_ks: torch.Tensor
     min_ps: torch.Tensor
-    greedy: torch.Tensor  # [B] bool
+    greedy: torch.Tensor  # [N] bool
     seeds: torch.Tensor
-    steps: torch.Tensor  # [B] sequence position of the token sampled (the noise counter)
+    steps: torch.Tensor  # [N] sequence position of the token sampled (the noise counter)
     need_top_filter: bool
     need_min_p: bool
     all_greedy: bool
-    logit_bias: torch.Tensor | None  # [B, V]
+    logit_bias: torch.Tensor | None  # [N, V]
     penalty: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf
-    vocab_mask: torch.Tensor | None = None  # grammar bitmask [B, words]
+    vocab_mask: torch.Tensor | None = None  # grammar bitmask [N, words]
+    draft_tokens: torch.Tensor | None = None  # [N] token each row verifies, -1: none
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: str = "cpu") -> SamplingInfo:
-        ps = [r.sampling_params for r in reqs]
+    def from_reqs(
+        cls,
+        reqs: list[Req],
+        vocab_size: int,
+        drafts: list[list[int]] | None = None,
+        device: str = "cpu",
+    ) -> SamplingInfo:
+        drafts = drafts or [[] for _ in reqs]
+        counts = [1 + len(d) for d in drafts]
+        rows = [(r, j) for r, c in zip(reqs, counts) for j in range(c)]
+        ps = [r.sampling_params for r, _ in rows]
         greedy = [p.is_greedy for p in ps]
         temps = [1.0 if g else p.temperature for p, g in zip(ps, greedy)]
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in ps]
@@ -67,13 +88,13 @@ class SamplingInfo:
         i64 = dict(dtype=torch.int64, device=dev)
         logit_bias = None
         if any(p.logit_bias for p in ps):
-            logit_bias = torch.zeros(len(reqs), vocab_size, **f32)
+            logit_bias = torch.zeros(len(rows), vocab_size, **f32)
             for i, p in enumerate(ps):
                 for tok, bias in (p.logit_bias or {}).items():
                     logit_bias[i, tok] = bias
         banned_rows, banned_ids = [], []
-        for i, r in enumerate(reqs):
-            if len(r.output_ids) < r.sampling_params.min_new_tokens:
+        for i, (r, j) in enumerate(rows):
+            if len(r.output_ids) + j < r.sampling_params.min_new_tokens:
                 stops = set(r.sampling_params.stop_token_ids or ()) | set(r.eos_token_ids)
                 for t in stops:
                     if t < vocab_size:
@@ -82,20 +103,24 @@ class SamplingInfo:
         banned = None
         if banned_rows:
             banned = (torch.tensor(banned_rows, **i64), torch.tensor(banned_ids, **i64))
+        draft_tokens = None
+        if any(drafts):
+            draft_tokens = torch.tensor([t for d in drafts for t in [*d, -1]], **i64)
         return cls(
             temperatures=torch.tensor(temps, **f32)[:, None],
             top_ps=torch.tensor([p.top_p for p in ps], **f32),
             top_ks=torch.tensor(top_ks, **i64),
             min_ps=torch.tensor([p.min_p for p in ps], **f32),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
-            seeds=torch.tensor([r.seed for r in reqs], **i64),
-            steps=torch.tensor([r.seq_len for r in reqs], **i64),
+            seeds=torch.tensor([r.seed for r, _ in rows], **i64),
+            steps=torch.tensor([r.seq_len + j for r, j in rows], **i64),
             need_top_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in ps),
             need_min_p=any(p.min_p > 0 for p in ps),
             all_greedy=all(greedy),
             logit_bias=logit_bias,
-            penalty=_penalty_tensors(reqs, vocab_size, dev),
+            penalty=_penalty_tensors(reqs, drafts, vocab_size, dev),
             banned=banned,
+            draft_tokens=draft_tokens,
         )
 
     def to(self, device: torch.device | str) -> SamplingInfo:
@@ -108,51 +133,40 @@ class SamplingInfo:
 
         return SamplingInfo(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
-    def expand(self, counts: list[int]) -> SamplingInfo:
-        """Row i repeated counts[i] times, its noise counter advancing by one per copy (the
-        copy j samples the token at position steps[i] + j)."""
-        if all(c == 1 for c in counts):
-            return self
-        if self.penalty is not None or self.banned is not None or self.vocab_mask is not None:
-            raise ValueError(
-                "draft verification: penalties, min_new_tokens and grammars change per position"
-            )
-        dev = self.seeds.device
-        reps = torch.tensor(counts, device=dev)
-        src = torch.repeat_interleave(torch.arange(len(counts), device=dev), reps)
-        first = torch.cumsum(reps, 0) - reps
-        offset = torch.arange(len(src), device=dev) - torch.repeat_interleave(first, reps)
-        out = replace(
-            self,
-            **{
-                name: getattr(self, name).index_select(0, src)
-                for name in ("temperatures", "top_ps", "top_ks", "min_ps", "greedy", "seeds")
-            },
-        )
-        out.steps = self.steps.index_select(0, src) + offset
-        if self.logit_bias is not None:
-            out.logit_bias = self.logit_bias.index_select(0, src)
-        return out
 
-
-def _penalty_tensors(reqs: list[Req], vocab_size: int, dev):
+def _penalty_tensors(reqs: list[Req], drafts: list[list[int]], vocab_size: int, dev):
+    """Penalty state per row: a draft's row j counts the j draft tokens before it as output
+    (penalties apply token by token over an accepted run)."""
     ps = [r.sampling_params for r in reqs]
     if all(
         p.frequency_penalty == 0 and p.presence_penalty == 0 and p.repetition_penalty == 1
         for p in ps
     ):
         return None
-    b = len(reqs)
-    out_counts = torch.zeros(b, vocab_size, dtype=torch.float32)
-    seen = torch.zeros(b, vocab_size, dtype=torch.bool)
-    for i, r in enumerate(reqs):
+    counts = [1 + len(d) for d in drafts]
+    n = sum(counts)
+    out_counts = torch.zeros(n, vocab_size, dtype=torch.float32)
+    seen = torch.zeros(n, vocab_size, dtype=torch.bool)
+    row = 0
+    for r, p, d in zip(reqs, ps, drafts):
+        base = torch.zeros(vocab_size, dtype=torch.float32)
         if r.output_ids:
-            out_counts[i].index_add_(0, torch.tensor(r.output_ids), torch.ones(len(r.output_ids)))
-        if ps[i].repetition_penalty != 1:
-            seen[i, torch.tensor(r.fill_ids)] = True
-    freq = torch.tensor([p.frequency_penalty for p in ps])[:, None]
-    pres = torch.tensor([p.presence_penalty for p in ps])[:, None]
-    rep = torch.tensor([p.repetition_penalty for p in ps])[:, None]
+            base.index_add_(0, torch.tensor(r.output_ids), torch.ones(len(r.output_ids)))
+        base_seen = torch.zeros(vocab_size, dtype=torch.bool)
+        if p.repetition_penalty != 1:
+            base_seen[torch.tensor(r.fill_ids)] = True
+        for j in range(1 + len(d)):
+            if j:
+                base[d[j - 1]] += 1
+                if p.repetition_penalty != 1:
+                    base_seen[d[j - 1]] = True
+            out_counts[row] = base
+            seen[row] = base_seen
+            row += 1
+    per_row = [p for p, c in zip(ps, counts) for _ in range(c)]
+    freq = torch.tensor([p.frequency_penalty for p in per_row])[:, None]
+    pres = torch.tensor([p.presence_penalty for p in per_row])[:, None]
+    rep = torch.tensor([p.repetition_penalty for p in per_row])[:, None]
     return tuple(t.to(dev) for t in (out_counts, seen, freq, pres, rep))
 
 
@@ -173,12 +187,38 @@ def apply_penalties(logits: torch.Tensor, info: SamplingInfo) -> None:
         apply_token_bitmask_(logits, info.vocab_mask)
 
 
-def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
-    """logits [B, V] float32 (modified in place) -> next token ids [B]."""
+def sample(logits: torch.Tensor, info: SamplingInfo) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [N, V] float32 (modified in place) -> (token ids [N], accepted [N] or None).
+
+    Without drafts: one token per row. With drafts (`info.draft_tokens`), row j verifies the
+    draft token x: greedy rows accept x when it is the argmax; sampled rows accept it with
+    probability min(1, p(x) / q(x)) = p(x) (the n-gram drafter is deterministic: q one-hot),
+    and otherwise take a sample of the residual max(p - q, 0), renormalized. The caller keeps
+    the accepted run and the token of the first rejected row (or the last row's sample).
+    Noise is counter-based (seed, position), so a request's output is reproducible."""
     apply_penalties(logits, info)
     greedy_ids = logits.argmax(dim=-1)
+    drafts = info.draft_tokens
     if info.all_greedy:
-        return greedy_ids
+        return greedy_ids, (None if drafts is None else greedy_ids == drafts)
+    probs = target_probs(logits, info)
+    noise = hashed_uniform(info.seeds, info.steps, probs.shape[-1])
+    if drafts is None:
+        sampled = race(probs, noise)
+        return torch.where(info.greedy, greedy_ids, sampled), None
+    has_draft = drafts >= 0
+    x = drafts.clamp(min=0)
+    q = torch.zeros_like(probs).scatter_(1, x[:, None], 1.0) * has_draft[:, None]
+    coin = hashed_uniform_column(info.seeds, info.steps, -1)
+    p_x = probs.gather(1, x[:, None]).squeeze(1)
+    accepted = has_draft & (coin < p_x)  # min(1, p(x) / q(x)) with q(x) = 1
+    sampled = torch.where(accepted, x, race(residual(probs, q), noise))
+    tokens = torch.where(info.greedy, greedy_ids, sampled)
+    return tokens, torch.where(info.greedy, greedy_ids == drafts, accepted)
+
+
+def target_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-p / top-k / min-p."""
     probs = torch.softmax(logits / info.temperatures, dim=-1)
     if info.need_top_filter or info.need_min_p:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -189,9 +229,19 @@ def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
             drop |= sorted_probs < sorted_probs[:, :1] * info.min_ps[:, None]
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    noise = hashed_uniform(info.seeds, info.steps, probs.shape[-1])
-    sampled = (probs / -torch.log(noise)).argmax(dim=-1)  # exponential race = categorical sample
-    return torch.where(info.greedy, greedy_ids, sampled)
+    return probs
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Where a rejected draft row samples from: max(p - q, 0), renormalized (rows whose q is
+    zero, i.e. no draft, get p itself)."""
+    r = (p - q).clamp_(min=0.0)
+    return r / r.sum(dim=-1, keepdim=True).clamp_(min=1e-30)
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """A categorical sample per row: the exponential race argmax p / Exp(1)."""
+    return (probs / -torch.log(noise)).argmax(dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_num: int):

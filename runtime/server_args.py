@@ -17,6 +17,9 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
 TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
+SPECULATIVE_ALGORITHMS = ("NGRAM",)  # SGLang's EAGLE/EAGLE3/NEXTN/STANDALONE: refused by name
+SPECULATIVE_NOT_YET = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+NGRAM_MATCH_TYPES = ("BFS", "PROB")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 
 
@@ -63,6 +66,18 @@ class ServerArgs:
     grammar_backend: str = "llguidance"
     grammar_compile_timeout: float = 30.0
     disable_jump_forward: bool = False
+
+    # Speculative decoding (SGLang's names; see _validate_speculative)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 1
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 1_000_000
+    speculative_disable_by_batch_size: int = 8
 
     # Parallelism
     tp_size: int = 1
@@ -170,6 +185,74 @@ class ServerArgs:
             "grammar_compile_timeout",
             f"must be > 0, got {self.grammar_compile_timeout}",
         )
+        self._validate_speculative(need)
+
+    def _validate_speculative(self, need) -> None:
+        algo = self.speculative_algorithm
+        need(
+            algo is None or algo.upper() not in SPECULATIVE_NOT_YET,
+            "speculative_algorithm",
+            f"{algo!r} is not supported yet (only {SPECULATIVE_ALGORITHMS})",
+        )
+        need(
+            algo is None or algo.upper() in SPECULATIVE_ALGORITHMS,
+            "speculative_algorithm",
+            f"unknown algorithm {algo!r}; choose one of {SPECULATIVE_ALGORITHMS}",
+        )
+        if algo is None:  # a tuning flag without an algorithm would be accepted and ignored
+            need(
+                self.speculative_num_draft_tokens is None,
+                "speculative_num_draft_tokens",
+                "needs --speculative-algorithm",
+            )
+            return
+        n = self.speculative_num_draft_tokens
+        need(
+            n is None or 2 <= n <= 64,
+            "speculative_num_draft_tokens",
+            f"must be in [2, 64], got {n}",
+        )
+        lo, hi = (
+            self.speculative_ngram_min_match_window_size,
+            self.speculative_ngram_max_match_window_size,
+        )
+        need(lo >= 1, "speculative_ngram_min_match_window_size", f"must be >= 1, got {lo}")
+        need(
+            lo <= hi <= 64,
+            "speculative_ngram_max_match_window_size",
+            f"must be in [min_match_window_size, 64], got {hi}",
+        )
+        need(
+            self.speculative_ngram_min_bfs_breadth == 1,
+            "speculative_ngram_min_bfs_breadth",
+            f"{self.speculative_ngram_min_bfs_breadth} is not supported yet (only 1: chain drafts)",
+        )
+        need(
+            self.speculative_ngram_max_bfs_breadth == 1,
+            "speculative_ngram_max_bfs_breadth",
+            f"{self.speculative_ngram_max_bfs_breadth} is not supported yet (only 1: chain "
+            "drafts; tree drafts need the tree attention mask)",
+        )
+        need(
+            self.speculative_ngram_match_type.upper() in NGRAM_MATCH_TYPES,
+            "speculative_ngram_match_type",
+            f"must be one of {NGRAM_MATCH_TYPES}, got {self.speculative_ngram_match_type!r}",
+        )
+        need(
+            self.speculative_ngram_branch_length >= 1,
+            "speculative_ngram_branch_length",
+            f"must be >= 1, got {self.speculative_ngram_branch_length}",
+        )
+        need(
+            self.speculative_ngram_capacity >= 1024,
+            "speculative_ngram_capacity",
+            f"must be >= 1024, got {self.speculative_ngram_capacity}",
+        )
+        need(
+            self.speculative_disable_by_batch_size >= 1,
+            "speculative_disable_by_batch_size",
+            f"must be >= 1, got {self.speculative_disable_by_batch_size}",
+        )
 
     # Derived values -------------------------------------------------------------------------
     @property
@@ -200,6 +283,11 @@ class ServerArgs:
             if self.disable_radix_cache and self.schedule_policy == "lpm"
             else self.schedule_policy
         )
+
+    @property
+    def effective_num_draft_tokens(self) -> int:
+        """Tokens one verify step feeds per request: the last real token + the drafts."""
+        return self.speculative_num_draft_tokens or 8
 
     def replace(self, **changes) -> ServerArgs:
         return dataclasses.replace(self, **changes)
@@ -277,6 +365,16 @@ _HELP = {
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
     "grammar_compile_timeout": "Seconds a grammar may take to compile before its request fails",
     "disable_jump_forward": "Turn off grammar jump-forward",
+    "speculative_algorithm": "Speculative decoding: NGRAM (drafts from an n-gram trie over the prompt, the output and recent requests; grammar-aware)",
+    "speculative_num_draft_tokens": "Tokens per request in one verify step, the last real token included (default 8 with an algorithm)",
+    "speculative_ngram_min_match_window_size": "Shortest suffix matched in the n-gram trie",
+    "speculative_ngram_max_match_window_size": "Longest suffix matched in the n-gram trie (tried first)",
+    "speculative_ngram_min_bfs_breadth": "Draft tree breadth lower bound (only 1: chain drafts)",
+    "speculative_ngram_max_bfs_breadth": "Draft tree breadth upper bound (only 1: chain drafts; SGLang's default 10 needs tree drafts)",
+    "speculative_ngram_match_type": "BFS: follow the most recently seen continuation; PROB: the most frequent one",
+    "speculative_ngram_branch_length": "Tokens stored after each matched window in the trie (the longest draft)",
+    "speculative_ngram_capacity": "Trie nodes kept (least recently used evicted first); SGLang's default is 10,000,000",
+    "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
     "tp_size": "Tensor-parallel degree",
     "ep_size": "Expert-parallel degree",
     "dp_size": "Data-parallel replicas",

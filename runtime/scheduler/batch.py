@@ -61,7 +61,9 @@ class ScheduleBatch:
             top_nums.append(req.logprob.top_num if req.return_logprob else None)
         sampling = None
         if sampling_reqs:
-            sampling = SamplingInfo.from_reqs(sampling_reqs, vocab_size)
+            sampling = SamplingInfo.from_reqs(
+                sampling_reqs, vocab_size, [r.draft_ids for r in sampling_reqs]
+            )
             _fill_grammar_mask(sampling_reqs, sampling, vocab_size)
         self.model_input = ModelInput(
             mode=self.mode,
@@ -100,12 +102,19 @@ def _input_logprob_span(req: Req, begin: int, end: int) -> tuple[int, list[int] 
 
 
 def _fill_grammar_mask(reqs: list[Req], info: SamplingInfo, vocab_size: int) -> None:
+    """One mask row per sampled position: a verified draft brings the rows its grammar walk
+    filled (`req.draft_masks`, one per draft position and one after)."""
     if not any(r.grammar is not None for r in reqs):
         return
     from loom.grammar.base import allocate_token_bitmask
 
-    mask = allocate_token_bitmask(len(reqs), vocab_size)
-    for i, r in enumerate(reqs):
+    mask = allocate_token_bitmask(sum(1 + len(r.draft_ids) for r in reqs), vocab_size)
+    row = 0
+    for r in reqs:
         if r.grammar is not None:
-            r.grammar.fill_mask(mask, i)
+            if r.draft_ids:
+                mask[row : row + 1 + len(r.draft_ids)] = r.draft_masks
+            else:
+                r.grammar.fill_mask(mask, row)
+        row += 1 + len(r.draft_ids)
     info.vocab_mask = mask

@@ -19,8 +19,8 @@ NEW_TOKEN_RATIO_DECAY = 0.001
 class DecodeManager:
     """`running`: requests between prefill and finish. `finishing`: finished requests whose
     last sampled token has no KV yet; the next decode step writes it (sampling nothing) and
-    releases them, so a follow-up turn finds prompt + output cached. `drafter` (optional)
-    proposes tokens that a step verifies: `propose(req, max_len) -> list[int]`."""
+    releases them, so a follow-up turn finds prompt + output cached. `drafter` (optional, a
+    `loom.runtime.spec.Drafter`) proposes tokens that the step verifies."""
 
     def __init__(self, kv: KVManager, conservativeness: float, context_len: int, drafter=None):
         self.kv = kv
@@ -42,7 +42,8 @@ class DecodeManager:
             reqs = self.finishing + self.running
             if not reqs:
                 return None, retracted
-            drafts = [self._draft(r) if use_drafts else [] for r in reqs]
+            free = self.drafter is not None and self.drafter.enabled_for(len(reqs))
+            drafts = [self._draft(r, free) if use_drafts else [] for r in reqs]
             short = self.kv.pages_short(reqs, [1 + len(d) for d in drafts])
             if short <= 0:
                 break
@@ -71,15 +72,16 @@ class DecodeManager:
         )
         return batch, retracted
 
-    def _draft(self, req: Req) -> list[int]:
-        if self.drafter is None or req.finished or not _can_draft(req):
+    def _draft(self, req: Req, free_drafts: bool) -> list[int]:
+        req.draft_ids, req.draft_masks = [], None
+        if self.drafter is None or req.finished:
             return []
         # bounded by the context only: tokens past max_new_tokens or a stop are dropped when
         # the result is processed, like any chunk that ends mid-way
         room = self.context_len - req.seq_len - 1
         if room <= 0:
             return []
-        return list(self.drafter.propose(req, room))[:room]
+        return list(self.drafter.draft(req, room, free_drafts))[:room]
 
     def _retract_one(self) -> Req | None:
         """Free KV: drop a finishing request's last-token write first (its answer is out),
@@ -110,15 +112,3 @@ class DecodeManager:
         self.finishing = [r for r in self.finishing if r not in fin]
         return run, fin
 
-
-def _can_draft(req: Req) -> bool:
-    """Drafts are verified row by row with the request's sampling parameters; grammars,
-    penalties and min_new_tokens change with every accepted token, so those never draft."""
-    p = req.sampling_params
-    return (
-        req.grammar is None
-        and len(req.output_ids) >= p.min_new_tokens
-        and p.frequency_penalty == 0
-        and p.presence_penalty == 0
-        and p.repetition_penalty == 1
-    )

@@ -34,8 +34,11 @@ class OutputProcessor:
     """Turns a step's `ForwardOutput` into request state (tokens, logprobs, grammar, stop
     checks, KV bookkeeping through the KV manager) and keeps the outputs to stream."""
 
-    def __init__(self, kv: KVManager, tokenizer, context_len: int, jump_forward: bool, stats):
+    def __init__(
+        self, kv: KVManager, tokenizer, context_len: int, jump_forward: bool, stats, drafter=None
+    ):
         self.kv = kv
+        self.drafter = drafter
         self.tokenizer = tokenizer
         self.context_len = context_len
         self.jump_forward = jump_forward
@@ -78,6 +81,10 @@ class OutputProcessor:
             tokens = out.next_ids[i]
             if inp.sample_counts[i] == 0:  # max_new_tokens reached before sampling (== 0)
                 req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+            if req.draft_ids and tokens:  # the verifier's accepted run, before any stop
+                req.spec_accepted += len(tokens) - 1
+                if self.drafter is not None:
+                    self.drafter.on_verified(req, len(req.draft_ids), len(tokens) - 1)
             for j, token in enumerate(tokens):
                 self._append_token(req, token, out, i, j)
                 if req.finished:
@@ -89,8 +96,10 @@ class OutputProcessor:
             if req.kv_len < written_end:
                 self.kv.truncate(req, req.kv_len, written_end)
             if req.draft_ids:
-                req.draft_ids = []
+                req.draft_ids, req.draft_masks = [], None
             if req.finished:
+                if self.drafter is not None:
+                    self.drafter.on_finished(req)
                 self.pending.append(req)
                 if self._completes_kv(req):
                     routes.finishing.append(req)

@@ -62,11 +62,21 @@ class Scheduler:
         self.prefill = PrefillManager(
             self.kv, args, r.max_running_requests, random.Random(args.random_seed)
         )
+        if drafter is None:
+            from loom.runtime.spec import create_drafter
+
+            drafter = create_drafter(args, self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.decode = DecodeManager(
             self.kv, args.schedule_conservativeness, self.context_len, drafter
         )
+        # with a drafter, forced text is drafted and verified instead of jumped over
         self.output = OutputProcessor(
-            self.kv, self.tokenizer, self.context_len, not args.disable_jump_forward, self.stats
+            self.kv,
+            self.tokenizer,
+            self.context_len,
+            not args.disable_jump_forward and drafter is None,
+            self.stats,
+            drafter,
         )
         self.check_integrity_every_step = False
         self.decode_timing: dict[int, list] = {}
@@ -114,6 +124,12 @@ class Scheduler:
         entry[0] += 1
         entry[1] += step
         entry[2] += forward
+
+    def set_drafter(self, drafter) -> None:
+        """Replace the drafter (tests drive a scripted one); jump-forward follows: off with a
+        drafter, whose forced drafts replace it."""
+        self.decode.drafter = self.output.drafter = drafter
+        self.output.jump_forward = not self.args.disable_jump_forward and drafter is None
 
     @property
     def running(self) -> list[Req]:
@@ -254,6 +270,7 @@ class Scheduler:
             "cache_size_tokens": self.tree_cache.total_size(),
             "cache_hit_rate": st["cached_tokens"] / max(1, st["prompt_tokens"]),
             "decode_timing": {str(k): v for k, v in self.decode_timing.items()},
+            **(self.decode.drafter.summary() if self.decode.drafter is not None else {}),
             **st,
         }
 

@@ -1,0 +1,161 @@
+"""N-gram drafting (lookahead): a token trie over prompts, outputs and recent requests.
+
+The trie stores every window of `depth` = max match window + branch length consecutive tokens
+seen (each request's prompt and output, inserted as they grow). A request keeps `pointers`:
+the trie nodes of its current suffixes of length 1 .. depth-1, so appending a token extends each
+pointer by one child (O(depth) dict operations, no rebuild) and matching the last w tokens is
+reading the pointer at depth w. A draft follows, from the deepest matched suffix that has a
+continuation, the most recently seen child (match type BFS) or the most frequent one (PROB).
+
+Bounded: at most `capacity` nodes, least recently touched evicted first (an evicted node's
+subtree is cut off with it and ages out of the LRU in turn); a prompt contributes at most its
+last `MAX_PROMPT_TOKENS` tokens, so the first draft of a request costs O(that x depth).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+MAX_PROMPT_TOKENS = 2048
+
+
+class _Node:
+    __slots__ = ("children", "count", "stamp", "parent", "token", "depth")
+
+    def __init__(self, parent: _Node | None, token: int, depth: int):
+        self.children: dict[int, _Node] = {}
+        self.count = 0
+        self.stamp = 0
+        self.parent = parent
+        self.token = token
+        self.depth = depth
+
+
+class NgramTrie:
+    def __init__(self, depth: int, capacity: int):
+        self.depth = depth
+        self.capacity = capacity
+        self.root = _Node(None, -1, 0)
+        self.lru: OrderedDict[_Node, None] = OrderedDict()
+        self.clock = 0
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def extend(self, pointers: list[_Node], token: int) -> list[_Node]:
+        """Append `token` after every suffix in `pointers` (ascending depth); returns the new
+        suffix pointers (ascending depth, the full-length window left out)."""
+        self.clock += 1
+        out = [self._child(self.root, token)]
+        for node in pointers:
+            child = self._child(node, token)
+            if child.depth < self.depth:
+                out.append(child)
+        if len(self.lru) > self.capacity:
+            self._evict(len(self.lru) - self.capacity)
+        return out
+
+    def _child(self, node: _Node, token: int) -> _Node:
+        child = node.children.get(token)
+        if child is None:
+            child = _Node(node, token, node.depth + 1)
+            node.children[token] = child
+            self.lru[child] = None
+        else:
+            self.lru.move_to_end(child)
+        child.count += 1
+        child.stamp = self.clock
+        return child
+
+    def _evict(self, n: int) -> None:
+        for _ in range(n):
+            node, _ = self.lru.popitem(last=False)
+            parent = node.parent
+            if parent is not None and parent.children.get(node.token) is node:
+                del parent.children[node.token]
+            node.parent = None
+
+    @staticmethod
+    def walk(node: _Node | None, tokens: Sequence[int]) -> _Node | None:
+        for t in tokens:
+            if node is None:
+                return None
+            node = node.children.get(t)
+        return node
+
+
+class NgramState:
+    """A request's place in the trie: its suffix pointers and how many of its tokens the
+    trie has seen. Lives on `req.spec_state`."""
+
+    __slots__ = ("pointers", "seen", "rates", "steps")
+
+    def __init__(self, num_positions: int):
+        self.pointers: list[_Node] = []
+        self.seen = 0
+        # per draft position: running acceptance rate (given the draft reached it)
+        self.rates = [1.0] * num_positions
+        self.steps = 0
+
+
+class NgramDrafter:
+    """`propose(req, max_len, after=())`: up to max_len tokens the request's history predicts
+    after its current tokens followed by `after` (forced text not yet in the sequence)."""
+
+    def __init__(
+        self,
+        min_window: int,
+        max_window: int,
+        branch_length: int,
+        capacity: int,
+        match_type: str = "BFS",
+    ):
+        self.min_window = min_window
+        self.max_window = max_window
+        self.branch_length = branch_length
+        self.trie = NgramTrie(max_window + branch_length, capacity)
+        self.by_count = match_type.upper() == "PROB"
+
+    def observe(self, req, state: NgramState) -> None:
+        """Insert the request's tokens the trie has not seen yet."""
+        n = req.seq_len
+        if state.seen > n:  # the tail was rewritten: start the suffixes afresh
+            state.pointers, state.seen = [], 0
+        if state.seen == 0:
+            state.seen = max(0, len(req.origin_input_ids) - MAX_PROMPT_TOKENS)
+        if state.seen == n:
+            return
+        pointers = state.pointers
+        for t in req.tokens(state.seen, n):
+            pointers = self.trie.extend(pointers, t)
+        state.pointers = pointers
+        state.seen = n
+
+    def propose(self, req, state: NgramState, max_len: int, after: Sequence[int] = ()) -> list[int]:
+        self.observe(req, state)
+        node = self._match(state.pointers, after)
+        draft: list[int] = []
+        while node is not None and node.children and len(draft) < max_len:
+            if self.by_count:
+                node = max(node.children.values(), key=lambda c: (c.count, c.stamp))
+            else:
+                node = max(node.children.values(), key=lambda c: c.stamp)
+            draft.append(node.token)
+        return draft
+
+    def _match(self, pointers: list[_Node], after: Sequence[int]) -> _Node | None:
+        """The deepest node (suffix length in the match window) of current tokens + `after`
+        that has a continuation."""
+        k = len(after)
+        for w in range(self.max_window, self.min_window - 1, -1):
+            if w > k:
+                i = w - k - 1  # pointer of the suffix of length w - k (ascending depth)
+                if i >= len(pointers):
+                    continue
+                node = self.trie.walk(pointers[i], after)
+            else:
+                node = self.trie.walk(self.trie.root, after[k - w :])
+            if node is not None and node.children:
+                return node
+        return None

@@ -1,0 +1,123 @@
+"""The n-gram speculator: what a request drafts each step, and how drafts meet grammars.
+
+Per step and request: the grammar's forced text first (what jump-forward would emit; under
+the grammar's mask those tokens are the only ones allowed, so verification accepts them),
+then the n-gram trie's continuation, cut to the adaptive length. A constrained request's
+draft is walked through its grammar (accept, then roll back): it is cut at the first token the
+grammar refuses, and the mask of every draft position (and the one after) is kept for the
+verify step, so an accepted token is always legal. The grammar itself advances only when
+result processing appends the accepted tokens.
+
+Adaptive length: each request keeps a running acceptance rate per draft position (given the
+draft reached it); a position is drafted while the product of the rates up to it (the chance
+it is accepted) is at least MIN_GAIN, the measured cost of one more verified token relative
+to a decode step. Every PROBE_EVERY steps the full length is drafted to re-measure.
+"""
+
+from __future__ import annotations
+
+from loom.runtime.spec import Drafter
+from loom.runtime.spec.ngram import NgramDrafter, NgramState
+from loom.runtime.spec.stats import AcceptanceStats
+
+MIN_GAIN = 0.2
+PROBE_EVERY = 8
+RATE_DECAY = 0.3
+
+
+class NgramSpeculator(Drafter):
+    def __init__(self, args, tokenizer, vocab_size: int, eos_token_ids):
+        self.num_draft = args.effective_num_draft_tokens - 1
+        self.disable_batch_size = args.speculative_disable_by_batch_size
+        self.ngram = NgramDrafter(
+            args.speculative_ngram_min_match_window_size,
+            args.speculative_ngram_max_match_window_size,
+            args.speculative_ngram_branch_length,
+            args.speculative_ngram_capacity,
+            args.speculative_ngram_match_type,
+        )
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos = frozenset(eos_token_ids)
+        self.stats = AcceptanceStats(self.num_draft)
+
+    def enabled_for(self, batch_size: int) -> bool:
+        return batch_size < self.disable_batch_size
+
+    def draft(self, req, room: int, free_drafts: bool = True) -> list[int]:
+        state = req.spec_state
+        if state is None:
+            state = req.spec_state = NgramState(self.num_draft)
+        budget = min(room, self.num_draft)
+        forced = self._forced(req, budget) if req.grammar is not None else []
+        n = 0
+        if free_drafts:
+            n = min(budget - len(forced), self._limit(state))
+        else:
+            self.stats.skipped += 1
+        draft = forced + self.ngram.propose(req, state, max(0, n), after=forced)
+        if req.grammar is not None and draft:
+            draft = self._walk_grammar(req, draft)
+        req.draft_forced = min(len(forced), len(draft))
+        return draft
+
+    def _forced(self, req, budget: int) -> list[int]:
+        if self.tokenizer is None or budget <= 0:
+            return []
+        text = req.grammar.jump_forward()
+        if not text:
+            return []
+        return self.tokenizer.encode(text[: 8 * budget], add_special_tokens=False)[:budget]
+
+    def _walk_grammar(self, req, draft: list[int]) -> list[int]:
+        from loom.grammar.base import GrammarError, allocate_token_bitmask
+
+        g = req.grammar
+        masks = allocate_token_bitmask(len(draft) + 1, self.vocab_size)
+        n = 0
+        for t in draft:
+            g.fill_mask(masks, n)
+            if t in self.eos or t >= self.vocab_size or not (int(masks[n, t // 32]) >> (t % 32)) & 1:
+                break
+            try:
+                g.accept_token(t)
+            except GrammarError:
+                break
+            n += 1
+        else:
+            g.fill_mask(masks, n)
+        g.rollback(n)
+        req.draft_masks = masks[: n + 1]
+        return draft[:n]
+
+    def _limit(self, state: NgramState) -> int:
+        state.steps += 1
+        if state.steps % PROBE_EVERY == 0:
+            return self.num_draft
+        gain, n = 1.0, 0
+        for rate in state.rates:
+            gain *= rate
+            if gain < MIN_GAIN:
+                break
+            n += 1
+        return n
+
+    def on_verified(self, req, drafted: int, accepted: int) -> None:
+        forced = req.draft_forced
+        self.stats.record(drafted, accepted, forced)
+        state = req.spec_state
+        if state is None or accepted < forced:
+            return
+        rates = state.rates
+        for j in range(drafted - forced):
+            if j > accepted - forced or j >= len(rates):
+                break
+            hit = 1.0 if j < accepted - forced else 0.0
+            rates[j] += RATE_DECAY * (hit - rates[j])
+
+    def on_finished(self, req) -> None:
+        if req.spec_state is not None:
+            self.ngram.observe(req, req.spec_state)
+
+    def summary(self) -> dict:
+        return {**self.stats.summary(), "spec_trie_nodes": len(self.ngram.trie)}

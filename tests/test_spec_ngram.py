@@ -1,0 +1,177 @@
+"""NGRAM speculative decoding: the trie, the flags, and greedy outputs identical to plain
+decoding across models, cache settings and constraints (the verify step may only change how
+many tokens a step yields, never which)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import lark
+import pytest
+
+from loom.runtime.req import Req
+from loom.runtime.sampling_params import make_sampling_params
+from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
+from loom.runtime.spec.ngram import NgramDrafter, NgramState
+from tests.conftest_grammar import ARITH_GBNF, ARITH_LARK
+from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
+
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_disable_by_batch_size": 64}
+
+
+# --------------------------------------------------------------------------- the trie
+def _req(ids: list[int]) -> Req:
+    return Req("r", ids, make_sampling_params({}), seed=0)
+
+
+def _drafter(**kw) -> NgramDrafter:
+    args = dict(min_window=1, max_window=4, branch_length=6, capacity=10_000)
+    return NgramDrafter(**{**args, **kw})
+
+
+def test_trie_drafts_what_followed_the_suffix_before():
+    d = _drafter()
+    req = _req([10, 11, 12, 13, 14, 20, 10, 11, 12])
+    assert d.propose(req, NgramState(8), 4) == [13, 14, 20, 10]
+    # grows incrementally with the output: after 13 it drafts what followed 10 11 12 13
+    state = NgramState(8)
+    d.propose(req, state, 2)
+    req.output_ids.append(13)
+    assert d.propose(req, state, 3) == [14, 20, 10]
+    assert state.seen == req.seq_len
+
+
+def test_longest_window_first_then_recency_or_frequency():
+    # "1 2 3" was followed by 7; the shorter "2 3" most recently by 8
+    d = _drafter()
+    assert d.propose(_req([1, 2, 3, 7, 9, 2, 3, 8, 1, 2, 3]), NgramState(4), 1) == [7]
+    seq = [5, 1, 5, 1, 5, 1, 5, 2, 9, 5]  # after 5: 1 three times, 2 most recently
+    assert _drafter(max_window=1).propose(_req(seq), NgramState(4), 1) == [2]
+    prob = _drafter(max_window=1, match_type="PROB")
+    assert prob.propose(_req(seq), NgramState(4), 1) == [1]
+    # forced text not yet in the sequence is matched through: after 5, 2 came 9
+    assert _drafter(max_window=2).propose(_req(seq), NgramState(4), 1, after=[2]) == [9]
+
+
+def test_trie_is_shared_across_requests_and_bounded():
+    d = _drafter(capacity=2048)
+    first = _req([30, 31, 32, 33, 34, 35, 36])
+    d.observe(first, NgramState(4))
+    assert d.propose(_req([99, 31, 32]), NgramState(4), 3) == [33, 34, 35]
+    rng = random.Random(0)
+    for _ in range(20):  # far more windows than the capacity holds
+        d.observe(_req([rng.randrange(1000) for _ in range(300)]), NgramState(4))
+    assert len(d.trie) <= 2048
+    recent = _req([7, 7, 8, 1, 2, 3, 4, 5, 6, 8, 1, 2])
+    assert d.propose(recent, NgramState(4), 3) == [3, 4, 5]
+
+
+# --------------------------------------------------------------------------- flags
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm: 'EAGLE' is not supported yet"),
+        ({"speculative_algorithm": "MEDUSA"}, "speculative_algorithm: unknown algorithm"),
+        ({"speculative_num_draft_tokens": 4}, "speculative_num_draft_tokens: needs"),
+        (
+            {"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 10},
+            "speculative_ngram_max_bfs_breadth: 10 is not supported yet",
+        ),
+        (
+            {"speculative_algorithm": "NGRAM", "speculative_ngram_match_type": "DFS"},
+            "speculative_ngram_match_type: must be one of",
+        ),
+        (
+            {"speculative_algorithm": "NGRAM", "speculative_ngram_max_match_window_size": 0},
+            "speculative_ngram_max_match_window_size: ",
+        ),
+    ],
+)
+def test_speculative_flags_refused_by_name(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServerArgs(**kw)
+
+
+# --------------------------------------------------------------------------- identity
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,8}@[a-z]{3,6}\.(com|org)"
+CONSTRAINTS = [
+    {"json_schema": json.dumps(SCHEMA)},
+    {"regex": REGEX},
+    {"ebnf": ARITH_GBNF},
+]
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Q: What is the capital of France? A: Paris.\nQ: What is the capital of Germany? A:",
+    "def add(a, b): return a + b\ndef sub(a, b): return a - b\ndef mul(a, b):",
+    "Repeat after me: red green blue, red green blue, red green",
+    'Extract the name: {"name": "Alice", "age": 31} -> name = Alice\n{"name": "Bob", "age": 4} ->',
+    "Once upon a time there was a little fox who",
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,",
+]
+
+# (model, page size, radix cache off, free-text prompts, constrained prompts)
+CONFIGS = [
+    ("bundled", 1, False, 8, 3),
+    ("bundled", 4, True, 8, 3),
+    ("llama", 4, False, 6, 3),
+    ("qwen2", 1, True, 6, 3),
+    ("qwen3", 4, True, 6, 3),
+    ("qwen2-moe", 1, False, 6, 3),
+    ("mixtral", 4, False, 6, 3),
+]
+
+
+def _validate(params: dict, text: str) -> None:
+    if "json_schema" in params:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif "regex" in params:
+        assert re.fullmatch(REGEX, text), text
+    else:
+        lark.Lark(ARITH_LARK, parser="lalr").parse(text)
+
+
+def _generate(path, prompts, page_size, radix_off, **kw):
+    sched = make_scheduler(
+        path, page_size=page_size, disable_radix_cache=radix_off, disable_jump_forward=True, **kw
+    )
+    for i, (ids, params) in enumerate(prompts):
+        submit(sched, f"p{i}", ids, params)
+    return run_all(sched), sched
+
+
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=[f"{c[0]}-page{c[1]}-radix{'off' if c[2] else 'on'}" for c in CONFIGS]
+)
+def test_greedy_outputs_identical_with_ngram(tiny_model_dir, config):
+    family, page, radix_off, n_text, n_constrained = config
+    path = BUNDLED_MODEL_PATH if family == "bundled" else tiny_model_dir(family)
+    probe = make_scheduler(path)
+    tok = probe.tokenizer
+    prompts = [(tok.encode(t), greedy(32)) for t in TEXTS[:n_text]]
+    for c in CONSTRAINTS[:n_constrained]:
+        prompts.append((tok.encode("Answer: "), {**greedy(48), "ignore_eos": False, **c}))
+    plain, _ = _generate(path, prompts, page, radix_off)
+    spec, sched = _generate(path, prompts, page, radix_off, **SPEC)
+    for i, (_, params) in enumerate(prompts):
+        a, b = plain[f"p{i}"], spec[f"p{i}"]
+        assert b.ids == a.ids, (family, i)
+        assert b.finish_reason == a.finish_reason
+        if params.get("ignore_eos") is False and b.finish_reason["type"] == "stop":
+            _validate(params, b.text)
+    st = sched.get_state()
+    assert st["spec_verify_ct"] > 0, st
+    assert sum(st["spec_accepted_by_position"]) > 0, st
