@@ -201,7 +201,7 @@ class GrammarBackend:
         return self.engine.build(self._translate(kind, spec, "lark"))
 
     def _translate(self, kind: str, spec: Any, json_form: str):
-        args = (kind, spec, self.json_options, json_form)
+        args = (kind, spec, self.json_options, json_form, self.engine.json_regex_limit)
         if self._translators is None:
             return translate(*args)
         return self._translators.translate(args, self.compile_timeout)

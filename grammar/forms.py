@@ -5,7 +5,8 @@ This is the part of structured generation loom owns, whatever engine computes th
     regex        -> Form("regex", pattern)                       (checked by the engine)
     choices      -> Form("regex", escaped alternation)
     json_schema  -> Form("lark", json_schema_to_lark(schema))    (any schema, recursion too)
-                    or Form("regex", ...) for engines that prefer one (xgrammar)
+                    or Form("regex", ...) for engines that prefer one while it is
+                    small (llguidance: up to 10k characters; xgrammar: 200k)
                     or Form("json_schema", ...) (outlines translates per schema itself)
     ebnf (GBNF)  -> Form("lark", ...)                            (loom's GBNF translation)
     lark         -> Form("lark", text)
@@ -36,10 +37,17 @@ class Form:
     json_options: Any = None  # only for syntax "json_schema" (an engine that translates itself)
 
 
-def translate(kind: str, spec: Any, json_options=None, json_form: str = "lark") -> Form:
+def translate(
+    kind: str,
+    spec: Any,
+    json_options=None,
+    json_form: str = "lark",
+    regex_limit: int | None = None,
+) -> Form:
     """The Form of a spec; raises GrammarError naming what is wrong. `json_form` is the
-    engine's choice for JSON schemas: "lark", "regex" (Lark only when there is no regex) or
-    "json_schema" (checked here, translated by the engine)."""
+    engine's choice for JSON schemas: "lark", "regex" (Lark when there is no regex, or when
+    the regex would pass `regex_limit` characters) or "json_schema" (checked here, translated
+    by the engine)."""
     if kind == "regex":
         if not spec:
             raise GrammarError("regex: empty pattern")
@@ -61,8 +69,9 @@ def translate(kind: str, spec: Any, json_options=None, json_form: str = "lark") 
         if json_form == "json_schema":
             return Form("json_schema", json.dumps(spec), json_options)
         if json_form == "regex" and not has_recursive_ref(spec):
+            limit = {} if regex_limit is None else {"max_chars": regex_limit}
             try:
-                return Form("regex", json_schema_to_regex(spec, json_options))
+                return Form("regex", json_schema_to_regex(spec, json_options, **limit))
             except NeedsCFG:
                 pass
         # unfused terminals: the Lark engines here lex greedily or per character

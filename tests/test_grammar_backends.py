@@ -132,7 +132,10 @@ def _tokenizer(name: str):
 
 @pytest.fixture(params=[(e, v) for v in VOCABS for e in ENGINES], ids=lambda p: f"{p[0]}-{p[1]}")
 def setup(request):
-    engine, vocab = request.param
+    return _backend(*request.param)
+
+
+def _backend(engine: str, vocab: str):
     if (engine, vocab) not in _BACKENDS:
         tok = _tokenizer(vocab)
         pad = 64 if vocab == "toy" else 0  # the toy model's vocabulary is padded past the tokenizer
@@ -410,3 +413,58 @@ def test_schema_whose_regex_nests_too_deep_compiles_as_lark(engine):
     _check_walks(
         backend, tok, g, lambda text: jsonschema.validate(json.loads(text), schema) or True
     )
+
+
+def _long_regex_schema() -> dict:
+    item = {
+        "type": "object",
+        "properties": {f"f{i}": {"type": ["string", "integer"]} for i in range(9)},
+    }
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": 1},
+            "items": {"type": "array", "items": item, "maxItems": 4},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
+            "owner": item,
+            "peer": {"type": "object", "properties": {"a": item, "b": item}},
+        },
+        "required": ["id"],
+    }
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_schema_past_the_regex_limit_compiles_as_rules(vocab):
+    """llguidance takes a schema whose regex passes its json_regex_limit as Lark rules (one
+    JSON token per terminal), and that form is as sound and complete as the regex."""
+    from loom.grammar.forms import translate
+
+    backend, tok = _backend("llguidance", vocab)
+    schema = _long_regex_schema()
+    limit = backend.engine.json_regex_limit
+    assert len(translate("json_schema", schema, backend.json_options, "regex").text) > limit
+    form = translate("json_schema", schema, backend.json_options, "regex", limit)
+    assert form.syntax == "lark"
+    g = backend.compile("json_schema", schema)
+    good = [
+        {"id": 1},
+        {"id": 7, "items": [{"f0": "x", "f8": 3}, {}], "tags": ["a", "c"], "owner": {"f4": -2}},
+        {"id": 2, "tags": [], "peer": {"a": {"f1": "y"}, "b": {}}},
+    ]
+    bad = [{}, {"id": 0}, {"id": 1, "items": [{}] * 5}, {"id": 1, "tags": ["d"]},
+           {"id": 1, "owner": {"f9": 1}}, {"id": 1, "peer": {"a": {"f0": 1.5}}}]  # fmt: skip
+    for value in good:
+        jsonschema.validate(value, schema)
+        assert _accepts(backend, tok, g, json.dumps(value)), value
+        assert _accepts(backend, tok, g, json.dumps(value, separators=(",", ":"))), value
+    for value in bad:
+        if value.get("owner") is None:  # unlisted keys are valid JSON Schema, refused strictly
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(value, schema)
+        assert not _accepts(backend, tok, g, json.dumps(value)), value
+
+    def valid(text: str) -> bool:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+
+    _check_walks(backend, tok, g, valid)

@@ -43,14 +43,21 @@ def _subset() -> list[str]:
     return sorted(f for f in os.listdir(DATA) if f.endswith(".json"))[::STRIDE]
 
 
-@pytest.mark.skipif(not DATA.is_dir(), reason="MaskBench data not present")
-def test_maskbench_subset_llama3():
+@pytest.fixture(scope="module")
+def llama3_loom():
+    """(harness, tokenizer, loom engine) at Llama 3's vocabulary, shared by this file's tests."""
+    if not DATA.is_dir():
+        pytest.skip("MaskBench data not present")
     pytest.importorskip("llama_models")
     from tests.real_tokenizers import llama3_tokenizer
 
     mb = _harness()
     tok = llama3_tokenizer()
-    engine = mb.LoomEngine(tok, len(tok), spec_additional=False, engine=None)
+    return mb, tok, mb.LoomEngine(tok, len(tok), spec_additional=False, engine=None)
+
+
+def test_maskbench_subset_llama3(llama3_loom):
+    mb, tok, engine = llama3_loom
     status: Counter = Counter()
     accepted_invalid, wrong_valid = [], []
     for name in _subset():
@@ -69,6 +76,32 @@ def test_maskbench_subset_llama3():
     print(f"maskbench subset (Llama 3): {dict(status)} of {n}; pass share {share:.3f}")
     assert not accepted_invalid, accepted_invalid
     assert share >= FLOOR, (dict(status), wrong_valid[:10])
+
+
+# Valid documents that llguidance refused when these schemas reached it as one regex (15-95k
+# characters), each refused at a token such as ' [{"' after a key: past the engine's
+# json_regex_limit the schema comes as Lark rules, which accept every valid instance.
+LONG_REGEX = [
+    "Github_medium---o13402.json",
+    "Github_medium---o14475.json",
+    "Github_medium---o4850.json",
+]
+
+
+def test_schemas_with_long_regexes_compile_as_rules(llama3_loom):
+    from loom.grammar.forms import translate
+
+    mb, tok, engine = llama3_loom
+    backend = engine.backend
+    limit = backend.engine.json_regex_limit
+    for name in LONG_REGEX:
+        doc = json.loads((DATA / name).read_text())
+        regex = translate("json_schema", doc["schema"], backend.json_options, "regex")
+        assert regex.syntax == "regex" and len(regex.text) > limit, name
+        form = translate("json_schema", doc["schema"], backend.json_options, "regex", limit)
+        assert form.syntax == "lark", name
+        rec = mb.check_schema(engine, doc, tok)
+        assert rec["status"] == "pass", (name, rec["reason"])
 
 
 class _Chars:

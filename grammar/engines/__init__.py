@@ -28,10 +28,13 @@ DEFAULT_ENGINE = "llguidance"
 
 
 class Engine(ABC):
-    """`json_form`: how json_schema specs reach `build` (see forms.translate)."""
+    """`json_form`: how json_schema specs reach `build` (see forms.translate);
+    `json_regex_limit`: with json_form "regex", the longest regex (characters) the engine
+    takes before the schema comes as Lark rules instead (None: the translator's own bound)."""
 
     name: str
     json_form: str = "lark"
+    json_regex_limit: int | None = None
 
     @abstractmethod
     def build(self, form: Form) -> Grammar:

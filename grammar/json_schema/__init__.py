@@ -82,13 +82,19 @@ def _options(opts: JsonSchemaOptions | None, kw) -> JsonSchemaOptions:
     return replace(opts or JsonSchemaOptions(), **kw)
 
 
-def json_schema_to_regex(spec: Any, opts: JsonSchemaOptions | None = None, **kw) -> str:
-    """The regex of a non-recursive schema's JSON texts (GrammarError if it is recursive)."""
-    return _to_regex(normalize_schema(spec), _options(opts, kw))[0]
+def json_schema_to_regex(
+    spec: Any, opts: JsonSchemaOptions | None = None, *, max_chars: int = MAX_REGEX_CHARS, **kw
+) -> str:
+    """The regex of a non-recursive schema's JSON texts: NeedsCFG if the schema is recursive or
+    its regex would pass `max_chars` characters (the translation stops as soon as any part
+    does, so a low limit also bounds the time spent finding out)."""
+    return _to_regex(normalize_schema(spec), _options(opts, kw), max_chars=max_chars)[0]
 
 
-def _to_regex(schema, options: JsonSchemaOptions, unroll: int | None = None) -> tuple[str, int]:
-    tr = Translator(schema, RegexAlgebra(MAX_REGEX_CHARS), options, unroll=unroll)
+def _to_regex(
+    schema, options: JsonSchemaOptions, unroll: int | None = None, max_chars: int = MAX_REGEX_CHARS
+) -> tuple[str, int]:
+    tr = Translator(schema, RegexAlgebra(max_chars), options, unroll=unroll)
     try:
         return tr.value(schema), tr.unkeyed_any
     except Recursive as e:
