@@ -10,10 +10,20 @@ outside the model forward.
 
 Batched workload (--batched): B sequences of --pp random prompt tokens and --tg new tokens for
 each B in --batch-sizes, as llama.cpp's llama-batched-bench measures it: prefill tok/s =
-B*pp / (time to the first token), decode tok/s = B*(tg-1) / (the rest).
+B*pp / (time until every sequence has its first token), decode tok/s = B*(tg-1) / (the rest),
+both from one timed run per side and round (loom streams the batch and notes when the last
+sequence's first token arrives; HF's generate notes it through a streamer). Writes
+docs/img/throughput_{decode,prefill}_<model>.png (tok/s against batch size, every side).
+
+--llamacpp adds llama.cpp (benchmarks/peers/llamacpp.py; run_all.py passes it when llama.cpp is
+built): its tokenization and greedy tokens are checked against loom's first, then llama-server
+(offline) and llama-batched-bench (batch sweep), llama.cpp's default -fa auto and -fa off, are
+more sides in the same alternation, so every round runs loom, HF and llama.cpp back to back;
+each ratio against them is the median of per-round ratios with its range, as HF's is.
 
     python benchmarks/bench_offline.py [--model bundled|qwen0.5b-f32|qwen0.5b-bf16|PATH]
         [--num-requests 64] [--rounds 3] [--batched --batch-sizes 1,8,32,64 --pp 128 --tg 32]
+        [--llamacpp]
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import common
 
@@ -64,6 +76,25 @@ class LoomSide:
         assert sum(o["meta_info"]["completion_tokens"] for o in outs) == sum(m for _, m in reqs)
         return elapsed
 
+    def run_timed(self, prompts: list[list[int]], tg: int) -> tuple[float, float]:
+        """(seconds until every sequence has its first token, seconds in all) for one batch
+        of prompts generating tg tokens each, streamed."""
+        self.engine.flush_cache()
+        params = {"max_new_tokens": tg, "temperature": 0, "ignore_eos": True}
+        started: set[int] = set()
+        done = [0] * len(prompts)
+        first = None
+        t = time.perf_counter()
+        for item in self.engine.generate(input_ids=prompts, sampling_params=params, stream=True):
+            i = item.get("index", 0)
+            done[i] = item["meta_info"]["completion_tokens"]
+            started.add(i)
+            if first is None and len(started) == len(prompts):
+                first = time.perf_counter() - t
+        total = time.perf_counter() - t
+        assert done == [tg] * len(prompts), done
+        return first, total
+
     def decode_timing(self) -> dict[int, list]:
         info = self.engine.get_server_info()
         return {int(k): v for k, v in info["decode_timing"].items()}
@@ -86,6 +117,11 @@ class HFSide:
 
     def generate(self, prompts: list[list[int]], max_new: int) -> float:
         """Seconds for one padded (left) batch run to exactly max_new tokens."""
+        t = time.perf_counter()
+        self._generate(prompts, max_new)
+        return time.perf_counter() - t
+
+    def _generate(self, prompts: list[list[int]], max_new: int, streamer=None) -> None:
         torch = self.torch
         longest = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), longest), self.pad, dtype=torch.long)
@@ -93,7 +129,6 @@ class HFSide:
         for i, p in enumerate(prompts):
             ids[i, longest - len(p) :] = torch.tensor(p)
             mask[i, longest - len(p) :] = 1
-        t = time.perf_counter()
         with torch.inference_mode():
             self.model.generate(
                 input_ids=ids,
@@ -102,8 +137,27 @@ class HFSide:
                 min_new_tokens=max_new,
                 do_sample=False,
                 pad_token_id=self.pad,
+                streamer=streamer,
             )
-        return time.perf_counter() - t
+
+    def generate_timed(self, prompts: list[list[int]], tg: int) -> tuple[float, float]:
+        """(seconds to the first token of the batch, seconds in all) for one padded batch."""
+        from transformers.generation.streamers import BaseStreamer
+
+        marks: list[float] = []
+
+        class Marks(BaseStreamer):
+            def put(self, value):  # the prompt first, then each step's tokens
+                marks.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        t = time.perf_counter()
+        self._generate(prompts, tg, streamer=Marks())
+        total = time.perf_counter() - t
+        assert len(marks) == tg + 1, len(marks)
+        return marks[1] - t, total
 
     def static(self, reqs) -> float:
         return self.generate([p for p, _ in reqs], max(m for _, m in reqs))
@@ -112,7 +166,8 @@ class HFSide:
         return sum(self.generate([p], m) for p, m in reqs)
 
 
-def offline(args, label: str, path: str, tok, threads: int) -> dict:
+def offline(args, label: str, path: str, tok, threads: int, peers: dict | None = None) -> dict:
+    """peers: name -> factory(reqs) of a side with run(reqs) -> seconds and close()."""
     reqs = make_requests(tok, args.num_requests, args.seed, args.max_prompt, args.max_new)
     useful = sum(m for _, m in reqs)
     print(
@@ -120,20 +175,26 @@ def offline(args, label: str, path: str, tok, threads: int) -> dict:
         f"useful new tokens {useful}, threads {threads}, {args.rounds} rounds alternating"
     )
     loom_side = LoomSide(path, args.num_requests, threads)
+    sides = []
     try:
         hf = HFSide(path, tok.pad_token_id if tok.pad_token_id is not None else 0)
         runs = {"loom": lambda: loom_side.run(reqs), "hf_static": lambda: hf.static(reqs)}
         if not args.skip_serial:
             runs["hf_serial"] = lambda: hf.serial(reqs)
+        for name, factory in (peers or {}).items():
+            sides.append(side := factory(reqs))
+            runs[name] = lambda s=side: s.run(reqs)
         secs = common.alternate(runs, args.rounds)
         timing = loom_side.decode_timing()
     finally:
+        for side in sides:
+            side.close()
         loom_side.close()
     tps = {k: [useful / s for s in v] for k, v in secs.items()}
     names = {"loom": "loom Engine", "hf_static": "HF static batch", "hf_serial": "HF one at a time"}
     for k, v in tps.items():
         print(
-            f"{names[k]:22} {statistics.median(v):9.1f} tok/s  (median of {len(v)}; {min(v):.1f}-{max(v):.1f})"
+            f"{names.get(k, k):22} {statistics.median(v):9.1f} tok/s  (median of {len(v)}; {min(v):.1f}-{max(v):.1f})"
         )
     out = {"model": label, "tok_s": {k: statistics.median(v) for k, v in tps.items()}}
     out["vs_static"] = common.ratio_summary(tps["loom"], tps["hf_static"])
@@ -141,6 +202,10 @@ def offline(args, label: str, path: str, tok, threads: int) -> dict:
     if "hf_serial" in tps:
         out["vs_serial"] = common.ratio_summary(tps["loom"], tps["hf_serial"])
         print(f"loom / HF one-at-a-time {common.fmt_ratio(tps['loom'], tps['hf_serial'])}")
+    out["vs_peer"] = {}
+    for name in peers or {}:
+        out["vs_peer"][name] = common.ratio_summary(tps["loom"], tps[name])
+        print(f"loom / {name}  {common.fmt_ratio(tps['loom'], tps[name])}")
     steps, step_s, fwd_s = (sum(v[i] for v in timing.values()) for i in range(3))
     out["overhead"] = 1 - fwd_s / step_s
     print(
@@ -150,8 +215,9 @@ def offline(args, label: str, path: str, tok, threads: int) -> dict:
     return out
 
 
-def batched(args, label: str, path: str, tok, threads: int) -> dict:
-    """Prefill and decode tok/s per batch size, loom and HF alternating per batch size."""
+def batched(args, label: str, path: str, tok, threads: int, peers: dict | None = None) -> dict:
+    """Prefill and decode tok/s per batch size, loom, HF and the peers alternating per batch
+    size. peers: name -> fn(B, pp, tg) -> (prefill tok/s, decode tok/s), measured by the peer."""
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rng = random.Random(args.seed)
     vocab = len(tok)
@@ -166,31 +232,62 @@ def batched(args, label: str, path: str, tok, threads: int) -> dict:
         hf = HFSide(path, tok.pad_token_id if tok.pad_token_id is not None else 0)
         for b in sizes:
             prompts = [[rng.choice(pool) for _ in range(args.pp)] for _ in range(b)]
-            reqs1 = [(p, 1) for p in prompts]
-            reqs = [(p, args.tg) for p in prompts]
-            t = common.alternate(
-                {
-                    "loom_pp": lambda r=reqs1: loom_side.run(r),
-                    "loom_all": lambda r=reqs: loom_side.run(r),
-                    "hf_pp": lambda p=prompts: hf.generate(p, 1),
-                    "hf_all": lambda p=prompts: hf.generate(p, args.tg),
-                },
-                args.rounds,
-            )
+            runs = {
+                "loom": lambda p=prompts: loom_side.run_timed(p, args.tg),
+                "hf": lambda p=prompts: hf.generate_timed(p, args.tg),
+            }
+            for name, fn in (peers or {}).items():
+                runs[name] = lambda fn=fn, b=b: fn(b, args.pp, args.tg)
+            t = common.alternate(runs, args.rounds)
             row = {"B": b}
             for side in ("loom", "hf"):
-                pp_s = statistics.median(t[f"{side}_pp"])
-                tg_s = statistics.median(t[f"{side}_all"]) - pp_s
-                row[f"{side}_prefill"] = b * args.pp / pp_s
-                row[f"{side}_decode"] = b * (args.tg - 1) / max(tg_s, 1e-9)
+                row[f"{side}_prefill"] = statistics.median(b * args.pp / f for f, _ in t[side])
+                row[f"{side}_decode"] = statistics.median(
+                    b * (args.tg - 1) / (total - f) for f, total in t[side]
+                )
+            for name in peers or {}:
+                row[f"{name}_prefill"] = statistics.median(x[0] for x in t[name])
+                row[f"{name}_decode"] = statistics.median(x[1] for x in t[name])
             rows.append(row)
             print(
                 f"B={b:3}  loom prefill {row['loom_prefill']:9.1f} tok/s decode {row['loom_decode']:8.1f} tok/s"
                 f" | HF prefill {row['hf_prefill']:9.1f} tok/s decode {row['hf_decode']:8.1f} tok/s"
             )
+            for name in peers or {}:
+                print(
+                    f"       {name}: prefill {row[f'{name}_prefill']:9.1f} tok/s decode "
+                    f"{row[f'{name}_decode']:8.1f} tok/s; loom / it: prefill "
+                    f"{row['loom_prefill'] / row[f'{name}_prefill']:.2f}x, decode "
+                    f"{row['loom_decode'] / row[f'{name}_decode']:.2f}x"
+                )
     finally:
         loom_side.close()
-    return {"model": label, "pp": args.pp, "tg": args.tg, "threads": threads, "rows": rows}
+    out = {"model": label, "pp": args.pp, "tg": args.tg, "threads": threads, "rows": rows}
+    plot_throughput(out, ["loom", "HF", *(peers or {})])
+    return out
+
+
+def plot_throughput(bat: dict, sides: list[str]) -> None:
+    """docs/img/throughput_{decode,prefill}_<model>.png: tok/s against batch size per side."""
+    xs = [r["B"] for r in bat["rows"]]
+    for what in ("decode", "prefill"):
+        series = {
+            {"loom": "loom", "HF": "HF transformers"}.get(s, s): (
+                xs,
+                [r[f"{'hf' if s == 'HF' else s}_{what}"] for r in bat["rows"]],
+            )
+            for s in sides
+        }
+        common.plot(
+            f"throughput_{what}_{bat['model']}.png",
+            f"{what} tok/s vs batch size ({bat['model']}, pp {bat['pp']}, tg {bat['tg']}, "
+            f"{bat['threads']} thread(s))",
+            "batch size",
+            f"{what} tok/s",
+            series,
+            logx=True,
+            logy=True,
+        )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -212,6 +309,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--pp", type=int, default=128, help="batched: prompt tokens per sequence")
     p.add_argument("--tg", type=int, default=32, help="batched: new tokens per sequence")
+    p.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="llama.cpp as more sides (benchmarks/peers/llamacpp.py; builds it once if needed)",
+    )
     return p
 
 
@@ -229,11 +331,17 @@ def main(argv: list[str] | None = None) -> dict:
     label, path = common.resolve_model(args.model)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     print(common.header("bench_offline"))
+    peers = {}
+    if args.llamacpp:  # {"offline": {name: factory}, "batched": {name: fn}}
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+        import llamacpp
+
+        peers = llamacpp.peers(args.model, threads)
     out = {}
     if not args.only_batched:
-        out["offline"] = offline(args, label, path, tok, threads)
+        out["offline"] = offline(args, label, path, tok, threads, peers.get("offline"))
     if args.batched or args.only_batched:
-        out["batched"] = batched(args, label, path, tok, threads)
+        out["batched"] = batched(args, label, path, tok, threads, peers.get("batched"))
     print(common.loadavg())
     return out
 

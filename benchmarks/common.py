@@ -19,10 +19,12 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 IMG_DIR = REPO / "docs" / "img"
 MODEL_CACHE = Path(os.environ.get("LOOM_BENCH_CACHE", Path.home() / ".cache" / "loom")) / "models"
+T = TypeVar("T")
 MODELS = ("bundled", "qwen0.5b-f32", "qwen0.5b-bf16")
 
 # Qwen2.5-0.5B's config.json, less the vocabulary (the bundled tokenizer's size is used).
@@ -73,10 +75,11 @@ def header(title: str) -> str:
     )
 
 
-def alternate(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+def alternate(runs: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
     """Run every labelled measurement once per round, in order (A B A B ...), so that machine
-    noise lands on all of them alike. Returns each label's values."""
-    out: dict[str, list[float]] = {label: [] for label in runs}
+    noise lands on all of them alike. Returns each label's values (seconds, or a peer's own
+    measured figures)."""
+    out: dict[str, list[T]] = {label: [] for label in runs}
     for _ in range(rounds):
         for label, fn in runs.items():
             out[label].append(fn())

@@ -6,11 +6,13 @@
 
 The loom benchmarks run in this process one after another (each prints its own table, the
 machine, the commit and the load before and after); the grammar benchmarks (G-BENCH's) run as
-subprocesses at their small sizes. llama.cpp rows come from benchmarks/peers/llamacpp.py when
---llamacpp is given (it builds llama.cpp once, ~15 min on 2 idle cores) or when its build is
-already cached. Writes docs/img/throughput_<model>.png: decode and prefill tok/s against batch
-size for loom, HF and llama.cpp. Ratios are medians of per-round ratios (A B A B ...), with the
-range; on a shared machine read them, not the absolute figures.
+subprocesses at their small sizes. llama.cpp rows: when --llamacpp is given (it builds llama.cpp
+once, ~15 min on 2 idle cores) or its build is already cached, the offline and batch-sweep runs
+get `--llamacpp` (bench_offline then checks llama.cpp's tokenization and greedy tokens against
+loom's and alternates llama-server / llama-batched-bench with loom and HF in every round).
+Every benchmark writes its plots into docs/img/ (throughput against batch size, TTFT/ITL against
+request rate, prefix-cache hit rate against speed-up). Ratios are medians of per-round ratios
+(A B A B ...), with the range; on a shared machine read them, not the absolute figures.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ import common  # noqa: E402
 
 # (quick, full) arguments per benchmark and model size: "small" = the bundled 3.9M model,
 # "large" = the 0.36B Qwen2.5-0.5B-shaped models (a few tok/s per core in f32 on a CPU, so their
-# workloads are cut to what 2 shared cores finish; the tables say which sizes ran).
+# workloads are cut to what 2 shared cores finish; the tables say which sizes ran). The full
+# sizes are what a loaded 2-core machine finishes in about half an hour for bundled + one 0.5B
+# model; each benchmark's own defaults are larger.
 PLANS = {
     "offline": {
         "small": (
             "--num-requests 16 --max-prompt 200 --max-new 64 --rounds 2 --skip-serial",
-            "--num-requests 64 --rounds 3",
+            "--num-requests 32 --max-prompt 200 --max-new 64 --rounds 3",
         ),
         "large": (
             "--num-requests 4 --max-prompt 32 --max-new 8 --rounds 1 --skip-serial",
@@ -52,19 +56,19 @@ PLANS = {
             "--only-batched --batch-sizes 1,8,32,64 --pp 128 --tg 32 --rounds 2",
         ),
         "large": (
-            "--only-batched --batch-sizes 1,8 --pp 8 --tg 8 --rounds 1",  # >= 7 decode steps
-            "--only-batched --batch-sizes 1,8,32,64 --pp 16 --tg 4 --rounds 1",
+            "--only-batched --batch-sizes 1,8 --pp 8 --tg 8 --rounds 1",
+            "--only-batched --batch-sizes 1,8,32,64 --pp 16 --tg 8 --rounds 2",
         ),
     },
-    "prefix": {"small": ("--rounds 1 --scale 0.25", "--rounds 3"), "large": None},
+    "prefix": {"small": ("--rounds 1 --scale 0.25", "--rounds 3 --scale 0.25"), "large": None},
     "programs": {
-        "small": ("--rounds 1 --scale 0.25 --skip-sequential", "--rounds 3"),
+        "small": ("--rounds 1 --scale 0.25 --skip-sequential", "--rounds 2 --scale 0.25"),
         "large": None,
     },
     "serving": {
         "small": (
             "--num-prompts 16 --request-rates 4,16 --rounds 1",
-            "--num-prompts 64 --request-rates 2,8,32 --rounds 3",
+            "--num-prompts 32 --request-rates 2,8,32 --rounds 3",
         ),
         "large": None,
     },
@@ -78,7 +82,10 @@ TARGETS = {  # name -> (target, higher is better)
     "offline: loom / HF static batch": (3.0, True),
     "offline: loom / HF one at a time": (20.0, True),
     "offline: decode overhead outside the forward": (0.15, False),
-    "offline: loom / llama.cpp (default)": (1.0, True),
+    "offline: loom / llama.cpp -fa auto": (1.0, True),
+    "offline: loom / llama.cpp -fa off": (1.0, True),
+    "decode, smallest batch: loom / llama.cpp -fa auto": (None, True),
+    "decode, largest batch: loom / llama.cpp -fa auto": (None, True),
     "prefix few-shot: loom / HF": (4.0, True),
     "prefix few-shot: loom / loom cache off": (4.0, True),
     "programs tree of thought: language / batched calls": (1.0, True),
@@ -130,7 +137,12 @@ def main() -> None:
             args = argv(PLANS[bench][size], a.quick, model)
             if bench not in only or args is None:
                 continue
-            print(f"\n===== {bench} {model}: {' '.join(args)}", flush=True)
+            if have_llama and bench in ("offline", "batched"):
+                args.append("--llamacpp")
+            print(
+                f"\n===== {bench} {model} (at {time.time() - t0:.0f} s): {' '.join(args)}",
+                flush=True,
+            )
             results[(bench, model)] = r = fn(args)
             if bench == "offline":
                 o = r["offline"]
@@ -138,6 +150,13 @@ def main() -> None:
                 if "vs_serial" in o:
                     rows.append((model, "offline: loom / HF one at a time", o["vs_serial"]))
                 rows.append((model, "offline: decode overhead outside the forward", o["overhead"]))
+                for name, v in o["vs_peer"].items():
+                    rows.append((model, f"offline: loom / {name}", v))
+            elif bench == "batched" and have_llama:
+                b = r["batched"]["rows"]
+                for which, row in (("smallest", b[0]), ("largest", b[-1])):
+                    v = row["loom_decode"] / row["llama.cpp -fa auto_decode"]
+                    rows.append((model, f"decode, {which} batch: loom / llama.cpp -fa auto", v))
             elif bench == "prefix":
                 w = r["workloads"]["few-shot"]
                 rows.append((model, "prefix few-shot: loom / HF", w["vs_hf"]))
@@ -159,13 +178,10 @@ def main() -> None:
                 rows.append(
                     (model, "serving: server / Engine at saturation", r["server_vs_engine"])
                 )
-        if have_llama and ("offline" in only or "batched" in only):
-            llama_rows(a, model, size, results, rows)
-        plot_throughput(model, results)
     if not a.skip_grammar:
         for script, extra in GRAMMAR:
             cmd = [sys.executable, str(HERE / f"{script}.py"), *extra]
-            print(f"\n===== {script} {' '.join(extra)}", flush=True)
+            print(f"\n===== {script} (at {time.time() - t0:.0f} s) {' '.join(extra)}", flush=True)
             try:
                 subprocess.run(cmd, check=False, timeout=a.grammar_timeout)
             except subprocess.TimeoutExpired:
@@ -179,81 +195,19 @@ def main() -> None:
         if isinstance(v, tuple):
             shown = f"{v[0]:.2f}x ({v[1]:.2f}-{v[2]:.2f})"
             med = v[0]
+        elif higher:  # a single ratio (one round of one batch size)
+            shown, med = f"{v:.2f}x", v
         else:
             shown, med = f"{100 * v:.1f}%", v
-        tshown = f"{target:g}x" if higher else f"<={100 * target:g}%"
-        met = med >= target if higher else med <= target
-        print(f"{model:14} {name:55} {shown:>28} {tshown:>8}  {'yes' if met else 'no'}")
+        if target is None:
+            tshown, met = "-", "-"
+        else:
+            tshown = f"{target:g}x" if higher else f"<={100 * target:g}%"
+            met = "yes" if (med >= target if higher else med <= target) else "no"
+        print(f"{model:14} {name:55} {shown:>28} {tshown:>8}  {met}")
     if a.json:
         Path(a.json).write_text(
             json.dumps({f"{k[0]}:{k[1]}": v for k, v in results.items()}, indent=1)
-        )
-
-
-def llama_rows(a, model: str, size: str, results: dict, rows: list) -> None:
-    import llamacpp
-
-    from loom.runtime.server_args import ServerArgs
-
-    threads = ServerArgs().effective_cpu_threads
-    print(f"\n===== llama.cpp {model} (threads {threads})", flush=True)
-    print(common.header("llama.cpp peer"))
-    llamacpp.build()
-    llamacpp.check(model, threads)
-    off = results.get(("offline", model))
-    if off is not None:
-        plan = argv(PLANS["offline"][size], a.quick, model)
-        ns = bench_offline.parser().parse_args(plan)
-        loom_tps = off["offline"]["tok_s"]["loom"]
-        for fa in ("auto", "off"):
-            tps = llamacpp.offline(
-                model, threads, ns.num_requests, ns.seed, fa, ns.max_prompt, ns.max_new
-            )
-            print(
-                f"llama-server -fa {fa:4}  {tps:9.1f} useful tok/s; loom / llama.cpp {loom_tps / tps:.2f}x"
-            )
-            results[("llama_offline_" + fa, model)] = tps
-            if fa == "auto":
-                rows.append((model, "offline: loom / llama.cpp (default)", loom_tps / tps))
-    bat = results.get(("batched", model))
-    if bat is not None:
-        b = bat["batched"]
-        sizes = [r["B"] for r in b["rows"]]
-        for fa in ("auto", "off"):
-            got = llamacpp.batched(model, threads, b["pp"], b["tg"], sizes, fa)
-            results[("llama_batched_" + fa, model)] = got
-            for r in got:
-                print(
-                    f"llama-batched-bench -fa {fa:4} B={r['pl']:3} pp {b['pp']} tg {b['tg']}: "
-                    f"prefill {r['speed_pp']:9.1f} tok/s  decode {r['speed_tg']:8.1f} tok/s"
-                )
-    print(common.loadavg())
-
-
-def plot_throughput(model: str, results: dict) -> None:
-    bat = results.get(("batched", model))
-    if bat is None:
-        return
-    b = bat["batched"]
-    xs = [r["B"] for r in b["rows"]]
-    for what in ("decode", "prefill"):
-        series = {
-            "loom": (xs, [r[f"loom_{what}"] for r in b["rows"]]),
-            "HF transformers": (xs, [r[f"hf_{what}"] for r in b["rows"]]),
-        }
-        for fa in ("auto", "off"):
-            got = results.get(("llama_batched_" + fa, model))
-            if got:
-                key = "speed_tg" if what == "decode" else "speed_pp"
-                series[f"llama.cpp -fa {fa}"] = ([r["pl"] for r in got], [r[key] for r in got])
-        common.plot(
-            f"throughput_{what}_{model}.png",
-            f"{what} tok/s vs batch size ({model}, pp {b['pp']}, tg {b['tg']}, {b['threads']} thread(s))",
-            "batch size",
-            f"{what} tok/s",
-            series,
-            logx=True,
-            logy=True,
         )
 
 

@@ -28,6 +28,7 @@ Optional and never a test or CI dependency. Everything is cached under ~/.cache/
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -37,7 +38,8 @@ import sys
 import tarfile
 import time
 import urllib.request
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -132,6 +134,7 @@ def _split(name: str, text: str) -> list[str]:
 PRE_TOKENIZERS = ("refact", "qwen2")
 
 
+@functools.cache
 def pre_tokenizer(model_dir: str) -> str:
     """The llama.cpp pre-tokenizer whose split equals, on every sample, the split of the HF
     tokenizer as transformers.AutoTokenizer loads it for this model (what loom and the HF
@@ -181,12 +184,16 @@ def convert(model: str) -> Path:
         "TextModel._create_vocab_sentencepiece = sp\n"
         "c.main()\n"
     )
-    subprocess.run(
+    res = subprocess.run(
         [sys.executable, "-c", code, str(src), "convert_hf_to_gguf.py", path,
          "--outfile", str(out) + ".tmp", "--outtype", outtype],
-        check=True,
+        capture_output=True, text=True, check=False,
     )  # fmt: skip
+    (CACHE / "convert.log").write_text(res.stdout + res.stderr)
+    if res.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed:\n{res.stderr[-3000:]}")
     os.replace(str(out) + ".tmp", out)
+    print(f"converted {label} to {out} (log: {CACHE / 'convert.log'})")
     return out
 
 
@@ -205,25 +212,33 @@ def _post(url: str, body: dict, timeout: float = 3600) -> dict:
 
 
 @contextmanager
-def server(gguf: Path, *, parallel: int, ctx: int, threads: int, fa: str = "auto", kv: str = "f16"):
+def server(
+    gguf: Path,
+    *,
+    parallel: int,
+    ctx: int,
+    threads: int,
+    fa: str = "auto",
+    kv: str = "f16",
+    log_name: str = "server.log",
+):
     """A running llama-server; yields its base URL. kv: the KV cache type (llama.cpp's default
-    is f16; the token check uses f32 so both sides keep the same precision)."""
+    is f16; the token check uses f32 so both sides keep the same precision). Its log goes to
+    CACHE/log_name."""
     port = _free_port()
     cmd = [
         str(build() / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
         "-np", str(parallel), "-c", str(ctx), "--kv-unified", "-t", str(threads), "-tb", str(threads),
         "-fa", fa, "-cram", "0", "--no-webui", "-b", "2048", "-ub", "512", "-ctk", kv, "-ctv", kv,
     ]  # fmt: skip
-    log = open(CACHE / "server.log", "w")  # noqa: SIM115 - closed below
+    log = open(CACHE / log_name, "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300
         while True:
             if proc.poll() is not None:
-                raise SystemExit(
-                    f"llama-server exited {proc.returncode}; see {CACHE / 'server.log'}"
-                )
+                raise SystemExit(f"llama-server exited {proc.returncode}; see {CACHE / log_name}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -295,6 +310,41 @@ def check(model: str, threads: int) -> None:
     )
 
 
+class ServerPeer:
+    """llama-server as one side of bench_offline's alternating runs: started once for a request
+    set (-np = the number of requests, a unified KV pool sized for all of them, token-id
+    prompts, cache_prompt off, the given thread count), warmed up, and kept up across rounds."""
+
+    def __init__(self, model: str, threads: int, fa: str, reqs: list[tuple[list[int], int]]):
+        gguf = convert(model)
+        ctx = sum(len(p) + m for p, m in reqs) + 64 * len(reqs)
+        self._stack = ExitStack()
+        self.url = self._stack.enter_context(
+            server(
+                gguf,
+                parallel=len(reqs),
+                ctx=ctx,
+                threads=threads,
+                fa=fa,
+                log_name=f"server-fa-{fa}.log",
+            )
+        )
+        complete(self.url, reqs[0][0], 4)  # warm-up, as loom and HF get
+
+    def run(self, reqs: list[tuple[list[int], int]]) -> float:
+        """Seconds for all requests sent at once, each on its own connection."""
+        with ThreadPoolExecutor(len(reqs)) as pool:
+            t = time.perf_counter()
+            outs = list(pool.map(lambda r: complete(self.url, r[0], r[1]), reqs))
+            elapsed = time.perf_counter() - t
+        useful = sum(len(o["tokens"]) for o in outs)
+        assert useful == sum(m for _, m in reqs), (useful, sum(m for _, m in reqs))
+        return elapsed
+
+    def close(self) -> None:
+        self._stack.close()
+
+
 def offline(
     model: str,
     threads: int,
@@ -304,26 +354,19 @@ def offline(
     max_prompt: int = 400,
     max_new: int = 128,
 ) -> float:
-    """Useful tok/s of llama-server on bench_offline's requests, all sent at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Useful tok/s of llama-server on bench_offline's requests, all sent at once (one run;
+    bench_offline alternates it with loom and HF when run_all passes it as a peer)."""
     import transformers
     from bench_offline import make_requests
 
     _, path = common.resolve_model(model)
-    gguf = convert(model)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     reqs = make_requests(tok, num_requests, seed, max_prompt, max_new)
-    ctx = sum(len(p) + m for p, m in reqs) + 64 * len(reqs)
-    with server(gguf, parallel=len(reqs), ctx=ctx, threads=threads, fa=fa) as url:
-        complete(url, reqs[0][0], 4)  # warm-up
-        with ThreadPoolExecutor(len(reqs)) as pool:
-            t = time.perf_counter()
-            outs = list(pool.map(lambda r: complete(url, r[0], r[1]), reqs))
-            elapsed = time.perf_counter() - t
-    useful = sum(len(o["tokens"]) for o in outs)
-    assert useful == sum(m for _, m in reqs), (useful, sum(m for _, m in reqs))
-    return useful / elapsed
+    side = ServerPeer(model, threads, fa, reqs)
+    try:
+        return sum(m for _, m in reqs) / side.run(reqs)
+    finally:
+        side.close()
 
 
 def batched(model: str, threads: int, pp: int, tg: int, batches: list[int], fa: str) -> list[dict]:
@@ -335,16 +378,52 @@ def batched(model: str, threads: int, pp: int, tg: int, batches: list[int], fa: 
         "-ub", "512", "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, batches)),
         "-t", str(threads), "-tb", str(threads), "-fa", fa, "--output-format", "jsonl",
     ]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if res.returncode != 0:
-        raise SystemExit(f"llama-batched-bench failed:\n{res.stderr[-2000:]}")
-    lines = (res.stdout + "\n" + res.stderr).splitlines()  # LOG may go to either stream
-    rows = [json.loads(line) for line in lines if line.startswith('{"n_kv_max"')]
-    if len(rows) != len(batches):
-        raise SystemExit(
-            f"llama-batched-bench printed {len(rows)} rows for {len(batches)} batch sizes"
-        )
-    return rows
+    for _ in range(5):
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise SystemExit(f"llama-batched-bench failed:\n{res.stderr[-2000:]}")
+        lines = (res.stdout + "\n" + res.stderr).splitlines()  # LOG may go to either stream
+        rows = [json.loads(line) for line in lines if line.startswith('{"n_kv_max"')]
+        if len(rows) == len(batches):
+            return rows
+        # about one run in ten here exits 0 having printed nothing at all (stdout and stderr
+        # empty, not even the model loader's lines); the same command then prints its rows
+        print(f"llama-batched-bench printed {len(rows)} rows for {len(batches)} batch sizes; again")
+    raise SystemExit(f"llama-batched-bench printed {len(rows)} rows for {len(batches)} batch sizes")
+
+
+def batched_point(
+    model: str, threads: int, fa: str, b: int, pp: int, tg: int
+) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of llama-batched-bench at one batch size: one side of
+    bench_offline's per-batch-size alternation."""
+    r = batched(model, threads, pp, tg, [b], fa)[0]
+    return r["speed_pp"], r["speed_tg"]
+
+
+_checked: set[tuple[str, int]] = set()
+
+
+def peers(model: str, threads: int) -> dict:
+    """llama.cpp's sides for bench_offline --llamacpp: llama-server for the offline workload and
+    llama-batched-bench for the batch sweep, llama.cpp's default (-fa auto) and -fa off. Builds
+    and converts once, and checks tokenization and greedy tokens first (once per process)."""
+    build()
+    if (model, threads) not in _checked:
+        check(model, threads)
+        _checked.add((model, threads))
+    return {
+        "offline": {
+            f"llama.cpp -fa {fa}": (lambda reqs, fa=fa: ServerPeer(model, threads, fa, reqs))
+            for fa in ("auto", "off")
+        },
+        "batched": {
+            f"llama.cpp -fa {fa}": (
+                lambda b, pp, tg, fa=fa: batched_point(model, threads, fa, b, pp, tg)
+            )
+            for fa in ("auto", "off")
+        },
+    }
 
 
 def main() -> None:
