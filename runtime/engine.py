@@ -23,12 +23,18 @@ class Engine:
     """`Engine(model_path=None, **server_args)`; None means the bundled model."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any):
-        from loom.runtime.model_loader import check_model_folder
+        from loom.runtime.distributed import check_layout
+        from loom.runtime.model_loader import check_model_folder, load_config
         from loom.runtime.process import check_main_guard
 
         check_main_guard("loom.Engine()")
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        if self.server_args.node_rank > 0:
+            raise ValueError("node_rank: an Engine serves from node 0; run the other nodes "
+                             "with `python -m loom.launch_server --node-rank N`")  # fmt: skip
         check_model_folder(self.server_args.model_path)  # a bad path fails here, clearly
+        if self.server_args.world_size > 1:  # and so does an impossible split
+            check_layout(self.server_args, load_config(self.server_args.model_path))
         self._procs: list = []
         self._closed = False
         try:
@@ -40,20 +46,23 @@ class Engine:
 
     def _launch(self) -> None:
         from loom.runtime.detokenizer import run_detokenizer_process
-        from loom.runtime.process import IPCNames, start_process, wait_ready
-        from loom.runtime.scheduler.loop import run_scheduler_process
+        from loom.runtime.process import (
+            IPCNames,
+            start_process,
+            start_scheduler_ranks,
+            wait_all_ready,
+        )
         from loom.runtime.tokenizer import load_tokenizer
         from loom.runtime.tokenizer_manager import TokenizerManager
 
         args = self.server_args
         self.ipc = ipc = IPCNames.fresh()
-        sched, sched_ready = start_process(run_scheduler_process, (args, ipc), "scheduler")
-        self._procs.append(sched)
-        detok, detok_ready = start_process(run_detokenizer_process, (args, ipc), "detokenizer")
-        self._procs.append(detok)
+        ranks = start_scheduler_ranks(args, ipc)
+        self._procs.extend(p for p, _ in ranks)
+        detok = start_process(run_detokenizer_process, (args, ipc), "detokenizer")
+        self._procs.append(detok[0])
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
-        wait_ready(detok, detok_ready, _START_TIMEOUT)
-        info = wait_ready(sched, sched_ready, _START_TIMEOUT)
+        info, *_ = wait_all_ready([*ranks, detok], _START_TIMEOUT)
         self.scheduler_info = info
         self.tokenizer = tokenizer
         self.tokenizer_manager = TokenizerManager(

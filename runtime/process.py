@@ -150,6 +150,43 @@ def wait_ready(proc: mp.Process, reader, timeout: float) -> dict:
     raise RuntimeError(f"{proc.name} process exited during start-up (exit code {code})")
 
 
+def start_scheduler_ranks(args, ipc) -> list[tuple[mp.Process, object]]:
+    """Start this node's ranks: rank 0 (on node 0) is the scheduler and owns the ZMQ sockets,
+    the others run the model on the steps it broadcasts. Returns (process, ready pipe) pairs,
+    rank order."""
+    from loom.runtime.distributed import free_local_addr
+    from loom.runtime.parallel_worker import run_worker_process
+    from loom.runtime.scheduler.loop import run_scheduler_process
+
+    addr = args.dist_init_addr
+    if addr is None and args.world_size > 1:
+        addr = free_local_addr()
+    started = []
+    for rank in args.node_ranks:
+        if rank == 0:
+            started.append(start_process(run_scheduler_process, (args, ipc, addr), "scheduler"))
+        else:
+            target, name = run_worker_process, f"scheduler-rank{rank}"
+            started.append(start_process(target, (args, rank, addr), name))
+    return started
+
+
+def wait_all_ready(started: list, timeout: float) -> list[dict]:
+    """wait_ready for several processes that start together: the first to fail (or exit)
+    raises, so a rank that dies during start-up does not leave the others waiting for it."""
+    deadline = time.monotonic() + timeout
+    msgs: list = [None] * len(started)
+    while time.monotonic() < deadline:
+        for i, (proc, reader) in enumerate(started):
+            if msgs[i] is None and (reader.poll(0) or not proc.is_alive()):
+                msgs[i] = wait_ready(proc, reader, 1.0)
+        if all(m is not None for m in msgs):
+            return msgs
+        time.sleep(0.05)
+    waiting = [p.name for (p, _), m in zip(started, msgs) if m is None]
+    raise RuntimeError(f"{', '.join(waiting)} did not start within {timeout:g} s")
+
+
 def check_main_guard(what: str) -> None:
     """Raise if `what` is being created by a script's top-level code outside an
     `if __name__ == "__main__":` block: every child process re-imports the main script (the

@@ -146,7 +146,7 @@ class ServerArgs:
             "chunked_prefill_size",
             f"must be -1 (off) or >= page_size, got {self.chunked_prefill_size}",
         )
-        need(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
+        self._validate_parallel(need)
         need(
             self.max_batch_request >= 1,
             "max_batch_request",
@@ -254,7 +254,55 @@ class ServerArgs:
             f"must be >= 1, got {self.speculative_disable_by_batch_size}",
         )
 
+    def _validate_parallel(self, need) -> None:
+        """Parallel layout (runtime/distributed.py): world = tp_size ranks, or ep_size ranks
+        with tp_size 1 (attention replicated, experts sharded); EP = TP x DP, so ep_size divides
+        tp_size when tp_size > 1."""
+        need(self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size}")
+        need(self.ep_size >= 1, "ep_size", f"must be >= 1, got {self.ep_size}")
+        need(
+            self.tp_size == 1 or self.tp_size % self.ep_size == 0,
+            "ep_size",
+            f"{self.ep_size} must divide tp_size ({self.tp_size}) (EP = TP x DP, dp_size is 1)",
+        )
+        need(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
+        need(
+            0 <= self.node_rank < self.nnodes,
+            "node_rank",
+            f"must be in [0, nnodes={self.nnodes}), got {self.node_rank}",
+        )
+        need(
+            self.world_size % self.nnodes == 0,
+            "nnodes",
+            f"{self.nnodes} nodes cannot hold {self.world_size} ranks evenly",
+        )
+        need(
+            self.nnodes == 1 or self.dist_init_addr is not None,
+            "dist_init_addr",
+            "is required when nnodes > 1 (host:port of node 0, reachable from every node)",
+        )
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            need(
+                bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                "dist_init_addr",
+                f"must be host:port, got {self.dist_init_addr!r}",
+            )
+
     # Derived values -------------------------------------------------------------------------
+
+    # Derived values -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Scheduler ranks: tp_size, or ep_size when experts alone are sharded (tp_size 1)."""
+        return self.tp_size if self.tp_size > 1 else self.ep_size
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks this node runs (rank 0, which owns the sockets, is on node 0)."""
+        per_node = self.world_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
     @property
     def resolved_device(self) -> str:
         if self.device:
@@ -375,11 +423,11 @@ _HELP = {
     "speculative_ngram_branch_length": "Tokens stored after each matched window in the trie (the longest draft)",
     "speculative_ngram_capacity": "Trie nodes kept (least recently used evicted first); SGLang's default is 10,000,000",
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
-    "tp_size": "Tensor-parallel degree",
-    "ep_size": "Expert-parallel degree",
+    "tp_size": "Tensor-parallel degree: one scheduler process per rank (gloo on CPU, NCCL on CUDA)",
+    "ep_size": "Expert-parallel degree for MoE models: divides tp_size, or shards experts over ep_size ranks with tp_size 1",
     "dp_size": "Data-parallel replicas",
-    "nnodes": "Number of nodes",
-    "node_rank": "This node's rank",
+    "nnodes": "Number of nodes the ranks are spread over (each node runs world_size / nnodes ranks)",
+    "node_rank": "This node's rank; node 0 serves HTTP, the others run their ranks only",
     "dist_init_addr": "host:port of the torch.distributed rendezvous",
     "skip_tokenizer_init": "Take and return token ids only",
     "watchdog_timeout": "Seconds the runtime may go without answering while requests wait before it is declared stuck (the server then exits)",
@@ -391,12 +439,7 @@ _HELP = {
 # Flags loom accepts only at their off value until the feature lands (a later issue builds
 # each): name -> the one value accepted.
 _NOT_SUPPORTED_YET = {
-    "tp_size": 1,
-    "ep_size": 1,
     "dp_size": 1,
-    "nnodes": 1,
-    "node_rank": 0,
-    "dist_init_addr": None,
     "trust_remote_code": False,
 }
 

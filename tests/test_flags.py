@@ -20,12 +20,7 @@ from loom.runtime.server.runtime_client import Runtime
 from loom.runtime.server_args import ServerArgs
 
 REFUSED_FLAGS = [
-    ("tp_size", 2, "--tp-size", "2"),
-    ("ep_size", 2, "--ep-size", "2"),
-    ("dp_size", 2, "--dp-size", "2"),
-    ("nnodes", 2, "--nnodes", "2"),
-    ("node_rank", 1, "--node-rank", "1"),
-    ("dist_init_addr", "10.0.0.1:5000", "--dist-init-addr", "10.0.0.1:5000"),
+    ("dp_size", 2, "--dp-size", "2"),  # tp/ep/nnodes/node_rank/dist_init_addr: test_parallel.py
     ("trust_remote_code", True, "--trust-remote-code", None),
     ("attention_backend", "triton", "--attention-backend", "triton"),
 ]

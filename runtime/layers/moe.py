@@ -110,6 +110,11 @@ class FusedMoE(nn.Module):
         )
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        # tokens routed to each (global) expert since start: the input to expert load
+        # balancing; every rank routes every token, so any rank's counts are the whole picture
+        self.register_buffer(
+            "token_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         """shard_id = (expert, "w1" | "w3" | "w2") for one HF expert's gate/up/down matrix, or
@@ -140,6 +145,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        self.token_counts += torch.bincount(ids.flatten(), minlength=self.num_experts)
         if not self.fp32_routing_weights:
             weights = weights.to(router_logits.dtype)
         out = fused_experts(
@@ -170,6 +176,16 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, self.gate(hidden))
+
+
+def expert_token_counts(model: nn.Module) -> dict[str, list[int]]:
+    """{layer index: tokens routed to each expert} for every MoE layer of `model`."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            layer = next((p for p in name.split(".") if p.isdigit()), name)
+            out[layer] = module.token_counts.tolist()
+    return out
 
 
 def map_expert_weight(name: str) -> tuple[str, object] | None:

@@ -10,7 +10,9 @@ from loom.runtime.io_struct import BatchTokenIDOut, ToScheduler, decoder, encode
 logger = logging.getLogger(__name__)
 
 
-def run_scheduler_process(args, ipc, owner_pid, ready_pipe) -> None:
+def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
+    """Rank 0 (the only scheduler): with world_size > 1 it also joins the process group and
+    broadcasts each step to the other ranks (runtime/parallel_worker.py)."""
     import torch
     import zmq
 
@@ -23,7 +25,17 @@ def run_scheduler_process(args, ipc, owner_pid, ready_pipe) -> None:
             # oversubscribed OpenMP threads spin against the other processes: 20x slower
             # decode steps were measured on a busy 2-core machine with 2 threads vs 1
             torch.set_num_threads(args.effective_cpu_threads)
-        sched = Scheduler(args)
+        if args.world_size > 1:
+            from loom.runtime.parallel_worker import BroadcastRunner, setup_rank
+
+            runner, ranks = setup_rank(args, 0, dist_addr)
+            sched = Scheduler(args, model_runner=BroadcastRunner(runner))
+        else:
+            from loom.runtime.parallel_worker import rank_info
+
+            sched = Scheduler(args)
+            ranks = [rank_info(sched.runner, 0)]
+        extra_state = _parallel_state(args, ranks)
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         recv.bind(ipc.scheduler)
@@ -33,7 +45,7 @@ def run_scheduler_process(args, ipc, owner_pid, ready_pipe) -> None:
         ready_pipe.send({"error": f"scheduler failed to start: {e}"})
         logger.error(traceback.format_exc())
         raise SystemExit(1) from e
-    ready_pipe.send({"ok": True, **sched.get_state()})
+    ready_pipe.send({"ok": True, **sched.get_state(), **extra_state(sched)})
     dec = decoder(ToScheduler)
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
@@ -41,9 +53,30 @@ def run_scheduler_process(args, ipc, owner_pid, ready_pipe) -> None:
         timeout = 1000 if sched.is_idle else (1 if sched.only_waiting_for_grammar else 0)
         while poller.poll(timeout):
             reply = sched.handle_message(dec.decode(recv.recv()))
+            if reply is not None and reply.state is not None:
+                reply.state.update(extra_state(sched))
             if reply is not None:
                 send.send(encode(reply))
             timeout = 0
         outputs = sched.step()
         if outputs:
             send.send(encode(BatchTokenIDOut(outputs)))
+
+
+def _expert_counts(sched) -> dict:
+    """Tokens routed to each expert so far, per MoE layer (rank 0 routes every token)."""
+    from loom.runtime.layers.moe import expert_token_counts
+
+    counts = expert_token_counts(sched.runner.model)
+    return {"expert_token_counts": counts} if counts else {}
+
+
+def _parallel_state(args, ranks: list[dict]):
+    layout = {
+        "world_size": args.world_size,
+        "tp_size": args.tp_size,
+        "ep_size": args.ep_size,
+        "nnodes": args.nnodes,
+        "ranks": ranks,
+    }
+    return lambda sched: {"parallel": layout, **_expert_counts(sched)}

@@ -77,22 +77,42 @@ def jinja_from_roles(template) -> str:
 
 
 def start_runtime_processes(args: ServerArgs, procs: list):
-    """Start the scheduler and detokenizer (appended to `procs` as they start); returns
-    (ipc names, scheduler info, tokenizer)."""
+    """Start the scheduler ranks and the detokenizer (appended to `procs` as they start);
+    returns (ipc names, scheduler info, tokenizer)."""
     from loom.runtime.detokenizer import run_detokenizer_process
-    from loom.runtime.process import IPCNames, start_process, wait_ready
-    from loom.runtime.scheduler.loop import run_scheduler_process
+    from loom.runtime.process import IPCNames, start_process, start_scheduler_ranks, wait_all_ready
     from loom.runtime.tokenizer import load_tokenizer
 
     ipc = IPCNames.fresh()
-    sched, sched_ready = start_process(run_scheduler_process, (args, ipc), "scheduler")
-    procs.append(sched)
-    detok, detok_ready = start_process(run_detokenizer_process, (args, ipc), "detokenizer")
-    procs.append(detok)
+    ranks = start_scheduler_ranks(args, ipc)
+    procs.extend(p for p, _ in ranks)
+    detok = start_process(run_detokenizer_process, (args, ipc), "detokenizer")
+    procs.append(detok[0])
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
-    wait_ready(detok, detok_ready, _START_TIMEOUT)
-    info = wait_ready(sched, sched_ready, _START_TIMEOUT)
+    info, *_ = wait_all_ready([*ranks, detok], _START_TIMEOUT)
     return ipc, info, tokenizer
+
+
+def serve_other_node(args: ServerArgs) -> int:
+    """node_rank > 0 of a multi-node layout: run this node's ranks (no HTTP, no sockets) until
+    one of them exits; returns 1 then (0 on SIGTERM/SIGINT)."""
+    from multiprocessing.connection import wait
+
+    from loom.runtime.process import IPCNames, start_scheduler_ranks, wait_all_ready
+
+    procs: list = []
+    try:
+        ranks = start_scheduler_ranks(args, IPCNames.fresh())
+        procs.extend(p for p, _ in ranks)
+        wait_all_ready(ranks, _START_TIMEOUT)
+        logger.info("node %d: ranks %s ready", args.node_rank, list(args.node_ranks))
+        dead = wait([p.sentinel for p in procs])
+        proc = next(p for p in procs if p.sentinel in dead)
+        proc.join(1.0)
+        logger.error("shutting down: the %s process died (exit code %s)", proc.name, proc.exitcode)
+        return 1
+    finally:
+        stop_processes(procs)
 
 
 def stop_processes(procs: list) -> None:
@@ -117,19 +137,22 @@ def launch_server(args: ServerArgs) -> int:
     """Serve until stopped; returns the exit code (1 when a runtime process died)."""
     import uvicorn
 
+    from loom.runtime.distributed import check_layout
     from loom.runtime.model_loader import load_config
     from loom.runtime.process import configure_logging
     from loom.runtime.server.app import ServerState, create_app
     from loom.runtime.tokenizer_manager import TokenizerManager
 
     configure_logging(args.log_level)
-    load_config(args.model_path)  # a bad path fails here, clearly
+    check_layout(args, load_config(args.model_path))  # a bad path or split fails here, clearly
     chat_template = load_chat_template(args.chat_template)
     # uvicorn restores this handler and re-raises the signal after its graceful shutdown, so
     # a SIGTERM/SIGINT at any time (start-up included) ends in SystemExit(0) and the cleanup below.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_signal)
         signal.signal(signal.SIGINT, _exit_on_signal)
+    if args.node_rank > 0:
+        return serve_other_node(args)
     procs: list = []
     try:
         ipc, info, tokenizer = start_runtime_processes(args, procs)

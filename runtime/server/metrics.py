@@ -79,6 +79,14 @@ class Metrics:
                       buckets=_LATENCY_BUCKETS, registry=reg)
         )  # fmt: skip
 
+        # parallel workers: tokens routed to each expert (the input to expert load balancing)
+        self.expert_tokens = Gauge(
+            "loom:moe_expert_tokens",
+            "Tokens routed to each expert since start, per MoE layer",
+            [*labels, "layer", "expert"],
+            registry=reg,
+        )
+
     def on_output(self, state, num_new: int, now: float) -> None:
         """TokenizerManager hook: called for each output a request receives."""
         if num_new:
@@ -102,6 +110,9 @@ class Metrics:
         self.running.set(s.get("num_running_reqs", 0))
         self.queued.set(s.get("num_waiting_reqs", 0))
         self.hit_rate.set(s.get("cache_hit_rate", 0.0))
+        for layer, counts in (s.get("expert_token_counts") or {}).items():
+            for expert, n in enumerate(counts):
+                self.expert_tokens.labels(**self.labels, layer=layer, expert=str(expert)).set(n)
         total = s.get("max_total_tokens") or 0
         if total:
             self.kv_usage.set(1.0 - s.get("kv_available_tokens", total) / total)

@@ -1,0 +1,130 @@
+"""Running one model over several ranks: rank 0 schedules, every rank runs the forward.
+
+Why rank 0 schedules and broadcasts each step's plan, rather than every rank running its own
+copy of the scheduler on broadcast messages: the scheduler decides things from time (grammar
+compiles finishing in worker processes, compile timeouts, the watchdog) and from per-process
+state (the grammar engines, drafters), and any disagreement between ranks is a deadlock in the
+next collective. With one scheduler there is nothing to agree on: the plan (`ModelInput`,
+sampling parameters and grammar masks included) and the KV slot table rows that changed are
+broadcast over gloo, every rank runs `ModelRunner.forward` on it (its share of heads, columns,
+experts and KV), and the logits every rank ends with are the same all-gathered ones. Rank 0's
+sampled tokens are the ones used; the other ranks sample the same rows and drop the result
+(nothing reads it), which keeps the runner one code path. Only rank 0 owns ZMQ sockets and
+sends outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from loom.runtime.distributed import broadcast_object, gather_objects, init_distributed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Step:
+    inp: object  # ModelInput
+    rows: list[tuple[int, int, torch.Tensor]]  # (req row, first column, new slot indices)
+
+
+class BroadcastRunner:
+    """Rank 0's ModelRunner: every forward first sends the step to the other ranks.
+
+    The other ranks' req_to_token tables are kept equal to rank 0's over the rows a step
+    reads: `_sent` mirrors what they hold, and a step carries each of its rows from the first
+    column that differs (a whole new row at admission, one slot per decode step)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self._sent = torch.zeros_like(runner.req_to_token_pool.req_to_token)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def forward(self, inp):
+        broadcast_object(Step(inp, self._changed_rows(inp)))
+        return self.runner.forward(inp)
+
+    def _changed_rows(self, inp) -> list:
+        table = self.runner.req_to_token_pool.req_to_token
+        rows = []
+        for row, seq in zip(inp.req_pool_indices.tolist(), inp.seq_lens):
+            now, sent = table[row, :seq], self._sent[row, :seq]
+            differ = (now != sent).nonzero()
+            if len(differ):
+                first = int(differ[0])
+                rows.append((row, first, now[first:].cpu().clone()))
+                sent[first:] = now[first:]
+        return rows
+
+
+def apply_rows(runner, rows: list) -> None:
+    table = runner.req_to_token_pool.req_to_token
+    for row, first, slots in rows:
+        table[row, first : first + len(slots)] = slots.to(table.device)
+
+
+def rank_info(runner, rank: int) -> dict:
+    """What one rank holds: its weight bytes and KV capacity."""
+    seen, weight_bytes = set(), 0
+    for p in runner.model.parameters():
+        if id(p) not in seen:  # tied embeddings count once
+            seen.add(id(p))
+            weight_bytes += p.numel() * p.element_size()
+    pool = runner.token_to_kv_pool
+    kv_bytes = sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers)
+    return {
+        "rank": rank,
+        "weight_bytes": weight_bytes,
+        "kv_cache_bytes": kv_bytes,
+        "max_total_tokens": runner.max_total_tokens,
+    }
+
+
+def setup_rank(args, rank: int, addr: str):
+    """Join the group, load this rank's shard; returns (runner, every rank's info on rank 0).
+    Raises when the ranks' KV pools disagree (rank 0 allocates slots for all of them)."""
+    from loom.runtime.model_runner import ModelRunner
+
+    device = args.resolved_device
+    if device.startswith("cuda"):
+        torch.cuda.set_device(list(args.node_ranks).index(rank))
+    if device == "cpu" and args.cpu_threads is None:
+        torch.set_num_threads(max(1, args.effective_cpu_threads // len(args.node_ranks)))
+    init_distributed(args, rank, addr, device)
+    runner = ModelRunner(args)
+    infos = gather_objects(rank_info(runner, rank))
+    if rank == 0:
+        sizes = {i["max_total_tokens"] for i in infos}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"max_total_tokens: the ranks' KV pools differ ({sorted(sizes)}); set it"
+            )
+    return runner, infos
+
+
+def run_worker_process(args, rank: int, addr: str, owner_pid, ready_pipe) -> None:
+    """A rank > 0: load its shard, then run every step rank 0 broadcasts until told to stop."""
+    from loom.runtime.process import configure_child_process
+
+    configure_child_process(args, f"scheduler-rank{rank}", owner_pid)
+    try:
+        runner, _ = setup_rank(args, rank, addr)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        ready_pipe.send({"error": f"rank {rank} failed to start: {e}"})
+        logger.error(traceback.format_exc())
+        raise SystemExit(1) from e
+    ready_pipe.send({"ok": True})
+    try:
+        with torch.inference_mode():
+            while (step := broadcast_object()) is not None:
+                apply_rows(runner, step.rows)
+                runner.forward(step.inp)
+    except Exception:  # noqa: BLE001 - a lost peer: this rank cannot go on
+        logger.error("rank %d stopped: %s", rank, traceback.format_exc())
+        raise SystemExit(1) from None

@@ -1,0 +1,219 @@
+"""Tensor / expert parallelism through the real server process layout (one process per rank,
+gloo on CPU), checked against the single-rank scheduler run in this process: greedy tokens
+identical and prompt logprobs within 1e-4, with chunked prefill, a radix-cache hit and a
+grammar-constrained request in the batches. One server per layout, tiny models."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from loom.runtime.parallel_worker import rank_info
+from loom.runtime.server.runtime_client import Runtime, free_port, server_argv
+from loom.runtime.server_args import ServerArgs
+from tests.runtime_helpers import make_scheduler, run_all, submit
+from tests.server_helpers import server_info, wait_idle_and_intact
+
+CHUNK = 16
+PREFIX = list(range(10, 40))  # 30 tokens: the later request finds them in the radix cache
+REGEX = "[0-9]{3}-[a-z]{2}"
+FIRST = [  # (input ids, extra sampling params): sent together, as one batch
+    (PREFIX + [50, 51], {}),  # 32 tokens: prefilled in chunks of 16
+    (PREFIX[:20] + [60], {}),
+    ([7, 8, 9], {}),
+    ([11, 12, 13], {"regex": REGEX, "ignore_eos": False, "max_new_tokens": 16}),
+]
+LATER = [(PREFIX + [70, 71, 72], {})]
+
+
+def _params(extra: dict) -> dict:
+    return {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+
+
+def _generate(url: str, batch: list, logprob_start: int) -> list[dict]:
+    body = {
+        "input_ids": [ids for ids, _ in batch],
+        "sampling_params": [_params(extra) for _, extra in batch],
+        "return_logprob": True,
+        "logprob_start_len": logprob_start,
+    }
+    res = requests.post(url + "/generate", json=body, timeout=120)
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+def _reference(path: str) -> list:
+    """(output ids, prompt logprobs) of every request on one rank, in this process."""
+    sched = make_scheduler(path, chunked_prefill_size=CHUNK, max_total_tokens=2048)
+    out = []
+    for batch, start in ((FIRST, 0), (LATER, len(PREFIX))):
+        for i, (ids, extra) in enumerate(batch):
+            lp = dict(return_logprob=True, logprob_start_len=start)
+            submit(sched, str(i), ids, _params(extra), **lp)
+        results = run_all(sched)
+        out += [(results[str(i)].ids, results[str(i)].input_logprobs) for i in range(len(batch))]
+    return out
+
+
+def _check_same_as_one_rank(url: str, path: str) -> list[dict]:
+    # prompt logprobs from 0 in the first batch; the later one scores only its new tokens, so
+    # the cached prefix is used (a cached token has no logits to score it with)
+    got = _generate(url, FIRST, 0) + _generate(url, LATER, len(PREFIX))
+    want = _reference(path)
+    for (ids, lps), item in zip(want, got):
+        assert item["output_ids"] == ids
+        theirs = [t[0] for t in item["meta_info"]["input_token_logprobs"]][1:]
+        ours = [x[0] if isinstance(x, (list, tuple)) else x for x in lps][-len(theirs) :]
+        assert len(theirs) == len(ours) > 0
+        assert max(abs(a - b) for a, b in zip(theirs, ours)) < 1e-4
+    regex_out = got[3]["text"]
+    assert re.fullmatch(REGEX, regex_out), regex_out
+    # radix hit across ranks (the last prefix position is recomputed: it scores token 30)
+    assert got[-1]["meta_info"]["cached_tokens"] == len(PREFIX) - 1
+    return got
+
+
+def _check_weights_split(info: dict, ranks: int) -> int:
+    par = info["parallel"]
+    assert par["world_size"] == ranks and len(par["ranks"]) == ranks
+    sizes = [r["weight_bytes"] for r in par["ranks"]]
+    assert len(set(sizes)) == 1
+    return sizes[0]
+
+
+def _odd_heads_model(root: Path) -> str:
+    """Qwen2 (q/k/v bias, tied embeddings) with 6 heads over 2 KV heads: 3 heads per rank."""
+    import torch
+    import transformers as tf
+
+    from tests.tiny_models import MODEL_VOCAB, build_tokenizer
+
+    folder = root / "qwen2-6h"
+    if (folder / "config.json").is_file():
+        return str(folder)
+    torch.manual_seed(3)
+    config = tf.Qwen2Config(
+        vocab_size=MODEL_VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
+        eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return str(folder)
+
+
+def _server(path: str, **kwargs) -> Runtime:
+    return Runtime(path, chunked_prefill_size=CHUNK, max_total_tokens=2048, **kwargs)
+
+
+# --------------------------------------------------------------------------- dense
+def test_tp2_dense_odd_heads_matches_one_rank(tmp_path_factory):
+    path = _odd_heads_model(tmp_path_factory.mktemp("odd"))
+    with _server(path, tp_size=2) as rt:
+        _check_same_as_one_rank(rt.url, path)
+        info = wait_idle_and_intact(rt.url)
+        per_rank = _check_weights_split(info, 2)
+        whole = rank_info(make_scheduler(path, max_total_tokens=2048).runner, 0)
+        assert 0.45 < per_rank / whole["weight_bytes"] < 0.55, (per_rank, whole)
+        kv = [r["kv_cache_bytes"] for r in info["parallel"]["ranks"]]
+        assert kv == [whole["kv_cache_bytes"] // 2] * 2  # 1 of the 2 KV heads on each rank
+        assert set(info["process_pids"]) == {"scheduler", "scheduler-rank1", "detokenizer"}
+
+
+def test_tp4_replicated_kv_heads_and_a_killed_rank(tiny_model_dir):
+    """llama with one KV head over 4 ranks (the KV head is replicated); then SIGKILL rank 3:
+    the server exits 1 within 10 s and says which rank died."""
+    path = tiny_model_dir("llama-mqa")
+    rt = _server(path, tp_size=4)
+    try:
+        _check_same_as_one_rank(rt.url, path)
+        pid = server_info(rt.url)["process_pids"]["scheduler-rank3"]
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        assert rt.process.wait(10) == 1
+        assert time.monotonic() - start < 10
+        log = Path(rt.log_path).read_text()
+        assert "the scheduler-rank3 process died" in log, log[-3000:]
+    finally:
+        rt.shutdown()
+
+
+# --------------------------------------------------------------------------- MoE
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        ("qwen2-moe", {"tp_size": 2}),
+        ("qwen3-moe", {"ep_size": 2}),  # experts split, attention replicated
+    ],  # Mixtral's TP2+EP2 runs as two nodes below
+)
+def test_moe_layouts_match_one_rank(tiny_model_dir, family, layout):
+    path = tiny_model_dir(family)
+    with _server(path, enable_metrics=True, **layout) as rt:
+        got = _check_same_as_one_rank(rt.url, path)
+        info = wait_idle_and_intact(rt.url)
+        _check_weights_split(info, 2)
+        counts = info["expert_token_counts"]
+        assert counts and all(len(c) == 4 for c in counts.values())
+        # every token routed to top-2 experts: at least the prompts' and outputs' tokens
+        tokens = sum(len(ids) for ids, _ in FIRST + LATER) - len(PREFIX)
+        tokens += sum(len(item["output_ids"]) for item in got)
+        assert all(sum(c) >= 2 * tokens for c in counts.values()), counts
+        metrics = requests.get(rt.url + "/metrics", timeout=30).text
+        layer, per_expert = next(iter(counts.items()))
+        line = rf'loom:moe_expert_tokens{{expert="1",layer="{layer}",.*}} {float(per_expert[1])}'
+        assert re.search(line, metrics), metrics
+
+
+def test_two_nodes_on_localhost_serve_a_request(tiny_model_dir):
+    """Mixtral TP2+EP2 as 2 "nodes": node 1 runs rank 1 only, node 0 serves HTTP."""
+    path = tiny_model_dir("mixtral")
+    common = dict(tp_size=2, ep_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    node1 = ServerArgs(model_path=path, node_rank=1, max_total_tokens=2048, **common)
+    cmd = [sys.executable, "-m", "loom.launch_server", *server_argv(node1)]
+    other = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with _server(path, **common) as rt:
+            _check_same_as_one_rank(rt.url, path)
+            assert set(server_info(rt.url)["process_pids"]) == {"scheduler", "detokenizer"}
+        assert other.wait(30) == 1  # its rank lost rank 0: node 1 goes down too
+    finally:
+        if other.poll() is None:
+            other.kill()
+        other.wait()
+
+
+# --------------------------------------------------------------------------- layouts
+def test_impossible_layouts_are_refused_by_name(tiny_model_dir):
+    import loom
+
+    for kwargs, message in [
+        ({"tp_size": 8}, "tp_size: 8 does not divide num_attention_heads (4)"),
+        ({"tp_size": 3}, "tp_size: 3 does not divide num_attention_heads"),
+        ({"ep_size": 2}, "ep_size: 2 needs a mixture-of-experts model"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            loom.Engine(tiny_model_dir("llama"), **kwargs)
+    with pytest.raises(ValueError, match="ep_size: 3 does not divide the number of experts"):
+        loom.Engine(tiny_model_dir("mixtral"), ep_size=3)
+    for kwargs, message in [
+        ({"tp_size": 4, "ep_size": 3}, "ep_size: 3 must divide tp_size"),
+        ({"nnodes": 2, "tp_size": 2}, "dist_init_addr: is required"),
+        ({"nnodes": 2, "tp_size": 3, "dist_init_addr": "h:1"}, "nnodes: 2 nodes cannot hold 3"),
+        ({"node_rank": 1}, "node_rank: must be in"),
+        ({"dist_init_addr": "nohost"}, "dist_init_addr: must be host:port"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ServerArgs(**kwargs)
