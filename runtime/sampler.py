@@ -229,6 +229,7 @@ def target_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
             drop |= sorted_probs < sorted_probs[:, :1] * info.min_ps[:, None]
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        probs /= probs.sum(dim=-1, keepdim=True)  # the acceptance test reads p(x) itself
     return probs
 
 

@@ -94,6 +94,28 @@ def test_seeded_sampling_with_drafts_is_reproducible(model):
     assert drafter.accepted > 0
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"repetition_penalty": 1.5},
+        {"frequency_penalty": 1.5, "presence_penalty": 0.5},
+        {"min_new_tokens": 20, "ignore_eos": False, "stop_token_ids": [7, 8, 9]},
+        {"logit_bias": {"7": 3.0, "9": -2.0}},
+    ],
+    ids=["repetition", "frequency-presence", "min-new-tokens", "logit-bias"],
+)
+def test_each_draft_row_sees_the_tokens_accepted_before_it(model, extra):
+    """Penalties count the draft tokens before a row as output, min_new_tokens bans stops
+    until the row's own position: with drafts of the plain continuation, the greedy output is
+    the plain one (a row that ignored the run before it would pick another token)."""
+    prompts = _prompts(4, seed=3)
+    plain, _ = _run(model, prompts, greedy(24, **extra))
+    drafter = ReplayDrafter({rid: r.ids for rid, r in plain.items()}, k=6)
+    drafted, _ = _run(model, prompts, greedy(24, **extra), drafter)
+    assert {r: x.ids for r, x in drafted.items()} == {r: x.ids for r, x in plain.items()}
+    assert drafter.accepted > len(prompts) * 10
+
+
 def test_logprobs_stay_aligned_with_several_tokens_a_step(model):
     prompts = _prompts(3, seed=1)
     kw = {"return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 2}

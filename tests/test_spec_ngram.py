@@ -175,3 +175,42 @@ def test_greedy_outputs_identical_with_ngram(tiny_model_dir, config):
     st = sched.get_state()
     assert st["spec_verify_ct"] > 0, st
     assert sum(st["spec_accepted_by_position"]) > 0, st
+
+
+# --------------------------------------------------------------------------- per-position state
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def test_sampled_constrained_outputs_validate_and_forced_text_is_accepted(llama):
+    jobs = [
+        ([5, 6, 7], {"temperature": 1.0, "max_new_tokens": 96, **c})
+        for c in CONSTRAINTS
+        for _ in range(4)
+    ]
+    sched = make_scheduler(llama, **SPEC)
+    for i, (ids, params) in enumerate(jobs):
+        submit(sched, f"c{i}", ids, params, seed=i)
+    res = run_all(sched)
+    stopped = 0
+    for i, (_, params) in enumerate(jobs):
+        r = res[f"c{i}"]
+        if r.finish_reason["type"] == "stop":
+            _validate(params, r.text)
+            stopped += 1
+    assert stopped >= 6
+    st = sched.get_state()
+    # the schema's keys and punctuation arrive as forced drafts the verify step accepts
+    assert st["spec_forced_accepted"] > 10, st
+
+
+def test_batches_at_the_threshold_draft_no_ngram_tokens(llama):
+    sched = make_scheduler(
+        llama, speculative_algorithm="NGRAM", speculative_disable_by_batch_size=3
+    )
+    for i in range(4):
+        submit(sched, f"b{i}", [5, 6, 7, 5, 6, 7, 5, 6], greedy(16))
+    run_all(sched)
+    st = sched.get_state()
+    assert st["spec_skipped"] > 0 and st["spec_verify_ct"] == 0, st
