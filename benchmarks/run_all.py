@@ -74,9 +74,9 @@ PLANS = {
     },
 }
 GRAMMAR = [  # G-BENCH's benchmarks at small sizes; their output is shown as printed
-    ("bench_grammar", ["--stride", "400", "--instances", "1", "--skip-e2e"]),
-    ("bench_grammar", ["--only-e2e", "--requests", "16"]),
-    ("maskbench_coverage", ["--stride", "400", "--timeout", "20"]),
+    ("bench_grammar", ["--stride", "800", "--instances", "1", "--skip-e2e"]),
+    ("bench_grammar", ["--only-e2e", "--requests", "8"]),
+    ("maskbench_coverage", ["--stride", "800", "--timeout", "20"]),
 ]
 TARGETS = {  # name -> (target, higher is better)
     "offline: loom / HF static batch": (3.0, True),
