@@ -1,6 +1,7 @@
-"""A ReAct tool-use agent. The model writes a thought; `select` decides between acting and
-answering and picks the tool (so it is always a real tool); the program runs the tool and
-appends the observation, until the model gives its final answer.
+"""A ReAct tool-use agent on `sgl.gen(..., tools=[...])`. The model writes thoughts and calls;
+each call is generated under a grammar built from the tools' signatures (so it always names a
+real tool with arguments the function accepts), the program runs the function and appends the
+Observation, and the loop ends when the model answers without calling.
 
     python examples/react_agent.py [model_path]
 """
@@ -8,21 +9,11 @@ appends the observation, until the model gives its final answer.
 from __future__ import annotations
 
 import ast
-import json
 import operator
 import sys
 
 import loom as sgl
-
-TOOLS_SYSTEM = (
-    "You are a helpful assistant. You can use these tools:\n"
-    'search: look up facts about countries and people. Input: {"query": string}\n'
-    'calculator: evaluate arithmetic. Input: {"expression": string}\n'
-    'get_weather: current weather in a city. Input: {"city": string}\n'
-    "Use this format:\nThought: ...\nAction: tool name\nAction Input: JSON\n"
-    "Observation: tool result\n... (repeat as needed)\nThought: I now know the final answer.\n"
-    "Final Answer: the answer"
-)
+from loom.tools import as_tools, system_prompt
 
 COUNTRIES = {
     "France": ("Paris", "euro"),
@@ -41,7 +32,17 @@ _OPS = {
 }
 
 
-def calculator(args: dict) -> str:
+def search(query: str) -> str:
+    """look up facts about countries and people."""
+    for country, (capital, currency) in COUNTRIES.items():
+        if country.lower() in query.lower():
+            return f"{country}: capital {capital}; currency {currency}."
+    return "no results"
+
+
+def calculator(expression: str) -> str:
+    """evaluate arithmetic."""
+
     def ev(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
@@ -52,54 +53,27 @@ def calculator(args: dict) -> str:
         raise ValueError("unsupported")
 
     try:
-        return str(ev(ast.parse(str(args.get("expression", "")), mode="eval").body))
+        return str(ev(ast.parse(expression, mode="eval").body))
     except (SyntaxError, ValueError, ZeroDivisionError):
         return "error: not an arithmetic expression"
 
 
-def search(args: dict) -> str:
-    query = str(args.get("query", ""))
-    for country, (capital, currency) in COUNTRIES.items():
-        if country.lower() in query.lower():
-            return f"{country}: capital {capital}; currency {currency}."
-    return "no results"
-
-
-def get_weather(args: dict) -> str:
-    city = str(args.get("city", "?"))
+def get_weather(city: str) -> str:
+    """current weather in a city."""
     return f"{10 + len(city) % 15}°C, sunny"
 
 
-TOOLS = {"search": search, "calculator": calculator, "get_weather": get_weather}
-
-
-def parse_input(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
+TOOLS = [search, calculator, get_weather]
 
 
 @sgl.function
 def react(s, question, max_steps=3):
-    s += sgl.system(TOOLS_SYSTEM)
+    s += sgl.system(system_prompt(as_tools(TOOLS)))
     s += sgl.user(question)
     with s.assistant():
-        for step in range(max_steps):
-            s += "Thought:" + sgl.gen(f"thought_{step}", max_tokens=24, stop="\n") + "\n"
-            s += sgl.select(f"next_{step}", choices=["Action", "Final Answer"])
-            if s[f"next_{step}"] == "Final Answer":
-                break
-            s += ": " + sgl.select(f"tool_{step}", choices=list(TOOLS))
-            # No space after the colon: the model writes it, as " {" is one token in training.
-            s += "\nAction Input:" + sgl.gen(f"input_{step}", max_tokens=24, stop="\n")
-            result = TOOLS[s[f"tool_{step}"]](parse_input(s[f"input_{step}"]))
-            s += "\nObservation: " + result + "\n"
-        else:
-            s += "Thought: I now know the final answer.\nFinal Answer"
-        s += ":" + sgl.gen("answer", max_tokens=32, stop="\n")
-    return s["answer"].strip()
+        s += sgl.gen("trace", tools=TOOLS, max_tool_rounds=max_steps, max_tokens=64, stop="\n\n")
+    final = s["trace"].rpartition("Final Answer:")
+    return final[2].strip() if final[1] else s["trace"].strip()
 
 
 def main(backend=None) -> sgl.ProgramState:

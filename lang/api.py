@@ -16,6 +16,7 @@ from loom.ir import (
     SglRoleEnd,
     SglSamplingParams,
     SglSelect,
+    SglToolGen,
     as_expr,
 )
 from loom.program import SglFunction
@@ -58,14 +59,22 @@ def gen(
     *,
     choices: list[str] | None = None,
     choices_method: ChoicesSamplingMethod | None = None,
+    tools: list | None = None,
+    tool_choice: str = "auto",
+    max_tool_rounds: int = 4,
     **sampling: Any,
 ) -> SglExpr:
     """Generate into variable `name`. `sampling`: SGLang's gen parameters (`max_tokens`,
     `min_tokens`, `n`, `stop`, `stop_token_ids`, `stop_regex`, `temperature`, `top_p`,
     `top_k`, `min_p`, `frequency_penalty`, `presence_penalty`, `ignore_eos`, the logprob
     fields, `dtype`, `regex`, `json_schema`: loom.ir.SglSamplingParams); unset ones inherit
-    from `run(...)`. `choices` makes it a `select`; `n > 1` makes the variable a list."""
+    from `run(...)`. `choices` makes it a `select`; `n > 1` makes the variable a list.
+    `tools` (Python functions) lets the model call them in a ReAct loop (loom.tools): every
+    call names a real tool with arguments its signature accepts; `s[name]` is the last
+    round's text and `s.get_meta_info(name)["tool_calls"]` the calls made with their results."""
     params = SglSamplingParams.from_kwargs("gen", sampling)
+    if tools is not None:
+        return SglToolGen(name, params, tools, tool_choice, max_tool_rounds)
     if choices:
         temperature = params.temperature
         return SglSelect(

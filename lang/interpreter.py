@@ -24,6 +24,7 @@ from loom.ir import (
     SglRoleEnd,
     SglSamplingParams,
     SglSelect,
+    SglToolGen,
     SglVarScopeBegin,
     SglVarScopeEnd,
 )
@@ -62,7 +63,7 @@ class _Call(SglExpr):
 def _produced_names(expr: SglExpr) -> list[str]:
     if isinstance(expr, SglExprList):
         return [n for e in expr.exprs for n in _produced_names(e)]
-    if isinstance(expr, (SglGen, SglSelect, SglVarScopeEnd)):
+    if isinstance(expr, (SglGen, SglSelect, SglVarScopeEnd, SglToolGen)):
         return [expr.name]
     if isinstance(expr, _Call) and expr.produces is not None:
         return [expr.produces]
@@ -151,6 +152,8 @@ class StreamExecutor(QueueWorker):
             self._fill(expr.value)
         elif isinstance(expr, SglGen):
             yield from self._execute_gen(expr)
+        elif isinstance(expr, SglToolGen):
+            yield from self._execute_tool_gen(expr)
         elif isinstance(expr, SglSelect):
             decision = yield (
                 "call",
@@ -227,6 +230,28 @@ class StreamExecutor(QueueWorker):
             self._notify()
 
         yield ("stream", "generate_stream", args, on_item)
+
+    def _execute_tool_gen(self, expr: SglToolGen) -> Handler:
+        from loom.tools import parse_call, round_regex
+
+        calls: list[dict] = []
+        comp, meta = "", None
+        for round_ in range(expr.max_rounds):
+            required = expr.tool_choice == "required" and round_ == 0
+            regex = round_regex(expr.tools, required)
+            params = dataclasses.replace(self._resolve(expr.sampling_params), regex=regex, n=1)
+            comp, meta = yield ("call", "generate", (self.text_, params, list(self.messages_)))
+            comp = comp[0] if isinstance(comp, list) else comp
+            self._fill(comp)
+            call = parse_call(comp)
+            if call is None:
+                break
+            tool = next(t for t in expr.tools if t.name == call[0])
+            result = str(tool.fn(**call[1]))
+            calls.append({"name": call[0], "arguments": call[1], "result": result})
+            self._fill(f"\nObservation: {result}\n")
+        info = {**(meta if isinstance(meta, dict) else {}), "tool_calls": calls}
+        self._set_var(expr.name, comp, info)
 
     def _role_begin(self, role: str) -> None:
         if self.cur_role is not None:

@@ -198,6 +198,36 @@ class SglGen(SglExpr):
         return f"Gen({self.name!r})"
 
 
+class SglToolGen(SglExpr):
+    """A gen that may call Python functions (loom.tools): rounds of generation, each ending in
+    free text or one schema-valid call whose result the program appends as an Observation."""
+
+    def __init__(
+        self,
+        name: str | None,
+        sampling_params: SglSamplingParams,
+        tools: list,
+        tool_choice: str,
+        max_rounds: int,
+    ):
+        from loom.tools import as_tools
+
+        if tool_choice not in ("auto", "required"):
+            raise ValueError(f"tool_choice: must be 'auto' or 'required', got {tool_choice!r}")
+        if max_rounds < 1:
+            raise ValueError(f"max_tool_rounds: must be >= 1, got {max_rounds}")
+        if sampling_params.regex is not None or sampling_params.json_schema is not None:
+            raise ValueError("tools: cannot be combined with regex or json_schema")
+        self.name = name
+        self.sampling_params = sampling_params
+        self.tools = as_tools(tools)
+        self.tool_choice = tool_choice
+        self.max_rounds = max_rounds
+
+    def __repr__(self) -> str:
+        return f"ToolGen({self.name!r}, tools={[t.name for t in self.tools]})"
+
+
 class SglSelect(SglExpr):
     def __init__(self, name: str | None, choices: list[str], temperature: float, choices_method):
         if not choices or not all(isinstance(c, str) for c in choices):

@@ -44,8 +44,14 @@ def _check(name: str, result) -> None:
     elif name == "json_extraction":
         for state in result:
             assert set(json.loads(state["person"])) == {"name", "age", "job"}
-    elif name == "react_agent":
-        assert result["next_0"] in ("Action", "Final Answer") and result.ret_value
+    elif name == "react_agent":  # every call names a tool with the arguments it takes
+        calls = result.get_meta_info("trace")["tool_calls"]
+        assert result.ret_value and all(
+            set(c["arguments"]) <= {"query", "expression", "city"} for c in calls
+        )
+    elif name == "tool_agent":  # tool_choice="required": at least one valid call
+        calls = result.get_meta_info("answer")["tool_calls"]
+        assert calls and calls[0]["name"] in ("get_weather", "calculator")
     elif name == "tree_of_thought":
         assert result["answer"] in [c.strip() for c in result["candidate"]] + ["I do not know."]
     elif name == "parallel_sampling":
