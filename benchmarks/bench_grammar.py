@@ -102,6 +102,7 @@ def bench_tokenizer(name: str, args) -> None:
         if rows[e]["failed"]:
             fails = ", ".join(f"{f} ({s})" for f, s in sorted(rows[e]["failed"].items()))
             print(f"  {e} failed {len(rows[e]['failed'])}: {fails}")
+    _plots(name, label, rows, engines, args)
     for e in engines:
         if e.startswith("loom") and "llguidance" in rows:
             lo, ll = rows[e], rows["llguidance"]
@@ -111,6 +112,31 @@ def bench_tokenizer(name: str, args) -> None:
                 parts.append(f"{key} {ratio:.2f}x ({'met' if ratio <= target else 'MISSED'}, "
                              f"target <= {target:g}x)")  # fmt: skip
             print(f"  {e} / llguidance: " + "; ".join(parts))
+
+
+def _plots(name: str, label: str, rows: dict, engines: list[str], args) -> None:
+    """docs/img/grammar_{compile,mask}_<tokenizer>.png: each engine's distribution over the
+    same sets as the table (box 25-75%, whiskers 1-99%)."""
+    from common import plot
+
+    tag = os.path.basename(name.rstrip("/"))
+    labels = {engine_label(e, args.loom_engine): e for e in engines}
+    common = rows[engines[0]]
+    for key, unit, what, n in (
+        ("compile_ms", "ms", "compile (schema to first mask)", f"{common['n_common']} schemas"),
+        ("mask_us", "us", "mask step (fill + accept)", f"{common['n_tokens']} steps"),
+    ):
+        series = {lab: ([], rows[e][key]) for lab, e in labels.items() if rows[e][key]}
+        if series:
+            plot(
+                f"grammar_{key.split('_')[0]}_{tag}.png",
+                f"{what}, {label}\nMaskBench every {args.stride}th schema, {n}, {args.clock} time",
+                "engine",
+                f"{unit} per {key.split('_')[0]} ({args.clock} time, log)",
+                series,
+                logy=True,
+                kind="box",
+            )
 
 
 def summarize(recs, engines, cases, timeout_ms: float) -> dict:
@@ -144,6 +170,8 @@ def summarize(recs, engines, cases, timeout_ms: float) -> dict:
             "accepted": sum(ok for f in compiled[e] for _, ok, _ in recs[e][f]["walks"]),
             "walked": sum(len(recs[e][f]["walks"]) for f in compiled[e]),
             "failed": {f: recs[e][f]["status"] for f in names if f not in compiled[e]},
+            "compile_ms": comp,
+            "mask_us": mask,
             "n_common": len(common),
             "n_walks": len(walks),
             "n_tokens": len(mask),
