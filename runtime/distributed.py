@@ -34,6 +34,8 @@ class ParallelState:
     ep_size: int = 1
     rank: int = 0
     world_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
 
 
 _state = ParallelState()
@@ -51,6 +53,8 @@ def set_parallel_state(state: ParallelState) -> None:
 
 def state_for_rank(args, rank: int) -> ParallelState:
     world = args.world_size
+    if args.pp_size > 1:  # one rank per stage (tp_size and ep_size are 1)
+        return ParallelState(rank=rank, world_size=world, pp_rank=rank, pp_size=args.pp_size)
     tp = args.tp_size
     return ParallelState(
         tp_rank=rank if tp > 1 else 0,
@@ -147,6 +151,8 @@ def check_layout(args, config) -> None:
         if not cond:
             raise ValueError(f"{flag}: {what}")
 
+    layers, pp = config.num_hidden_layers, args.pp_size
+    need(layers % pp == 0, "pp_size", f"{pp} does not divide num_hidden_layers ({layers})")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     need(heads % tp == 0, "tp_size", f"{tp} does not divide num_attention_heads ({heads})")

@@ -46,17 +46,22 @@ class TokenToKVPool:
         v_head_dim: int | None = None,
         padding_slots: int = 1,
     ):
+        from loom.runtime.distributed import get_parallel_state
+
         self.num_slots = num_slots
-        shape_k = (num_slots, kv_heads, head_dim)
-        shape_v = (num_slots, kv_heads, v_head_dim or head_dim)
+        # a pipeline stage keeps the KV of its own layers only (the others get empty buffers)
+        ps = get_parallel_state()
+        per_stage = num_layers // ps.pp_size
+        mine = range(ps.pp_rank * per_stage, (ps.pp_rank + 1) * per_stage)
+
+        def buffer(dim: int, layer: int) -> torch.Tensor:
+            rows = num_slots if layer in mine else 0
+            return torch.empty((rows, kv_heads, dim), dtype=dtype, device=device)
+
         # Uninitialised: a slot is always written before it is read, except the padding page,
         # which padded decode positions read (masked out) and so must hold finite values.
-        self.k_buffers = [
-            torch.empty(shape_k, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
-        self.v_buffers = [
-            torch.empty(shape_v, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
+        self.k_buffers = [buffer(head_dim, i) for i in range(num_layers)]
+        self.v_buffers = [buffer(v_head_dim or head_dim, i) for i in range(num_layers)]
         for buf in self.k_buffers + self.v_buffers:
             buf[:padding_slots].zero_()
 
@@ -68,9 +73,8 @@ class TokenToKVPool:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
     def bytes_per_token(self) -> int:
-        k, v = self.k_buffers[0], self.v_buffers[0]
-        per_layer = k[0].numel() * k.element_size() + v[0].numel() * v.element_size()
-        return per_layer * len(self.k_buffers)
+        total = sum(b.numel() * b.element_size() for b in self.k_buffers + self.v_buffers)
+        return total // self.num_slots
 
 
 class PagedAllocator:

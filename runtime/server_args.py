@@ -82,6 +82,7 @@ class ServerArgs:
     # Parallelism
     tp_size: int = 1
     ep_size: int = 1
+    pp_size: int = 1
     dp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -265,6 +266,12 @@ class ServerArgs:
             "ep_size",
             f"{self.ep_size} must divide tp_size ({self.tp_size}) (EP = TP x DP, dp_size is 1)",
         )
+        need(self.pp_size >= 1, "pp_size", f"must be >= 1, got {self.pp_size}")
+        need(
+            self.pp_size == 1 or (self.tp_size == 1 and self.ep_size == 1),
+            "pp_size",
+            f"{self.pp_size} with tp_size or ep_size > 1 is not supported yet (one rank per stage)",
+        )
         need(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
         need(
             0 <= self.node_rank < self.nnodes,
@@ -290,12 +297,11 @@ class ServerArgs:
             )
 
     # Derived values -------------------------------------------------------------------------
-
-    # Derived values -------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        """Scheduler ranks: tp_size, or ep_size when experts alone are sharded (tp_size 1)."""
-        return self.tp_size if self.tp_size > 1 else self.ep_size
+        """Scheduler ranks: tp_size, or ep_size when experts alone are sharded (tp_size 1), or
+        pp_size (one rank per pipeline stage)."""
+        return self.pp_size * (self.tp_size if self.tp_size > 1 else self.ep_size)
 
     @property
     def node_ranks(self) -> range:
@@ -425,6 +431,7 @@ _HELP = {
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
     "tp_size": "Tensor-parallel degree: one scheduler process per rank (gloo on CPU, NCCL on CUDA)",
     "ep_size": "Expert-parallel degree for MoE models: divides tp_size, or shards experts over ep_size ranks with tp_size 1",
+    "pp_size": "Pipeline-parallel stages: the layers split evenly, one rank per stage",
     "dp_size": "Data-parallel replicas",
     "nnodes": "Number of nodes the ranks are spread over (each node runs world_size / nnodes ranks)",
     "node_rank": "This node's rank; node 0 serves HTTP, the others run their ranks only",

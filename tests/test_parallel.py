@@ -151,6 +151,17 @@ def test_tp4_replicated_kv_heads_and_a_killed_rank(tiny_model_dir):
         rt.shutdown()
 
 
+def test_pp2_tied_embeddings_matches_one_rank(tiny_model_dir):
+    """Qwen2 (tied embeddings: the last stage's head is its own copy) in two stages."""
+    path = tiny_model_dir("qwen2")
+    with _server(path, pp_size=2) as rt:
+        _check_same_as_one_rank(rt.url, path)
+        ranks = wait_idle_and_intact(rt.url)["parallel"]["ranks"]
+        whole = rank_info(make_scheduler(path, max_total_tokens=2048).runner, 0)
+        assert [r["kv_cache_bytes"] for r in ranks] == [whole["kv_cache_bytes"] // 2] * 2
+        assert all(r["weight_bytes"] < 0.75 * whole["weight_bytes"] for r in ranks)
+
+
 # --------------------------------------------------------------------------- MoE
 @pytest.mark.parametrize(
     "family, layout",
@@ -203,8 +214,9 @@ def test_impossible_layouts_are_refused_by_name(tiny_model_dir):
         ({"tp_size": 8}, "tp_size: 8 does not divide num_attention_heads (4)"),
         ({"tp_size": 3}, "tp_size: 3 does not divide num_attention_heads"),
         ({"ep_size": 2}, "ep_size: 2 needs a mixture-of-experts model"),
+        ({"pp_size": 4}, "pp_size: 4 does not divide num_hidden_layers"),
     ]:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=re.escape(message)):
             loom.Engine(tiny_model_dir("llama"), **kwargs)
     with pytest.raises(ValueError, match="ep_size: 3 does not divide the number of experts"):
         loom.Engine(tiny_model_dir("mixtral"), ep_size=3)
@@ -213,7 +225,8 @@ def test_impossible_layouts_are_refused_by_name(tiny_model_dir):
         ({"nnodes": 2, "tp_size": 2}, "dist_init_addr: is required"),
         ({"nnodes": 2, "tp_size": 3, "dist_init_addr": "h:1"}, "nnodes: 2 nodes cannot hold 3"),
         ({"node_rank": 1}, "node_rank: must be in"),
+        ({"pp_size": 2, "tp_size": 2}, "pp_size: 2 with tp_size or ep_size > 1 is not supported"),
         ({"dist_init_addr": "nohost"}, "dist_init_addr: must be host:port"),
     ]:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=re.escape(message)):
             ServerArgs(**kwargs)

@@ -18,6 +18,7 @@ from loom.runtime.layers.linear import (
 )
 from loom.runtime.layers.logits import compute_logits
 from loom.runtime.layers.norm import RMSNorm
+from loom.runtime.layers.pipeline import PipelineStage
 from loom.runtime.layers.rotary import get_rope
 
 
@@ -103,20 +104,38 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """With pipeline stages, this rank's layers only (the others are empty placeholders);
+    the first stage embeds, the last normalises; the others pass hidden states on."""
+
     layer_cls = LlamaDecoderLayer
 
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage = PipelineStage(config)
+        self.hidden_size = config.hidden_size
+        if stage.is_first:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [self.layer_cls(config, i) for i in range(config.num_hidden_layers)]
+            [
+                self.layer_cls(config, i) if stage.owns(i) else nn.Identity()
+                for i in range(config.num_hidden_layers)
+            ]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if stage.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        stage = self.stage
+        if stage.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            dtype = next(self.layers[stage.start].parameters()).dtype
+            hidden, residual = stage.recv(len(input_ids), self.hidden_size, dtype, input_ids.device)
+        for layer in self.layers[stage.start : stage.end]:
             hidden, residual = layer(positions, hidden, residual)
+        if not stage.is_last:
+            stage.send(hidden, residual)
+            return None
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -136,20 +155,31 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_cls(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        stage = self.model.stage
+        self.lm_head = None
+        if stage.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if getattr(config, "tie_word_embeddings", False) and stage.is_first:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits for the rows the forward batch asks for."""
-        return compute_logits(self.model(input_ids, positions), self.lm_head)
+        return compute_logits(self.model(input_ids, positions), self.lm_head, self.model.stage)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         tied = getattr(self.config, "tie_word_embeddings", False)
+        stage = self.model.stage
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                continue
+            if tied and name == "model.embed_tokens.weight" and stage.is_last:
+                if not stage.is_first:  # the last stage's head is its own copy
+                    loaded.add("lm_head.weight")
+                    self.lm_head.weight_loader(self.lm_head.weight, tensor)
+                    continue
+            if not stage.holds(name):
                 continue
             target, shard = self.map_weight_name(name)
             if target is None:

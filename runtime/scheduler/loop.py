@@ -76,6 +76,7 @@ def _parallel_state(args, ranks: list[dict]):
         "world_size": args.world_size,
         "tp_size": args.tp_size,
         "ep_size": args.ep_size,
+        "pp_size": args.pp_size,
         "nnodes": args.nnodes,
         "ranks": ranks,
     }
