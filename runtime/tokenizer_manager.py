@@ -387,6 +387,8 @@ class TokenizerManager:
                 "cached_tokens": tok.cached_tokens,
                 "jump_forward_tokens": tok.jump_forward_tokens,
                 "spec_verify_ct": tok.spec_verify_ct,
+                "spec_accepted": tok.spec_accepted,
+                "spec_proposed": tok.spec_proposed,
                 "first_decode_step": tok.first_decode_step,
                 "last_decode_step": tok.last_decode_step,
                 "decode_batch_max": tok.decode_batch_max,
@@ -422,7 +424,7 @@ class TokenizerManager:
             "completion_tokens": state.meta.get("completion_tokens", len(state.output_ids)),
             "cached_tokens": state.meta.get("cached_tokens", 0),
             "jump_forward_tokens": state.meta.get("jump_forward_tokens", 0),
-            "spec_verify_ct": state.meta.get("spec_verify_ct", 0),
+            **_spec_meta(state.meta),
             "first_decode_step": state.meta.get("first_decode_step"),
             "last_decode_step": state.meta.get("last_decode_step"),
             "decode_batch_max": state.meta.get("decode_batch_max", 0),
@@ -503,3 +505,16 @@ class TokenizerManager:
             self.on_dead(reason)
 
     on_dead = None
+
+
+def _spec_meta(meta: dict) -> dict:
+    """SGLang's speculative-decoding fields: verify steps, tokens per verify step (the sampled
+    token included) and the share of proposed draft tokens accepted."""
+    verify, accepted, proposed = (
+        meta.get(k, 0) for k in ("spec_verify_ct", "spec_accepted", "spec_proposed")
+    )
+    return {
+        "spec_verify_ct": verify,
+        "spec_accept_length": 1 + accepted / verify if verify else 1.0,
+        "spec_accept_rate": accepted / proposed if proposed else 0.0,
+    }
