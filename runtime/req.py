@@ -83,6 +83,7 @@ class Req:
         self.retract_count = 0
         self.spec_verify_ct = 0  # steps that verified draft tokens
         self.spec_accepted = 0  # draft tokens accepted over those steps
+        self.spec_proposed = 0  # draft tokens proposed over them
         self.sent_output_len = 0  # output tokens already streamed to the detokenizer
         self.sent_input_logprobs = False
         self.jump_forward_tokens = 0

@@ -81,7 +81,7 @@ def test_verified_drafts_give_the_plain_tokens(model, wrong_at):
 
 def test_seeded_sampling_with_drafts_is_reproducible(model):
     params = {"max_new_tokens": 24, "temperature": 0.1, "top_p": 0.9, "ignore_eos": True}
-    prompts = _prompts(6)
+    prompts = _prompts(3)
     plain, _ = _run(model, prompts, params)
     cont = {rid: r.ids for rid, r in plain.items()}
     drafter = ReplayDrafter(cont, k=4)

@@ -126,7 +126,7 @@ TEXTS = [
 # (model, page size, radix cache off, free-text prompts, constrained prompts)
 CONFIGS = [
     ("bundled", 1, False, 8, 3),
-    ("bundled", 4, True, 8, 3),
+    ("bundled", 4, True, 5, 3),
     ("llama", 4, False, 6, 3),
     ("qwen2", 1, True, 6, 3),
     ("qwen3", 4, True, 6, 3),
@@ -161,9 +161,9 @@ def test_greedy_outputs_identical_with_ngram(tiny_model_dir, config):
     path = BUNDLED_MODEL_PATH if family == "bundled" else tiny_model_dir(family)
     probe = make_scheduler(path)
     tok = probe.tokenizer
-    prompts = [(tok.encode(t), greedy(32)) for t in TEXTS[:n_text]]
+    prompts = [(tok.encode(t), greedy(24)) for t in TEXTS[-n_text:]]
     for c in CONSTRAINTS[:n_constrained]:
-        prompts.append((tok.encode("Answer: "), {**greedy(48), "ignore_eos": False, **c}))
+        prompts.append((tok.encode("Answer: "), {**greedy(40), "ignore_eos": False, **c}))
     plain, _ = _generate(path, prompts, page, radix_off)
     spec, sched = _generate(path, prompts, page, radix_off, **SPEC)
     for i, (_, params) in enumerate(prompts):
@@ -214,3 +214,28 @@ def test_batches_at_the_threshold_draft_no_ngram_tokens(llama):
     run_all(sched)
     st = sched.get_state()
     assert st["spec_skipped"] > 0 and st["spec_verify_ct"] == 0, st
+
+
+def test_acceptance_reaches_metrics_and_the_log_line(llama):
+    from prometheus_client import generate_latest
+
+    from loom.runtime.server.metrics import Metrics
+
+    sched = make_scheduler(llama, **SPEC)
+    submit(sched, "m", [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], greedy(24))
+    run_all(sched)
+    st = sched.get_state()
+    metrics = Metrics("tiny")
+    metrics.update_from_scheduler(st)
+    text = generate_latest(metrics.registry).decode()
+    accepted = st["spec_accepted_by_position"][0]
+    assert accepted > 0
+    assert (
+        f'loom:spec_draft_tokens{{model_name="tiny",outcome="accepted",position="1"}} {accepted:.1f}'
+        in text
+    )
+    assert f'loom:spec_accept_length{{model_name="tiny"}} {st["spec_accept_length"]}' in text
+    assert (
+        'loom:spec_verify_steps{accepted="0",model_name="tiny"}' in text or 'accepted="0"' in text
+    )
+    assert "tokens/verify" in sched.decode.drafter.log_line()

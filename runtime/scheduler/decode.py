@@ -111,4 +111,3 @@ class DecodeManager:
         self.running = [r for r in self.running if r not in run]
         self.finishing = [r for r in self.finishing if r not in fin]
         return run, fin
-

@@ -59,6 +59,10 @@ class OutputProcessor:
             st["decode_steps"] += 1
             st["decode_batch_sizes"] += len(batch)
         routes = Routes()
+        # with a drafter, forced text is drafted; a batch too large to draft jumps forward
+        jump = self.jump_forward and (
+            self.drafter is None or not self.drafter.enabled_for(len(batch))
+        )
         for i, req in enumerate(batch.reqs):
             written_end = req.kv_len + req.extend_len
             req.kv_len = written_end - len(req.draft_ids)
@@ -83,6 +87,7 @@ class OutputProcessor:
                 req.finished_reason = {"type": "length", "length": len(req.output_ids)}
             if req.draft_ids and tokens:  # the verifier's accepted run, before any stop
                 req.spec_accepted += len(tokens) - 1
+                req.spec_proposed += len(req.draft_ids)
                 if self.drafter is not None:
                     self.drafter.on_verified(req, len(req.draft_ids), len(tokens) - 1)
             for j, token in enumerate(tokens):
@@ -110,7 +115,7 @@ class OutputProcessor:
                 self.kv.cache_unfinished(req)
             if req.stream:
                 self.pending.append(req)
-            if self.jump_forward and try_jump_forward(req, self.tokenizer, self.kv):
+            if jump and try_jump_forward(req, self.tokenizer, self.kv):
                 routes.requeue.append(req)
             else:
                 routes.running.append(req)
@@ -226,6 +231,8 @@ class OutputProcessor:
             no_stop_trim=p.no_stop_trim,
             jump_forward_tokens=req.jump_forward_tokens,
             spec_verify_ct=req.spec_verify_ct,
+            spec_accepted=req.spec_accepted,
+            spec_proposed=req.spec_proposed,
             rewind=req.pending_rewind,
             first_decode_step=req.first_decode_step,
             last_decode_step=req.last_decode_step,

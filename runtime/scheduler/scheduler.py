@@ -69,18 +69,18 @@ class Scheduler:
         self.decode = DecodeManager(
             self.kv, args.schedule_conservativeness, self.context_len, drafter
         )
-        # with a drafter, forced text is drafted and verified instead of jumped over
         self.output = OutputProcessor(
             self.kv,
             self.tokenizer,
             self.context_len,
-            not args.disable_jump_forward and drafter is None,
+            not args.disable_jump_forward,
             self.stats,
             drafter,
         )
         self.check_integrity_every_step = False
         self.decode_timing: dict[int, list] = {}
         self._last_log = 0.0
+        self._last_spec_log = time.monotonic()
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[ReqOutput]:
@@ -100,6 +100,7 @@ class Scheduler:
             self._record_decode_timing(
                 len(batch), time.perf_counter() - start, self.runner.last_model_seconds
             )
+            self._log_spec()
         return self.output.drain()
 
     def schedule(self) -> ScheduleBatch | None:
@@ -126,10 +127,8 @@ class Scheduler:
         entry[2] += forward
 
     def set_drafter(self, drafter) -> None:
-        """Replace the drafter (tests drive a scripted one); jump-forward follows: off with a
-        drafter, whose forced drafts replace it."""
+        """Replace the drafter (tests drive a scripted one)."""
         self.decode.drafter = self.output.drafter = drafter
-        self.output.jump_forward = not self.args.disable_jump_forward and drafter is None
 
     @property
     def running(self) -> list[Req]:
@@ -256,6 +255,16 @@ class Scheduler:
             self.kv.available(),
             self.kv.size,
         )
+
+    def _log_spec(self) -> None:
+        """Speculative acceptance (by position, accept-length histogram) every 10 s."""
+        now = time.monotonic()
+        if self.decode.drafter is None or now - self._last_spec_log < 10.0:
+            return
+        self._last_spec_log = now
+        line = self.decode.drafter.log_line()
+        if line:
+            logger.info("decode batch: %d running | %s", len(self.decode.running), line)
 
     def get_state(self) -> dict:
         st = self.stats

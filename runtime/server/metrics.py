@@ -87,6 +87,24 @@ class Metrics:
             registry=reg,
         )
 
+        # speculative decoding: totals since start, read from the scheduler's drafter stats
+        self.spec_accept_length = lab(
+            Gauge("loom:spec_accept_length", "Tokens per verify step (accepted drafts + the "
+                  "sampled one)", labels, registry=reg)
+        )  # fmt: skip
+        self.spec_by_position = Gauge(
+            "loom:spec_draft_tokens",
+            "Draft tokens proposed / accepted at each draft position (1 = first) since start",
+            [*labels, "position", "outcome"],
+            registry=reg,
+        )
+        self.spec_accept_hist = Gauge(
+            "loom:spec_verify_steps",
+            "Verify steps by the number of draft tokens they accepted, since start",
+            [*labels, "accepted"],
+            registry=reg,
+        )
+
     def on_output(self, state, num_new: int, now: float) -> None:
         """TokenizerManager hook: called for each output a request receives."""
         if num_new:
@@ -116,6 +134,15 @@ class Metrics:
         total = s.get("max_total_tokens") or 0
         if total:
             self.kv_usage.set(1.0 - s.get("kv_available_tokens", total) / total)
+        if "spec_accept_length" in s:
+            self.spec_accept_length.set(s["spec_accept_length"])
+            for outcome in ("proposed", "accepted"):
+                for j, n in enumerate(s[f"spec_{outcome}_by_position"]):
+                    self.spec_by_position.labels(
+                        **self.labels, position=str(j + 1), outcome=outcome
+                    ).set(n)
+            for k, n in enumerate(s["spec_accept_len_hist"]):
+                self.spec_accept_hist.labels(**self.labels, accepted=str(k)).set(n)
 
 
 @router.get("/metrics")

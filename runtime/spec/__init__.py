@@ -14,11 +14,13 @@ class Drafter(ABC):
     @abstractmethod
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int]:
         """Tokens to verify after `req`'s current tokens (at most `room`). `free_drafts`:
-        False when the batch is too large for speculation to pay; only forced (grammar) text
-        is offered then. A constrained request's drafts come with `req.draft_masks`."""
+        False when the batch is too large for speculation to pay (return nothing then; the
+        call lets the drafter count it). A constrained request's drafts come with
+        `req.draft_masks`."""
 
     def enabled_for(self, batch_size: int) -> bool:
-        """Whether a decode batch of this size drafts beyond forced text."""
+        """Whether a decode batch of this size drafts (if not, grammar requests in it take
+        the jump-forward path)."""
         return True
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
@@ -31,6 +33,10 @@ class Drafter(ABC):
 
     def summary(self) -> dict:
         return {}
+
+    def log_line(self) -> str:
+        """Acceptance so far, for the scheduler's periodic log line ("" = nothing to say)."""
+        return ""
 
 
 def create_drafter(args, tokenizer, vocab_size: int, eos_token_ids) -> Drafter | None:

@@ -1,0 +1,201 @@
+"""Speculative decoding (NGRAM) against plain decoding on the bundled model.
+
+Workloads (greedy, chat template): JSON extraction with a schema (forced keys and punctuation
+arrive as drafts), free text that copies from its prompt (few-shot fact blocks whose answer
+repeats the prompt's sentences), and free chat (stories, greetings, tool traces). Each runs at
+batch 1 (requests one after another) and batch 16 (all at once), speculation off (the default
+runtime: jump-forward on) and on, alternating off/on rounds in one process; the ratio is
+tokens/s on / off per round, median and range printed, wall time and process CPU time (the
+second is steadier on a shared machine). Prints accepted tokens per verify and acceptance by
+draft position, and writes docs/img/spec_acceptance.png.
+
+    python benchmarks/bench_spec.py [--rounds 3] [--no-plot]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from loom.runtime.io_struct import TokenizedGenerateReq
+from loom.runtime.sampling_params import make_sampling_params
+from loom.runtime.scheduler.scheduler import Scheduler
+from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
+
+PEOPLE = [
+    ("Alice", 31, "Paris"),
+    ("Bob", 45, "Berlin"),
+    ("Carla", 27, "Madrid"),
+    ("Daniel", 52, "Rome"),
+    ("Emma", 19, "Vienna"),
+    ("Farid", 38, "Cairo"),
+    ("Grace", 64, "Tokyo"),
+    ("Hugo", 23, "Lisbon"),
+    ("Ines", 35, "Dublin"),
+    ("Jonas", 41, "Oslo"),
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"type": "string"},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+COUNTRIES = [
+    ("France", "Paris"),
+    ("Germany", "Berlin"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Japan", "Tokyo"),
+    ("Egypt", "Cairo"),
+    ("Portugal", "Lisbon"),
+    ("Austria", "Vienna"),
+    ("Ireland", "Dublin"),
+    ("Norway", "Oslo"),
+]
+CHAT = [
+    "Write a short story about a brave fox.",
+    "Hello!",
+    "What's the weather in Tokyo?",
+    "Write a short story about a clever cat.",
+    "What is the capital of France?",
+    "Tell me a story about a lost robot.",
+    "What's the weather in Paris?",
+    "Hi there!",
+    "Write a short story about a kind bear.",
+    "What's the weather in Berlin?",
+]
+
+
+def _chat(tok, text: str) -> str:
+    return tok.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def workloads(tok) -> dict[str, list[tuple[str, dict]]]:
+    json_jobs = [
+        (
+            _chat(tok, f"Extract the name, age and city as JSON: {n} is {a} and lives in {c}."),
+            {"max_new_tokens": 64, "json_schema": json.dumps(SCHEMA)},
+        )
+        for n, a, c in PEOPLE
+    ]
+    copy_jobs = []
+    for i in range(len(COUNTRIES)):
+        shots = (COUNTRIES[i:] + COUNTRIES[:i])[:8]
+        text = "".join(
+            f"Q: What is the capital of {c}?\nA: The capital of {c} is {cap}.\n"
+            for c, cap in shots[:-1]
+        )
+        copy_jobs.append(
+            (text + f"Q: What is the capital of {shots[-1][0]}?\nA:", {"max_new_tokens": 96})
+        )
+    chat_jobs = [(_chat(tok, t), {"max_new_tokens": 96}) for t in CHAT]
+    # the last two of each list warm the schedulers up; the first eight are measured
+    return {"json": json_jobs, "copy": copy_jobs, "chat": chat_jobs}
+
+
+def run_once(sched: Scheduler, jobs, batch: int) -> tuple[int, float, float]:
+    """(output tokens, wall seconds, CPU seconds) for the jobs, `batch` at a time."""
+    tok = sched.tokenizer
+    total = 0
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    for start in range(0, len(jobs), batch):
+        group = jobs[start : start + batch]
+        for i, (prompt, params) in enumerate(group):
+            sched.add_request(
+                TokenizedGenerateReq(
+                    rid=f"r{start + i}",
+                    input_ids=tok.encode(prompt),
+                    sampling_params=make_sampling_params({"temperature": 0, **params}),
+                    seed=0,
+                )
+            )
+        while not sched.is_idle:
+            for out in sched.step():
+                total += len(out.new_ids)
+    return total, time.perf_counter() - wall0, time.process_time() - cpu0
+
+
+def make(spec: bool, **kw) -> Scheduler:
+    extra = {"speculative_algorithm": "NGRAM"} if spec else {}
+    return Scheduler(ServerArgs(model_path=BUNDLED_MODEL_PATH, dtype="float32", **extra, **kw))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(ServerArgs().effective_cpu_threads)
+    tok = make(False).tokenizer
+    loads = workloads(tok)
+    print(f"bundled model, torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}")
+    curves = {}
+    for batch in (1, 16):
+        for name, all_jobs in loads.items():
+            warm, base_jobs = all_jobs[-2:], all_jobs[:-2]
+            jobs = base_jobs * (2 if batch == 16 else 1)  # 16 at once
+            ratios_wall, ratios_cpu, st = [], [], {}
+            for _ in range(args.rounds):
+                off, on = make(False), make(True)
+                run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
+                run_once(on, warm, 2)
+                n_off, w_off, c_off = run_once(off, jobs, batch)
+                n_on, w_on, c_on = run_once(on, jobs, batch)
+                assert n_on == n_off, (name, n_on, n_off)
+                ratios_wall.append(w_off / w_on)
+                ratios_cpu.append(c_off / c_on)
+                st = on.get_state()
+            by_pos = [
+                a / p if p else 0.0
+                for a, p in zip(st["spec_accepted_by_position"], st["spec_proposed_by_position"])
+            ]
+            if batch == 1:
+                curves[name] = by_pos
+            print(
+                f"{name:5s} batch {batch:2d}: tokens/s on/off wall {statistics.median(ratios_wall):.2f}x "
+                f"[{min(ratios_wall):.2f}-{max(ratios_wall):.2f}], CPU {statistics.median(ratios_cpu):.2f}x "
+                f"[{min(ratios_cpu):.2f}-{max(ratios_cpu):.2f}] | {n_on} tokens, "
+                f"{st['spec_accept_length']:.2f} tokens/verify over {st['spec_verify_ct']} verifies, "
+                f"forced {st['spec_forced_accepted']}/{st['spec_forced_proposed']}, "
+                f"no-draft request-steps {st['spec_skipped']} | acceptance by position "
+                f"[{' '.join(f'{r:.2f}' for r in by_pos)}] | loadavg {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+    if not args.no_plot:
+        plot(curves, Path(__file__).resolve().parents[1] / "docs" / "img" / "spec_acceptance.png")
+
+
+def plot(curves: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, rates in curves.items():
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("accepted / proposed")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("NGRAM acceptance by draft position (bundled model, batch 1, greedy)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
