@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Step:
-    inp: object  # ModelInput
+    inp: object  # ModelInput, or None: report this rank's expert counts instead
     rows: list[tuple[int, int, torch.Tensor]]  # (req row, first column, new slot indices)
 
 
@@ -49,6 +49,16 @@ class BroadcastRunner:
     def forward(self, inp):
         broadcast_object(Step(inp, self._changed_rows(inp)))
         return self.runner.forward(inp)
+
+    def expert_token_counts(self) -> dict[str, list[int]]:
+        """Every rank's MoE layers' counts (pipeline stages each hold their own layers)."""
+        from loom.runtime.layers.moe import expert_token_counts
+
+        broadcast_object(Step(None, []))
+        merged: dict[str, list[int]] = {}
+        for counts in gather_objects(expert_token_counts(self.runner.model)):
+            merged.update(counts)  # a layer lives on one stage, or on every rank identically
+        return dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
 
     def _changed_rows(self, inp) -> list:
         table = self.runner.req_to_token_pool.req_to_token
@@ -123,6 +133,11 @@ def run_worker_process(args, rank: int, addr: str, owner_pid, ready_pipe) -> Non
     try:
         with torch.inference_mode():
             while (step := broadcast_object()) is not None:
+                if step.inp is None:
+                    from loom.runtime.layers.moe import expert_token_counts
+
+                    gather_objects(expert_token_counts(runner.model))
+                    continue
                 apply_rows(runner, step.rows)
                 runner.forward(step.inp)
     except Exception:  # noqa: BLE001 - a lost peer: this rank cannot go on

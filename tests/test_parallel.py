@@ -21,6 +21,7 @@ from loom.runtime.server.runtime_client import Runtime, free_port, server_argv
 from loom.runtime.server_args import ServerArgs
 from tests.runtime_helpers import make_scheduler, run_all, submit
 from tests.server_helpers import server_info, wait_idle_and_intact
+from tests.tiny_models import MODEL_VOCAB
 
 CHUNK = 16
 PREFIX = list(range(10, 40))  # 30 tokens: the later request finds them in the radix cache
@@ -81,6 +82,13 @@ def _check_same_as_one_rank(url: str, path: str) -> list[dict]:
     return got
 
 
+def _routed_tokens(got: list[dict]) -> int:
+    """Tokens every MoE layer routed at least (each to top-2 experts): the prompts, less the
+    cached prefix, and every output token but the last (which is never fed back)."""
+    tokens = sum(len(ids) for ids, _ in FIRST + LATER) - (len(PREFIX) - 1)
+    return tokens + sum(len(item["output_ids"]) - 1 for item in got)
+
+
 def _check_weights_split(info: dict, ranks: int) -> int:
     par = info["parallel"]
     assert par["world_size"] == ranks and len(par["ranks"]) == ranks
@@ -89,22 +97,15 @@ def _check_weights_split(info: dict, ranks: int) -> int:
     return sizes[0]
 
 
-def _odd_heads_model(root: Path) -> str:
-    """Qwen2 (q/k/v bias, tied embeddings) with 6 heads over 2 KV heads: 3 heads per rank."""
+def _build(folder: Path, config) -> str:
     import torch
     import transformers as tf
 
-    from tests.tiny_models import MODEL_VOCAB, build_tokenizer
+    from tests.tiny_models import build_tokenizer
 
-    folder = root / "qwen2-6h"
     if (folder / "config.json").is_file():
         return str(folder)
     torch.manual_seed(3)
-    config = tf.Qwen2Config(
-        vocab_size=MODEL_VOCAB, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
-        eos_token_id=2, pad_token_id=0, tie_word_embeddings=True,
-    )  # fmt: skip
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
@@ -113,6 +114,36 @@ def _odd_heads_model(root: Path) -> str:
     model.save_pretrained(folder)
     build_tokenizer(folder)
     return str(folder)
+
+
+_SHAPE = dict(vocab_size=MODEL_VOCAB, num_hidden_layers=2, max_position_embeddings=1024,
+              eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)  # fmt: skip
+
+
+def _odd_heads_model(root: Path) -> str:
+    """Qwen2 (q/k/v bias, tied embeddings) with 6 heads over 2 KV heads: 3 heads per rank."""
+    import transformers as tf
+
+    config = tf.Qwen2Config(
+        **_SHAPE,
+        hidden_size=96,
+        intermediate_size=128,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    )
+    return _build(root / "qwen2-6h", config)
+
+
+def _tied_moe_model(root: Path) -> str:
+    """Qwen3-MoE with tied embeddings; layer 0 dense, layer 1 sparse (on the second stage)."""
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(
+        **_SHAPE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=2,
+    )  # fmt: skip
+    return _build(root / "qwen3-moe-tied", config)
 
 
 def _server(path: str, **kwargs) -> Runtime:
@@ -151,15 +182,19 @@ def test_tp4_replicated_kv_heads_and_a_killed_rank(tiny_model_dir):
         rt.shutdown()
 
 
-def test_pp2_tied_embeddings_matches_one_rank(tiny_model_dir):
-    """Qwen2 (tied embeddings: the last stage's head is its own copy) in two stages."""
-    path = tiny_model_dir("qwen2")
+def test_pp2_tied_moe_matches_one_rank(tmp_path_factory):
+    """Two stages: the last stage's LM head is its own copy of the tied embedding, and the
+    expert counts come from the stage that holds the sparse layer."""
+    path = _tied_moe_model(tmp_path_factory.mktemp("pp"))
     with _server(path, pp_size=2) as rt:
-        _check_same_as_one_rank(rt.url, path)
-        ranks = wait_idle_and_intact(rt.url)["parallel"]["ranks"]
+        got = _check_same_as_one_rank(rt.url, path)
+        info = wait_idle_and_intact(rt.url)
         whole = rank_info(make_scheduler(path, max_total_tokens=2048).runner, 0)
+        ranks = info["parallel"]["ranks"]
         assert [r["kv_cache_bytes"] for r in ranks] == [whole["kv_cache_bytes"] // 2] * 2
         assert all(r["weight_bytes"] < 0.75 * whole["weight_bytes"] for r in ranks)
+        counts = info["expert_token_counts"]
+        assert list(counts) == ["1"] and sum(counts["1"]) >= 2 * _routed_tokens(got)
 
 
 # --------------------------------------------------------------------------- MoE
@@ -178,10 +213,7 @@ def test_moe_layouts_match_one_rank(tiny_model_dir, family, layout):
         _check_weights_split(info, 2)
         counts = info["expert_token_counts"]
         assert counts and all(len(c) == 4 for c in counts.values())
-        # every token routed to top-2 experts: at least the prompts' and outputs' tokens
-        tokens = sum(len(ids) for ids, _ in FIRST + LATER) - len(PREFIX)
-        tokens += sum(len(item["output_ids"]) for item in got)
-        assert all(sum(c) >= 2 * tokens for c in counts.values()), counts
+        assert all(sum(c) >= 2 * _routed_tokens(got) for c in counts.values()), counts
         metrics = requests.get(rt.url + "/metrics", timeout=30).text
         layer, per_expert = next(iter(counts.items()))
         line = rf'loom:moe_expert_tokens{{expert="1",layer="{layer}",.*}} {float(per_expert[1])}'

@@ -64,10 +64,16 @@ def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
 
 
 def _expert_counts(sched) -> dict:
-    """Tokens routed to each expert so far, per MoE layer (rank 0 routes every token)."""
+    """Tokens routed to each expert so far, per MoE layer (pipeline stages each hold their
+    own layers, so they are asked; otherwise rank 0 sees every layer)."""
     from loom.runtime.layers.moe import expert_token_counts
 
-    counts = expert_token_counts(sched.runner.model)
+    runner, cfg = sched.runner, sched.runner.config
+    moe = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if moe and sched.args.pp_size > 1:  # BroadcastRunner: ask every stage
+        counts = runner.expert_token_counts()
+    else:  # rank 0 holds every layer and routes every token
+        counts = expert_token_counts(runner.model)
     return {"expert_token_counts": counts} if counts else {}
 
 
