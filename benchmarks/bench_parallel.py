@@ -1,9 +1,9 @@
-"""Parallel workers: throughput and per-rank memory of TP=1 vs TP=2 (dense) and EP=1 vs EP=2
-(MoE), each layout a live Engine, the runs alternating (TP1, TP2, EP1, EP2, TP1, ...).
+"""Parallel workers: throughput and per-rank memory of TP=1 vs TP=2 and PP=2 (dense) and EP=1
+vs EP=2 (MoE), each layout a live Engine, the runs alternating (TP1, TP2, PP2, EP1, EP2, ...).
 
 Workload: --num-requests greedy requests (prompts of --prompt-len random tokens, --new-tokens
 each, ignore_eos) sent as one batch; tok/s counts prompt + new tokens over the wall time.
-Printed as ratios (TP2 / TP1, EP2 / EP1: median of per-round ratios with the range) beside the
+Printed as ratios (TP2 / TP1, PP2 / TP1, EP2 / EP1: median of per-round ratios with the range) beside the
 per-rank weight and KV bytes from get_server_info. On a 2-core CPU the speed ratio is
 informative only: two ranks share two cores with everything else, so a ratio below 1 there
 says nothing about a GPU; the memory split is exact anywhere.
@@ -85,6 +85,7 @@ def main() -> None:
     layouts = {
         "TP1": (dense, {}),
         "TP2": (dense, {"tp_size": 2}),
+        "PP2": (dense, {"pp_size": 2}),
         "EP1": (moe, {}),
         "EP2": (moe, {"ep_size": 2}),
     }
@@ -121,8 +122,9 @@ def main() -> None:
         print(f"| {name} | {tps:.0f} | {len(ranks)} | {w} | {kv} |")
     # throughput ratio = time ratio inverted: per round, t(1 rank) / t(2 ranks)
     print(f"TP2 / TP1 throughput: {common.fmt_ratio(times['TP1'], times['TP2'])}")
+    print(f"PP2 / TP1 throughput: {common.fmt_ratio(times['TP1'], times['PP2'])}")
     print(f"EP2 / EP1 throughput: {common.fmt_ratio(times['EP1'], times['EP2'])}")
-    for a, b in (("TP2", "TP1"), ("EP2", "EP1")):
+    for a, b in (("TP2", "TP1"), ("PP2", "TP1"), ("EP2", "EP1")):
         ratio = memory[a][0]["weight_bytes"] / memory[b][0]["weight_bytes"]
         print(f"{a} / {b} weight bytes per rank: {ratio:.3f}")
     print(common.loadavg())
