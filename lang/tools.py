@@ -62,10 +62,15 @@ class Tool:
         schema = pydantic.create_model(fn.__name__, **fields).model_json_schema()
         return cls(fn.__name__, inspect.getdoc(fn) or "", schema, fn)
 
-    def describe(self) -> str:
-        props = self.parameters.get("properties", {})
-        args = ", ".join(f'"{k}": {v.get("type", "any")}' for k, v in props.items())
-        return f"{self.name}: {self.description} Input: {{{args}}}"
+    def as_openai(self) -> dict:
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
 
 
 def as_tools(tools: list) -> list[Tool]:
@@ -80,12 +85,10 @@ def round_regex(tools: list[Tool], required: bool) -> str:
     """One round's output: free text without "Action:", then (optionally) one valid call;
     `required`: a call, after at most one "Thought: ..." line of up to 100 characters."""
     from loom.grammar.json_schema import json_schema_to_regex
-    from loom.runtime.server.tools import avoid_regex, lit
+    from loom.runtime.server.tools import FORMATS, avoid_regex
 
-    calls = "|".join(
-        f"{lit(f'{ACTION} {t.name}')}\\nAction Input: ?(?:{json_schema_to_regex(t.parameters)})"
-        for t in tools
-    )
+    react = FORMATS["react"]  # the call format the OpenAI API's react parser reads
+    calls = "|".join(react.call_regex(t.name, json_schema_to_regex(t.parameters)) for t in tools)
     call = f"(?:{calls})"
     if required:  # at most one short ASCII thought line first, so the call fits in any budget
         return f"(?:Thought:[ -~]{{0,100}}\n)?{call}"
@@ -108,10 +111,6 @@ def parse_call(text: str) -> tuple[str, dict] | None:
 
 def system_prompt(tools: list[Tool]) -> str:
     """A system prompt in the bundled model's ReAct wording, listing `tools`."""
-    listing = "\n".join(t.describe() for t in tools)
-    return (
-        f"You are a helpful assistant. You can use these tools:\n{listing}\n"
-        "Use this format:\nThought: ...\nAction: tool name\nAction Input: JSON\n"
-        "Observation: tool result\n... (repeat as needed)\nThought: I now know the final answer.\n"
-        "Final Answer: the answer"
-    )
+    from loom.runtime.server.tools import react_system_prompt
+
+    return react_system_prompt([t.as_openai() for t in tools])

@@ -15,7 +15,7 @@ ATTENTION_BACKENDS = ("torch",)  # "triton" comes back with its kernels (kernels
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "outlines")  # loom.grammar.engines.ENGINES
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
-TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3")
+TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3", "react")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
 SPECULATIVE_ALGORITHMS = ("NGRAM",)  # SGLang's EAGLE/EAGLE3/NEXTN/STANDALONE: refused by name
 SPECULATIVE_NOT_YET = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
@@ -394,7 +394,7 @@ _HELP = {
     "tokenizer_path": "Tokenizer folder; defaults to model_path",
     "served_model_name": "Model name reported by /v1/models and /model_info",
     "chat_template": "Built-in chat template name or a path to a jinja file",
-    "tool_call_parser": "How the model writes tool calls on /v1/chat/completions (qwen25: <tool_call> JSON, llama3: JSON, mistral: [TOOL_CALLS]); default: from the model type, else qwen25",
+    "tool_call_parser": "How the model writes tool calls on /v1/chat/completions (qwen25: <tool_call> JSON, llama3: JSON, mistral: [TOOL_CALLS], react: Action/Action Input); default: react for the bundled model, else from the model type, else qwen25",
     "reasoning_parser": "Split <think>...</think> into reasoning_content (qwen3: when the reply opens one; deepseek-r1: the reply starts inside it)",
     "dtype": "Weight and activation dtype; auto takes the config's torch_dtype",
     "device": "cpu or cuda; default: cuda when available",

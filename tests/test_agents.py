@@ -23,6 +23,50 @@ def server():
         yield rt
 
 
+def test_bundled_model_calls_tools_in_auto_mode(server):
+    """The bundled model writes ReAct traces; its default parser (react) turns them into
+    OpenAI tool calls, streamed and not, and a tool result continues the conversation."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+    kw = dict(
+        model=MODEL,
+        tools=[weather],
+        temperature=0,
+        max_tokens=80,
+        messages=[{"role": "user", "content": "What's the weather in Tokyo?"}],
+    )
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls", c
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    streamed = ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for d in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            streamed += d.function.arguments or ""
+    assert streamed == call.function.arguments
+    follow = kw["messages"] + [
+        c.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "12°C, sunny"},
+    ]
+    final = client.chat.completions.create(**{**kw, "messages": follow})
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def test_langchain_bind_tools_loop(server):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool

@@ -374,6 +374,20 @@ def test_formats_regex_and_parser_agree(fmt):
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
 
 
+def test_parser_flag_names_match_the_formats():
+    from loom.runtime.server_args import TOOL_CALL_PARSERS
+
+    assert TOOL_CALL_PARSERS == T.PARSER_NAMES
+    assert T.get_format(None, "llama").name == "llama3"
+    assert T.get_format(None, "qwen3", bundled=True).name == "react"
+    assert T.get_format("hermes", "llama").name == "qwen25"
+    react = T.FORMATS["react"]  # a ReAct model goes on with "Observation:": allowed, not content
+    text = react.render_calls([("add", '{"a": 1}')]) + "\nObservation:"
+    p = T.ToolCallParser(react)
+    content, calls = T.assemble(p.feed("Thought: x\n" + text) + p.finish())
+    assert content == "Thought: x\n" and [c["function"]["arguments"] for c in calls] == ['{"a": 1}']
+
+
 def test_avoid_regex_is_exact():
     rng = random.Random(1)
     for word in ("<tool_call>", "[TOOL_CALLS]", "</think>"):

@@ -55,7 +55,10 @@ class ToolPlan:
             seen.add(name)
         self.mode = choice
         self.parallel = req.parallel_tool_calls
-        self.fmt = T.get_format(args.tool_call_parser, model_type(args.model_path))
+        from loom.runtime.server_args import BUNDLED_MODEL_PATH
+
+        bundled = Path(args.model_path).resolve() == Path(BUNDLED_MODEL_PATH).resolve()
+        self.fmt = T.get_format(args.tool_call_parser, model_type(args.model_path), bundled)
         self.parse = self.mode != "none"
 
     def regex(self) -> str | None:
@@ -130,6 +133,8 @@ def render_messages(req: ChatCompletionRequest, plan: ToolPlan, template: str) -
         if m.role == "tool":
             if native:
                 msg["tool_call_id"] = m.tool_call_id
+            elif plan.fmt.react:
+                msg = {"role": "user", "content": f"Observation: {msg['content']}"}
             else:
                 msg = {
                     "role": "user",

@@ -6,6 +6,7 @@ A *format* is how a model family writes calls (`--tool-call-parser`, SGLang's na
     qwen25   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (one block per call)
     llama3   {"name": "f", "parameters": {...}}; {"name": ...}             (the whole reply)
     mistral  [TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]
+    react    Action: f\\nAction Input: {...}          (loom's bundled model was trained on it)
 
 `tool_regex` writes the output a request may produce as one regex (every grammar engine takes
 regexes): with `tool_choice` required or a named function, one or more calls whose arguments
@@ -44,13 +45,21 @@ class ToolFormat:
     section_close: str = ""
     trigger: str | None = None  # what starts the call section in free text; None: only at start
     needs_special_tokens: bool = False  # the trigger is a special token the detokenizer keeps
+    react: bool = False  # "Action: name\nAction Input: args" instead of a JSON object
+    # what the model may write after its calls before it stops (ReAct models go on with
+    # "Observation:"; without it the only way on from a call's "\n" would be another call)
+    tail: str = ""
 
     def call_regex(self, name: str, args_regex: str) -> str:
+        if self.react:
+            return f"{lit(f'Action: {name}')}\\nAction Input: ?(?:{args_regex})"
         head = f'{self.call_open}{{"name": "{name}", "{self.args_key}": '
         return f"{lit(head)}(?:{args_regex}){lit('}' + self.call_close)}"
 
     def render_calls(self, calls: list[tuple[str, str]]) -> str:
         """Calls (name, arguments JSON text) written as the model writes them (for history)."""
+        if self.react:
+            return self.separator.join(f"Action: {n}\nAction Input: {a}" for n, a in calls)
         body = self.separator.join(
             f'{self.call_open}{{"name": "{n}", "{self.args_key}": {a}}}{self.call_close}'
             for n, a in calls
@@ -74,6 +83,9 @@ FORMATS = {
         trigger="[TOOL_CALLS]",
         needs_special_tokens=True,
     ),
+    "react": ToolFormat(
+        "react", "", "", "", "\n", trigger="Action:", react=True, tail="\nObservation:"
+    ),
 }
 ALIASES = {"qwen": "qwen25", "qwen3": "qwen25", "hermes": "qwen25", "llama4": "llama3"}
 PARSER_NAMES = tuple(sorted([*FORMATS, *ALIASES]))
@@ -86,13 +98,16 @@ _BY_MODEL_TYPE = {
 _BY_MODEL_TYPE |= {"llama": "llama3", "mistral": "mistral", "mixtral": "mistral"}
 
 
-def get_format(parser: str | None, model_type: str | None) -> ToolFormat:
-    """The flag's format, else the model family's, else qwen25 (the documented default)."""
+def get_format(parser: str | None, model_type: str | None, bundled: bool = False) -> ToolFormat:
+    """The flag's format, else react for the bundled model (what it was trained on), else the
+    model family's, else qwen25 (the documented default)."""
     if parser:
         name = ALIASES.get(parser, parser)
         if name not in FORMATS:
             raise ValueError(f"tool_call_parser: {parser!r} is not one of {PARSER_NAMES}")
         return FORMATS[name]
+    if bundled:
+        return FORMATS["react"]
     return FORMATS[_BY_MODEL_TYPE.get(model_type or "", "qwen25")]
 
 
@@ -171,6 +186,8 @@ def tool_regex(fmt: ToolFormat, tools: list, mode: str, parallel: bool) -> str:
     one = f"(?:{one})"
     calls = f"{one}(?:{lit(fmt.separator)}{one})*" if parallel else one
     calls = lit(fmt.section_open) + calls + lit(fmt.section_close)
+    if fmt.tail:
+        calls += f"(?:{lit(fmt.tail)})?"
     if mode != "auto":
         return calls
     if fmt.trigger is not None:
@@ -179,6 +196,7 @@ def tool_regex(fmt: ToolFormat, tools: list, mode: str, parallel: bool) -> str:
 
 
 # --------------------------------------------------------------------------- parsing
+_REACT_HEAD = re.compile(r"\s*([A-Za-z0-9_-]+)[ \t]*\nAction Input: ?(?=\S)")
 _HEAD = re.compile(
     r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)'
 )
@@ -232,7 +250,8 @@ class ToolCallParser:
             if i >= 0:
                 if i:
                     events.append(("content", buf[:i]))
-                self.buf, self.mode = buf[i + len(fmt.trigger) :], "section"
+                self.buf = buf[i + len(fmt.trigger) :]
+                self.mode = "head" if fmt.react else "section"
                 return True
             hold = _partial_suffix(buf, fmt.trigger)
             if len(buf) > hold:
@@ -240,11 +259,19 @@ class ToolCallParser:
                 self.buf = buf[len(buf) - hold :]
             return False
         if self.mode == "section":
+            if fmt.react:  # the next call starts at the next trigger
+                j = buf.find(fmt.trigger)
+                if j < 0:
+                    hold = _partial_suffix(buf, fmt.trigger)
+                    self.buf = buf[len(buf) - hold :] if hold else ""
+                    return False
+                self.buf, self.mode = buf[j + len(fmt.trigger) :], "head"
+                return True
             j = buf.find("{")
             self.buf, self.mode = (buf[j:], "head") if j >= 0 else ("", "section")
             return j >= 0
         if self.mode == "head":
-            m = _HEAD.match(buf)
+            m = (_REACT_HEAD if fmt.react else _HEAD).match(buf)
             if m is None:
                 return False
             events.append(("call", json.loads(f'"{m.group(1)}"')))
@@ -331,8 +358,28 @@ def assemble(events: list[tuple[str, str]]) -> tuple[str, list[dict]]:
 
 
 # --------------------------------------------------------------------------- prompts
+def react_system_prompt(tools: list[dict]) -> str:
+    """The bundled model's trained ReAct system prompt, listing OpenAI-style `tools`."""
+    lines = []
+    for t in tools:
+        f = t["function"]
+        props = (f.get("parameters") or {}).get("properties", {})
+        args = ", ".join(f'"{k}": {v.get("type", "any")}' for k, v in props.items())
+        lines.append(f"{f['name']}: {f.get('description') or ''} Input: {{{args}}}")
+    listing = "\n".join(lines)
+    return (
+        f"You are a helpful assistant. You can use these tools:\n{listing}\n"
+        "Use this format:\nThought: ...\nAction: tool name\nAction Input: JSON\n"
+        "Observation: tool result\n... (repeat as needed)\nThought: I now know the final answer.\n"
+        "Final Answer: the answer"
+    )
+
+
 def tool_system_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
-    """The documented default for templates without a `tools` variable (Qwen2.5's wording)."""
+    """The documented default for templates without a `tools` variable (Qwen2.5's wording;
+    the bundled model's ReAct prompt for the react format)."""
+    if fmt.react:
+        return react_system_prompt(tools)
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     example = fmt.render_calls([("<function-name>", "<args-json-object>")])
     return (
