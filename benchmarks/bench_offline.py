@@ -29,9 +29,11 @@ each ratio against them is the median of per-round ratios with its range, as HF'
 from __future__ import annotations
 
 import argparse
+import queue
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +51,36 @@ def make_requests(tokenizer, n: int, seed: int, max_prompt: int = 400, max_new: 
             ids += tokenizer.encode(" " + rng.choice(words))
         reqs.append((ids[:target], rng.randint(min(8, max_new), max_new)))
     return reqs
+
+
+STALL_S = 600  # a streamed batch that sends nothing for this long has hung (seen once)
+
+
+def _stall_guard(items, seconds: float):
+    """Yield from an iterator, raising TimeoutError when it yields nothing for `seconds`: a
+    benchmark must fail, not hang (one of loom's streams once sent nothing, every process idle)."""
+    q: queue.Queue = queue.Queue()
+    end = object()
+
+    def pump() -> None:
+        try:
+            for item in items:
+                q.put(item)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            q.put(e)
+        q.put(end)
+
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            item = q.get(timeout=seconds)
+        except queue.Empty:
+            raise TimeoutError(f"loom's stream sent nothing for {seconds} s") from None
+        if item is end:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 class LoomSide:
@@ -85,7 +117,8 @@ class LoomSide:
         done = [0] * len(prompts)
         first = None
         t = time.perf_counter()
-        for item in self.engine.generate(input_ids=prompts, sampling_params=params, stream=True):
+        stream = self.engine.generate(input_ids=prompts, sampling_params=params, stream=True)
+        for item in _stall_guard(stream, STALL_S):
             i = item.get("index", 0)
             done[i] = item["meta_info"]["completion_tokens"]
             started.add(i)
