@@ -24,9 +24,11 @@ def check_parser(name: str | None) -> None:
 
 
 def think_regex(parser: str) -> str:
-    """Regex of the thinking a constrained reply may open with (then the constrained part)."""
-    block = f"(?:{lit(OPEN)})?{avoid_regex(CLOSE)}{lit(CLOSE)}\\s*"
-    return block if parser == "deepseek-r1" else f"(?:{block})?"
+    """Regex of the thinking a constrained reply may open with (then the constrained part):
+    deepseek-r1 must close the block its template opened; qwen3 may open one."""
+    if parser == "deepseek-r1":
+        return f"(?:{lit(OPEN)})?{avoid_regex(CLOSE)}{lit(CLOSE)}\\n{{0,2}}"
+    return f"(?:{lit(OPEN)}{avoid_regex(CLOSE)}{lit(CLOSE)}\\n{{0,2}})?"
 
 
 class ReasoningParser:
