@@ -22,6 +22,15 @@ from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_disable_by_batch_size": 64}
 
 
+@pytest.fixture(autouse=True)
+def verify_every_draft(monkeypatch):
+    """Correctness tests verify every draft: the cost model would skip most verify steps of
+    these many-request batches on a random model."""
+    from loom.runtime.spec import speculator
+
+    monkeypatch.setattr(speculator, "extra_cost", lambda batch_size, longest: 0.0)
+
+
 # --------------------------------------------------------------------------- the trie
 def _req(ids: list[int]) -> Req:
     return Req("r", ids, make_sampling_params({}), seed=0)
@@ -239,3 +248,45 @@ def test_acceptance_reaches_metrics_and_the_log_line(llama):
         'loom:spec_verify_steps{accepted="0",model_name="tiny"}' in text or 'accepted="0"' in text
     )
     assert "tokens/verify" in sched.decode.drafter.log_line()
+
+
+def test_retraction_chunked_prefill_and_abort_with_drafts(llama):
+    """KV pressure (retractions, drafts dropped before anyone is retracted), chunked prompts
+    and an abort mid-run: the same greedy outputs, and the KV accounting stays whole (the
+    scheduler checks free + cached + owned == total after every step)."""
+    prompts = [[5 + i % 7, 6, 7, 8, 9, 5, 6, 7, 8, 9] * 3 for i in range(8)]
+    kw = dict(max_total_tokens=256, chunked_prefill_size=16, page_size=4)
+    runs = []
+    for extra in ({}, SPEC):
+        sched = make_scheduler(llama, **kw, **extra)
+        for i, p in enumerate(prompts):
+            submit(sched, f"k{i}", p, greedy(40))
+        for _ in range(6):
+            sched.step()
+        sched.abort("k3")
+        runs.append((run_all(sched), sched))
+    (plain, _), (spec, sched) = runs
+    assert spec["k3"].finish_reason["type"] == "abort"
+    for i in range(8):
+        if i != 3:
+            assert spec[f"k{i}"].ids == plain[f"k{i}"].ids
+    st = sched.get_state()
+    assert st["num_retractions"] > 0 and st["spec_verify_ct"] > 0, st
+
+
+def test_a_batch_verifies_only_when_the_expected_gain_pays_for_it(monkeypatch):
+    from loom.runtime.spec.speculator import NgramSpeculator
+
+    monkeypatch.undo()  # the real cost model
+
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
+    reqs = [_req([1, 2, 3]) for _ in range(4)]
+    for r, expected in zip(reqs, [2.0, 0.0, 0.0, 0.0]):
+        r.spec_state = NgramState(7)
+        r.spec_state.expected = expected
+    one = [[9, 9], [], [], []]
+    assert spec.worth_verifying(reqs[:1], one[:1])  # 2 tokens expected pay a verify alone
+    assert not spec.worth_verifying(reqs, one)  # not a verify of 4 requests
+    for r in reqs:
+        r.spec_state.expected = 2.0
+    assert spec.worth_verifying(reqs, [[9, 9]] * 4)

@@ -44,6 +44,8 @@ class DecodeManager:
                 return None, retracted
             free = self.drafter is not None and self.drafter.enabled_for(len(reqs))
             drafts = [self._draft(r, free) if use_drafts else [] for r in reqs]
+            if any(drafts) and not self.drafter.worth_verifying(reqs, drafts):
+                drafts = [[] for _ in reqs]
             short = self.kv.pages_short(reqs, [1 + len(d) for d in drafts])
             if short <= 0:
                 break

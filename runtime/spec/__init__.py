@@ -23,6 +23,11 @@ class Drafter(ABC):
         the jump-forward path)."""
         return True
 
+    def worth_verifying(self, reqs: list, drafts: list[list[int]]) -> bool:
+        """Whether this decode batch should verify these drafts (a verify step is dearer than a
+        decode step for every request in it, drafting or not)."""
+        return True
+
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         """A verify step accepted `accepted` of `drafted` tokens of `req`."""
         return None

@@ -89,7 +89,7 @@ class NgramState:
     """A request's place in the trie: its suffix pointers and how many of its tokens the
     trie has seen. Lives on `req.spec_state`."""
 
-    __slots__ = ("pointers", "seen", "rates", "steps")
+    __slots__ = ("pointers", "seen", "rates", "steps", "expected")
 
     def __init__(self, num_positions: int):
         self.pointers: list[_Node] = []
@@ -97,6 +97,7 @@ class NgramState:
         # per draft position: running acceptance rate (given the draft reached it)
         self.rates = [1.0] * num_positions
         self.steps = 0
+        self.expected = 0.0  # draft tokens the current draft is expected to get accepted
 
 
 class NgramDrafter:

@@ -9,15 +9,16 @@ verify step, so an accepted token is always legal. The grammar itself advances o
 result processing appends the accepted tokens.
 
 Adaptive length: each request keeps a running acceptance rate per draft position (given the
-draft reached it). A verify step costs a decode step plus VERIFY_COST plus TOKEN_COST per
-draft token (measured on the bundled model at batch 1: 1 / 3 / 7 drafts cost 1.30 / 1.53 /
-1.66 decode steps of CPU time), and draft position j gains the chance it is accepted (the
-product of the rates up to j). The request drafts the longest prefix of positions whose gains
-are each at least TOKEN_COST, and nothing when their sum does not pay VERIFY_COST plus the
-tokens. Every PROBE_EVERY steps the full length is drafted to re-measure. Decode batches of
-`--speculative-disable-by-batch-size` requests or more draft nothing (a verify's fixed cost
-grows with the batch: 2.2 decode steps at batch 16 for one draft token each); grammar
-requests there take the jump-forward path instead.
+draft reached it); the chance position j is accepted is the product of the rates up to j.
+A request drafts the positions whose chance is at least TOKEN_COST, and its expected gain
+is the sum of those chances (+1 per forced token). A verify step costs more than a decode
+step for the whole batch: measured on the bundled model (CPU time, decode step = 1), 1 / 3 /
+7 draft tokens cost 1.30 / 1.53 / 1.66 at batch 1, 1.33 / 1.56 / 1.78 at batch 4, 1.55 /
+1.63 / 2.14 at batch 8 and 2.19 / 2.50 / 3.19 at batch 16; `extra_cost` models that.
+The batch verifies when the gains of all its requests pay b x extra_cost (b tokens per
+decode step), else the step decodes plainly. Every PROBE_EVERY steps a request drafts its
+full length, verified whatever its expected gain, to re-measure. Decode batches of `--speculative-disable-by-batch-size` requests
+or more draft nothing (grammar requests there take the jump-forward path).
 """
 
 from __future__ import annotations
@@ -26,9 +27,16 @@ from loom.runtime.spec import Drafter
 from loom.runtime.spec.ngram import NgramDrafter, NgramState
 from loom.runtime.spec.stats import AcceptanceStats
 
-VERIFY_COST = 0.3
 TOKEN_COST = 0.05
-PROBE_EVERY = 8
+PROBE_EVERY = 16
+
+
+def extra_cost(batch_size: int, longest_draft: int) -> float:
+    """A verify step's cost beyond a decode step's, in decode steps (fit to the table above
+    up to batch 8)."""
+    return 0.25 + 0.05 * batch_size + 0.05 * longest_draft
+
+
 RATE_DECAY = 0.3
 
 
@@ -60,8 +68,10 @@ class NgramSpeculator(Drafter):
             return []
         budget = min(room, self.num_draft)
         forced = self._forced(req, budget) if req.grammar is not None else []
-        n = min(budget - len(forced), self._limit(state, forced=len(forced)))
-        draft = forced + self.ngram.propose(req, state, max(0, n), after=forced)
+        gains = self._gains(state)[: max(0, budget - len(forced))]
+        ngram = self.ngram.propose(req, state, len(gains), after=forced)
+        state.expected = len(forced) + sum(gains[: len(ngram)])
+        draft = forced + ngram
         if req.grammar is not None and draft:
             draft = self._walk_grammar(req, draft)
         req.draft_forced = min(len(forced), len(draft))
@@ -100,21 +110,22 @@ class NgramSpeculator(Drafter):
         req.draft_masks = masks[: n + 1]
         return draft[:n]
 
-    def _limit(self, state: NgramState, forced: int) -> int:
-        """How many n-gram tokens to draft (after `forced` tokens, which pay the fixed cost)."""
+    def _gains(self, state: NgramState) -> list[float]:
+        """The chance each draft position is accepted, for the positions worth drafting."""
         state.steps += 1
-        if state.steps % PROBE_EVERY == 0:
-            return self.num_draft
+        if state.steps % PROBE_EVERY == 0:  # verified whatever the batch (worth_verifying)
+            return [float("inf")] * self.num_draft
         gain, gains = 1.0, []
         for rate in state.rates:
             gain *= rate
             if gain < TOKEN_COST:
                 break
             gains.append(gain)
-        fixed = 0.0 if forced else VERIFY_COST
-        if sum(gains) < fixed + TOKEN_COST * len(gains):
-            return 0
-        return len(gains)
+        return gains
+
+    def worth_verifying(self, reqs: list, drafts: list[list[int]]) -> bool:
+        gain = sum(r.spec_state.expected for r, d in zip(reqs, drafts) if d)
+        return gain >= len(reqs) * extra_cost(len(reqs), max(map(len, drafts)))
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         forced = req.draft_forced
