@@ -285,6 +285,8 @@ def batched(args, label: str, path: str, tok, threads: int, peers: dict | None =
             print(
                 f"B={b:3}  loom prefill {row['loom_prefill']:9.1f} tok/s decode {row['loom_decode']:8.1f} tok/s"
                 f" | HF prefill {row['hf_prefill']:9.1f} tok/s decode {row['hf_decode']:8.1f} tok/s"
+                f"; loom / HF: prefill {row['loom_prefill'] / row['hf_prefill']:.2f}x, decode "
+                f"{row['loom_decode'] / row['hf_decode']:.2f}x"
             )
             for name in peers or {}:
                 print(
