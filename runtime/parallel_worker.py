@@ -61,15 +61,23 @@ class BroadcastRunner:
         return dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
 
     def _changed_rows(self, inp) -> list:
+        """One comparison over the step's rows (one device sync): the first column where each
+        row differs from what the other ranks hold, and the slots from there on."""
         table = self.runner.req_to_token_pool.req_to_token
+        seqs = inp.seq_lens
+        idx = inp.req_pool_indices.to(table.device)
+        width = max(seqs)
+        now, sent = table[idx, :width], self._sent[idx, :width]
+        valid = torch.arange(width, device=table.device)[None, :] < torch.tensor(
+            seqs, device=table.device
+        ).unsqueeze(1)
+        differ = (now != sent) & valid
+        first = torch.where(differ.any(1), differ.int().argmax(1), -1).tolist()
         rows = []
-        for row, seq in zip(inp.req_pool_indices.tolist(), inp.seq_lens):
-            now, sent = table[row, :seq], self._sent[row, :seq]
-            differ = (now != sent).nonzero()
-            if len(differ):
-                first = int(differ[0])
-                rows.append((row, first, now[first:].cpu().clone()))
-                sent[first:] = now[first:]
+        for i, (row, seq, col) in enumerate(zip(inp.req_pool_indices.tolist(), seqs, first)):
+            if col >= 0:
+                rows.append((row, col, now[i, col:seq].cpu().clone()))
+                self._sent[row, col:seq] = now[i, col:seq]
         return rows
 
 
