@@ -262,3 +262,24 @@ def test_impossible_layouts_are_refused_by_name(tiny_model_dir):
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             ServerArgs(**kwargs)
+
+
+def test_layout_warnings(tiny_model_dir, caplog, monkeypatch):
+    """TP across nodes and more ranks than cores are allowed, with a warning."""
+    from loom.runtime import distributed
+    from loom.runtime.model_loader import load_config
+
+    path = tiny_model_dir("llama")
+    config = load_config(path)
+    monkeypatch.setattr(distributed.os, "cpu_count", lambda: 2)
+    two_nodes = dict(nnodes=2, dist_init_addr="127.0.0.1:1")
+    distributed.check_layout(
+        ServerArgs(model_path=path, tp_size=4, device="cpu", **two_nodes), config
+    )
+    assert "tp_size 4 spans 2 nodes" in caplog.text
+    assert "ranks on 2 CPU cores" not in caplog.text  # 2 ranks on each node
+    caplog.clear()
+    distributed.check_layout(ServerArgs(model_path=path, tp_size=2, device="cpu"), config)
+    assert caplog.text == ""
+    distributed.check_layout(ServerArgs(model_path=path, tp_size=4, device="cpu"), config)
+    assert "4 ranks on 2 CPU cores" in caplog.text
