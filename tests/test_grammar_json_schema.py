@@ -7,6 +7,7 @@ import os
 import re
 from decimal import Decimal
 
+import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -164,6 +165,19 @@ def test_objects_required_additional():
     assert not match(s, {"b": "x", "zz": 1})  # loom's default: unlisted keys are not generated
     assert match({"type": "object"}, {}) and match({"type": "object"}, {"x": {"y": [1]}})
     assert match({"type": "object", "additionalProperties": True}, {"x": {"y": [1]}})
+
+
+def test_type_is_inferred_only_from_keywords_that_constrain():
+    # without `type`, `properties` implies an object; empty keywords imply nothing (MaskBench
+    # Github_medium---o7200: string items under {"required": [], "properties": {}})
+    empty = {"required": [], "properties": {}}
+    for v in ("reading", 3, None, [1], {"a": [1]}):  # regex: any value 2 deep
+        jsonschema.validate(v, empty)
+        assert match(empty, v) and match({"items": True}, v), v
+    assert match({"type": "array", "items": empty}, ["a", 1, {}])
+    listed = {"properties": {"a": {"type": "integer"}}}
+    assert match(listed, {"a": 1}) and not match(listed, "x") and not match(listed, {"a": "1"})
+    assert match({"minItems": 1}, [1]) and not match({"minItems": 1}, [])  # 1 == True in Python
 
 
 def test_min_max_properties():

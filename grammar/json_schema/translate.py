@@ -308,7 +308,9 @@ class Translator:
                     ("string", _STRING_KEYS),
                     ("number", _NUMBER_KEYS),
                 )
-                if any(k in s for k in keys)
+                # `properties: {}`, `required: []`, `items: {}` constrain nothing: a schema of
+                # only those admits any value (MaskBench has string items under them)
+                if any(k in s and not _says_nothing(s[k]) for k in keys)
             ]
             if not inferred:
                 return None
@@ -555,6 +557,11 @@ def _absence(s):
         if s["not"].keys() == {"required"} and isinstance(req, list) and len(req) == 1:
             return {"properties": {req[0]: False}}
     return s
+
+
+def _says_nothing(v) -> bool:
+    """An empty `properties`/`required`/`items` value (`1 == True`, hence `is True`)."""
+    return v is True or (isinstance(v, (dict, list)) and not v)
 
 
 def _trivial(kw: str, v) -> bool:
