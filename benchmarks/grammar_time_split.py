@@ -62,7 +62,7 @@ def main() -> None:
     mask = allocate_token_bitmask(1, vocab_size)
     parts: dict[str, list[float]] = {"normalize": [], "translate": [], "build": [], "llg": []}
     steps: dict[str, list[float]] = {"loom": [], "bare": [], "own": []}
-    sizes, refused, timeouts = [], 0, 0
+    sizes, syntaxes, refused, timeouts = [], [], 0, 0
     signal.signal(signal.SIGALRM, _alarm)
     for path in load_cases(args.stride):
         schema = json.load(open(path))["schema"]
@@ -71,7 +71,7 @@ def main() -> None:
             t0 = time.process_time()
             norm = normalize_schema(schema)
             t1 = time.process_time()
-            form = translate("json_schema", norm, opts, engine.json_form)
+            form = translate("json_schema", norm, opts, engine.json_form, engine.json_regex_limit)
             t2 = time.process_time()
             g = engine.build(form)
             t3 = time.process_time()
@@ -90,6 +90,7 @@ def main() -> None:
         for key, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             parts[key].append(1e3 * dt)
         sizes.append(len(form.text))
+        syntaxes.append(form.syntax)
         valid = [t["data"] for t in json.load(open(path))["tests"] if t["valid"]]
         if args.engine == "llguidance" and valid and not m.is_error():
             ids = tok.encode(json.dumps(valid[0]), add_special_tokens=False)
@@ -102,7 +103,7 @@ def main() -> None:
           f"({refused} refused by loom, {timeouts} over {args.timeout} s); loadavg {load[0]:.2f}")  # fmt: skip
     names = {
         "normalize": "loom: normalize the schema",
-        "translate": f"loom: translate to {engine.json_form}",
+        "translate": f"loom: translate ({engine.json_form} up to {engine.json_regex_limit} chars)",
         "build": f"loom: {args.engine} build + first mask",
         "llg": "llguidance: its own JSON schema -> first mask",
     }
@@ -110,7 +111,8 @@ def main() -> None:
         xs = parts[key]
         print(f"  {name:46s} p50 {pct(xs, 50):7.2f} ms  p90 {pct(xs, 90):7.2f} ms  "
               f"p99 {pct(xs, 99):8.2f} ms  total {sum(xs) / 1e3:6.2f} s")  # fmt: skip
-    print(f"  form size: p50 {pct(sizes, 50):.0f} chars, p99 {pct(sizes, 99):.0f} chars")
+    print(f"  form size: p50 {pct(sizes, 50):.0f} chars, p99 {pct(sizes, 99):.0f} chars; "
+          f"{syntaxes.count('regex')} regex, {syntaxes.count('lark')} lark")  # fmt: skip
     if steps["loom"]:
         names = {
             "loom": "loom Grammar (fill_mask + accept_token)",
