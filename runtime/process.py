@@ -179,12 +179,29 @@ def wait_all_ready(started: list, timeout: float) -> list[dict]:
     while time.monotonic() < deadline:
         for i, (proc, reader) in enumerate(started):
             if msgs[i] is None and (reader.poll(0) or not proc.is_alive()):
-                msgs[i] = wait_ready(proc, reader, 1.0)
+                try:
+                    msgs[i] = wait_ready(proc, reader, 1.0)
+                except RuntimeError as e:
+                    # a rank's own error first: its peers then fail only on the lost connection
+                    raise RuntimeError("; ".join([str(e), *_other_errors(started, i)])) from None
         if all(m is not None for m in msgs):
             return msgs
         time.sleep(0.05)
     waiting = [p.name for (p, _), m in zip(started, msgs) if m is None]
     raise RuntimeError(f"{', '.join(waiting)} did not start within {timeout:g} s")
+
+
+def _other_errors(started: list, failed: int, wait: float = 1.0) -> list[str]:
+    errors = []
+    for i, (_, reader) in enumerate(started):
+        try:
+            if i != failed and reader.poll(wait):
+                msg = reader.recv()
+                if "error" in msg:
+                    errors.append(msg["error"])
+        except (EOFError, OSError):
+            pass
+    return errors
 
 
 def check_main_guard(what: str) -> None:

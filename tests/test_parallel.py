@@ -283,3 +283,29 @@ def test_layout_warnings(tiny_model_dir, caplog, monkeypatch):
     assert caplog.text == ""
     distributed.check_layout(ServerArgs(model_path=path, tp_size=4, device="cpu"), config)
     assert "4 ranks on 2 CPU cores" in caplog.text
+
+
+def _peer_fails_on_lost_connection(owner_pid, ready_pipe):
+    ready_pipe.send({"error": "scheduler failed to start: connection closed by peer"})
+
+
+def _rank_fails(owner_pid, ready_pipe):
+    time.sleep(0.3)  # its peer's error arrives first
+    ready_pipe.send({"error": "rank 1 failed to start: out of memory"})
+
+
+def test_a_rank_failing_at_start_up_is_reported():
+    """A rank's own start-up error is reported, not only its peer's lost connection."""
+    from loom.runtime import process
+
+    started = [
+        process.start_process(_peer_fails_on_lost_connection, (), "scheduler"),
+        process.start_process(_rank_fails, (), "scheduler-rank1"),
+    ]
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 failed to start: out of memory"):
+            process.wait_all_ready(started, 60)
+    finally:
+        for proc, _ in started:
+            proc.join(10)
+        process.stop_fork_server_if_idle()
