@@ -136,14 +136,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--workloads", default="json,copy,chat")
+    ap.add_argument("--batches", default="1,16")
     args = ap.parse_args()
     torch.set_num_threads(ServerArgs().effective_cpu_threads)
     tok = make(False).tokenizer
     loads = workloads(tok)
     print(f"bundled model, torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}")
     curves = {}
-    for batch in (1, 16):
-        for name, all_jobs in loads.items():
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for name in args.workloads.split(","):
+            all_jobs = loads[name]
             warm, base_jobs = all_jobs[-2:], all_jobs[:-2]
             jobs = base_jobs * (2 if batch == 16 else 1)  # 16 at once
             ratios_wall, ratios_cpu, st = [], [], {}
@@ -173,7 +176,7 @@ def main() -> None:
                 f"[{' '.join(f'{r:.2f}' for r in by_pos)}] | loadavg {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-    if not args.no_plot:
+    if not args.no_plot and curves:
         plot(curves, Path(__file__).resolve().parents[1] / "docs" / "img" / "spec_acceptance.png")
 
 

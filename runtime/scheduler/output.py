@@ -59,9 +59,10 @@ class OutputProcessor:
             st["decode_steps"] += 1
             st["decode_batch_sizes"] += len(batch)
         routes = Routes()
-        # with a drafter, forced text is drafted; a batch too large to draft jumps forward
+        # with a drafter, forced text is drafted; a step that verified no drafts (prefill, a
+        # batch over the size threshold or not worth verifying) jumps forward as without one
         jump = self.jump_forward and (
-            self.drafter is None or not self.drafter.enabled_for(len(batch))
+            self.drafter is None or not any(r.draft_ids for r in batch.reqs)
         )
         for i, req in enumerate(batch.reqs):
             written_end = req.kv_len + req.extend_len
