@@ -64,7 +64,9 @@ def bench_tokenizer(name: str, args) -> None:
         preload_loom()
     cases = load_cases(args.stride)
     pools = {
-        e: Pool(1, tok, vocab_size, args.loom_engine, args.timeout, args.max_rss_gb, args.instances)
+        e: Pool(
+            1, tok, vocab_size, args.loom_engine, args.timeout, args.max_rss_gb, args.instances, [e]
+        )
         for e in engines
     }
     base_mb = _rss_mb()

@@ -293,12 +293,14 @@ def walk(m, ids: list[int], mask_us: list[float]) -> bool:
 # --------------------------------------------------------------------------- worker pool
 
 
-def _worker(conn, tok, vocab_size: int, loom_engine: str | None, max_valid):
+def _worker(conn, tok, vocab_size: int, loom_engine: str | None, max_valid, prebuild):
     os.environ["RAYON_NUM_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
-    engines: dict = {}
+    # built before "ready", outside any schema's budget (at 128k an engine's tokenizer view
+    # takes seconds; on a loaded machine the first schema of a fresh worker timed out)
+    engines = {name: make_engine(name, tok, vocab_size, loom_engine) for name in prebuild}
     conn.send("ready")
     while True:
         task = conn.recv()
@@ -322,9 +324,11 @@ class Pool:
     `peak_rss_mb` is the largest resident set any of its workers reached (sampled by the parent
     every half second and reported by the worker itself after each task)."""
 
-    def __init__(self, n, tok, vocab_size, loom_engine, timeout, max_rss_gb, max_valid=None):
+    def __init__(
+        self, n, tok, vocab_size, loom_engine, timeout, max_rss_gb, max_valid=None, engines=()
+    ):
         self.ctx = mp.get_context("fork")
-        self.args = (tok, vocab_size, loom_engine, max_valid)
+        self.args = (tok, vocab_size, loom_engine, max_valid, tuple(engines))
         self.timeout, self.max_rss_kb = timeout, max_rss_gb * 1024 * 1024
         self.workers = [self._spawn() for _ in range(n)]
         self.peak_rss_mb = 0.0
@@ -576,7 +580,10 @@ def main() -> None:
     if tasks:
         print(f"{args.workers} worker(s), {args.timeout:g} s CPU per engine+schema, "
               f"loadavg at start {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)  # fmt: skip
-        pool = Pool(args.workers, tok, vocab_size, args.loom_engine, args.timeout, args.max_rss_gb)
+        pool = Pool(
+            args.workers, tok, vocab_size, args.loom_engine, args.timeout, args.max_rss_gb,
+            engines=engines,
+        )  # fmt: skip
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
         try:
             pool.run(tasks, on_result)
