@@ -283,6 +283,14 @@ def test_tool_errors_name_the_field(server, body, needle):
     assert needle in r.json()["error"]["message"], r.text
 
 
+def test_lang_tool_loop_on_a_random_model(server):
+    """sgl.gen(tools=[...]) over RuntimeEndpoint: grammar-valid calls at temperature 1."""
+    import loom as sgl
+    from tests.test_lang_tools import check_tool_loop
+
+    check_tool_loop(sgl.RuntimeEndpoint(server.url))
+
+
 # --------------------------------------------------------------------------- lenient bodies
 def test_unknown_fields_are_ignored_with_one_warning(client, server):
     extra = {"service_tier": "auto", "metadata": {"a": "b"}, "store": False, "zz_unknown_field": 1}
