@@ -192,7 +192,7 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / proposed")
     ax.set_ylim(0, 1.05)
-    ax.set_title("NGRAM acceptance by draft position (bundled model, batch 1, greedy)")
+    ax.set_title("NGRAM acceptance by draft position (bundled model, batch 1)")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
