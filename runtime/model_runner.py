@@ -13,7 +13,7 @@ from loom.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelInput, 
 from loom.runtime.memory_pool import PagedAllocator, ReqToTokenPool, TokenToKVPool
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
-from loom.runtime.sampler import sample, token_logprobs
+from loom.runtime.sampler import sample_and_verify, token_logprobs
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -122,9 +122,13 @@ class ModelRunner:
         accepted: list[bool] | None = None
         sampled_t = None
         if n_sample:
-            sampled_t, accepted_t = sample(logits[:n_sample], inp.sampling.to(logits.device))
+            sampled_t, accepted_t = sample_and_verify(
+                logits[:n_sample], inp.sampling.to(logits.device)
+            )
             if accepted_t is not None:  # accepted rows carry the draft token
-                sampled_t = torch.where(accepted_t, inp.sampling.draft_tokens.to(logits.device), sampled_t)
+                sampled_t = torch.where(
+                    accepted_t, inp.sampling.draft_tokens.to(logits.device), sampled_t
+                )
                 accepted = accepted_t.tolist()
             sampled = sampled_t.tolist()
         chosen, top_v, top_i = [], None, None

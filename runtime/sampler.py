@@ -73,8 +73,9 @@ class SamplingInfo:
         cls,
         reqs: list[Req],
         vocab_size: int,
-        drafts: list[list[int]] | None = None,
         device: str = "cpu",
+        *,
+        drafts: list[list[int]] | None = None,
     ) -> SamplingInfo:
         drafts = drafts or [[] for _ in reqs]
         counts = [1 + len(d) for d in drafts]
@@ -187,7 +188,14 @@ def apply_penalties(logits: torch.Tensor, info: SamplingInfo) -> None:
         apply_token_bitmask_(logits, info.vocab_mask)
 
 
-def sample(logits: torch.Tensor, info: SamplingInfo) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+    """logits [B, V] float32 (modified in place) -> next token ids [B] (no drafts)."""
+    return sample_and_verify(logits, info)[0]
+
+
+def sample_and_verify(
+    logits: torch.Tensor, info: SamplingInfo
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [N, V] float32 (modified in place) -> (token ids [N], accepted [N] or None).
 
     Without drafts: one token per row. With drafts (`info.draft_tokens`), row j verifies the

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loom.runtime import sampler
-from loom.runtime.sampler import SamplingInfo, sample, target_probs
+from loom.runtime.sampler import SamplingInfo, sample_and_verify, target_probs
 
 V = 16
 N = 40_000
@@ -45,7 +45,7 @@ def _chi_square(draft: int, temperature: float, top_p: float) -> tuple[float, to
     logits = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 1.5
     info = _info(draft, temperature, top_p)
     p = target_probs(logits.expand(N, V).clone(), info)[0]
-    tokens, accepted = sample(logits.expand(N, V).clone(), info)
+    tokens, accepted = sample_and_verify(logits.expand(N, V).clone(), info)
     tokens = torch.where(accepted, info.draft_tokens, tokens)
     observed = torch.bincount(tokens, minlength=V).double()
     expected = p.double() * N

@@ -62,7 +62,7 @@ class ScheduleBatch:
         sampling = None
         if sampling_reqs:
             sampling = SamplingInfo.from_reqs(
-                sampling_reqs, vocab_size, [r.draft_ids for r in sampling_reqs]
+                sampling_reqs, vocab_size, drafts=[r.draft_ids for r in sampling_reqs]
             )
             _fill_grammar_mask(sampling_reqs, sampling, vocab_size)
         self.model_input = ModelInput(
