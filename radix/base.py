@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+
 from loom.radix.tree import MatchResult
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from loom.radix.base import AllocatorLike, BasePrefixCache, ReqLike, ReqToTokenPoolLike
 from loom.radix.tree import MatchResult, RadixTree, TreeNode
 
