@@ -56,7 +56,12 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with Runtime(tiny_model_dir("qwen3"), max_total_tokens=8192, served_model_name=MODEL) as rt:
+    with Runtime(
+        tiny_model_dir("qwen3"),
+        max_total_tokens=8192,
+        served_model_name=MODEL,
+        grammar_compile_timeout=6,  # bounds the pathological-schema test's wait
+    ) as rt:
         yield rt
 
 
@@ -289,6 +294,30 @@ def test_lang_tool_loop_on_a_random_model(server):
     from tests.test_lang_tools import check_tool_loop
 
     check_tool_loop(sgl.RuntimeEndpoint(server.url))
+
+
+def test_a_schema_that_would_translate_for_hours_is_stopped(server, client):
+    """Translated in a killable worker: a 400 at --grammar-compile-timeout, and the server
+    goes on serving."""
+    slow = {"oneOf": [{"type": "string", "pattern": "^(a|b)*a(a|b){25}$"}, {"type": "string"}]}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "slow",
+            "strict": True,
+            "parameters": {"type": "object", "properties": {"x": slow}, "required": ["x"]},
+        },
+    }
+    r = requests.post(
+        server.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": MSGS, "tools": [tool], "tool_choice": "required"},
+        timeout=120,
+    )
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "tools[0].function.parameters" in message and "longer than 6 s" in message, message
+    ok = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+    assert ok.choices[0].message.role == "assistant"
 
 
 # --------------------------------------------------------------------------- lenient bodies

@@ -213,6 +213,9 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             yield
         finally:
+            from loom.runtime.server.tools import close_translators
+
+            close_translators()
             with contextlib.suppress(Exception):
                 await state.tm.close()
             if state.on_shutdown is not None:

@@ -59,6 +59,7 @@ class ToolPlan:
 
         bundled = Path(args.model_path).resolve() == Path(BUNDLED_MODEL_PATH).resolve()
         self.fmt = T.get_format(args.tool_call_parser, model_type(args.model_path), bundled)
+        T.TRANSLATE_TIMEOUT = args.grammar_compile_timeout
         self.parse = self.mode != "none"
 
     def regex(self) -> str | None:
@@ -87,10 +88,10 @@ def constrain(sp: dict, req: ChatCompletionRequest, plan: ToolPlan, reasoning: s
         return
     if tool_re is None and rf_on:
         from loom.grammar.base import GrammarError
-        from loom.grammar.json_schema import json_schema_to_regex
+        from loom.grammar.json_schema import normalize_schema
 
         try:
-            sp["regex"] = json_schema_to_regex(sp.pop("json_schema"))
+            sp["regex"] = T.schema_regex(normalize_schema(sp.pop("json_schema")))
         except GrammarError as e:
             raise RequestError(
                 f"response_format: this schema cannot follow a reasoning block ({e})"

@@ -150,18 +150,45 @@ def tool_names(tools: list) -> list[str]:
     return [t.function.name for t in tools]
 
 
+_translators = None  # forked on first use, like the scheduler's (grammar/translation.py)
+TRANSLATE_TIMEOUT = 30.0  # seconds; the server sets --grammar-compile-timeout
+
+
+def schema_regex(schema) -> str:
+    """loom's regex of a JSON schema, translated in a killable worker process: a schema whose
+    translation would run for hours costs TRANSLATE_TIMEOUT, not a thread of this process."""
+    global _translators
+    from loom.grammar.base import GrammarError
+    from loom.grammar.translation import TranslatorPool
+
+    if _translators is None:
+        _translators = TranslatorPool(2)
+    form = _translators.translate(("json_schema", schema, None, "regex"), TRANSLATE_TIMEOUT)
+    if form.syntax != "regex":
+        raise GrammarError("the schema is recursive or too large for a regex")
+    return form.text
+
+
+def close_translators() -> None:
+    """Kill the translation workers (the server's shutdown, before it stops the runtime: a
+    forked worker holds copies of this process's descriptors)."""
+    global _translators
+    if _translators is not None:
+        _translators.close()
+        _translators = None
+
+
 @lru_cache(maxsize=256)
 def _args_regex(schema_json: str, strict: bool) -> str:
     from loom.grammar.base import GrammarError
-    from loom.grammar.json_schema import json_schema_to_regex
 
     try:
-        return json_schema_to_regex(json.loads(schema_json))
+        return schema_regex(json.loads(schema_json))
     except GrammarError as e:
         if strict:
             raise
         logger.warning("tool parameters not enforced (%s); any JSON object is allowed", e)
-        return json_schema_to_regex({"type": "object"})
+        return schema_regex({"type": "object"})
 
 
 def args_regex(tool, where: str) -> str:
