@@ -488,6 +488,23 @@ def test_all_of_is_merged():
         json_schema_to_regex({**s, "additionalProperties": False})
 
 
+def test_plain_name_refs_resolve_to_their_anchor():
+    # draft 4 `id: "#name"` / `$anchor`: MaskBench Github_easy---o35904 was read as `#` (the
+    # root), which let an invalid {"d": {"limit": -1}} through as an unlisted key
+    cap = {
+        "id": "#cap",
+        "type": "object",
+        "properties": {"limit": {"type": "number", "minimum": 0}},
+    }
+    s = {"definitions": {"c": cap}, "type": "object", "properties": {"d": {"$ref": "#cap"}}}
+    spec = {"additional_properties_default": True}
+    assert match(s, {"d": {"limit": 1}}, **spec) and not match(s, {"d": {"limit": -1}}, **spec)
+    anchored = {"$defs": {"n": {"$anchor": "n", "type": "integer"}}, "$ref": "#n"}
+    assert match(anchored, 3) and not match(anchored, "3")
+    with pytest.raises(GrammarError, match="does not resolve"):
+        json_schema_to_regex({"$ref": "#nowhere"})
+
+
 def test_refs_and_recursion():
     s = {
         "$defs": {"pos": {"type": "integer", "minimum": 1}},

@@ -26,7 +26,10 @@ DATA = ROOT.parent / "shared" / "data" / "maskbench"
 STRIDE = 40  # 11,305 files -> 283 schemas, under a minute at 128k tokens on one core
 # Invalid instances a token mask accepts and why (MaskBench has no end-of-output check, so an
 # instance that is a prefix of a valid one is accepted by every engine).
-PINNED: dict[str, str] = {}
+PINNED: dict[str, str] = {
+    "Github_medium---o82710.json": "description maxLength 5000 is above JsonSchemaOptions."
+    "max_repeat (512), so it is not enforced (logged); test 3's 7,135-character description",
+}
 FLOOR = 0.85  # measured 0.873 (247 of 283) at 023768b (llguidance engine)
 
 

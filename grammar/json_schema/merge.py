@@ -25,6 +25,11 @@ def resolve_pointer(root, ref: str):
     """Resolve a local JSON pointer `#/a/b` (or `#`) against the root schema."""
     if not ref.startswith("#"):
         raise MergeError(f"remote $ref {ref!r} is not supported (only local '#/...')")
+    if ref != "#" and not ref.startswith("#/"):  # a plain-name fragment: an anchor, not a path
+        found = _anchor(root, ref)
+        if found is None:
+            raise MergeError(f"$ref {ref!r} does not resolve (no schema has that id or $anchor)")
+        return found
     node = root
     for part in unquote(ref[1:]).split("/")[1:]:
         part = part.replace("~1", "/").replace("~0", "~")
@@ -35,6 +40,18 @@ def resolve_pointer(root, ref: str):
         else:
             raise MergeError(f"$ref {ref!r} does not resolve")
     return node
+
+
+def _anchor(node, ref: str):
+    """The subschema whose `$anchor` is ref's name or whose `id`/`$id` is `#name` (draft 4-7
+    plain-name fragments); None if there is none."""
+    if isinstance(node, list):
+        return next((f for f in (_anchor(x, ref) for x in node) if f is not None), None)
+    if not isinstance(node, dict):
+        return None
+    if node.get("$anchor") == ref[1:] or ref in (node.get("id"), node.get("$id")):
+        return node
+    return next((f for f in (_anchor(v, ref) for v in node.values()) if f is not None), None)
 
 
 _VALIDATION = {
