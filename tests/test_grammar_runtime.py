@@ -11,7 +11,7 @@ import lark
 import pytest
 
 from tests.conftest_grammar import ARITH_GBNF, ARITH_LARK
-from tests.runtime_helpers import make_scheduler, run_all, submit
+from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
 
 REGEXES = [
     r"[a-z]{3,8}@[a-z]{3,6}\.(com|org|net)",
@@ -133,3 +133,28 @@ def test_jump_forward_saves_steps_and_keeps_outputs_valid(tiny_model_dir):
             assert "".join(r.chunks) == r.text
         steps[jf] = s.stats["generated_tokens"]
     assert steps[True] < steps[False]
+
+
+def test_a_grammar_error_after_sampling_fails_that_request_not_the_scheduler(sched, monkeypatch):
+    """The mask makes a refused sampled token impossible; if an engine's mask and its
+    accept_token ever disagree, that request ends with an error and the others go on."""
+    from loom.grammar.engines.llguidance_engine import LLGuidanceGrammar
+
+    real = LLGuidanceGrammar.accept_token
+
+    def refuse_fourth(self, token_id):
+        if self._n == 3:
+            raise RuntimeError(f"token {token_id} is not allowed here")
+        real(self, token_id)
+
+    monkeypatch.setattr(LLGuidanceGrammar, "accept_token", refuse_fourth)
+    submit(sched, "refused", [5, 6], greedy(12, regex="[a-z]{10,12}"))
+    submit(sched, "plain", [5, 6, 7], greedy(6))
+    res = run_all(sched)
+    fr = res["refused"].finish_reason
+    assert fr["type"] == "abort" and fr["status_code"] == 500, fr
+    assert "grammar refused sampled token" in fr["message"]
+    assert len(res["plain"].ids) == 6
+    monkeypatch.setattr(LLGuidanceGrammar, "accept_token", real)
+    submit(sched, "after", [5, 6], greedy(12, regex="[a-z]{10,12}"))
+    assert re.fullmatch("[a-z]{10,12}", run_all(sched)["after"].text)

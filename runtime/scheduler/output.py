@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ from loom.runtime.req import Req
 from loom.runtime.scheduler.batch import ScheduleBatch
 from loom.runtime.scheduler.jump_forward import try_jump_forward
 from loom.runtime.scheduler.kv import KVManager
+
+logger = logging.getLogger(__name__)
 
 # Tokens decoded from the end of the output when looking for stop strings: enough to cover
 # the longest stop string even when every token is a single byte of a multi-byte character.
@@ -141,7 +144,18 @@ class OutputProcessor:
             if req.logprob.top_num:
                 req.logprob.output_top_logprobs.append(out.top_logprobs[i][j])
         if req.grammar is not None and token not in req.eos_token_ids:
-            req.grammar.accept_token(token)
+            try:
+                req.grammar.accept_token(token)
+            except Exception as e:  # noqa: BLE001 - one request fails, not the scheduler
+                # the mask should have made this impossible: end this request loudly instead
+                # of letting the error kill the scheduler (and every other request with it)
+                logger.error("request %s: grammar refused sampled token %d: %s", req.rid, token, e)
+                req.finished_reason = {
+                    "type": "abort",
+                    "message": f"internal error: the grammar refused sampled token {token}: {e}",
+                    "status_code": 500,
+                }
+                return
         self._check_finished(req, token)
 
     def _check_finished(self, req: Req, token: int) -> None:
