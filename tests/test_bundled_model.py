@@ -33,7 +33,7 @@ def test_engine_with_no_arguments_uses_the_bundled_model(timed_engine):
     engine, elapsed = timed_engine
     assert engine.server_args.model_path == BUNDLED_MODEL_PATH
     # a bound that catches a start-up doing real work (loading a hub model, training), not a
-    # speed gate: three processes import torch, which took 33 s at load 8 on 2 cores (3 idle)
+    # speed gate: three processes import torch, which took 33 s at load 8 on 2 cores
     assert elapsed < 90.0, f"Engine() took {elapsed:.1f} s"
 
 
