@@ -31,7 +31,7 @@ def tiny_model(root: Path) -> str:
     import torch
     import transformers as tf
 
-    from tests.tiny_models import MODEL_VOCAB, build_tokenizer
+    from tests.tiny_models import MODEL_VOCAB, build_tokenizer, random_model
 
     folder = root / "llama-6h"
     torch.manual_seed(3)
@@ -40,12 +40,7 @@ def tiny_model(root: Path) -> str:
         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
         eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(folder)
+    random_model(config).save_pretrained(folder)
     build_tokenizer(folder)
     return str(folder)
 

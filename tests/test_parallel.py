@@ -99,19 +99,13 @@ def _check_weights_split(info: dict, ranks: int) -> int:
 
 def _build(folder: Path, config) -> str:
     import torch
-    import transformers as tf
 
-    from tests.tiny_models import build_tokenizer
+    from tests.tiny_models import build_tokenizer, random_model
 
     if (folder / "config.json").is_file():
         return str(folder)
     torch.manual_seed(3)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(folder)
+    random_model(config).save_pretrained(folder)
     build_tokenizer(folder)
     return str(folder)
 

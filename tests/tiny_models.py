@@ -131,20 +131,27 @@ def _save_in_memory_names(model, folder: Path) -> None:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def random_model(config):
+    """An f32 model of `config` with N(0, 0.08) matrices (seed the torch RNG first): larger
+    weights than the default init, so logits are sharper and less often tied."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:  # 3-D: stacked experts
+                p.normal_(0, 0.08)
+    return model
+
+
 def build_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
     """Write a tiny `family` checkpoint with a tokenizer into `folder` (created)."""
-    import transformers as tf
 
     folder.mkdir(parents=True, exist_ok=True)
     if (folder / "config.json").is_file():
         return folder
     torch.manual_seed(seed + (family == "sharded"))  # not a copy of qwen3-moe's weights
-    config = _config(family)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # larger weights than the default init: sharper, less tied logits
-        for p in model.parameters():
-            if p.dim() >= 2:  # 3-D: stacked experts
-                p.normal_(0, 0.08)
+    model = random_model(_config(family))
     if family.endswith("-bf16"):
         model = model.to(torch.bfloat16)
     if family.endswith("-fused"):
