@@ -1,0 +1,232 @@
+"""The router's HTTP app: SGLang's native API and the OpenAI API in front of several workers.
+
+Generation routes (/generate, /v1/completions, /v1/chat/completions) go to the worker the
+policy picks, streams passed through byte for byte; read-only routes (/v1/models,
+/model_info, /tokenize, ...) go to any worker; /flush_cache and /abort_request go to all.
+Admin: /add_worker?url=, /remove_worker?url=, /list_workers; /get_server_info adds each
+worker's load and cache hit rate; /metrics is Prometheus text with per-worker series.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from loom.runtime.router.args import RouterArgs
+from loom.runtime.router.policy import CacheAware, make_policy
+from loom.runtime.router.proxy import Proxy, error_response, parse_body, routing_key
+from loom.runtime.router.workers import WorkerPool
+
+_GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+_ANY_WORKER_GET = (
+    "/v1/models",
+    "/model_info",
+    "/get_model_info",
+    "/health_generate",
+)
+_ANY_WORKER_POST = ("/tokenize", "/detokenize")
+
+
+@dataclasses.dataclass
+class RouterMetrics:
+    retries: int = 0
+    started: float = dataclasses.field(default_factory=time.time)
+
+
+def create_app(args: RouterArgs) -> FastAPI:
+    policy = make_policy(
+        args.policy,
+        cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold,
+        max_tree_size=args.max_tree_size,
+    )
+    pool = WorkerPool(policy, args.worker_urls)
+    metrics = RouterMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        timeout = httpx.Timeout(args.request_timeout, connect=args.health_check_timeout)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            app.state.proxy = Proxy(pool, client, metrics)
+            health = asyncio.create_task(
+                pool.health_loop(
+                    client,
+                    args.health_check_interval,
+                    args.health_check_timeout,
+                    args.health_failure_threshold,
+                )
+            )
+            try:
+                yield
+            finally:
+                health.cancel()
+
+    app = FastAPI(title="loom router", lifespan=lifespan)
+    app.state.pool = pool
+    app.state.args = args
+
+    def proxy(request: Request) -> Proxy:
+        return request.app.state.proxy
+
+    async def generate(request: Request):
+        raw = await request.body()
+        body = parse_body(raw)
+        path = request.url.path
+        stream = isinstance(body, dict) and bool(body.get("stream"))
+        return await proxy(request).forward(
+            "POST", path, raw, request.headers, stream, routing_key(path, body)
+        )
+
+    for path in _GENERATE_ROUTES:
+        app.add_api_route(path, generate, methods=["POST"])
+
+    async def any_worker(request: Request):
+        raw = await request.body()
+        return await proxy(request).forward(
+            request.method, request.url.path, raw, request.headers, False, None
+        )
+
+    for path in _ANY_WORKER_GET:
+        app.add_api_route(path, any_worker, methods=["GET"])
+    for path in _ANY_WORKER_POST:
+        app.add_api_route(path, any_worker, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        if not pool.workers:
+            return error_response(503, "no healthy worker")
+        return PlainTextResponse("OK\n")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/abort_request")
+    async def to_all(request: Request):
+        raw = await request.body()
+        results = await proxy(request).broadcast("POST", request.url.path, raw, request.headers)
+        failed = [f"{url}: {status} {text[:200]}" for url, status, text in results if status >= 300]
+        if failed:
+            return error_response(502, f"{request.url.path} failed on " + "; ".join(failed))
+        if request.url.path == "/flush_cache":
+            return PlainTextResponse("Cache flushed.\n")
+        return JSONResponse({"workers": [url for url, _, _ in results]})
+
+    @app.get("/list_workers")
+    async def list_workers():
+        return pool.listing()
+
+    @app.post("/add_worker")
+    async def add_worker(request: Request, url: str | None = None):
+        if not url:
+            return error_response(400, "url: required (POST /add_worker?url=http://host:port)")
+        try:
+            worker_url = url.strip().rstrip("/")
+            res = await proxy(request).client.get(
+                worker_url + "/health", timeout=args.health_check_timeout
+            )
+            if res.status_code != 200:
+                return error_response(400, f"url: {url} /health answered {res.status_code}")
+            worker = pool.add(worker_url)
+        except ValueError as e:
+            return error_response(400, str(e))
+        except httpx.HTTPError as e:
+            return error_response(400, f"url: {url} is not reachable ({type(e).__name__}: {e})")
+        return {"added": worker.url, **pool.listing()}
+
+    @app.post("/remove_worker")
+    async def remove_worker(url: str | None = None):
+        worker = pool.remove((url or "").strip().rstrip("/"), "removed through /remove_worker")
+        if worker is None:
+            return error_response(404, f"url: {url!r} is not a worker of this router")
+        return {"removed": worker.url, **pool.listing()}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info(request: Request):
+        client = proxy(request).client
+
+        async def one(worker) -> dict:
+            out = worker.summary()
+            try:
+                info = (await client.get(worker.url + "/server_info", timeout=10)).json()
+                for name in ("num_running_reqs", "num_waiting_reqs", "cache_hit_rate"):
+                    out[name] = info.get(name)
+            except (httpx.HTTPError, ValueError) as e:
+                out["error"] = f"{type(e).__name__}: {e}"
+            return out
+
+        workers = await asyncio.gather(*(one(w) for w in pool.healthy()))
+        return {
+            "router": {"policy": args.policy, **_decisions(pool)},
+            "workers": list(workers),
+            "removed": [w.summary() for w in pool.removed.values()],
+        }
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(render_metrics(pool, metrics), media_type="text/plain")
+
+    return app
+
+
+def _decisions(pool: WorkerPool) -> dict:
+    policy = pool.policy
+    return {"decisions": dict(policy.decisions)} if isinstance(policy, CacheAware) else {}
+
+
+def render_metrics(pool: WorkerPool, metrics: RouterMetrics) -> str:
+    """Prometheus text exposition: one series per worker (removed ones too)."""
+    everyone = [*pool.workers.values(), *pool.removed.values()]
+    lines = []
+
+    def family(name: str, kind: str, help_text: str, values) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for labels, value in values:
+            label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            lines.append(f"{name}{{{label_text}}} {value}" if labels else f"{name} {value}")
+
+    family(
+        "loom_router_requests_total",
+        "counter",
+        "Requests a worker served through this router",
+        [({"worker": w.url}, w.requests) for w in everyone],
+    )
+    family(
+        "loom_router_worker_failures_total",
+        "counter",
+        "Transport failures and 503s seen on a worker",
+        [({"worker": w.url}, w.failures) for w in everyone],
+    )
+    family(
+        "loom_router_in_flight_requests",
+        "gauge",
+        "Requests in flight on a worker",
+        [({"worker": w.url}, w.in_flight) for w in everyone],
+    )
+    family(
+        "loom_router_worker_healthy",
+        "gauge",
+        "1 while the worker is in the pool, 0 once removed",
+        [({"worker": w.url}, int(w.removed_reason is None)) for w in everyone],
+    )
+    family(
+        "loom_router_retries_total",
+        "counter",
+        "Requests moved to another worker",
+        [({}, metrics.retries)],
+    )
+    decisions = _decisions(pool).get("decisions", {})
+    family(
+        "loom_router_cache_aware_decisions_total",
+        "counter",
+        "How the cache-aware policy chose",
+        [({"kind": k}, v) for k, v in decisions.items()],
+    )
+    return "\n".join(lines) + "\n"

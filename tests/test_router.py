@@ -1,0 +1,229 @@
+"""`loom router` in front of real loom servers (tiny model): the same answers as one server,
+streams passed through, worker admin, metrics, and a worker killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from loom.runtime.server.runtime_client import Runtime, free_port
+from tests.test_server import sse_events
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = [
+    "The quick brown fox",
+    "Paris is the capital of",
+    'Berlin {"name": "Alice"',
+    "def add(a, b): return",
+    "héllo wörld ünïcode",
+    "Thought: I should search.",
+]
+
+
+class Router:
+    """`loom router ...` as a subprocess (the CLI path users run)."""
+
+    def __init__(self, worker_urls, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="loom-router-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "loom.cli", "router", "--port", str(self.port)]
+        cmd += ["--worker-urls", *worker_urls, *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, self.log_tail()
+            try:
+                if requests.get(self.url + "/list_workers", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, self.log_tail()
+            time.sleep(0.2)
+
+    def log_tail(self) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-3000:]
+
+    def post(self, path, body, **kw):
+        return requests.post(self.url + path, json=body, timeout=120, **kw)
+
+    def get(self, path):
+        return requests.get(self.url + path, timeout=30)
+
+    def shutdown(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    with Runtime(path, max_total_tokens=4096) as a, Runtime(path, max_total_tokens=4096) as b:
+        yield a, b
+
+
+@pytest.fixture(scope="module")
+def router(workers):
+    r = Router([w.url for w in workers], "--policy", "cache_aware", "--cache-threshold", "0.3")
+    yield r
+    r.shutdown()
+
+
+def direct(worker, path, body):
+    return requests.post(worker.url + path, json=body, timeout=120)
+
+
+def test_greedy_outputs_identical_to_one_server(workers, router):
+    a, _ = workers
+    for prompt in PROMPTS:
+        body = {"text": prompt, "sampling_params": GREEDY}
+        got, want = router.post("/generate", body).json(), direct(a, "/generate", body).json()
+        assert (got["text"], got["output_ids"]) == (want["text"], want["output_ids"]), prompt
+    batch = {"text": PROMPTS[:3], "sampling_params": GREEDY}
+    got = [o["output_ids"] for o in router.post("/generate", batch).json()]
+    assert got == [o["output_ids"] for o in direct(a, "/generate", batch).json()]
+    chat = {
+        "model": a.server_args.served_model_name,
+        "messages": [{"role": "user", "content": "Paris is"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    got = router.post("/v1/chat/completions", chat).json()["choices"][0]["message"]
+    assert got == direct(a, "/v1/chat/completions", chat).json()["choices"][0]["message"]
+    completion = {"model": chat["model"], "prompt": "The quick", "max_tokens": 8, "temperature": 0}
+    got = router.post("/v1/completions", completion).json()["choices"][0]["text"]
+    assert got == direct(a, "/v1/completions", completion).json()["choices"][0]["text"]
+    listing = router.get("/list_workers").json()
+    assert all(w["requests"] > 0 for w in listing["workers"]), listing  # both were used
+    assert router.get("/v1/models").json()["data"][0]["id"] == chat["model"]
+
+
+def test_streams_pass_through(workers, router):
+    a, _ = workers
+    body = {"text": "The quick brown fox", "sampling_params": GREEDY, "stream": True}
+    with router.post("/generate", body, stream=True) as res:
+        assert res.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(res.iter_lines())
+    want = direct(a, "/generate", {**body, "stream": False}).json()
+    assert events[-1] == "[DONE]" and len(events) > 2
+    assert events[-2]["text"] == want["text"]
+    chat = {
+        "model": a.server_args.served_model_name,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+    }
+    with router.post("/v1/chat/completions", chat, stream=True) as res:
+        chunks = sse_events(res.iter_lines())
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
+    want = direct(a, "/v1/chat/completions", {**chat, "stream": False}).json()
+    assert text == want["choices"][0]["message"]["content"]
+
+
+def test_cache_aware_keeps_a_prefix_on_one_worker(router):
+    system = "You are a helpful assistant for tenant seven. " * 4
+    router.post("/generate", {"text": system + "Q0", "sampling_params": GREEDY})
+    before = {w["url"]: w["requests"] for w in router.get("/list_workers").json()["workers"]}
+    for q in range(1, 5):
+        router.post("/generate", {"text": f"{system}Q{q}", "sampling_params": GREEDY})
+    after = {w["url"]: w["requests"] for w in router.get("/list_workers").json()["workers"]}
+    assert sorted(after[u] - before[u] for u in after) == [0, 4], (before, after)
+    info = router.get("/get_server_info").json()
+    assert info["router"]["decisions"]["prefix_match"] >= 4
+    for w in info["workers"]:
+        assert w["healthy"] and 0.0 <= w["cache_hit_rate"] <= 1.0 and w["num_running_reqs"] == 0
+
+
+def test_errors_pass_through_and_admin_routes(workers, router):
+    a, b = workers
+    res = router.post("/generate", {"text": "x", "sampling_params": {"temperature": -1}})
+    assert res.status_code == 400 and "temperature" in res.json()["error"]["message"]
+    res = requests.post(router.url + "/generate", data=b"{not json", timeout=30)
+    assert res.status_code == 400
+    assert router.post("/add_worker?url=nope", {}).status_code == 400
+    dead = f"http://127.0.0.1:{free_port()}"
+    res = router.post(f"/add_worker?url={dead}", {})
+    assert res.status_code == 400 and "not reachable" in res.json()["error"]["message"]
+    assert router.post(f"/remove_worker?url={dead}", {}).status_code == 404
+    assert router.post(f"/remove_worker?url={b.url}", {}).json()["urls"] == [a.url]
+    before = router.get("/list_workers").json()["workers"][0]["requests"]
+    for p in PROMPTS[:3]:
+        assert router.post("/generate", {"text": p, "sampling_params": GREEDY}).ok
+    assert router.get("/list_workers").json()["workers"][0]["requests"] == before + 3
+    assert router.post(f"/add_worker?url={b.url}/", {}).json()["urls"] == [a.url, b.url]
+    assert router.post("/flush_cache", {}).status_code == 200
+    metrics = router.get("/metrics").text
+    for w in (a, b):
+        assert f'loom_router_requests_total{{worker="{w.url}"}}' in metrics
+        assert f'loom_router_worker_healthy{{worker="{w.url}"}} 1' in metrics
+
+
+# Kills worker b: keep it the module's last test.
+def test_killed_worker_is_removed_and_its_requests_complete_elsewhere(workers):
+    a, victim = workers
+    router = Router(
+        [a.url, victim.url], "--policy", "round_robin", "--health-check-interval", "0.5"
+    )
+    try:
+        long = {**GREEDY, "max_new_tokens": 96}
+        bodies = [{"text": f"{p} {i}", "sampling_params": long} for i, p in enumerate(PROMPTS * 2)]
+        stream_body = {"text": "The quick", "sampling_params": long, "stream": True}
+
+        def stream() -> list:
+            with router.post("/generate", stream_body, stream=True) as res:
+                return sse_events(res.iter_lines())
+
+        with ThreadPoolExecutor(len(bodies) + 2) as pool:
+            streams = [pool.submit(stream) for _ in range(2)]
+            futures = [pool.submit(router.post, "/generate", b) for b in bodies[:8]]
+            deadline = time.monotonic() + 60
+            while (
+                requests.get(victim.url + "/server_info", timeout=30).json()["num_running_reqs"]
+                == 0
+            ):
+                assert time.monotonic() < deadline, "the victim never ran a request"
+                time.sleep(0.05)
+            os.kill(victim.pid, signal.SIGKILL)
+            futures += [pool.submit(router.post, "/generate", b) for b in bodies[8:]]
+            results = [f.result(timeout=300) for f in futures]
+            stream_events = [s.result(timeout=300) for s in streams]
+        for body, res in zip(bodies, results):
+            assert res.status_code == 200, res.text
+            want = direct(a, "/generate", body).json()
+            assert res.json()["output_ids"] == want["output_ids"], body["text"]
+        for events in stream_events:  # finished on `a`, or cut with a clear error event
+            errors = [e for e in events if isinstance(e, dict) and "error" in e]
+            if errors:
+                assert victim.url in errors[0]["error"]["message"], errors
+            else:
+                assert events[-1] == "[DONE]" and len(events[-2]["output_ids"]) == 96
+        listing = router.get("/list_workers").json()
+        assert listing["urls"] == [a.url], listing
+        assert listing["removed"][0]["url"] == victim.url, listing
+        assert "request failed" in listing["removed"][0]["removed_reason"] or (
+            "health" in listing["removed"][0]["removed_reason"]
+        )
+        metrics = router.get("/metrics").text
+        assert f'loom_router_worker_healthy{{worker="{victim.url}"}} 0' in metrics
+        retries = next(ln for ln in metrics.splitlines() if ln.startswith("loom_router_retries"))
+        assert int(retries.split()[-1]) >= 1, metrics  # requests did move off the victim
+        assert json.loads(router.get("/get_server_info").text)["removed"][0]["url"] == victim.url
+    finally:
+        router.shutdown()
