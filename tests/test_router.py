@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
+from loom.runtime.router.process import RouterProcess
 from loom.runtime.server.runtime_client import Runtime, free_port
 from tests.test_server import sse_events
 
@@ -29,48 +27,6 @@ PROMPTS = [
 ]
 
 
-class Router:
-    """`loom router ...` as a subprocess (the CLI path users run)."""
-
-    def __init__(self, worker_urls, *flags: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="loom-router-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "loom.cli", "router", "--port", str(self.port)]
-        cmd += ["--worker-urls", *worker_urls, *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, self.log_tail()
-            try:
-                if requests.get(self.url + "/list_workers", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            assert time.monotonic() < deadline, self.log_tail()
-            time.sleep(0.2)
-
-    def log_tail(self) -> str:
-        with open(self.log.name, errors="replace") as f:
-            return f.read()[-3000:]
-
-    def post(self, path, body, **kw):
-        return requests.post(self.url + path, json=body, timeout=120, **kw)
-
-    def get(self, path):
-        return requests.get(self.url + path, timeout=30)
-
-    def shutdown(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def workers(tiny_model_dir):
     path = tiny_model_dir("llama")
@@ -80,7 +36,9 @@ def workers(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def router(workers):
-    r = Router([w.url for w in workers], "--policy", "cache_aware", "--cache-threshold", "0.3")
+    r = RouterProcess(
+        [w.url for w in workers], "--policy", "cache_aware", "--cache-threshold", "0.3"
+    )
     yield r
     r.shutdown()
 
@@ -178,7 +136,7 @@ def test_errors_pass_through_and_admin_routes(workers, router):
 # Kills worker b: keep it the module's last test.
 def test_killed_worker_is_removed_and_its_requests_complete_elsewhere(workers):
     a, victim = workers
-    router = Router(
+    router = RouterProcess(
         [a.url, victim.url], "--policy", "round_robin", "--health-check-interval", "0.5"
     )
     try:

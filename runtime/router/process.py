@@ -1,0 +1,69 @@
+"""RouterProcess: `loom router` as a managed subprocess (tests, benchmarks, scripts)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from loom.runtime.server.runtime_client import free_port
+
+
+class RouterProcess:
+    """`RouterProcess([url, ...], "--policy", "round_robin")`: start `loom router` on a free
+    port and wait until it answers. `.url`, `.get/.post`, `.shutdown()`; a context manager."""
+
+    def __init__(self, worker_urls, *flags: str, timeout: float = 120.0):
+        import requests
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="loom-router-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "loom.cli", "router", "--port", str(self.port)]
+        cmd += ["--worker-urls", *worker_urls, *flags]
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the router exited during start-up:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/list_workers", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise TimeoutError(f"the router did not start in {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        with open(self._log.name, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def post(self, path: str, body, **kw):
+        import requests
+
+        return requests.post(self.url + path, json=body, timeout=kw.pop("timeout", 120), **kw)
+
+    def get(self, path: str):
+        import requests
+
+        return requests.get(self.url + path, timeout=30)
+
+    def shutdown(self, timeout: float = 20.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        self._log.close()
+
+    def __enter__(self) -> RouterProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
