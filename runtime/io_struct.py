@@ -172,9 +172,12 @@ class FlushCacheReq(msgspec.Struct, tag=True):
 
 
 class StateReq(msgspec.Struct, tag=True):
-    """Ask the scheduler for its counters (server_info, metrics, tests)."""
+    """Ask the scheduler for its counters (server_info, metrics, tests). `list_rids` (the
+    TokenizerManager's watchdog probe) also asks for the rids of every request it holds, so a
+    request the scheduler never got, or lost, is failed instead of waited for forever."""
 
     request_id: int
+    list_rids: bool = False
 
 
 class ReqOutput(msgspec.Struct, array_like=True):

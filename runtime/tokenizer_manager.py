@@ -34,6 +34,14 @@ _NATIVE: Mapping[str, str] = {}
 
 MAX_TOP_LOGPROBS = 128  # top_logprobs_num bound: each one costs a top-k per token
 
+# Lost-request safety net: while requests wait and nothing has arrived for PROBE_QUIET_S, the
+# watchdog asks the scheduler which rids it holds; a request sent before that probe, with no
+# final output and missing from LOST_AFTER_PROBES replies in a row, is failed (never waited for
+# forever). The pipe is ordered (TM -> scheduler -> detokenizer -> TM), so a request sent before
+# a probe is either listed in its reply or its final output arrived before the reply.
+PROBE_QUIET_S = 2.0
+LOST_AFTER_PROBES = 2
+
 
 class RequestError(ValueError):
     """Bad input; the message names the field. The HTTP layer returns it as a 400."""
@@ -59,6 +67,9 @@ class ReqState:
     first_token_time: float | None = None
     streamed_text: int = 0  # chars / ids already sent (incremental streaming, stream_interval)
     streamed_ids: int = 0
+    sent_seq: int = 0  # TokenizerManager._sent_count once this request was sent
+    missing: int = 0  # consecutive probe replies that did not list this unfinished request
+    abandoned: bool = False  # its caller left; dropped from rid_to_state once it finishes
 
 
 class TokenizerManager:
@@ -77,11 +88,19 @@ class TokenizerManager:
         self._rng = random.Random()
         self._started = False
         self._last_recv = time.monotonic()
+        self._sent_count = 0  # requests sent so far (orders requests against probes)
+        self.lost_requests = 0  # requests failed by the lost-request safety net
+        self.recv_errors = 0  # output messages that failed in _drain (logged, skipped)
         # Tokenizing a long prompt takes milliseconds of CPU: off the event loop.
         self._tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="loom-tokenize")
 
     async def start(self) -> None:
-        """Open sockets on the running event loop and start the receive and watchdog tasks."""
+        """Open sockets on the running event loop; start receiving and the watchdog.
+
+        Receiving uses a plain socket drained on the loop (`_drain`: non-blocking reads until
+        none is left, run when the socket's fd wakes the loop and on every watchdog tick),
+        not an awaited zmq.asyncio recv: a lost fd wake-up then delays messages by at most a
+        tick instead of leaving every process idle with requests waiting."""
         import zmq
         import zmq.asyncio
 
@@ -91,12 +110,14 @@ class TokenizerManager:
         self.ctx = zmq.asyncio.Context()
         self.send_sock = self.ctx.socket(zmq.PUSH)
         self.send_sock.connect(self.ipc.scheduler)
-        self.recv_sock = self.ctx.socket(zmq.PULL)
+        self.recv_sock = zmq.Socket(self.ctx, zmq.PULL)  # a plain (not asyncio) socket
         self.recv_sock.bind(self.ipc.tokenizer)
-        self._tasks = [
-            asyncio.create_task(self._recv_loop()),
-            asyncio.create_task(self._watchdog()),
-        ]
+        self._recv_decoder = decoder(ToTokenizer)
+        self._loop = asyncio.get_running_loop()
+        self._recv_fd = self.recv_sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._recv_fd, self._drain)
+        self._tasks = [asyncio.create_task(self._watchdog())]
+        self._drain()
 
     async def close(self) -> None:
         for task in getattr(self, "_tasks", []):
@@ -104,8 +125,10 @@ class TokenizerManager:
         await asyncio.gather(*getattr(self, "_tasks", []), return_exceptions=True)
         self._tokenize_pool.shutdown(wait=False)
         if self._started:
+            self._loop.remove_reader(self._recv_fd)
             self.send_sock.close(linger=0)
             self.recv_sock.close(linger=0)
+            self.ctx.term()
 
     # ------------------------------------------------------------------ input
     async def normalize(
@@ -276,8 +299,7 @@ class TokenizerManager:
         try:
             results = await asyncio.gather(*(self._wait_finished(s) for s in states))
         except BaseException:
-            for s in states:
-                self.abort_request(s.msg.rid)
+            self._abandon(states)
             raise
         return results if is_batch else results[0]
 
@@ -316,7 +338,16 @@ class TokenizerManager:
                         self._raise_if_rejected(s)
                     yield out
         finally:
-            for s in pending.values():
+            self._abandon(pending.values())
+
+    def _abandon(self, states) -> None:
+        """The caller left (cancelled, disconnected, failed): abort what is unfinished and
+        forget every state once it has finished, so rid_to_state holds only live requests."""
+        for s in states:
+            if s.finished_reason is not None:
+                self.rid_to_state.pop(s.msg.rid, None)
+            elif s.msg.rid in self.rid_to_state:
+                s.abandoned = True
                 self.abort_request(s.msg.rid)
 
     def _send(self, states: list[ReqState]) -> None:
@@ -329,6 +360,8 @@ class TokenizerManager:
                 self.rid_to_state[state.msg.rid] = state
                 self.send_sock.send(encode(state.msg))
                 sent.append(state.msg.rid)
+                self._sent_count += 1
+                state.sent_seq = self._sent_count
         except BaseException:
             for state in states:
                 self.rid_to_state.pop(state.msg.rid, None)
@@ -348,7 +381,7 @@ class TokenizerManager:
         fr = state.finished_reason or {}
         if fr.get("type") == "abort" and fr.get("status_code") == 400:
             raise RequestError(fr.get("message", "bad request"))
-        if fr.get("type") == "abort" and fr.get("status_code") == 503:
+        if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
             raise RuntimeError(fr.get("message", "server unavailable"))
 
     def abort_request(self, rid: str) -> None:
@@ -356,17 +389,40 @@ class TokenizerManager:
             self.send_sock.send(encode(AbortReq(rid)))
 
     # ------------------------------------------------------------------ outputs
-    async def _recv_loop(self) -> None:
-        dec = decoder(ToTokenizer)
-        while True:
-            msg = dec.decode(await self.recv_sock.recv())
+    def _drain(self, budget: int = 256) -> int:
+        """Handle every message waiting in the receive socket (up to `budget`, then the rest on
+        the next loop turn, so a flood does not starve other tasks); returns how many. A
+        message that fails here (a bug) is logged and skipped: receiving must outlive it, and a
+        request it leaves unfinished is failed by the watchdog's probe."""
+        import zmq
+
+        n = 0
+        while n < budget:
+            try:
+                raw = self.recv_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                # reading EVENTS makes libzmq process its pending commands, which resets the fd
+                # (edge-style: it wakes the loop again only for what arrives after this)
+                if self.recv_sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    continue
+                return n
+            n += 1
             self._last_recv = time.monotonic()
-            if isinstance(msg, BatchStrOut):
-                self._handle_outputs(msg)
-            elif isinstance(msg, ControlOut):
-                fut = self.control_waiters.pop(msg.request_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            try:
+                self._on_message(self._recv_decoder.decode(raw))
+            except Exception:  # noqa: BLE001 - logged; receiving goes on
+                self.recv_errors += 1
+                logger.exception("tokenizer manager: an output message failed; skipped")
+        self._loop.call_soon(self._drain)
+        return n
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, BatchStrOut):
+            self._handle_outputs(msg)
+        elif isinstance(msg, ControlOut):
+            fut = self.control_waiters.pop(msg.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
 
     def _handle_outputs(self, batch: BatchStrOut) -> None:
         now = time.monotonic()
@@ -401,9 +457,14 @@ class TokenizerManager:
             if tok.output_top_logprobs:
                 state.output_top_logprobs.extend(tok.output_top_logprobs)
             state.finished_reason = tok.finished_reason
-            if self.on_output is not None and state.log_metrics:
-                self.on_output(state, len(tok.new_ids), now)
+            if state.abandoned and state.finished_reason is not None:
+                self.rid_to_state.pop(item.rid, None)
             state.event.set()
+            if self.on_output is not None and state.log_metrics:
+                try:
+                    self.on_output(state, len(tok.new_ids), now)
+                except Exception:  # noqa: BLE001 - a metrics bug must not cost outputs
+                    logger.exception("tokenizer manager: the on_output hook failed")
 
     def _triples(self, pairs, with_text: bool) -> list[list]:
         if not pairs:
@@ -456,7 +517,10 @@ class TokenizerManager:
         fut = asyncio.get_running_loop().create_future()
         self.control_waiters[rid] = fut
         self.send_sock.send(encode(msg_factory(rid)))
-        return await asyncio.wait_for(fut, timeout)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.control_waiters.pop(rid, None)
 
     async def flush_cache(self) -> ControlOut:
         return await self._control(FlushCacheReq)
@@ -467,8 +531,9 @@ class TokenizerManager:
     # ------------------------------------------------------------------ health
     async def _watchdog(self) -> None:
         """Child death is event-driven (each process's sentinel fd wakes the loop the moment
-        it exits, whatever the machine's load); a runtime that stops answering while requests
-        wait is probed, and declared stuck after `watchdog_timeout` seconds without an answer."""
+        it exits, whatever the machine's load); while requests wait and nothing arrives, the
+        runtime is probed: no answer within `watchdog_timeout` seconds declares it stuck, and
+        an answer that does not list a request sent before it fails that request (_probe)."""
         loop = asyncio.get_running_loop()
         for proc in self.watched_processes:
             loop.add_reader(proc.sentinel, self._child_exited, proc)
@@ -476,10 +541,12 @@ class TokenizerManager:
         try:
             while self.dead_reason is None:
                 await asyncio.sleep(min(1.0, timeout / 4))
+                self._drain()  # a lost fd wake-up costs at most this tick
                 quiet = time.monotonic() - self._last_recv
-                if self.rid_to_state and quiet > timeout / 2:
+                waiting = any(s.finished_reason is None for s in self.rid_to_state.values())
+                if waiting and quiet > min(PROBE_QUIET_S, timeout / 2):
                     try:
-                        await self._control(StateReq, timeout=timeout)
+                        await self._probe(timeout)
                     except asyncio.TimeoutError:
                         self._declare_dead(
                             f"the runtime did not answer for {timeout:g}s (watchdog_timeout)"
@@ -487,6 +554,39 @@ class TokenizerManager:
         finally:
             for proc in self.watched_processes:
                 loop.remove_reader(proc.sentinel)
+
+    async def _probe(self, timeout: float) -> None:
+        """Ask the scheduler which requests it holds; fail each unfinished request sent before
+        the probe that LOST_AFTER_PROBES replies in a row did not list. A reply without 'rids'
+        (a front that cannot list them) checks nothing."""
+        sent_before = self._sent_count
+        reply = await self._control(lambda i: StateReq(i, list_rids=True), timeout=timeout)
+        listed = (reply.state or {}).get("rids")
+        if listed is None:
+            return
+        listed = set(listed)
+        for rid, state in list(self.rid_to_state.items()):
+            if state.finished_reason is not None or state.sent_seq > sent_before or rid in listed:
+                state.missing = 0
+                continue
+            state.missing += 1
+            if state.missing >= LOST_AFTER_PROBES:
+                self._fail_lost(state)
+
+    def _fail_lost(self, state: ReqState) -> None:
+        rid = state.msg.rid
+        age = time.monotonic() - state.created
+        message = (
+            f"request {rid!r} was lost: the scheduler does not hold it and sent no final output "
+            f"({LOST_AFTER_PROBES} probes, {age:.1f}s after it was sent); please retry"
+        )
+        logger.error(message)
+        self.lost_requests += 1
+        self.send_sock.send(encode(AbortReq(rid)))  # in case it is still somewhere after all
+        state.finished_reason = {"type": "abort", "message": message, "status_code": 500}
+        if state.abandoned:
+            self.rid_to_state.pop(rid, None)
+        state.event.set()
 
     def _child_exited(self, proc) -> None:
         asyncio.get_running_loop().remove_reader(proc.sentinel)
