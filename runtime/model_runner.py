@@ -32,7 +32,7 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
-        self.attn_backend = create_attention_backend(args.attention_backend)
+        self.attn_backend = create_attention_backend(args.effective_attention_backend)
         self.last_model_seconds = 0.0
 
     def _init_memory(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 API_KEY_ENV = "LOOM_API_KEY"
 BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
 
-ATTENTION_BACKENDS = ("torch",)  # "triton" comes back with its kernels (kernels/)
+ATTENTION_BACKENDS = ("torch", "cpu_paged")  # "triton" comes back with its kernels (kernels/)
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "outlines")  # loom.grammar.engines.ENGINES
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
@@ -58,7 +58,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
-    attention_backend: str = "torch"
+    attention_backend: str | None = None  # None: cpu_paged on the CPU, torch elsewhere
     random_seed: int = 0
     cpu_threads: int | None = None
 
@@ -120,7 +120,7 @@ class ServerArgs:
         )
         need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         need(
-            self.attention_backend in ATTENTION_BACKENDS,
+            self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
             f"{self.attention_backend!r} is not supported yet (only {ATTENTION_BACKENDS})",
         )
@@ -318,6 +318,12 @@ class ServerArgs:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
+    def effective_attention_backend(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "cpu_paged" if self.resolved_device == "cpu" else "torch"
+
+    @property
     def effective_cpu_threads(self) -> int:
         if self.cpu_threads is not None:
             return self.cpu_threads
@@ -413,7 +419,7 @@ _HELP = {
     "schedule_policy": "Order of the waiting queue",
     "schedule_conservativeness": "Scale of the KV reserved for running requests' future tokens",
     "disable_radix_cache": "Turn off the radix prefix cache",
-    "attention_backend": "Attention implementation: torch (triton is not built yet and is refused by name)",
+    "attention_backend": "Attention implementation: torch (the plain reference) or cpu_paged (CPU decode reads K/V in place; the CPU default; extends as torch); triton is not built yet and is refused by name",
     "random_seed": "Seed of the server's random state",
     "cpu_threads": "Torch threads of the scheduler on CPU; default: CPU count - 1 (one core is left to the tokenizer and detokenizer processes)",
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",

@@ -61,6 +61,7 @@ class AttentionBackend(ABC):
 
 _REGISTRY = {
     "torch": "loom.runtime.attention.torch_backend:TorchAttnBackend",
+    "cpu_paged": "loom.runtime.attention.cpu_paged:CpuPagedAttnBackend",
     "triton": "loom.runtime.attention.triton_backend:TritonAttnBackend",
 }
 

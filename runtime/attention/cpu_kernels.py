@@ -1,0 +1,203 @@
+"""A small C kernel for CPU decode attention that reads K/V in place from the paged pool.
+
+The plain torch decode path gathers every request's K and V rows into a padded [B, L] copy on
+every layer of every step, then runs SDPA with a padding mask (whose CPU kernel is tuned for
+long queries, not one query row). This kernel walks each request's row of the req-to-token
+table instead: for one (request, kv head) it scores the query heads of that group against the
+K rows the table names, softmaxes, and accumulates the V rows, with no copy and no padding.
+
+It is compiled once per machine with the system C compiler (a second or two) into
+~/.cache/loom/kernels and loaded with ctypes: no torch headers, so no minutes-long extension
+build. `load()` returns None where no compiler is found; callers then fall back to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float load_f32(const float* p) { return *p; }
+static inline float load_bf16(const uint16_t* p) {
+    uint32_t u = (uint32_t)(*p) << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* q [B, H, D] f32; k [S, Hkv, D], v [S, Hkv, Dv] (T); table [R, stride] i64 slot ids;
+   rows, lens [B] i64; out [B, H, Dv] f32. Query head h reads kv head h / (H / Hkv). */
+#define DECODE(NAME, T, LOAD)                                                              \
+void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t stride,   \
+          const int64_t* rows, const int64_t* lens, float* out, int64_t B, int64_t H,      \
+          int64_t Hkv, int64_t D, int64_t Dv, float scale, int64_t max_len,               \
+          int nthreads) {                                                                 \
+    const int64_t G = H / Hkv;                                                             \
+    _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1)")                       \
+    {                                                                                      \
+        float* s = (float*)malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));        \
+        float* acc = (float*)malloc(sizeof(float) * G * Dv);                               \
+        _Pragma("omp for schedule(dynamic)")                                               \
+        for (int64_t w = 0; w < B * Hkv; w++) {                                            \
+            const int64_t b = w / Hkv, h = w % Hkv, L = lens[b];                           \
+            const int64_t* slots = table + rows[b] * stride;                               \
+            const float* qb = q + (b * H + h * G) * D;                                     \
+            for (int64_t t = 0; t < L; t++) {                                              \
+                const T* kp = k + (slots[t] * Hkv + h) * D;                                \
+                for (int64_t g = 0; g < G; g++) {                                          \
+                    const float* qg = qb + g * D;                                          \
+                    float dot = 0.f;                                                       \
+                    _Pragma("omp simd reduction(+:dot)")                                   \
+                    for (int64_t d = 0; d < D; d++) dot += qg[d] * LOAD(kp + d);           \
+                    s[g * L + t] = dot * scale;                                            \
+                }                                                                          \
+            }                                                                              \
+            float denom[G > 0 ? G : 1];                                                    \
+            for (int64_t g = 0; g < G; g++) {                                              \
+                float* sg = s + g * L;                                                     \
+                float m = -INFINITY, sum = 0.f;                                            \
+                for (int64_t t = 0; t < L; t++) m = sg[t] > m ? sg[t] : m;                 \
+                for (int64_t t = 0; t < L; t++) { sg[t] = expf(sg[t] - m); sum += sg[t]; } \
+                denom[g] = sum;                                                            \
+            }                                                                              \
+            memset(acc, 0, sizeof(float) * G * Dv);                                        \
+            for (int64_t t = 0; t < L; t++) {                                              \
+                const T* vp = v + (slots[t] * Hkv + h) * Dv;                               \
+                for (int64_t g = 0; g < G; g++) {                                          \
+                    const float p = s[g * L + t];                                          \
+                    float* a = acc + g * Dv;                                               \
+                    _Pragma("omp simd")                                                    \
+                    for (int64_t d = 0; d < Dv; d++) a[d] += p * LOAD(vp + d);             \
+                }                                                                          \
+            }                                                                              \
+            for (int64_t g = 0; g < G; g++) {                                              \
+                float* o = out + (b * H + h * G + g) * Dv;                                 \
+                const float inv = L > 0 ? 1.f / denom[g] : 0.f;                            \
+                for (int64_t d = 0; d < Dv; d++) o[d] = acc[g * Dv + d] * inv;             \
+            }                                                                              \
+        }                                                                                  \
+        free(s);                                                                           \
+        free(acc);                                                                         \
+    }                                                                                      \
+}
+
+DECODE(loom_decode_f32, float, load_f32)
+DECODE(loom_decode_bf16, uint16_t, load_bf16)
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("LOOM_CACHE_DIR", Path.home() / ".cache" / "loom")) / "kernels"
+
+
+def _cpu_key() -> str:
+    """-march=native code is only valid on this CPU model and flag set."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return "\n".join(lines)
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "decode.c"
+        src.write_text(SOURCE)
+        out = Path(tmp) / target.name
+        res = subprocess.run(
+            [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if res.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {res.stderr[-2000:]}")
+        os.replace(out, target)  # atomic: concurrent processes never load a half-written file
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it on first use; None without a C compiler."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            logger.warning("no C compiler found: CPU decode attention falls back to torch")
+            return None
+        key = hashlib.sha256("\0".join([SOURCE, *_FLAGS, _cpu_key()]).encode()).hexdigest()
+        target = _cache_dir() / f"loom_decode_{key[:16]}.so"
+        try:
+            if not target.exists():
+                _compile(compiler, target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            logger.warning("CPU decode kernel unavailable (%s): falling back to torch", e)
+            return None
+        for fn in (lib.loom_decode_f32, lib.loom_decode_bf16):
+            fn.restype = None
+            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+            # q, k, v, table, stride, rows, lens, out, B, H, Hkv, D, Dv, scale, max_len, threads
+            fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 3 + [i64] * 5
+            fn.argtypes += [ctypes.c_float, i64, ctypes.c_int]
+        _lib = lib
+        return lib
+
+
+_KERNELS = {torch.float32: "loom_decode_f32", torch.bfloat16: "loom_decode_bf16"}
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _KERNELS
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    max_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, H, D] over the K/V rows table[rows[b], :lens[b]] -> [B, H, Dv] in q's dtype."""
+    b, h, d = q.shape
+    hkv, dv = k_buf.shape[1], v_buf.shape[2]
+    assert k_buf.is_contiguous() and v_buf.is_contiguous() and table.is_contiguous()
+    assert table.dtype == rows.dtype == lens.dtype == torch.int64
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty((b, h, dv), dtype=torch.float32)
+    getattr(lib, _KERNELS[k_buf.dtype])(
+        qf.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), table.data_ptr(), table.stride(0),
+        rows.data_ptr(), lens.data_ptr(), out.data_ptr(), b, h, hkv, d, dv, scale, max_len,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
