@@ -4,18 +4,36 @@ dims, GQA groups 1/4/8, page sizes 1 and 16, empty prefixes, several tree shapes
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from loom.kernels import load_interpreted
 
-decode_attention = load_interpreted("decode_attention")
-extend_attention = load_interpreted("extend_attention")
-cascade = load_interpreted("cascade")
-kv_store = load_interpreted("kv_store")
-bitmask = load_interpreted("bitmask")
-norm = load_interpreted("norm")
-rotary = load_interpreted("rotary")
+# compiled kernels on CUDA (scripts/gpu_check.sh), the interpreter elsewhere
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernel(name: str):
+    return (
+        importlib.import_module(f"loom.kernels.{name}") if DEV == "cuda" else load_interpreted(name)
+    )
+
+
+decode_attention = kernel("decode_attention")
+extend_attention = kernel("extend_attention")
+cascade = kernel("cascade")
+kv_store = kernel("kv_store")
+bitmask = kernel("bitmask")
+norm = kernel("norm")
+rotary = kernel("rotary")
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    with torch.device(DEV):
+        yield
 
 
 def paged_pool(seq_lens, kv_heads, head_dim, page_size, dtype=torch.float32, v_dim=None, seed=0):
@@ -25,19 +43,20 @@ def paged_pool(seq_lens, kv_heads, head_dim, page_size, dtype=torch.float32, v_d
     g = torch.Generator().manual_seed(seed)
     pages_per = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(pages_per) + 3
-    order = torch.randperm(num_pages - 1, generator=g) + 1
+    order = torch.randperm(num_pages - 1, generator=g, device="cpu") + 1
     slots = num_pages * page_size
-    k_buf = torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype)
-    v_buf = torch.randn(slots, kv_heads, v_dim or head_dim, generator=g).to(dtype)
+    k_buf = torch.randn(slots, kv_heads, head_dim, generator=g, device="cpu").to(dtype)
+    v_buf = torch.randn(slots, kv_heads, v_dim or head_dim, generator=g, device="cpu")
     width = max(seq_lens) + page_size
-    table = torch.zeros(len(seq_lens) + 2, width, dtype=torch.int64)
-    rows = torch.randperm(len(seq_lens) + 2, generator=g)[: len(seq_lens)]
+    table = torch.zeros(len(seq_lens) + 2, width, dtype=torch.int64, device="cpu")
+    rows = torch.randperm(len(seq_lens) + 2, generator=g, device="cpu")[: len(seq_lens)]
     at = 0
     for row, n, p in zip(rows.tolist(), seq_lens, pages_per):
         pages = order[at : at + p]
         at += p
-        table[row, :n] = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
-    return k_buf, v_buf, table, rows
+        pos = torch.arange(page_size, device="cpu")
+        table[row, :n] = (pages[:, None] * page_size + pos).flatten()[:n]
+    return k_buf.to(DEV), v_buf.to(DEV, dtype), table.to(DEV), rows.to(DEV)
 
 
 # Half precision is tested in float16: Triton's interpreter computes bfloat16 wrongly (numpy has
@@ -149,7 +168,7 @@ def test_tree_mask_attention(h, hkv):
     k_buf, v_buf, table, rows = paged_pool(seq, hkv, 18, 16, seed=1)
     q = torch.randn(sum(ext), h, 18)
     masks = [tree_mask(p, t) for p, t in zip(prefix, TREES)]
-    flat, starts = extend_attention.pack_custom_masks(masks, "cpu")
+    flat, starts = extend_attention.pack_custom_masks(masks, DEV)
     pre_t, ext_t = torch.tensor(prefix), torch.tensor(ext)
     qo = torch.cumsum(ext_t, 0) - ext_t
     out = extend_attention.extend_attention(
@@ -224,10 +243,13 @@ def test_store_kv(dtype):
 def test_apply_token_bitmask(vocab):
     g = torch.Generator().manual_seed(vocab)
     words = -(-vocab // 32)
-    mask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=g)
+    mask = torch.randint(
+        -(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=g, device="cpu"
+    )
+    mask = mask.to(DEV)
     mask[1] = -1  # everything allowed
     mask[2, 0] = 0  # the first 32 tokens banned
-    logits = torch.randn(3, vocab, generator=g)
+    logits = torch.randn(3, vocab, generator=g, device="cpu").to(DEV)
     ref = logits.clone()
     bitmask.apply_token_bitmask_(logits, mask, block=32)
     bitmask.apply_token_bitmask_ref(ref, mask)
