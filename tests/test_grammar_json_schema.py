@@ -139,6 +139,68 @@ def test_strings_lengths_pattern_format():
         json_schema_to_regex({"type": "string", "pattern": "(?=a)b"})
 
 
+# MaskBench schemas whose invalid instances loom accepted (one regression check each, the
+# schema cut down to the keywords at fault, instances from the MaskBench file)
+def test_format_regex_admits_only_compilable_regexes():
+    # Github_easy---o66309: {"regex": {"type": "string", "format": "regex"}}
+    s = {"type": "string", "format": "regex"}
+    checker = jsonschema.FormatChecker()
+    for v in ("^[a-zA-Z0-9_]{3,16}$", "^[a-zA-Z0-9]+$", r"^\d{3}-\d{4}$", "(?:a|b)*c", "é+", ""):
+        assert checker.conforms(v, "regex") and match(s, v), v
+    for v in ("*", "\\", "a(b", "[]", "a**", "[z-a]", "a{5,2}", "a|*", "(?x) *"):
+        assert not checker.conforms(v, "regex") and not match(s, v), v
+    # sound against Python's re.compile on random strings of regex syntax
+    import random
+
+    pieces = list("ab()[]{}*+?|^$.-,09\\:=!é ") + ["\\d", "(?:", "[^", "{2,3}", "{3,2}", "(?i)"]
+    rng, regex = random.Random(0), json_schema_to_regex(s)
+    for _ in range(3000):
+        v = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+        if re.fullmatch(regex, json.dumps(v)):
+            assert checker.conforms(v, "regex"), v
+
+
+def test_pattern_with_format_keeps_both():
+    # Github_medium---o1053: from_date {"format": "date", "pattern": "^([0-9]{4})(-...)?$"}
+    s = {"type": "string", "format": "date", "pattern": "^([0-9]{4})(-([0-9]{2}))?(-([0-9]{2}))?$"}
+    checker = jsonschema.FormatChecker()
+    for v in ("2020-02-28", "2022-12-31", "2020-02-30", "2020", "2020-1-01"):
+        want = jsonschema.Draft4Validator(s, format_checker=checker).is_valid(v)
+        assert match(s, v) == want, v
+    # a pattern narrower than its format is kept whole
+    narrow = {"type": "string", "format": "date", "pattern": "^20[0-9]{2}-01-01$"}
+    assert match(narrow, "2024-01-01") and not match(narrow, "1999-01-01")
+    with pytest.raises(GrammarError, match="format"):  # neither contains the other
+        json_schema_to_regex({"type": "string", "format": "date", "pattern": "^2[0-9-]*x?$"})
+
+
+def test_pattern_properties_without_type_constrain_an_object():
+    # Github_hard---o82151: "deployers": {"patternProperties": {".*": {"$ref": deployer}}}
+    s = {
+        "type": "object",
+        "properties": {"d": {"patternProperties": {".*": {"$ref": "#/definitions/n"}}}},
+        "definitions": {"n": {"type": "object", "properties": {"nodes": {"maximum": 12}}}},
+    }
+    spec = {"additional_properties_default": True}
+    for v in ({"d": {"x": {"nodes": 3}}}, {"d": {"x": {"nodes": 13}}}, {"d": {"x": 1}}):
+        assert match(s, v, **spec) == jsonschema.Draft4Validator(s).is_valid(v), v
+
+
+def test_uri_reference_and_uri_template_formats():
+    # JsonSchemaStore---bounded-context: "entryPoint": "://" (uri-reference, RFC 3986)
+    ref = {"type": "string", "format": "uri-reference"}
+    for v in ("#/definitions/a", "../x", "http://x.com/a?b#c", "a/b:c", "Core", "", "?q"):
+        assert match(ref, v), v
+    for v in ("://", "1:2", "a b"):
+        assert not match(ref, v), v
+    # MCPspec---CompleteRequest: "uri": "http://example.com/resource/{" (uri-template, RFC 6570)
+    tpl = {"type": "string", "format": "uri-template"}
+    for v in ("http://example.com/{id}", "/a{?x,y*}{/p:3}", "{+path}/here", "{a.b}", "a%20b"):
+        assert match(tpl, v), v
+    for v in ("http://example.com/resource/{", "x}", "a{}", "{a..b}", "100%"):
+        assert not match(tpl, v), v
+
+
 def test_enum_const_choices():
     s = {"enum": ["a", 1, None, {"k": [1, 2]}]}
     for v in ("a", 1, None, {"k": [1, 2]}):

@@ -50,6 +50,15 @@ _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\.[0-9]+)?(?:[zZ]|
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
 _LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
 _HEX = "[0-9a-fA-F]"
+_SCHEME = "[a-zA-Z][a-zA-Z0-9+.-]*"
+_UCHAR = r'[^\x00-\x20"\\<>^`{|}]'
+# RFC 6570: literals and {op varname[:len|*], ...} expressions ("{" left open is an error)
+_VARCHAR = rf"(?:[a-zA-Z0-9_]|%{_HEX}{{2}})"
+_VARSPEC = rf"{_VARCHAR}(?:\.?{_VARCHAR})*(?::[1-9][0-9]{{0,3}}|\*)?"
+_URI_TEMPLATE = (
+    rf"(?:[^\x00-\x20\"'%<>\\^`{{|}}\x7f]|%{_HEX}{{2}}"
+    rf"|\{{[+#./;?&=,!@|]?{_VARSPEC}(?:,{_VARSPEC})*\}})*"
+)
 FORMATS = {
     "date": _DATE,
     "time": _TIME,
@@ -58,8 +67,10 @@ FORMATS = {
     "email": r"[a-zA-Z0-9!#$%&'*+=?^_`{|}~./-]+@" + f"{_LABEL}(?:\\.{_LABEL})*",
     "ipv4": rf"(?:{_OCTET}\.){{3}}{_OCTET}",
     "hostname": rf"{_LABEL}(?:\.{_LABEL})*",
-    "uri": r"[a-zA-Z][a-zA-Z0-9+.-]*:[^\x00-\x20\"\\<>^`{|}]*",
-    "uri-reference": r"[^\x00-\x20\"\\<>^`{|}]*",
+    "uri": rf"{_SCHEME}:{_UCHAR}*",
+    # RFC 3986: a URI, or a relative reference whose first segment has no ":" ("://" is none)
+    "uri-reference": rf"(?:{_SCHEME}:{_UCHAR}*|[^\x00-\x20\"\\<>^`{{|}}:/?#]*(?:[/?#]{_UCHAR}*)?)",
+    "uri-template": _URI_TEMPLATE,
     "duration": r"P(?:[0-9]+Y)?(?:[0-9]+M)?(?:[0-9]+W)?(?:[0-9]+D)?(?:T(?:[0-9]+H)?(?:[0-9]+M)?(?:[0-9]+(?:\.[0-9]+)?S)?)?",
 }
 FORMATS["idn-email"] = FORMATS["email"]

@@ -20,6 +20,7 @@ from . import numbers as N
 from . import strings as S
 from .merge import Conflict, MergeError, key_matches, merge, resolve_pointer
 from .negation import Unsatisfiable, apply_not
+from .regex_format import regex_format_body
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,12 @@ UNSUPPORTED = {
 # oneOf branches whose regexes are at most this long are checked for overlap with interegular
 # (pure Python: its automata for a few thousand characters of JSON regex take minutes)
 MAX_CHECK_CHARS = 600
-_OBJECT_KEYS = ("properties", "required", "additionalProperties")
+_OBJECT_KEYS = ("properties", "required", "additionalProperties", "patternProperties")
 _DEPENDENCY_KEYS = {"dependencies", "dependentRequired", "dependentSchemas"}
 _ARRAY_KEYS = ("items", "prefixItems", "minItems", "maxItems", "additionalItems")
 _STRING_KEYS = ("minLength", "maxLength", "pattern", "format")
 _NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_FORMATS = {**S.FORMATS, "regex": regex_format_body()}
 
 
 @dataclass(frozen=True)
@@ -456,6 +458,12 @@ class Translator:
 
     def t_string(self, s, path):
         lo, hi = s.get("minLength", 0), self.bound(s.get("maxLength"), "maxLength", path)
+        fmt = _FORMATS.get(s.get("format"))
+        if "pattern" in s and fmt is not None:
+            body = self._pattern_and_format(s, fmt, path)
+            if body == fmt:
+                self._lengths_implied(S.regex_width(fmt), lo, hi, path, f"format {s['format']!r}")
+                return self.A.leaf(f'"{body}"')
         if "pattern" in s:
             try:
                 body = S.pattern_body(s["pattern"])
@@ -469,8 +477,8 @@ class Translator:
             except S.PatternError as e:
                 self.fail("pattern", path, str(e))
                 body = S.string_body(lo, hi)
-        elif s.get("format") in S.FORMATS:
-            body = S.FORMATS[s["format"]]
+        elif fmt is not None:
+            body = fmt
             self._lengths_implied(S.regex_width(body), lo, hi, path, f"format {s['format']!r}")
         elif "x-loom-not-strings" in s:
             plain = [v for v in s["x-loom-not-strings"] if v.isprintable() and '"' not in v]
@@ -482,6 +490,22 @@ class Translator:
                 log.info("json schema %s: format %r is not enforced", path, s["format"])
             body = S.string_body(lo, hi)
         return self.A.leaf(f'"{body}"')
+
+    def _pattern_and_format(self, s, fmt: str, path: str) -> str:
+        """`pattern` and `format` together: the format's body where it lies inside the
+        pattern's language, else the pattern's where it lies inside the format's; otherwise
+        the format is reported (a regex engine here has no intersection)."""
+        try:
+            pattern = S.pattern_body(s["pattern"])
+        except S.PatternError:
+            return ""  # t_string reports the pattern
+        if _regex_subset(fmt, pattern):
+            return fmt
+        if not _regex_subset(pattern, fmt):
+            self.fail(
+                "format", path, f"format {s['format']!r} beside a pattern it does not contain"
+            )
+        return pattern
 
     def _lengths_implied(self, width, lo, hi, path, what):
         """A pattern or format decides the length; minLength/maxLength must not narrow it."""
@@ -663,6 +687,22 @@ def _join(A, items, sep) -> list:
 def _list(A, item, sep):
     """One or more `item`s separated by `sep`."""
     return A.seq(item, A.rep(A.seq(sep, item), 0, None))
+
+
+@lru_cache(maxsize=1024)
+def _regex_subset(ra: str, rb: str) -> bool:
+    """Every string matching `ra` matches `rb` (interegular automata, the two regexes
+    together at most 2 * MAX_CHECK_CHARS characters; False where that cannot be shown)."""
+    import interegular
+
+    if len(ra) + len(rb) > 2 * MAX_CHECK_CHARS:
+        return False
+    try:
+        fa = interegular.parse_pattern(ra).to_fsm()
+        fb = interegular.parse_pattern(rb).to_fsm()
+        return (fa - fb).empty()
+    except Exception:  # noqa: BLE001 - a regex interegular cannot read proves nothing
+        return False
 
 
 @lru_cache(maxsize=4096)
