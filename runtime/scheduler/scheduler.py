@@ -65,7 +65,9 @@ class Scheduler:
         if drafter is None:
             from loom.runtime.spec import create_drafter
 
-            drafter = create_drafter(args, self.tokenizer, self.vocab_size, self.eos_token_ids)
+            drafter = create_drafter(
+                args, self.tokenizer, self.vocab_size, self.eos_token_ids, runner=self.runner
+            )
         self.decode = DecodeManager(
             self.kv, args.schedule_conservativeness, self.context_len, drafter
         )
@@ -157,8 +159,21 @@ class Scheduler:
             ok, message = self.flush_cache()
             return ControlOut(msg.request_id, ok, message)
         elif isinstance(msg, StateReq):
-            return ControlOut(msg.request_id, True, state=self.get_state())
+            state = self.get_state()
+            if getattr(msg, "list_rids", False):
+                state["rids"] = self.known_rids()
+            return ControlOut(msg.request_id, True, state=state)
         return None
+
+    def known_rids(self) -> list[str]:
+        """Every request not yet answered: compiling its grammar, waiting or chunked, running,
+        finishing, or with outputs not yet sent (the tokenizer manager's lost-request check)."""
+        reqs = [r for r, _, _ in self.grammar_queue.pending]
+        reqs += self.prefill.waiting + self.decode.running + self.decode.finishing
+        reqs += self.output.pending
+        if self.prefill.chunked_req is not None:
+            reqs.append(self.prefill.chunked_req)
+        return sorted({r.rid for r in reqs})
 
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         p = msg.sampling_params

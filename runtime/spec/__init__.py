@@ -8,15 +8,59 @@ processing reports what was accepted); `create_drafter(args, ...)` builds the on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class DraftTree:
+    """A draft tree: node i holds `tokens[i]`; its parent is `parents[i]` (-1: the request's
+    last real token, else an earlier node: parents come first). The verify step feeds the last
+    real token at position kv_len and node i at kv_len + 1 + depth(i); each node attends to
+    its ancestors only. `probs` (optional, [n, vocab]): the draft distribution each node's
+    token was drawn from (None: a deterministic drafter, q one-hot)."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: Any = None
+
+    def __post_init__(self):
+        assert len(self.tokens) == len(self.parents), "one parent per draft token"
+        assert all(-1 <= p < i for i, p in enumerate(self.parents)), "parents come first"
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node (a child of the last real token has depth 0)."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_path(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's child down to `node` (inclusive); [] for node -1."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 class Drafter(ABC):
     @abstractmethod
-    def draft(self, req, room: int, free_drafts: bool = True) -> list[int]:
-        """Tokens to verify after `req`'s current tokens (at most `room`). `free_drafts`:
-        False when the batch is too large for speculation to pay (return nothing then; the
-        call lets the drafter count it). A constrained request's drafts come with
-        `req.draft_masks`."""
+    def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
+        """Tokens to verify after `req`'s current tokens (at most `room`): a chain, or a
+        `DraftTree`. `free_drafts`: False when the batch is too large for speculation to pay
+        (return nothing then; the call lets the drafter count it). A constrained request's
+        drafts come with `req.draft_masks` (one grammar row after the last real token, then
+        one after each node)."""
 
     def enabled_for(self, batch_size: int) -> bool:
         """Whether a decode batch of this size drafts (if not, grammar requests in it take
@@ -29,7 +73,8 @@ class Drafter(ABC):
         return True
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
-        """A verify step accepted `accepted` of `drafted` tokens of `req`."""
+        """A verify step accepted `accepted` of `drafted` draft positions of `req` (a tree's
+        positions are its depths: `drafted` = its deepest node's depth + 1)."""
         return None
 
     def on_finished(self, req) -> None:
@@ -44,7 +89,9 @@ class Drafter(ABC):
         return ""
 
 
-def create_drafter(args, tokenizer, vocab_size: int, eos_token_ids) -> Drafter | None:
+def create_drafter(args, tokenizer, vocab_size: int, eos_token_ids, runner=None) -> Drafter | None:
+    """`runner`: the ModelRunner (model-based drafters run their head beside the target; the
+    n-gram drafter needs none)."""
     algo = (args.speculative_algorithm or "").upper()
     if not algo:
         return None
@@ -52,4 +99,8 @@ def create_drafter(args, tokenizer, vocab_size: int, eos_token_ids) -> Drafter |
         from loom.runtime.spec.speculator import NgramSpeculator
 
         return NgramSpeculator(args, tokenizer, vocab_size, eos_token_ids)
+    if algo in ("EAGLE", "EAGLE3", "MEDUSA"):
+        from loom.runtime.spec.eagle_drafter import EagleSpeculator
+
+        return EagleSpeculator(args, runner, tokenizer, vocab_size, eos_token_ids)
     raise ValueError(f"speculative_algorithm: unknown algorithm {args.speculative_algorithm!r}")
