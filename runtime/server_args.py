@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 API_KEY_ENV = "LOOM_API_KEY"
 BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
 
-ATTENTION_BACKENDS = ("torch", "cpu_paged")  # "triton" comes back with its kernels (kernels/)
+ATTENTION_BACKENDS = ("torch", "cpu_paged", "triton")  # triton: loom.kernels, CUDA
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "outlines")  # loom.grammar.engines.ENGINES
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
@@ -58,7 +59,7 @@ class ServerArgs:
     schedule_policy: str = "lpm"
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
-    attention_backend: str | None = None  # None: cpu_paged on the CPU, torch elsewhere
+    attention_backend: str | None = None  # None: cpu_paged on the CPU, triton on CUDA
     random_seed: int = 0
     cpu_threads: int | None = None
 
@@ -123,6 +124,14 @@ class ServerArgs:
             self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
             f"{self.attention_backend!r} is not supported yet (only {ATTENTION_BACKENDS})",
+        )
+        need(  # the Triton kernels run on the CPU only through Triton's (slow) interpreter
+            self.attention_backend != "triton"
+            or self.resolved_device != "cpu"
+            or env_flag("TRITON_INTERPRET"),
+            "attention_backend",
+            "'triton' is not supported yet on the CPU (it needs CUDA; TRITON_INTERPRET=1 runs it"
+            " through Triton's interpreter, for tests); use torch or cpu_paged",
         )
         need(
             self.schedule_policy in SCHEDULE_POLICIES,
@@ -321,7 +330,9 @@ class ServerArgs:
     def effective_attention_backend(self) -> str:
         if self.attention_backend is not None:
             return self.attention_backend
-        return "cpu_paged" if self.resolved_device == "cpu" else "torch"
+        if self.resolved_device == "cpu":
+            return "cpu_paged"
+        return "triton" if importlib.util.find_spec("triton") else "torch"
 
     @property
     def effective_cpu_threads(self) -> int:
@@ -419,7 +430,7 @@ _HELP = {
     "schedule_policy": "Order of the waiting queue",
     "schedule_conservativeness": "Scale of the KV reserved for running requests' future tokens",
     "disable_radix_cache": "Turn off the radix prefix cache",
-    "attention_backend": "Attention implementation: torch (the plain reference) or cpu_paged (CPU decode reads K/V in place; the CPU default; extends as torch); triton is not built yet and is refused by name",
+    "attention_backend": "Attention implementation: torch (the plain reference) or cpu_paged (CPU decode reads K/V in place; the CPU default; extends as torch); or triton (the Triton kernels of loom.kernels, the CUDA default; on the CPU only under TRITON_INTERPRET=1, for tests)",
     "random_seed": "Seed of the server's random state",
     "cpu_threads": "Torch threads of the scheduler on CPU; default: CPU count - 1 (one core is left to the tokenizer and detokenizer processes)",
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
