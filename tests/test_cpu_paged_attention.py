@@ -75,7 +75,7 @@ def test_decode_kernel_reads_a_bfloat16_pool():
 
 
 def test_decode_kernel_uses_threads_like_one():
-    lens = [40, 3, 77, 12, 8, 100, 1, 55]
+    lens = [400, 3, 777, 120, 8, 1000, 1, 550]  # enough work for a team of two
     q, k_buf, v_buf, table, rows, lens_t = _case(4, 2, 32, 32, lens, torch.float32, seed=2)
     lib, threads = cpu_kernels.load(), torch.get_num_threads()
     outs = []
@@ -83,7 +83,7 @@ def test_decode_kernel_uses_threads_like_one():
         torch.set_num_threads(n)
         try:
             outs.append(
-                cpu_kernels.decode_attention(lib, q, k_buf, v_buf, table, rows, lens_t, 100, 0.2)
+                cpu_kernels.decode_attention(lib, q, k_buf, v_buf, table, rows, lens_t, 1000, 0.2)
             )
         finally:
             torch.set_num_threads(threads)

@@ -170,6 +170,15 @@ def load() -> ctypes.CDLL | None:
         return lib
 
 
+# multiply-adds per thread below which another thread costs more (team start-up and the
+# barrier, which on a loaded machine waits for a descheduled thread) than it saves
+_GRAIN = 1 << 17
+
+
+def _threads(items: int, work: int) -> int:
+    return max(1, min(torch.get_num_threads(), items, work // _GRAIN))
+
+
 _KERNELS = {torch.float32: "loom_decode_f32", torch.bfloat16: "loom_decode_bf16"}
 
 
@@ -187,8 +196,10 @@ def decode_attention(
     lens: torch.Tensor,
     max_len: int,
     scale: float,
+    total_len: int | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D] over the K/V rows table[rows[b], :lens[b]] -> [B, H, Dv] in q's dtype."""
+    """q [B, H, D] over the K/V rows table[rows[b], :lens[b]] -> [B, H, Dv] in q's dtype.
+    `total_len` (sum of lens, default B * max_len) sizes the thread team."""
     b, h, d = q.shape
     hkv, dv = k_buf.shape[1], v_buf.shape[2]
     assert k_buf.is_contiguous() and v_buf.is_contiguous() and table.is_contiguous()
@@ -198,6 +209,6 @@ def decode_attention(
     getattr(lib, _KERNELS[k_buf.dtype])(
         qf.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), table.data_ptr(), table.stride(0),
         rows.data_ptr(), lens.data_ptr(), out.data_ptr(), b, h, hkv, d, dv, scale, max_len,
-        torch.get_num_threads(),
+        _threads(b * hkv, (total_len or b * max_len) * h * (d + dv)),
     )  # fmt: skip
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -20,6 +20,7 @@ from loom.runtime.forward_batch import ForwardBatch
 @dataclass
 class _PagedDecodeMeta:
     max_len: int
+    total_len: int
 
 
 class CpuPagedAttnBackend(TorchAttnBackend):
@@ -39,7 +40,7 @@ class CpuPagedAttnBackend(TorchAttnBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode.is_decode and self._kernel_runs(batch):
-            batch.attn_metadata = _PagedDecodeMeta(max(batch.seq_lens_cpu))
+            batch.attn_metadata = _PagedDecodeMeta(max(batch.seq_lens_cpu), sum(batch.seq_lens_cpu))
             return
         super().init_forward_metadata(batch)
 
@@ -60,4 +61,5 @@ class CpuPagedAttnBackend(TorchAttnBackend):
             batch.seq_lens,
             meta.max_len,
             layer.scaling,
+            meta.total_len,
         )

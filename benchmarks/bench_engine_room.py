@@ -1,0 +1,249 @@
+"""The CPU engine room: loom's forward against llama.cpp, one thread each, and where loom's
+decode step time goes.
+
+For each model and batch size B, B sequences of --pp random prompt tokens generate --tg tokens
+each (llama.cpp's llama-batched-bench workload, as bench_offline --batched runs it). The sides
+alternate every round: loom with the cpu_paged attention backend (the CPU default), loom with
+the torch reference backend (the per-step gather it replaces), and llama-batched-bench -fa off
+(llama.cpp's fastest CPU setting here), through benchmarks/peers/llamacpp.py (which builds
+llama.cpp once, converts the model to GGUF f32 and checks greedy tokens match). Ratios are
+loom / llama.cpp tok/s per round: median and range, with the load average beside them.
+
+The split (loom, cpu_paged, in-process scheduler, one thread): per decode step, the whole
+step (scheduling, sampling and the forward), the model forward alone, its attention calls
+(perf_counter around the backend's decode) and its matmuls (torch profiler self time of
+aten::mm / addmm, from a second pass); "other" = forward - attention - matmuls: norms, RoPE,
+elementwise ops and the Python module calls between them.
+
+    python benchmarks/bench_engine_room.py [--models bundled,qwen0.5b-f32]
+        [--batch-sizes 1,8,32,64] [--pp 128] [--tg 32] [--rounds 3] [--threads 1]
+        [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+
+import common  # noqa: E402
+from bench_offline import LoomSide  # noqa: E402
+
+BACKENDS = ("cpu_paged", "torch")
+
+
+class BackendSide(LoomSide):
+    """bench_offline's loom side with a chosen attention backend."""
+
+    def __init__(self, model_path: str, max_running: int, threads: int, backend: str):
+        import loom
+
+        self.engine = loom.Engine(
+            model_path,
+            max_running_requests=max_running,
+            random_seed=0,
+            cpu_threads=threads,
+            attention_backend=backend,
+            log_level="warning",
+        )
+        self.engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 4})
+
+
+def prompts_for(path: str, b: int, pp: int, seed: int) -> list[list[int]]:
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    special = set(tok.all_special_ids)
+    pool = [i for i in range(len(tok)) if i not in special]
+    rng = random.Random(seed * 1000 + b)
+    return [[rng.choice(pool) for _ in range(pp)] for _ in range(b)]
+
+
+def step_split(path: str, prompts: list[list[int]], tg: int, threads: int) -> dict:
+    """Median milliseconds per decode step of the whole batch: step, forward, attention,
+    matmuls, other (= forward - attention - matmuls)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from loom.runtime.io_struct import TokenizedGenerateReq
+    from loom.runtime.sampling_params import make_sampling_params
+    from loom.runtime.scheduler.scheduler import Scheduler
+    from loom.runtime.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=path,
+        cpu_threads=threads,
+        max_running_requests=len(prompts),
+        attention_backend="cpu_paged",
+    )
+    torch.set_num_threads(threads)  # as the scheduler process does (scheduler/loop.py)
+    sched = Scheduler(args)
+    runner, backend = sched.runner, sched.runner.attn_backend
+    seen = {"attn": 0.0, "rows": 0}
+    decode = backend.forward_decode
+
+    def timed_decode(q, *rest):
+        t = time.perf_counter()
+        out = decode(q, *rest)
+        seen["attn"] += time.perf_counter() - t
+        seen["rows"] = q.shape[0]
+        return out
+
+    backend.forward_decode = timed_decode
+    params = make_sampling_params({"max_new_tokens": tg, "temperature": 0, "ignore_eos": True})
+    for i, ids in enumerate(prompts):
+        sched.add_request(
+            TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=params, seed=0)
+        )
+    prof = profile(activities=[ProfilerActivity.CPU])
+    steps, profiled, full = [], 0, 0
+    while not sched.is_idle:
+        seen["attn"], seen["rows"] = 0.0, 0
+        profiling = 2 <= full < 10  # eight full-batch decode steps under the profiler
+        if profiling and profiled == 0:
+            prof.start()
+        t = time.perf_counter()
+        sched.step()
+        step = time.perf_counter() - t
+        if profiling:
+            profiled += 1
+            if full == 9:
+                prof.stop()
+        if seen["rows"] == len(prompts):
+            if not profiling:
+                steps.append((step, runner.last_model_seconds, seen["attn"]))
+            full += 1
+    mm = sum(
+        e.self_cpu_time_total
+        for e in prof.key_averages()
+        if e.key in ("aten::mm", "aten::addmm", "aten::bmm")
+    )
+    step_ms = statistics.median(s for s, _, _ in steps) * 1e3
+    forward_ms = statistics.median(m for _, m, _ in steps) * 1e3
+    attention_ms = statistics.median(a for _, _, a in steps) * 1e3
+    matmul_ms = mm / 1e3 / profiled
+    return {
+        "step_ms": step_ms,
+        "forward_ms": forward_ms,
+        "attention_ms": attention_ms,
+        "matmul_ms": matmul_ms,
+        "other_ms": forward_ms - attention_ms - matmul_ms,
+    }
+
+
+def measure(args, label: str, path: str, llamacpp) -> dict:
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    sides = {name: BackendSide(path, max(sizes), args.threads, name) for name in BACKENDS}
+    rows = []
+    try:
+        for b in sizes:
+            prompts = prompts_for(path, b, args.pp, args.seed)
+            runs = {
+                name: (lambda s=side, p=prompts: s.run_timed(p, args.tg))
+                for name, side in sides.items()
+            }
+            runs["llama.cpp"] = lambda b=b: llamacpp.batched_point(
+                label, args.threads, "off", b, args.pp, args.tg
+            )
+            t = common.alternate(runs, args.rounds)
+            row = {"B": b, "load": os.getloadavg()[0]}
+            for name in BACKENDS:  # tok/s per round, as llama-batched-bench counts them
+                row[f"{name}_prefill"] = [b * args.pp / f for f, _ in t[name]]
+                row[f"{name}_decode"] = [b * (args.tg - 1) / (tot - f) for f, tot in t[name]]
+            row["llama_prefill"] = [x[0] for x in t["llama.cpp"]]
+            row["llama_decode"] = [x[1] for x in t["llama.cpp"]]
+            row["split"] = step_split(path, prompts, args.tg, args.threads)
+            rows.append(row)
+            print(format_row(row), flush=True)
+    finally:
+        for side in sides.values():
+            side.close()
+    return {"model": label, "pp": args.pp, "tg": args.tg, "threads": args.threads, "rows": rows}
+
+
+def format_row(row: dict) -> str:
+    sp = row["split"]
+    parts = [f"B={row['B']:3} (load {row['load']:.1f})"]
+    for what in ("decode", "prefill"):
+        for name in BACKENDS:
+            parts.append(
+                f"{what} {name} / llama.cpp "
+                f"{common.fmt_ratio(row[f'{name}_{what}'], row[f'llama_{what}'])}"
+            )
+    parts.append(
+        f"loom {statistics.median(row['cpu_paged_decode']):.0f} vs llama.cpp "
+        f"{statistics.median(row['llama_decode']):.0f} decode tok/s"
+    )
+    parts.append(
+        "cpu_paged decode step {step_ms:.2f} ms: forward {forward_ms:.2f} (attention "
+        "{attention_ms:.2f}, matmuls {matmul_ms:.2f}, other {other_ms:.2f})".format(**sp)
+    )
+    return "\n    ".join(parts)
+
+
+def markdown(results: list[dict]) -> str:
+    lines = []
+    for res in results:
+        lines += [
+            f"**{res['model']}**, pp {res['pp']}, tg {res['tg']}, {res['threads']} thread(s) each;"
+            " ratios loom / llama.cpp (-fa off), median and range over the rounds:",
+            "",
+            "| B | load | decode, cpu_paged | decode, torch backend | prefill, cpu_paged |"
+            " loom decode tok/s | llama.cpp decode tok/s | loom step ms: forward"
+            " (attention / matmuls / other) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in res["rows"]:
+            sp = row["split"]
+            lines.append(
+                f"| {row['B']} | {row['load']:.1f} "
+                f"| {common.fmt_ratio(row['cpu_paged_decode'], row['llama_decode'])} "
+                f"| {common.fmt_ratio(row['torch_decode'], row['llama_decode'])} "
+                f"| {common.fmt_ratio(row['cpu_paged_prefill'], row['llama_prefill'])} "
+                f"| {statistics.median(row['cpu_paged_decode']):.0f} "
+                f"| {statistics.median(row['llama_decode']):.0f} "
+                f"| {sp['step_ms']:.2f}: {sp['forward_ms']:.2f} ({sp['attention_ms']:.2f} / "
+                f"{sp['matmul_ms']:.2f} / {sp['other_ms']:.2f}) |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--models", default="bundled", help=f"comma-separated, from {common.MODELS}")
+    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--pp", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--tg", type=int, default=32, help="new tokens per sequence")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="threads for loom and llama.cpp")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the raw figures here")
+    args = p.parse_args(argv)
+    import llamacpp
+
+    print(common.header("engine room (CPU): loom vs llama.cpp"))
+    results = []
+    for name in args.models.split(","):
+        label, path = common.resolve_model(name)
+        llamacpp.build()
+        llamacpp.check(label, args.threads)  # same tokens, same greedy output first
+        results.append(measure(args, label, path, llamacpp))
+    print(markdown(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
