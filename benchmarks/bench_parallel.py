@@ -1,9 +1,13 @@
 """Parallel workers: throughput and per-rank memory of TP=1 vs TP=2 and PP=2 (dense) and EP=1
-vs EP=2 (MoE), each layout a live Engine, the runs alternating (TP1, TP2, PP2, EP1, EP2, ...).
+vs EP=2 (MoE), each layout a live Engine, the runs alternating (TP1, TP2, PP2, ..., EP2, ...).
+Also PP=2 with micro-batches (the default: each step's requests in pp_size groups, so the
+stages overlap) against PP=2 in one piece (--pp-max-micro-batch-size = all requests), and
+EP=2 with all-to-all dispatch (the default) against the all-reduce fallback.
 
 Workload: --num-requests greedy requests (prompts of --prompt-len random tokens, --new-tokens
 each, ignore_eos) sent as one batch; tok/s counts prompt + new tokens over the wall time.
-Printed as ratios (TP2 / TP1, PP2 / TP1, EP2 / EP1: median of per-round ratios with the range) beside the
+Printed as ratios (TP2 / TP1, PP2 / TP1, EP2 / EP1, PP2 / PP2-1mb, EP2 / EP2-allreduce:
+median of per-round ratios with the range) beside the
 per-rank weight and KV bytes from get_server_info. On a 2-core CPU the speed ratio is
 informative only: two ranks share two cores with everything else, so a ratio below 1 there
 says nothing about a GPU; the memory split is exact anywhere.
@@ -86,8 +90,10 @@ def main() -> None:
         "TP1": (dense, {}),
         "TP2": (dense, {"tp_size": 2}),
         "PP2": (dense, {"pp_size": 2}),
+        "PP2-1mb": (dense, {"pp_size": 2, "pp_max_micro_batch_size": args.num_requests}),
         "EP1": (moe, {}),
         "EP2": (moe, {"ep_size": 2}),
+        "EP2-allreduce": (moe, {"ep_size": 2, "moe_a2a_backend": "none"}),
     }
     common_kw = dict(max_total_tokens=8192, disable_radix_cache=True)  # every round computes
     if args.device:
@@ -124,6 +130,12 @@ def main() -> None:
     print(f"TP2 / TP1 throughput: {common.fmt_ratio(times['TP1'], times['TP2'])}")
     print(f"PP2 / TP1 throughput: {common.fmt_ratio(times['TP1'], times['PP2'])}")
     print(f"EP2 / EP1 throughput: {common.fmt_ratio(times['EP1'], times['EP2'])}")
+    print(
+        f"PP2 micro-batched / PP2 in one piece: {common.fmt_ratio(times['PP2-1mb'], times['PP2'])}"
+    )
+    print(
+        f"EP2 all-to-all / EP2 all-reduce: {common.fmt_ratio(times['EP2-allreduce'], times['EP2'])}"
+    )
     for a, b in (("TP2", "TP1"), ("PP2", "TP1"), ("EP2", "EP1")):
         ratio = memory[a][0]["weight_bytes"] / memory[b][0]["weight_bytes"]
         print(f"{a} / {b} weight bytes per rank: {ratio:.3f}")

@@ -5,8 +5,10 @@ Layout: `world_size` scheduler ranks (ServerArgs.world_size), one process each. 
 tp_size > 1 every rank is a TP rank (attention heads, MLP columns/rows and the vocabulary
 split), and the MoE experts are split over ep_size groups of tp_size // ep_size ranks (EP =
 TP x DP with dp_size 1). With tp_size 1 and ep_size > 1, attention and dense weights are
-replicated and only the experts are split. Collectives run on the default group (gloo on CPU,
-NCCL on CUDA); Python objects (each step's plan) go over a gloo group.
+replicated and only the experts are split; when each expert is whole on one rank the MoE
+layers dispatch tokens with all-to-all, else they all-reduce (`moe_all_to_all`). With pp_size
+> 1 each rank is one pipeline stage. Collectives run on the default group (gloo on CPU, NCCL
+on CUDA); Python objects (each step's plan) go over a gloo group.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class ParallelState:
     world_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    moe_all_to_all: bool = False  # EP dispatch (ServerArgs.moe_all_to_all), else all-reduce
+    pp_max_micro_batch_size: int | None = None  # requests per pipeline micro-batch
 
 
 _state = ParallelState()
@@ -54,7 +58,13 @@ def set_parallel_state(state: ParallelState) -> None:
 def state_for_rank(args, rank: int) -> ParallelState:
     world = args.world_size
     if args.pp_size > 1:  # one rank per stage (tp_size and ep_size are 1)
-        return ParallelState(rank=rank, world_size=world, pp_rank=rank, pp_size=args.pp_size)
+        return ParallelState(
+            rank=rank,
+            world_size=world,
+            pp_rank=rank,
+            pp_size=args.pp_size,
+            pp_max_micro_batch_size=args.pp_max_micro_batch_size,
+        )
     tp = args.tp_size
     return ParallelState(
         tp_rank=rank if tp > 1 else 0,
@@ -63,6 +73,7 @@ def state_for_rank(args, rank: int) -> ParallelState:
         ep_size=args.ep_size,
         rank=rank,
         world_size=world,
+        moe_all_to_all=args.moe_all_to_all,
     )
 
 

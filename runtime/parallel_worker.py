@@ -51,13 +51,16 @@ class BroadcastRunner:
         return self.runner.forward(inp)
 
     def expert_token_counts(self) -> dict[str, list[int]]:
-        """Every rank's MoE layers' counts (pipeline stages each hold their own layers)."""
+        """Every rank's MoE layers' counts, summed: a rank counts its own experts' tokens only
+        (pipeline stages each hold their own layers)."""
         from loom.runtime.layers.moe import expert_token_counts
 
         broadcast_object(Step(None, []))
         merged: dict[str, list[int]] = {}
         for counts in gather_objects(expert_token_counts(self.runner.model)):
-            merged.update(counts)  # a layer lives on one stage, or on every rank identically
+            for layer, per_expert in counts.items():
+                old = merged.get(layer, [0] * len(per_expert))
+                merged[layer] = [a + b for a, b in zip(old, per_expert)]
         return dict(sorted(merged.items(), key=lambda kv: int(kv[0])))
 
     def _changed_rows(self, inp) -> list:

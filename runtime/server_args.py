@@ -15,6 +15,9 @@ BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
 ATTENTION_BACKENDS = ("torch", "cpu_paged", "triton")  # triton: loom.kernels, CUDA
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "outlines")  # loom.grammar.engines.ENGINES
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
+# MoE token dispatch under expert parallelism (runtime/layers/moe.py); "none" is SGLang's name
+# for no all-to-all backend (every rank computes its experts on every token, one all-reduce)
+MOE_A2A_BACKENDS = ("auto", "all_to_all", "none")
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
 TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3", "react")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
@@ -84,6 +87,8 @@ class ServerArgs:
     tp_size: int = 1
     ep_size: int = 1
     pp_size: int = 1
+    pp_max_micro_batch_size: int | None = None
+    moe_a2a_backend: str = "auto"
     dp_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -281,6 +286,17 @@ class ServerArgs:
             "pp_size",
             f"{self.pp_size} with tp_size or ep_size > 1 is not supported yet (one rank per stage)",
         )
+        mb = self.pp_max_micro_batch_size
+        need(mb is None or mb >= 1, "pp_max_micro_batch_size", f"must be >= 1, got {mb}")
+        need(mb is None or self.pp_size > 1, "pp_max_micro_batch_size", "needs pp_size > 1")
+        a2a = self.moe_a2a_backend
+        need(a2a in MOE_A2A_BACKENDS, "moe_a2a_backend", f"must be one of {MOE_A2A_BACKENDS}")
+        need(
+            a2a != "all_to_all" or (self.ep_size > 1 and self.tp_size in (1, self.ep_size)),
+            "moe_a2a_backend",
+            "all_to_all needs ep_size > 1 and each expert whole on one rank (tp_size 1 or "
+            f"tp_size == ep_size), got tp_size {self.tp_size}, ep_size {self.ep_size}",
+        )
         need(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
         need(
             0 <= self.node_rank < self.nnodes,
@@ -311,6 +327,13 @@ class ServerArgs:
         """Scheduler ranks: tp_size, or ep_size when experts alone are sharded (tp_size 1), or
         pp_size (one rank per pipeline stage)."""
         return self.pp_size * (self.tp_size if self.tp_size > 1 else self.ep_size)
+
+    @property
+    def moe_all_to_all(self) -> bool:
+        """Whether MoE tokens are dispatched to their experts' ranks with all-to-all (auto:
+        whenever each expert lives whole on one rank) rather than all-reduced."""
+        whole = self.ep_size > 1 and self.tp_size in (1, self.ep_size)
+        return self.moe_a2a_backend != "none" and whole
 
     @property
     def node_ranks(self) -> range:
@@ -395,6 +418,8 @@ class ServerArgs:
                 kwargs["choices"] = TOOL_CALL_PARSERS
             if f.name == "reasoning_parser":
                 kwargs["choices"] = REASONING_PARSERS
+            if f.name == "moe_a2a_backend":
+                kwargs["choices"] = MOE_A2A_BACKENDS
             parser.add_argument(flag, **kwargs)
 
     @classmethod
@@ -449,6 +474,8 @@ _HELP = {
     "tp_size": "Tensor-parallel degree: one scheduler process per rank (gloo on CPU, NCCL on CUDA)",
     "ep_size": "Expert-parallel degree for MoE models: divides tp_size, or shards experts over ep_size ranks with tp_size 1",
     "pp_size": "Pipeline-parallel stages: the layers split evenly, one rank per stage",
+    "pp_max_micro_batch_size": "Most requests in one pipeline micro-batch (a step's requests are split so the stages overlap; default: the step's requests over pp_size micro-batches)",
+    "moe_a2a_backend": "MoE expert-parallel dispatch: all_to_all sends each token to its experts' ranks and back; none all-reduces every rank's experts over all tokens; auto: all_to_all whenever each expert is whole on one rank",
     "dp_size": "Data-parallel replicas",
     "nnodes": "Number of nodes the ranks are spread over (each node runs world_size / nnodes ranks)",
     "node_rank": "This node's rank; node 0 serves HTTP, the others run their ranks only",

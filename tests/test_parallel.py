@@ -82,11 +82,22 @@ def _check_same_as_one_rank(url: str, path: str) -> list[dict]:
     return got
 
 
-def _routed_tokens(got: list[dict]) -> int:
-    """Tokens every MoE layer routed at least (each to top-2 experts): the prompts, less the
-    cached prefix, and every output token but the last (which is never fed back)."""
-    tokens = sum(len(ids) for ids, _ in FIRST + LATER) - (len(PREFIX) - 1)
-    return tokens + sum(len(item["output_ids"]) - 1 for item in got)
+def _check_expert_counts(before: dict, after: dict, got: list[dict], top_k: int = 2) -> None:
+    """Between two reads of the counters, every MoE layer routed each computed token to top_k
+    experts: the prompts less their cached prefixes, and every output token but the last
+    (which is never fed back); the regex request may recompute its own tokens once more
+    (jump-forward re-feeds the forced text). A double-counted or dropped token fails it."""
+    tokens = [
+        item["meta_info"]["prompt_tokens"] - item["meta_info"]["cached_tokens"]
+        + len(item["output_ids"]) - 1
+        for item in got
+    ]  # fmt: skip
+    assert after, "no MoE layer reported its expert counts"
+    for layer, per_expert in after.items():
+        routed = sum(per_expert) - sum(before.get(layer, [0] * len(per_expert)))
+        assert top_k * sum(tokens) <= routed <= top_k * (sum(tokens) + tokens[3] + 1), (
+            layer, routed, tokens,
+        )  # fmt: skip
 
 
 def _check_weights_split(info: dict, ranks: int) -> int:
@@ -181,33 +192,46 @@ def test_pp2_tied_moe_matches_one_rank(tmp_path_factory):
     expert counts come from the stage that holds the sparse layer."""
     path = _tied_moe_model(tmp_path_factory.mktemp("pp"))
     with _server(path, pp_size=2) as rt:
+        before = server_info(rt.url)["expert_token_counts"]
         got = _check_same_as_one_rank(rt.url, path)
         info = wait_idle_and_intact(rt.url)
         whole = rank_info(make_scheduler(path, max_total_tokens=2048).runner, 0)
         ranks = info["parallel"]["ranks"]
         assert [r["kv_cache_bytes"] for r in ranks] == [whole["kv_cache_bytes"] // 2] * 2
         assert all(r["weight_bytes"] < 0.75 * whole["weight_bytes"] for r in ranks)
-        counts = info["expert_token_counts"]
-        assert list(counts) == ["1"] and sum(counts["1"]) >= 2 * _routed_tokens(got)
+        assert list(info["expert_token_counts"]) == ["1"]
+        _check_expert_counts(before, info["expert_token_counts"], got)
 
 
 # --------------------------------------------------------------------------- MoE
+# EP = TP x DP (dp_size 1): with tp_size 2 and ep_size 2 each rank holds half the experts whole
+# and half the attention heads; ep_size 2 alone replicates attention. Each MoE family runs both
+# EP layouts (all-to-all dispatch by default) and one family the all-reduce fallback.
+MOE_LAYOUTS = [
+    ("qwen2-moe", {"tp_size": 2}),  # every expert's intermediate split: all-reduce
+    ("qwen2-moe", {"ep_size": 2}),
+    ("qwen2-moe", {"tp_size": 2, "ep_size": 2}),
+    ("qwen3-moe", {"ep_size": 2}),
+    ("qwen3-moe", {"tp_size": 2, "ep_size": 2}),
+    ("mixtral", {"ep_size": 2, "moe_a2a_backend": "none"}),
+]  # Mixtral's TP2+EP2 (all-to-all) runs as two nodes below
+
+
 @pytest.mark.parametrize(
     "family, layout",
-    [
-        ("qwen2-moe", {"tp_size": 2}),
-        ("qwen3-moe", {"ep_size": 2}),  # experts split, attention replicated
-    ],  # Mixtral's TP2+EP2 runs as two nodes below
+    MOE_LAYOUTS,
+    ids=[f"{f}-" + "-".join(f"{k}={v}" for k, v in lay.items()) for f, lay in MOE_LAYOUTS],
 )
 def test_moe_layouts_match_one_rank(tiny_model_dir, family, layout):
     path = tiny_model_dir(family)
     with _server(path, enable_metrics=True, **layout) as rt:
+        before = server_info(rt.url)["expert_token_counts"]
         got = _check_same_as_one_rank(rt.url, path)
         info = wait_idle_and_intact(rt.url)
         _check_weights_split(info, 2)
         counts = info["expert_token_counts"]
         assert counts and all(len(c) == 4 for c in counts.values())
-        assert all(sum(c) >= 2 * _routed_tokens(got) for c in counts.values()), counts
+        _check_expert_counts(before, counts, got)
         metrics = requests.get(rt.url + "/metrics", timeout=30).text
         layer, per_expert = next(iter(counts.items()))
         line = rf'loom:moe_expert_tokens{{expert="1",layer="{layer}",.*}} {float(per_expert[1])}'
@@ -223,8 +247,11 @@ def test_two_nodes_on_localhost_serve_a_request(tiny_model_dir):
     other = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         with _server(path, **common) as rt:
-            _check_same_as_one_rank(rt.url, path)
-            assert set(server_info(rt.url)["process_pids"]) == {"scheduler", "detokenizer"}
+            before = server_info(rt.url)["expert_token_counts"]
+            got = _check_same_as_one_rank(rt.url, path)
+            info = wait_idle_and_intact(rt.url)
+            _check_expert_counts(before, info["expert_token_counts"], got)
+            assert set(info["process_pids"]) == {"scheduler", "detokenizer"}
         assert other.wait(30) == 1  # its rank lost rank 0: node 1 goes down too
     finally:
         if other.poll() is None:
@@ -253,9 +280,21 @@ def test_impossible_layouts_are_refused_by_name(tiny_model_dir):
         ({"node_rank": 1}, "node_rank: must be in"),
         ({"pp_size": 2, "tp_size": 2}, "pp_size: 2 with tp_size or ep_size > 1 is not supported"),
         ({"dist_init_addr": "nohost"}, "dist_init_addr: must be host:port"),
+        ({"pp_max_micro_batch_size": 2}, "pp_max_micro_batch_size: needs pp_size > 1"),
+        ({"pp_size": 2, "pp_max_micro_batch_size": 0}, "pp_max_micro_batch_size: must be >= 1"),
+        ({"ep_size": 2, "moe_a2a_backend": "deepep"}, "moe_a2a_backend: must be one of"),
+        (
+            {"tp_size": 4, "ep_size": 2, "moe_a2a_backend": "all_to_all"},
+            "moe_a2a_backend: all_to_all needs",
+        ),
+        ({"moe_a2a_backend": "all_to_all"}, "moe_a2a_backend: all_to_all needs ep_size > 1"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             ServerArgs(**kwargs)
+    auto = {"tp_size": 4, "ep_size": 2}  # an expert split over 2 ranks: all-reduce
+    assert not ServerArgs(**auto).moe_all_to_all
+    assert ServerArgs(ep_size=2).moe_all_to_all and ServerArgs(tp_size=2, ep_size=2).moe_all_to_all
+    assert not ServerArgs(ep_size=2, moe_a2a_backend="none").moe_all_to_all
 
 
 def test_layout_warnings(tiny_model_dir, caplog, monkeypatch):

@@ -3,8 +3,17 @@
 `FusedMoE` holds this rank's experts as two stacked weights, w13 [E_local, 2*I, H] (gate rows,
 then up rows) and w2 [E_local, H, I]. Experts are split across the `ep_size` expert-parallel
 ranks; when tp_size > ep_size, each expert's intermediate dimension is split across the
-remaining tp_size // ep_size ranks as in a column/row-parallel MLP. Every rank sees the same
-tokens, computes the partial sum over its expert slices, and one all-reduce completes it.
+remaining tp_size // ep_size ranks as in a column/row-parallel MLP.
+
+Every rank enters the block with the same tokens (attention is replicated or all-reduced).
+Two ways to combine the experts' outputs:
+- all-reduce (the fallback, and the only way when an expert is split over ranks): every rank
+  routes every token, computes its experts' (or expert slices') share, one all-reduce sums it.
+- all-to-all (ParallelState.moe_all_to_all, when each expert is whole on one rank): each rank
+  routes a 1/ep slice of the tokens, sends every (token, expert) pair to the expert's owner
+  (`all_to_all_single`), the owner runs it, the results come back the same way and are
+  weighted and summed at the token's rank; an all-gather restores every token on every rank.
+  Each expert then computes only the tokens routed to it, instead of every rank filtering all.
 """
 
 from __future__ import annotations
@@ -66,6 +75,21 @@ def fused_experts(
     return out
 
 
+def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, local_ids: torch.Tensor):
+    """Row i of x through local expert local_ids[i] (unweighted): the all-to-all owner's side."""
+    order = torch.argsort(local_ids, stable=True)
+    counts = torch.bincount(local_ids, minlength=w13.shape[0]).tolist()
+    out = torch.empty_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = order[start : start + n]
+            gate, up = F.linear(x.index_select(0, rows), w13[e]).chunk(2, dim=-1)
+            out[rows] = F.linear(F.silu(gate) * up, w2[e])
+            start += n
+    return out
+
+
 class FusedMoE(nn.Module):
     """The experts of one sparse MLP block; the router lives in the block (HF's `gate`).
 
@@ -97,6 +121,8 @@ class FusedMoE(nn.Module):
                 f"tp_size // ep_size ({self.moe_tp_size})"
             )
         self.reduce = ps.tp_size > 1 or ps.ep_size > 1
+        self.all_to_all = ps.moe_all_to_all and ps.ep_size > 1 and self.moe_tp_size == 1
+        self.ep_size, self.ep_rank = ps.ep_size, ps.ep_rank
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local = num_experts // ps.ep_size
         self.first_expert = ps.ep_rank * self.num_local
@@ -111,10 +137,15 @@ class FusedMoE(nn.Module):
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         # tokens routed to each (global) expert since start: the input to expert load
-        # balancing; every rank routes every token, so any rank's counts are the whole picture
+        # balancing. A rank counts only its own experts' tokens (the first of an expert's TP
+        # slices), so the counts of all ranks sum to the whole picture.
         self.register_buffer(
             "token_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False
         )
+        mask = torch.zeros(num_experts, dtype=torch.int64)
+        if self.moe_tp_rank == 0:
+            mask[self.first_expert : self.first_expert + self.num_local] = 1
+        self.register_buffer("count_mask", mask, persistent=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
         """shard_id = (expert, "w1" | "w3" | "w2") for one HF expert's gate/up/down matrix, or
@@ -143,17 +174,58 @@ class FusedMoE(nn.Module):
         offset = {"w1": 0, "w3": size}[which]  # [I, H]: this rank's output rows
         param.data[local].narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def _route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        self.token_counts += torch.bincount(ids.flatten(), minlength=self.num_experts)
         if not self.fp32_routing_weights:
             weights = weights.to(router_logits.dtype)
+        return weights, ids
+
+    def _count(self, ids: torch.Tensor) -> None:
+        self.token_counts += torch.bincount(ids, minlength=self.num_experts) * self.count_mask
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.all_to_all:
+            return self._forward_all_to_all(hidden, router_logits)
+        weights, ids = self._route(router_logits)
+        self._count(ids.flatten())
         out = fused_experts(
             hidden, self.w13_weight, self.w2_weight, weights, ids, self.first_expert
         )
         if self.reduce:
             torch.distributed.all_reduce(out)
         return out
+
+    def _forward_all_to_all(self, hidden: torch.Tensor, router_logits: torch.Tensor):
+        """Dispatch this rank's slice of the tokens to the experts' ranks, combine, gather."""
+        dist = torch.distributed
+        tokens, per = hidden.shape[0], -(-hidden.shape[0] // self.ep_size)
+        start, end = min(self.ep_rank * per, tokens), min((self.ep_rank + 1) * per, tokens)
+        x = hidden[start:end]
+        weights, ids = self._route(router_logits[start:end])
+        # (token, slot) pairs in ascending expert order: grouped by owner rank, and each
+        # token's outputs are summed in the reference's (ascending expert) order
+        order = torch.argsort(ids.flatten(), stable=True)
+        pair_ids = ids.flatten()[order]
+        send = torch.bincount(pair_ids // self.num_local, minlength=self.ep_size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)
+        send_n, recv_n = send.tolist(), recv.tolist()
+        token_of = order // self.top_k
+        recv_x = x.new_empty(sum(recv_n), x.shape[1])
+        dist.all_to_all_single(recv_x, x.index_select(0, token_of), recv_n, send_n)
+        recv_ids = pair_ids.new_empty(sum(recv_n))
+        dist.all_to_all_single(recv_ids, pair_ids, recv_n, send_n)
+        self._count(recv_ids)
+        h = expert_rows(recv_x, self.w13_weight, self.w2_weight, recv_ids - self.first_expert)
+        back = x.new_empty(len(pair_ids), x.shape[1])
+        dist.all_to_all_single(back, h, send_n, recv_n)
+        w = weights.flatten()[order]
+        back = back * w[:, None].to(torch.promote_types(back.dtype, w.dtype))
+        mine = hidden.new_zeros(per, hidden.shape[1])
+        mine.index_add_(0, token_of, back.to(hidden.dtype))
+        parts = [torch.empty_like(mine) for _ in range(self.ep_size)]
+        dist.all_gather(parts, mine)
+        return torch.cat(parts)[:tokens]
 
 
 class SparseMoeBlock(nn.Module):

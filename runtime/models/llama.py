@@ -164,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Returns float32 logits for the rows the forward batch asks for."""
-        return compute_logits(self.model(input_ids, positions), self.lm_head, self.model.stage)
+        stage = self.model.stage  # pipeline stages run the model once per micro-batch
+        return compute_logits(stage.forward(self.model, input_ids, positions), self.lm_head, stage)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))

@@ -64,15 +64,15 @@ def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
 
 
 def _expert_counts(sched) -> dict:
-    """Tokens routed to each expert so far, per MoE layer (pipeline stages each hold their
-    own layers, so they are asked; otherwise rank 0 sees every layer)."""
+    """Tokens routed to each expert so far, per MoE layer: with several ranks each counts its
+    own experts (and a pipeline stage its own layers), so every rank is asked."""
     from loom.runtime.layers.moe import expert_token_counts
 
     runner, cfg = sched.runner, sched.runner.config
     moe = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
-    if moe and sched.args.pp_size > 1:  # BroadcastRunner: ask every stage
+    if moe and sched.args.world_size > 1:  # BroadcastRunner: gathered, summed
         counts = runner.expert_token_counts()
-    else:  # rank 0 holds every layer and routes every token
+    else:
         counts = expert_token_counts(runner.model)
     return {"expert_token_counts": counts} if counts else {}
 
