@@ -286,3 +286,47 @@ def test_rotary_equals_the_layer(dtype):
     close(rk, ek, dtype)
     with pytest.raises(ValueError, match="head_dim"):
         rotary.rotary(positions, q[..., :17], k[..., :17], emb.cos_cache, emb.sin_cache)
+
+
+# -- CUDA-graph buckets and padding ------------------------------------------------------
+
+
+def test_capture_batch_sizes_and_buckets():
+    from loom.kernels.cuda_graph import bucket_for, capture_batch_sizes
+
+    assert capture_batch_sizes(1) == [1]
+    assert capture_batch_sizes(8) == [1, 2, 4, 8]
+    assert capture_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = capture_batch_sizes(64)
+    assert sizes[-1] == 64 and sizes == sorted(set(sizes))
+    assert [bucket_for(b, sizes) for b in (1, 3, 5, 9, 64, 65)] == [1, 4, 8, 16, 64, None]
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        capture_batch_sizes(0)
+
+
+def test_padded_decode_rows_leave_the_real_rows_unchanged():
+    """A batch padded to its bucket by the padding rules gives the real rows the same
+    attention output, and its padded rows write only into the padding slot."""
+    from loom.kernels.cuda_graph import pad_decode_inputs
+
+    lens = [9, 30, 4]
+    k_buf, v_buf, table, rows = paged_pool(lens, 2, 16, 16, seed=3)
+    pad_row = next(r for r in range(table.shape[0]) if r not in rows.tolist())
+    assert int(table[pad_row, 0]) == 0
+    q = torch.randn(3, 4, 16)
+    seq = torch.tensor(lens)
+    ids, pos, loc = torch.tensor([5, 6, 7]), seq - 1, table[rows, seq - 1]
+    pids, ppos, ploc, prows, pseq = pad_decode_inputs(ids, pos, loc, rows, seq, 8, pad_row)
+    assert pids.tolist()[3:] == [0] * 5 and ppos.tolist()[3:] == [0] * 5
+    assert ploc.tolist()[3:] == [0] * 5 and prows.tolist()[3:] == [pad_row] * 5
+    assert pseq.tolist() == lens + [1] * 5
+    qp = torch.cat([q, torch.randn(5, 4, 16)])
+    before = k_buf.clone()
+    kv_store.store_kv(k_buf, v_buf, ploc[3:], torch.randn(5, 2, 16), torch.randn(5, 2, 16))
+    assert torch.equal(k_buf[1:], before[1:])  # only slot 0 (padding) was written
+    out, _ = decode_attention.decode_attention(qp, k_buf, v_buf, table, prows, pseq, 0.25)
+    ref, _ = decode_attention.decode_attention_ref(q, k_buf, v_buf, table, rows, seq, 0.25)
+    close(out[:3], ref)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_decode_inputs(ids, pos, loc, rows, seq, 2, pad_row)
