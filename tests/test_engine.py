@@ -131,3 +131,91 @@ def test_context_manager_shuts_down(tiny_model_dir):
     assert all(not p.is_alive() for p in procs)
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate("hi")
+
+
+# --------------------------------------------------------------------------- lost requests
+class _DroppingSocket:
+    """Stands in for the TokenizerManager's send socket and drops the generate requests of
+    one rid on purpose (a request lost between the TokenizerManager and the scheduler)."""
+
+    def __init__(self, sock, rid: str):
+        from loom.runtime.io_struct import ToScheduler, decoder
+
+        self.sock, self.rid, self.dropped = sock, rid, 0
+        self.dec = decoder(ToScheduler)
+
+    def send(self, data, *args, **kwargs):
+        from loom.runtime.io_struct import TokenizedGenerateReq
+
+        msg = self.dec.decode(data)
+        if isinstance(msg, TokenizedGenerateReq) and msg.rid == self.rid:
+            self.dropped += 1
+            return None
+        return self.sock.send(data, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def _run(engine, coro, timeout: float = 120):
+    return asyncio.run_coroutine_threadsafe(coro, engine._loop).result(timeout)
+
+
+def test_a_lost_request_fails_instead_of_waiting_forever(engine):
+    """The watchdog's probe lists the scheduler's rids: a request it does not hold, with no
+    final output, fails with a clear error (streamed or not) and the engine keeps serving."""
+    tm = engine.tokenizer_manager
+    real = tm.send_sock
+    params = {"max_new_tokens": 3, "temperature": 0}
+    try:
+        tm.send_sock = _DroppingSocket(real, "lost-plain")
+        with pytest.raises(RuntimeError, match="'lost-plain' was lost"):
+            _run(engine, _collect(engine, "lost-plain", params, stream=False))
+        tm.send_sock = _DroppingSocket(real, "lost-stream")
+        with pytest.raises(RuntimeError, match="'lost-stream' was lost"):
+            _run(engine, _collect(engine, "lost-stream", params, stream=True))
+    finally:
+        tm.send_sock = real
+    assert tm.lost_requests == 2 and not tm.rid_to_state
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+    assert out["meta_info"]["completion_tokens"] == 3
+
+
+async def _collect(engine, rid: str, params: dict, stream: bool):
+    from loom.runtime.io_struct import GenerateReqInput
+
+    tm = engine.tokenizer_manager
+    obj = GenerateReqInput(input_ids=[5, 6, 7], sampling_params=params, rid=rid)
+    if not stream:
+        return await tm.generate(obj)
+    return [item async for item in tm.generate_stream(obj)]
+
+
+def test_outputs_arrive_when_the_receive_wakeup_is_lost(engine):
+    """A lost fd wake-up of the receive socket (the loop never told that outputs wait) costs
+    at most a watchdog tick: the tick drains the socket, so the request still completes."""
+    tm = engine.tokenizer_manager
+    _run(engine, _async(tm._loop.remove_reader, tm._recv_fd))
+    try:
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})
+        assert out["meta_info"]["completion_tokens"] == 4
+    finally:
+        _run(engine, _async(tm._loop.add_reader, tm._recv_fd, tm._drain))
+
+
+def test_a_failing_output_hook_costs_no_output(engine):
+    tm = engine.tokenizer_manager
+
+    def broken(*_):
+        raise KeyError("metrics bug")
+
+    tm.on_output = broken
+    try:
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+    finally:
+        tm.on_output = None
+    assert out["meta_info"]["completion_tokens"] == 2
+
+
+async def _async(fn, *args):
+    return fn(*args)
