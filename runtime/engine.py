@@ -32,6 +32,9 @@ class Engine:
         if self.server_args.node_rank > 0:
             raise ValueError("node_rank: an Engine serves from node 0; run the other nodes "
                              "with `python -m loom.launch_server --node-rank N`")  # fmt: skip
+        if self.server_args.dp_size > 1:
+            raise ValueError("dp_size: an Engine runs one replica; `loom serve --dp-size N` "
+                             "runs N behind a router (runtime/router/dp.py)")  # fmt: skip
         check_model_folder(self.server_args.model_path)  # a bad path fails here, clearly
         if self.server_args.world_size > 1:  # and so does an impossible split
             check_layout(self.server_args, load_config(self.server_args.model_path))

@@ -24,6 +24,8 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3")
 SPECULATIVE_ALGORITHMS = ("NGRAM",)  # SGLang's EAGLE/EAGLE3/NEXTN/STANDALONE: refused by name
 SPECULATIVE_NOT_YET = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
+# --dp-size N: the router policy that spreads requests over the replicas (runtime/router)
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 
 
@@ -90,6 +92,7 @@ class ServerArgs:
     pp_max_micro_batch_size: int | None = None
     moe_a2a_backend: str = "auto"
     dp_size: int = 1
+    load_balance_method: str = "round_robin"
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -280,6 +283,22 @@ class ServerArgs:
             "ep_size",
             f"{self.ep_size} must divide tp_size ({self.tp_size}) (EP = TP x DP, dp_size is 1)",
         )
+        need(self.dp_size >= 1, "dp_size", f"must be >= 1, got {self.dp_size}")
+        need(
+            self.dp_size == 1 or self.nnodes == 1,
+            "dp_size",
+            f"{self.dp_size} with nnodes > 1 is not supported yet (replicas run on one node)",
+        )
+        need(
+            self.load_balance_method in LOAD_BALANCE_METHODS,
+            "load_balance_method",
+            f"must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}",
+        )
+        need(
+            self.dp_size > 1 or self.load_balance_method == "round_robin",
+            "load_balance_method",
+            "needs --dp-size > 1 (it picks the replica of each request)",
+        )
         need(self.pp_size >= 1, "pp_size", f"must be >= 1, got {self.pp_size}")
         need(
             self.pp_size == 1 or (self.tp_size == 1 and self.ep_size == 1),
@@ -412,6 +431,8 @@ class ServerArgs:
                 kwargs["choices"] = SCHEDULE_POLICIES
             if f.name == "dtype":
                 kwargs["choices"] = DTYPES
+            if f.name == "load_balance_method":
+                kwargs["choices"] = LOAD_BALANCE_METHODS
             if f.name == "grammar_backend":
                 kwargs["choices"] = GRAMMAR_BACKENDS
             if f.name == "tool_call_parser":
@@ -476,7 +497,8 @@ _HELP = {
     "pp_size": "Pipeline-parallel stages: the layers split evenly, one rank per stage",
     "pp_max_micro_batch_size": "Most requests in one pipeline micro-batch (a step's requests are split so the stages overlap; default: the step's requests over pp_size micro-batches)",
     "moe_a2a_backend": "MoE expert-parallel dispatch: all_to_all sends each token to its experts' ranks and back; none all-reduces every rank's experts over all tokens; auto: all_to_all whenever each expert is whole on one rank",
-    "dp_size": "Data-parallel replicas",
+    "dp_size": "Data-parallel replicas: N whole servers (own KV pool and radix cache) behind an in-process router (runtime/router/dp.py)",
+    "load_balance_method": "How --dp-size replicas share requests: round_robin, shortest_queue (fewest in flight) or cache_aware (longest routed prefix, balance thresholds as in `loom router`)",
     "nnodes": "Number of nodes the ranks are spread over (each node runs world_size / nnodes ranks)",
     "node_rank": "This node's rank; node 0 serves HTTP, the others run their ranks only",
     "dist_init_addr": "host:port of the torch.distributed rendezvous",
@@ -490,7 +512,6 @@ _HELP = {
 # Flags loom accepts only at their off value until the feature lands (a later issue builds
 # each): name -> the one value accepted.
 _NOT_SUPPORTED_YET = {
-    "dp_size": 1,
     "trust_remote_code": False,
 }
 

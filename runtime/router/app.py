@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import time
 
 import httpx
@@ -31,6 +32,19 @@ _ANY_WORKER_GET = (
     "/health_generate",
 )
 _ANY_WORKER_POST = ("/tokenize", "/detokenize")
+# /get_server_info: reported per worker, and summed over the pool at the top level
+_PER_WORKER = ("num_running_reqs", "num_waiting_reqs", "cache_hit_rate", "max_total_tokens")
+_SUMMED = (
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "max_total_tokens",
+    "kv_available_tokens",
+    "cache_size_tokens",
+    "prompt_tokens",
+    "cached_tokens",
+    "generated_tokens",
+    "num_retractions",
+)
 
 
 @dataclasses.dataclass
@@ -72,6 +86,17 @@ def create_app(args: RouterArgs) -> FastAPI:
     app = FastAPI(title="loom router", lifespan=lifespan)
     app.state.pool = pool
     app.state.args = args
+
+    if args.api_key:
+        expected = f"Bearer {args.api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.url.path not in ("/health", "/metrics"):
+                got = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(got, expected):
+                    return error_response(401, "authorization: missing or wrong API key")
+            return await call_next(request)
 
     def proxy(request: Request) -> Proxy:
         return request.app.state.proxy
@@ -149,22 +174,35 @@ def create_app(args: RouterArgs) -> FastAPI:
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info(request: Request):
+        """The first worker's info with the pool's loads and KV summed (so a client sees one
+        server), plus each worker's load and cache hit rate."""
         client = proxy(request).client
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
 
-        async def one(worker) -> dict:
+        async def one(worker) -> tuple[dict, dict]:
             out = worker.summary()
             try:
-                info = (await client.get(worker.url + "/server_info", timeout=10)).json()
-                for name in ("num_running_reqs", "num_waiting_reqs", "cache_hit_rate"):
+                res = await client.get(worker.url + "/server_info", headers=headers, timeout=10)
+                info = res.json() if res.status_code == 200 else {}
+                for name in _PER_WORKER:
                     out[name] = info.get(name)
             except (httpx.HTTPError, ValueError) as e:
-                out["error"] = f"{type(e).__name__}: {e}"
-            return out
+                info, out["error"] = {}, f"{type(e).__name__}: {e}"
+            return info, out
 
-        workers = await asyncio.gather(*(one(w) for w in pool.healthy()))
+        answers = await asyncio.gather(*(one(w) for w in pool.healthy()))
+        infos = [info for info, _ in answers if info]
+        merged = dict(infos[0]) if infos else {}
+        for name in _SUMMED:
+            if all(isinstance(i.get(name), int) for i in infos) and infos:
+                merged[name] = sum(i[name] for i in infos)
+        if isinstance(merged.get("prompt_tokens"), int) and len(infos) > 1:
+            merged["cache_hit_rate"] = merged["cached_tokens"] / max(1, merged["prompt_tokens"])
+            merged["internal_states"] = [s for i in infos for s in i.get("internal_states", [])]
         return {
+            **merged,
             "router": {"policy": args.policy, **_decisions(pool)},
-            "workers": list(workers),
+            "workers": [out for _, out in answers],
             "removed": [w.summary() for w in pool.removed.values()],
         }
 

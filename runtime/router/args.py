@@ -32,6 +32,7 @@ class RouterArgs:
     health_failure_threshold: int = 3
     health_check_timeout: float = 5.0
     request_timeout: float = 1800.0
+    api_key: str | None = None  # or LOOM_API_KEY; forwarded to the workers as it came
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -95,7 +96,7 @@ class RouterArgs:
         for f in dataclasses.fields(RouterArgs):
             if f.name in ("worker_urls", "policy"):
                 continue
-            kind = {"int": int, "float": float}.get(str(f.type), str)
+            kind = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
             parser.add_argument(
                 "--" + f.name.replace("_", "-"),
                 type=kind,
@@ -108,6 +109,12 @@ class RouterArgs:
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> RouterArgs:
+        import os
+
+        from loom.runtime.server_args import API_KEY_ENV
+
+        if ns.api_key is None:  # keeps the key out of `ps`
+            ns.api_key = os.environ.get(API_KEY_ENV) or None
         for name in ("pd_disaggregation", "prefill", "decode"):
             if getattr(ns, name) is not None:
                 raise ValueError(f"{name}: prefill/decode disaggregation is not supported yet")
@@ -127,5 +134,7 @@ _HELP = {
     "health_failure_threshold": "Failed probes in a row that remove a worker",
     "health_check_timeout": "Seconds a /health probe may take",
     "request_timeout": "Seconds a request may take on a worker (504 beyond)",
+    "api_key": "Require 'Authorization: Bearer <key>' on every route but /health and /metrics "
+    "(or set LOOM_API_KEY); the header is passed on to the workers",
     "log_level": "Logging level",
 }

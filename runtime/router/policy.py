@@ -20,8 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from loom.runtime.router.tree import ApproxTree
-
-POLICIES = ("round_robin", "shortest_queue", "cache_aware")
+from loom.runtime.server_args import LOAD_BALANCE_METHODS as POLICIES
 
 
 class Policy(ABC):

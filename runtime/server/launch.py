@@ -151,6 +151,10 @@ def launch_server(args: ServerArgs) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_signal)
         signal.signal(signal.SIGINT, _exit_on_signal)
+    if args.dp_size > 1:  # N replicas behind an in-process router (R's hook)
+        from loom.runtime.router.dp import launch_dp_server
+
+        return launch_dp_server(args)
     if args.node_rank > 0:
         return serve_other_node(args)
     procs: list = []
