@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loom.runtime.attention import cpu_kernels
+from loom.runtime import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")
 

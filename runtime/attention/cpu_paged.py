@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loom.runtime.attention import cpu_kernels
+from loom.runtime import cpu_kernels
 from loom.runtime.attention.torch_backend import TorchAttnBackend
 from loom.runtime.forward_batch import ForwardBatch
 

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.runtime import cpu_kernels
+
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any]]:
     """(theta, scaling dict) from either the transformers<5 or >=5 config spelling."""
@@ -91,7 +93,18 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((-x2, x1), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, Hkv, D] -> rotated (same shapes and dtype)."""
+        """q [T, H, D], k [T, Hkv, D] -> rotated (same shapes and dtype). On the CPU in
+        float32 each is one fused C call (cpu_kernels.rope) instead of about eight eager ops."""
+        if cpu_kernels.fusable(q) and cpu_kernels.fusable(k) and positions.is_contiguous():
+            if len(positions) and int(positions.max()) >= len(self.cos_cache):
+                raise IndexError(f"position {int(positions.max())} is past the rotary table")
+            cos, sin = self.cos_cache, self.sin_cache
+            return cpu_kernels.rope(q, positions, cos, sin), cpu_kernels.rope(
+                k, positions, cos, sin
+            )
+        return self.reference(positions, q, k)
+
+    def reference(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
         q = q * cos + self._rotate_half(q) * sin

@@ -100,6 +100,53 @@ void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t 
 
 DECODE(loom_decode_f32, float, load_f32)
 DECODE(loom_decode_bf16, uint16_t, load_bf16)
+
+/* RMSNorm over rows x[o * so + i * si + 0 .. D-1] (o < no, i < ni) into out [no * ni, D]. With
+   res [no * ni, D]: the row is x + res, and that sum is also written to res_out. */
+void loom_rms_norm_f32(const float* x, int64_t no, int64_t ni, int64_t so, int64_t si,
+                       int64_t D, const float* res, float* res_out, const float* w, float eps,
+                       float* out, int nthreads) {
+    _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1)")
+    for (int64_t r = 0; r < no * ni; r++) {
+        const float* src = x + (r / ni) * so + (r % ni) * si;
+        float ss = 0.f;
+        if (res) {
+            const float* rr = res + r * D;
+            float* sum = res_out + r * D;
+            _Pragma("omp simd reduction(+:ss)")
+            for (int64_t d = 0; d < D; d++) { sum[d] = src[d] + rr[d]; ss += sum[d] * sum[d]; }
+            src = sum;
+        } else {
+            _Pragma("omp simd reduction(+:ss)")
+            for (int64_t d = 0; d < D; d++) ss += src[d] * src[d];
+        }
+        const float inv = 1.f / sqrtf(ss / (float)D + eps);
+        float* o = out + r * D;
+        _Pragma("omp simd")
+        for (int64_t d = 0; d < D; d++) o[d] = w[d] * (src[d] * inv);
+    }
+}
+
+/* Neox-layout rotary embedding of rows x[t * st + h * sh + 0 .. D-1] into out [T, H, D]:
+   cos/sin [max_pos, D] (the two halves repeat), positions [T]. */
+void loom_rope_f32(const float* x, int64_t T, int64_t H, int64_t st, int64_t sh, int64_t D,
+                   const int64_t* pos, const float* cos, const float* sin, float* out,
+                   int nthreads) {
+    const int64_t half = D / 2;
+    _Pragma("omp parallel for num_threads(nthreads) if(nthreads > 1)")
+    for (int64_t r = 0; r < T * H; r++) {
+        const int64_t t = r / H, h = r % H;
+        const float* a = x + t * st + h * sh;
+        const float* c = cos + pos[t] * D;
+        const float* s = sin + pos[t] * D;
+        float* o = out + r * D;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < half; i++) {
+            o[i] = a[i] * c[i] + (-a[i + half]) * s[i];
+            o[i + half] = a[i + half] * c[i + half] + a[i] * s[i + half];
+        }
+    }
+}
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -166,6 +213,12 @@ def load() -> ctypes.CDLL | None:
             # q, k, v, table, stride, rows, lens, out, B, H, Hkv, D, Dv, scale, max_len, threads
             fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 3 + [i64] * 5
             fn.argtypes += [ctypes.c_float, i64, ctypes.c_int]
+        ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        # x, no, ni, so, si, D, res, res_out, w, eps, out, threads
+        lib.loom_rms_norm_f32.argtypes = [ptr] + [i64] * 5 + [ptr] * 3 + [f32, ptr, i32]
+        # x, T, H, st, sh, D, pos, cos, sin, out, threads
+        lib.loom_rope_f32.argtypes = [ptr] + [i64] * 5 + [ptr] * 4 + [i32]
+        lib.loom_rms_norm_f32.restype = lib.loom_rope_f32.restype = None
         _lib = lib
         return lib
 
@@ -212,3 +265,62 @@ def decode_attention(
         _threads(b * hkv, (total_len or b * max_len) * h * (d + dv)),
     )  # fmt: skip
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def fusable(x: torch.Tensor) -> bool:
+    """Whether the fused norm / RoPE kernels can take x: float32 on the CPU, rows contiguous,
+    no autograd (the kernels have no backward), and the library built."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.stride(-1) == 1
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and load() is not None
+    )
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """x [N, D] or [T, H, D] (last dim contiguous) as (outer count, inner count, outer
+    stride, inner stride) of its D-long rows."""
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+):
+    """RMSNorm of x's last dimension (float32); with `residual`, of x + residual, returning
+    (normed, x + residual) as RMSNorm.forward does. Outputs are contiguous."""
+    shape, d = x.shape, x.shape[-1]
+    if x.dim() == 1 or x.dim() > 3:
+        x = x.reshape(-1, d)
+    no, ni, so, si = _rows(x)
+    out = torch.empty(shape, dtype=torch.float32)
+    res_out = None
+    if residual is not None:
+        assert residual.shape == shape and residual.dtype == torch.float32
+        residual = residual.contiguous()
+        res_out = torch.empty(shape, dtype=torch.float32)
+    w = weight.contiguous()
+    _lib.loom_rms_norm_f32(
+        x.data_ptr(), no, ni, so, si, d,
+        residual.data_ptr() if residual is not None else None,
+        res_out.data_ptr() if res_out is not None else None,
+        w.data_ptr(), eps, out.data_ptr(), _threads(no * ni, no * ni * d * 4),
+    )  # fmt: skip
+    return out if residual is None else (out, res_out)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Neox rotary embedding of x [T, H, D] (float32) at positions [T] with the float32
+    tables cos/sin [max_pos, D]; a new contiguous tensor."""
+    t, h, d = x.shape
+    assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+    assert positions.dtype == torch.int64 and positions.is_contiguous()
+    out = torch.empty((t, h, d), dtype=torch.float32)
+    _lib.loom_rope_f32(
+        x.data_ptr(), t, h, x.stride(0), x.stride(1), d, positions.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), out.data_ptr(), _threads(t * h, t * h * d * 4),
+    )  # fmt: skip
+    return out
