@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 import requests
 
 from loom.runtime.router.process import RouterProcess
 from loom.runtime.server.runtime_client import Runtime, free_port
+from tests.server_helpers import server_info, wait_idle_and_intact
 from tests.test_server import sse_events
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -131,6 +134,38 @@ def test_errors_pass_through_and_admin_routes(workers, router):
     for w in (a, b):
         assert f'loom_router_requests_total{{worker="{w.url}"}}' in metrics
         assert f'loom_router_worker_healthy{{worker="{w.url}"}} 1' in metrics
+
+
+def test_client_disconnect_aborts_on_the_worker(workers, router):
+    """Leaving a stream or a plain request at the router frees the worker (no wasted decode)."""
+    long = {"max_new_tokens": 900, "ignore_eos": True}
+
+    def generated() -> int:
+        return sum(wait_idle_and_intact(w.url)["generated_tokens"] for w in workers)
+
+    def running() -> int:
+        return sum(server_info(w.url)["num_running_reqs"] for w in workers)
+
+    before = generated()
+    body = {"text": "bye", "sampling_params": long, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", router.url + "/generate", json=body) as r:
+            lines = r.iter_lines()
+            assert any(next(lines).startswith("data: ") for _ in range(3))
+    payload = json.dumps({"text": "wait", "sampling_params": long}).encode()
+    sock = socket.create_connection(("127.0.0.1", router.port))
+    sock.sendall(
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    deadline = time.monotonic() + 30
+    while running() == 0:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+    sock.close()
+    assert generated() - before < 600  # both stopped long before 2 x 900 tokens
+    assert all(w["in_flight"] == 0 for w in router.get("/list_workers").json()["workers"])
 
 
 # Kills worker b: keep it the module's last test.

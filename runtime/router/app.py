@@ -106,9 +106,12 @@ def create_app(args: RouterArgs) -> FastAPI:
         body = parse_body(raw)
         path = request.url.path
         stream = isinstance(body, dict) and bool(body.get("stream"))
-        return await proxy(request).forward(
+        forward = proxy(request).forward(
             "POST", path, raw, request.headers, stream, routing_key(path, body)
         )
+        if stream:  # a stream's client leaving closes the generator, and so the upstream
+            return await forward
+        return await unless_disconnected(request, forward)
 
     for path in _GENERATE_ROUTES:
         app.add_api_route(path, generate, methods=["POST"])
@@ -211,6 +214,27 @@ def create_app(args: RouterArgs) -> FastAPI:
         return PlainTextResponse(render_metrics(pool, metrics), media_type="text/plain")
 
     return app
+
+
+async def unless_disconnected(request: Request, coro):
+    """Await a non-streaming forward, cancelling it if the client goes away first: the
+    upstream connection closes and the worker aborts the request and frees its KV."""
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return error_response(499, "client disconnected")
+    return task.result()
 
 
 def _decisions(pool: WorkerPool) -> dict:
