@@ -9,11 +9,11 @@ the torch reference backend (the per-step gather it replaces), and llama-batched
 llama.cpp once, converts the model to GGUF f32 and checks greedy tokens match). Ratios are
 loom / llama.cpp tok/s per round: median and range, with the load average beside them.
 
-The split (loom, cpu_paged, in-process scheduler, one thread): per decode step, the whole
-step (scheduling, sampling and the forward), the model forward alone, its attention calls
-(perf_counter around the backend's decode) and its matmuls (torch profiler self time of
-aten::mm / addmm, from a second pass); "other" = forward - attention - matmuls: norms, RoPE,
-elementwise ops and the Python module calls between them.
+The split (loom, cpu_paged, in-process scheduler, one thread), in CPU time of the scheduler
+thread so that the other processes' load does not inflate it: per full-batch decode step, the
+whole step (scheduling, sampling and the forward), the model forward alone, its attention
+calls and its matmuls (every F.linear, the LM head included); "other" = forward - attention -
+matmuls: norms, RoPE, elementwise ops and the Python module calls between them.
 
     python benchmarks/bench_engine_room.py [--models bundled,qwen0.5b-f32]
         [--batch-sizes 1,8,32,64] [--pp 128] [--tg 32] [--rounds 3] [--threads 1]
@@ -68,10 +68,11 @@ def prompts_for(path: str, b: int, pp: int, seed: int) -> list[list[int]]:
 
 
 def step_split(path: str, prompts: list[list[int]], tg: int, threads: int) -> dict:
-    """Median milliseconds per decode step of the whole batch: step, forward, attention,
-    matmuls, other (= forward - attention - matmuls)."""
+    """Median CPU milliseconds (this thread's CPU time, so other processes' load does not
+    count) per decode step of the whole batch: step, forward, attention, matmuls (F.linear),
+    other (= forward - attention - matmuls)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    import torch.nn.functional as F
 
     from loom.runtime.io_struct import TokenizedGenerateReq
     from loom.runtime.sampling_params import make_sampling_params
@@ -86,57 +87,48 @@ def step_split(path: str, prompts: list[list[int]], tg: int, threads: int) -> di
     )
     torch.set_num_threads(threads)  # as the scheduler process does (scheduler/loop.py)
     sched = Scheduler(args)
-    runner, backend = sched.runner, sched.runner.attn_backend
-    seen = {"attn": 0.0, "rows": 0}
-    decode = backend.forward_decode
+    model, backend = sched.runner.model, sched.runner.attn_backend
+    spent = {"forward": 0.0, "attention": 0.0, "matmul": 0.0, "rows": 0}
 
-    def timed_decode(q, *rest):
-        t = time.perf_counter()
-        out = decode(q, *rest)
-        seen["attn"] += time.perf_counter() - t
-        seen["rows"] = q.shape[0]
-        return out
+    def timing(key, fn, rows=False):
+        def wrapped(*a, **kw):
+            t = time.thread_time()
+            out = fn(*a, **kw)
+            spent[key] += time.thread_time() - t
+            if rows:
+                spent["rows"] = a[0].shape[0]  # q [B, H, D]: the decode batch size
+            return out
 
-    backend.forward_decode = timed_decode
+        return wrapped
+
+    model.forward = timing("forward", model.forward)
+    backend.forward_decode = timing("attention", backend.forward_decode, rows=True)
+    linear = F.linear
     params = make_sampling_params({"max_new_tokens": tg, "temperature": 0, "ignore_eos": True})
     for i, ids in enumerate(prompts):
         sched.add_request(
             TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=params, seed=0)
         )
-    prof = profile(activities=[ProfilerActivity.CPU])
-    steps, profiled, full = [], 0, 0
-    while not sched.is_idle:
-        seen["attn"], seen["rows"] = 0.0, 0
-        profiling = 2 <= full < 10  # eight full-batch decode steps under the profiler
-        if profiling and profiled == 0:
-            prof.start()
-        t = time.perf_counter()
-        sched.step()
-        step = time.perf_counter() - t
-        if profiling:
-            profiled += 1
-            if full == 9:
-                prof.stop()
-        if seen["rows"] == len(prompts):
-            if not profiling:
-                steps.append((step, runner.last_model_seconds, seen["attn"]))
-            full += 1
-    mm = sum(
-        e.self_cpu_time_total
-        for e in prof.key_averages()
-        if e.key in ("aten::mm", "aten::addmm", "aten::bmm")
-    )
-    step_ms = statistics.median(s for s, _, _ in steps) * 1e3
-    forward_ms = statistics.median(m for _, m, _ in steps) * 1e3
-    attention_ms = statistics.median(a for _, _, a in steps) * 1e3
-    matmul_ms = mm / 1e3 / profiled
-    return {
-        "step_ms": step_ms,
-        "forward_ms": forward_ms,
-        "attention_ms": attention_ms,
-        "matmul_ms": matmul_ms,
-        "other_ms": forward_ms - attention_ms - matmul_ms,
-    }
+    steps = []
+    F.linear = timing("matmul", linear)
+    try:
+        while not sched.is_idle:
+            for key in spent:
+                spent[key] = 0
+            t = time.thread_time()
+            sched.step()
+            step = time.thread_time() - t
+            if spent["rows"] == len(prompts):
+                steps.append((step, spent["forward"], spent["attention"], spent["matmul"]))
+    finally:
+        F.linear = linear
+
+    def ms(k: int) -> float:
+        return statistics.median(x[k] for x in steps) * 1e3
+
+    split = {"step_ms": ms(0), "forward_ms": ms(1), "attention_ms": ms(2), "matmul_ms": ms(3)}
+    split["other_ms"] = split["forward_ms"] - split["attention_ms"] - split["matmul_ms"]
+    return split
 
 
 def measure(args, label: str, path: str, llamacpp) -> dict:
@@ -183,7 +175,7 @@ def format_row(row: dict) -> str:
         f"{statistics.median(row['llama_decode']):.0f} decode tok/s"
     )
     parts.append(
-        "cpu_paged decode step {step_ms:.2f} ms: forward {forward_ms:.2f} (attention "
+        "cpu_paged decode step {step_ms:.2f} CPU ms: forward {forward_ms:.2f} (attention "
         "{attention_ms:.2f}, matmuls {matmul_ms:.2f}, other {other_ms:.2f})".format(**sp)
     )
     return "\n    ".join(parts)
@@ -197,8 +189,8 @@ def markdown(results: list[dict]) -> str:
             " ratios loom / llama.cpp (-fa off), median and range over the rounds:",
             "",
             "| B | load | decode, cpu_paged | decode, torch backend | prefill, cpu_paged |"
-            " loom decode tok/s | llama.cpp decode tok/s | loom step ms: forward"
-            " (attention / matmuls / other) |",
+            " loom decode tok/s | llama.cpp decode tok/s | loom CPU ms per decode step: step:"
+            " forward (attention / matmuls / other) |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for row in res["rows"]:
