@@ -4,12 +4,14 @@ Workloads (greedy, chat template): JSON extraction with a schema (forced keys an
 arrive as drafts), free text that copies from its prompt (few-shot fact blocks whose answer
 repeats the prompt's sentences), and free chat (stories, greetings, tool traces). Each runs at
 batch 1 (requests one after another) and batch 16 (all at once), speculation off (the default
-runtime: jump-forward on) and on, alternating off/on rounds in one process; the ratio is
-tokens/s on / off per round, median and range printed, wall time and process CPU time (the
-second is steadier on a shared machine). Prints accepted tokens per verify and acceptance by
+runtime: jump-forward on) and on, in one process, each round on fresh schedulers with the
+side that runs first alternating; the ratio is tokens/s on / off per round, median and range
+printed, wall time and process CPU time (the
+second is steadier on a shared machine), and the scheduler steps each side took (the work
+itself, independent of the load). Prints accepted tokens per verify and acceptance by
 draft position, and writes docs/img/spec_acceptance.png.
 
-    python benchmarks/bench_spec.py [--rounds 3] [--no-plot]
+    python benchmarks/bench_spec.py [--rounds 5] [--no-plot]
 """
 
 from __future__ import annotations
@@ -106,9 +108,11 @@ def workloads(tok) -> dict[str, list[tuple[str, dict]]]:
 
 
 def run_once(sched: Scheduler, jobs, batch: int) -> tuple[int, float, float]:
-    """(output tokens, wall seconds, CPU seconds) for the jobs, `batch` at a time."""
+    """(output tokens, wall seconds, CPU seconds) for the jobs, `batch` at a time; the
+    scheduler steps they took are left in `sched.bench_steps`."""
     tok = sched.tokenizer
     total = 0
+    steps0 = sched.stats["steps"]
     wall0, cpu0 = time.perf_counter(), time.process_time()
     for start in range(0, len(jobs), batch):
         group = jobs[start : start + batch]
@@ -124,6 +128,7 @@ def run_once(sched: Scheduler, jobs, batch: int) -> tuple[int, float, float]:
         while not sched.is_idle:
             for out in sched.step():
                 total += len(out.new_ids)
+    sched.bench_steps = sched.stats["steps"] - steps0
     return total, time.perf_counter() - wall0, time.process_time() - cpu0
 
 
@@ -134,7 +139,7 @@ def make(spec: bool, **kw) -> Scheduler:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--workloads", default="json,copy,chat")
     ap.add_argument("--batches", default="1,16")
@@ -150,16 +155,24 @@ def main() -> None:
             warm, base_jobs = all_jobs[-2:], all_jobs[:-2]
             jobs = base_jobs * (2 if batch == 16 else 1)  # 16 at once
             ratios_wall, ratios_cpu, st = [], [], {}
-            for _ in range(args.rounds):
+            steps = {}
+            for rnd in range(args.rounds):
                 off, on = make(False), make(True)
                 run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
                 run_once(on, warm, 2)
-                n_off, w_off, c_off = run_once(off, jobs, batch)
-                n_on, w_on, c_on = run_once(on, jobs, batch)
+                # alternate which side runs first, so a load change within a round does not
+                # always favour the same side
+                if rnd % 2:
+                    n_on, w_on, c_on = run_once(on, jobs, batch)
+                    n_off, w_off, c_off = run_once(off, jobs, batch)
+                else:
+                    n_off, w_off, c_off = run_once(off, jobs, batch)
+                    n_on, w_on, c_on = run_once(on, jobs, batch)
                 assert n_on == n_off, (name, n_on, n_off)
                 ratios_wall.append(w_off / w_on)
                 ratios_cpu.append(c_off / c_on)
                 st = on.get_state()
+                steps = {"off": off.bench_steps, "on": on.bench_steps}
             by_pos = [
                 a / p if p else 0.0
                 for a, p in zip(st["spec_accepted_by_position"], st["spec_proposed_by_position"])
@@ -172,7 +185,8 @@ def main() -> None:
                 f"[{min(ratios_cpu):.2f}-{max(ratios_cpu):.2f}] | {n_on} tokens, "
                 f"{st['spec_accept_length']:.2f} tokens/verify over {st['spec_verify_ct']} verifies, "
                 f"forced {st['spec_forced_accepted']}/{st['spec_forced_proposed']}, "
-                f"no-draft request-steps {st['spec_skipped']} | acceptance by position "
+                f"no-draft request-steps {st['spec_skipped']}, steps off/on {steps['off']}/{steps['on']} "
+                f"| acceptance by position "
                 f"[{' '.join(f'{r:.2f}' for r in by_pos)}] | loadavg {os.getloadavg()[0]:.1f}",
                 flush=True,
             )

@@ -53,6 +53,10 @@ class ForwardBatch:
     attn_backend: AttentionBackend
     logits_indices: torch.Tensor  # [N] rows of the hidden states that need logits
     attn_metadata: Any = field(default=None)
+    # per request: None (causal) or a bool [extend_len, seq_len] mask, True = attend (a draft
+    # tree: rows are the fed tokens in order, columns the KV positions read through
+    # req_to_token; tree nodes sit at columns kv_len + 1 + node index); None: all causal
+    custom_masks: list[torch.Tensor | None] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -73,7 +77,9 @@ class ModelInput:
     verification), from the logits of its last `sample_counts[i]` positions; `sampling` has
     one row per request with sample_counts > 0. Prompt logprobs: `input_logprob_targets[i]`
     are the prompt tokens scored by the logits of this step's positions starting at
-    `input_logprob_starts[i]` (an index into this request's positions), or None.
+    `input_logprob_starts[i]` (an index into this request's positions), or None. A draft
+    tree (`draft_parents[i]`) fills KV columns prefix_lens[i] .. seq_lens[i]-1 in node
+    order; its positions (`positions`) are the last real token's + 1 + node depth.
     """
 
     mode: ForwardMode
@@ -89,6 +95,8 @@ class ModelInput:
     logprob_top_nums: list[int | None]  # per request: None = no logprobs, else top-k count
     input_logprob_starts: list[int]
     input_logprob_targets: list[list[int] | None]
+    # per request: the draft tree's parents (`loom.runtime.spec.DraftTree`), None for a chain
+    draft_parents: list[list[int] | None] | None = None
 
 
 @dataclass
@@ -96,7 +104,8 @@ class ForwardOutput:
     """What one step produced, per request (lists of length B, ragged inside).
 
     `next_ids[i]`: the tokens request i gains this step, k >= 1 when it sampled (the accepted
-    draft tokens then one sampled token), [] otherwise. `logprobs[i][j]` is the raw model
+    draft tokens then one sampled token), [] otherwise. A draft tree's accepted nodes have
+    had their KV moved to their final positions (kv_len + 1 + j) before this returns. `logprobs[i][j]` is the raw model
     logprob of next_ids[i][j] and `top_logprobs[i][j]` its [(logprob, id)] top list (both
     only for requests that asked). `input_logprobs[i]` scores `input_logprob_targets[i]`.
     """
@@ -106,6 +115,9 @@ class ForwardOutput:
     top_logprobs: list[list[list[tuple[float, int]]]]
     input_logprobs: list[list[float]]
     input_top_logprobs: list[list[list[tuple[float, int]]]]
+    # per request with a draft: the accepted draft nodes, in order (a chain: 0 .. k-1; a
+    # tree: its accepted root path). Fed row 0 is the last real token, fed row 1 + j node j.
+    accepted_nodes: list[list[int]] | None = None
 
 
 _current: ForwardBatch | None = None

@@ -13,7 +13,7 @@ from loom.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelInput, 
 from loom.runtime.memory_pool import PagedAllocator, ReqToTokenPool, TokenToKVPool
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
-from loom.runtime.sampler import sample_and_verify, token_logprobs
+from loom.runtime.sampler import sample_verify_trees, token_logprobs
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,9 @@ class ModelRunner:
         self._init_memory()
         self.attn_backend = create_attention_backend(args.effective_attention_backend)
         self.last_model_seconds = 0.0
+        # called as spec_hook(inp, batch, out) after each step's sampling (a model-based
+        # drafter reads the target's captured hidden states here and drafts the next step)
+        self.spec_hook = None
 
     def _init_memory(self) -> None:
         cfg, args = self.config, self.args
@@ -99,13 +102,23 @@ class ModelRunner:
                 dev, non_blocking=True
             ),
         )
+        if inp.draft_parents is not None and any(p is not None for p in inp.draft_parents):
+            batch.custom_masks = [
+                None if par is None else tree_mask(prefix, par, dev)
+                for prefix, par in zip(inp.prefix_lens, inp.draft_parents)
+            ]
         self.attn_backend.init_forward_metadata(batch)
         t0 = time.perf_counter()
         with forward_context(batch):
             logits = self.model(batch.input_ids, batch.positions)
         # the model's own time (exact on the CPU; on CUDA it is launch time only)
         self.last_model_seconds = time.perf_counter() - t0
-        return self._sample(inp, logits, len(sample_rows), lp_targets)
+        out = self._sample(inp, logits, len(sample_rows), lp_targets)
+        if batch.custom_masks is not None:
+            self._move_tree_kv(inp, out.accepted_nodes)
+        if self.spec_hook is not None:
+            self.spec_hook(inp, batch, out)
+        return out
 
     def _sample(
         self, inp: ModelInput, logits: torch.Tensor, n_sample: int, lp_targets: list[int]
@@ -121,15 +134,23 @@ class ModelRunner:
         sampled: list[int] = []
         accepted: list[bool] | None = None
         sampled_t = None
+        trees = None
         if n_sample:
-            sampled_t, accepted_t = sample_and_verify(
-                logits[:n_sample], inp.sampling.to(logits.device)
-            )
+            info = inp.sampling.to(logits.device)
+            sampled_t, accepted_t, trees = sample_verify_trees(logits[:n_sample], info)
             if accepted_t is not None:  # accepted rows carry the draft token
-                sampled_t = torch.where(
-                    accepted_t, inp.sampling.draft_tokens.to(logits.device), sampled_t
-                )
+                sampled_t = torch.where(accepted_t, info.draft_tokens, sampled_t)
                 accepted = accepted_t.tolist()
+            if trees:  # a tree's emitted tokens go to the rows that score them (logprobs)
+                rows, toks = [], []
+                for (root, tokens, _, _), (path, last) in zip(info.trees, trees):
+                    emitted = [tokens[a] for a in path] + [last]
+                    rows.extend(root + r for r in [0] + [1 + a for a in path])
+                    toks.extend(emitted)
+                sampled_t = sampled_t.clone()
+                sampled_t[torch.tensor(rows, device=logits.device)] = torch.tensor(
+                    toks, dtype=sampled_t.dtype, device=logits.device
+                )
             sampled = sampled_t.tolist()
         chosen, top_v, top_i = [], None, None
         if lp_logits is not None:
@@ -142,7 +163,48 @@ class ModelRunner:
             chosen = chosen_t.tolist()
             if top_vt is not None:
                 top_v, top_i = top_vt.tolist(), top_it.tolist()
-        return _assemble(inp, sampled, accepted, chosen, top_v, top_i)
+        return _assemble(inp, sampled, accepted, trees, chosen, top_v, top_i)
+
+    def _move_tree_kv(self, inp: ModelInput, accepted_nodes: list[list[int]]) -> None:
+        """Accepted tree node j-th on the path sits at KV column prefix + 1 + node; move its
+        K and V (every layer) to column prefix + 1 + j, its position, so the request's KV is
+        a plain sequence again (the scheduler then frees the columns after the path).
+        Sources never precede their destination, so one gathered copy is safe."""
+        src_cols, dst_cols, rows = [], [], []
+        for i, par in enumerate(inp.draft_parents):
+            if par is None:
+                continue
+            base = inp.prefix_lens[i] + 1
+            for j, node in enumerate(accepted_nodes[i]):
+                if node != j:
+                    rows.append(int(inp.req_pool_indices[i]))
+                    src_cols.append(base + node)
+                    dst_cols.append(base + j)
+        if not rows:
+            return
+        table = self.req_to_token_pool.req_to_token
+        r = torch.tensor(rows, dtype=torch.int64, device=table.device)
+        src = table[r, torch.tensor(src_cols, device=table.device)]
+        dst = table[r, torch.tensor(dst_cols, device=table.device)]
+        pool = self.token_to_kv_pool
+        for buf in pool.k_buffers + pool.v_buffers:
+            if buf.shape[0]:  # a pipeline stage holds only its own layers
+                buf[dst] = buf[src]
+
+
+def tree_mask(prefix_len: int, parents: list[int], device) -> torch.Tensor:
+    """[1 + n, prefix_len + 1 + n] bool: the last real token (row 0, at column prefix_len)
+    sees the prefix and itself; node i (row 1 + i, column prefix_len + 1 + i) sees the prefix,
+    the last real token, its ancestors and itself."""
+    n = len(parents)
+    mask = torch.zeros(1 + n, prefix_len + 1 + n, dtype=torch.bool)
+    mask[:, : prefix_len + 1] = True
+    for i, par in enumerate(parents):
+        row = mask[1 + i]
+        if par >= 0:
+            row[prefix_len + 1 :] = mask[1 + par, prefix_len + 1 :]
+        row[prefix_len + 1 + i] = True
+    return mask.to(device)
 
 
 def _repeat(values: list, counts: list[int]) -> list:
@@ -170,34 +232,42 @@ def _logits_rows(inp: ModelInput) -> tuple[list[int], list[int], list[int]]:
     return sample_rows, lp_rows, lp_targets
 
 
-def _assemble(inp: ModelInput, sampled, accepted, chosen, top_v, top_i) -> ForwardOutput:
+def _assemble(inp: ModelInput, sampled, accepted, trees, chosen, top_v, top_i) -> ForwardOutput:
     """Per-request lists from the flat rows: each request's draft tokens up to the first row
     the sampler rejected, then that row's token (the residual sample, or the last row's
-    sample when every draft token was accepted). Greedy, this is exactly plain decoding."""
+    sample when every draft token was accepted); a tree's accepted root path, then the token
+    sampled after it. Greedy, this is exactly plain decoding."""
     n = len(inp.sample_counts)
     out = ForwardOutput([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)],
-                        [[] for _ in range(n)], [[] for _ in range(n)])  # fmt: skip
+                        [[] for _ in range(n)], [[] for _ in range(n)],
+                        accepted_nodes=[[] for _ in range(n)])  # fmt: skip
+    parents = inp.draft_parents or [None] * n
+    tree_iter = iter(trees or ())
     row = lp = 0
     pending_lp = []
     for i, (count, top_n) in enumerate(zip(inp.sample_counts, inp.logprob_top_nums)):
         if not count:
             continue
-        rows = sampled[row : row + count]
         draft = inp.draft_ids[i]
-        k = 0
-        while k < len(draft) and accepted[row + k]:
-            k += 1
-        out.next_ids[i] = rows[: k + 1]
+        if parents[i] is not None:
+            path, _ = next(tree_iter)
+            keep_rows = [0] + [1 + a for a in path]
+            out.accepted_nodes[i] = list(path)
+        else:
+            k = 0
+            while k < len(draft) and accepted[row + k]:
+                k += 1
+            keep_rows = list(range(k + 1))
+            out.accepted_nodes[i] = list(range(k))
+        out.next_ids[i] = [sampled[row + r] for r in keep_rows]
         if top_n is not None:
-            pending_lp.append((i, lp, k + 1, top_n))
+            pending_lp.append((i, [lp + r for r in keep_rows], top_n))
             lp += count
         row += count
-    for i, first, keep, top_n in pending_lp:
-        out.logprobs[i] = chosen[first : first + keep]
+    for i, lp_rows, top_n in pending_lp:
+        out.logprobs[i] = [chosen[r] for r in lp_rows]
         if top_n:
-            out.top_logprobs[i] = [
-                list(zip(top_v[r][:top_n], top_i[r][:top_n])) for r in range(first, first + keep)
-            ]
+            out.top_logprobs[i] = [list(zip(top_v[r][:top_n], top_i[r][:top_n])) for r in lp_rows]
     for i, targets in enumerate(inp.input_logprob_targets):
         if not targets:
             continue

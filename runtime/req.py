@@ -72,6 +72,9 @@ class Req:
         self.kv_len = 0
         self.extend_len = 0  # positions computed in the current step (drafts included)
         self.draft_ids: list[int] = []  # proposed tokens verified in the current step
+        # their tree (node i's parent; -1 = the last real token), None for a chain
+        self.draft_parents: list[int] | None = None
+        self.draft_probs: Any = None  # the nodes' draft distributions ([n, vocab]; None: one-hot)
         self.draft_masks: torch.Tensor | None = None  # grammar rows of the draft positions
         self.draft_forced = 0  # leading draft tokens that are grammar-forced text
         self.spec_state: Any = None  # the drafter's incremental state for this request
@@ -141,6 +144,8 @@ class Req:
         self.kv_len = 0
         self.extend_len = 0
         self.draft_ids = []
+        self.draft_parents = None
+        self.draft_probs = None
         self.draft_masks = None
         self.is_chunked = False
 

@@ -8,6 +8,7 @@ position, never on what else is in the batch, and resume identically after a ret
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -67,6 +68,9 @@ class SamplingInfo:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf
     vocab_mask: torch.Tensor | None = None  # grammar bitmask [N, words]
     draft_tokens: torch.Tensor | None = None  # [N] token each row verifies, -1: none
+    # tree drafts: per tree (its root row, node tokens, node parents, node draft probs or None);
+    # row root + 1 + i holds the state after node i's path (see `verify_trees`)
+    trees: list[tuple[int, list[int], list[int], Any]] | None = None
 
     @classmethod
     def from_reqs(
@@ -76,11 +80,28 @@ class SamplingInfo:
         device: str = "cpu",
         *,
         drafts: list[list[int]] | None = None,
+        parents: list[list[int] | None] | None = None,
+        draft_probs: list | None = None,
     ) -> SamplingInfo:
+        """`parents[i]` (optional): request i's draft is a tree (`loom.runtime.spec.DraftTree`
+        parents), verified by `verify_trees`; `draft_probs[i]`: its nodes' draft
+        distributions (None: one-hot)."""
         drafts = drafts or [[] for _ in reqs]
-        counts = [1 + len(d) for d in drafts]
-        rows = [(r, j) for r, c in zip(reqs, counts) for j in range(c)]
-        ps = [r.sampling_params for r, _ in rows]
+        parents = parents or [None] * len(reqs)
+        # per row: (request, the draft tokens before it on its path, the token it verifies)
+        rows: list[tuple[Req, list[int], int]] = []
+        trees = []
+        for i, (r, d, par) in enumerate(zip(reqs, drafts, parents)):
+            if par is None:
+                rows.extend((r, d[:j], d[j] if j < len(d) else -1) for j in range(1 + len(d)))
+                continue
+            trees.append((len(rows), d, par, draft_probs[i] if draft_probs else None))
+            rows.append((r, [], -1))
+            paths: list[list[int]] = []
+            for t, pa in zip(d, par):
+                paths.append((paths[pa] if pa >= 0 else []) + [t])
+                rows.append((r, paths[-1], -1))
+        ps = [r.sampling_params for r, _, _ in rows]
         greedy = [p.is_greedy for p in ps]
         temps = [1.0 if g else p.temperature for p, g in zip(ps, greedy)]
         top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in ps]
@@ -94,8 +115,8 @@ class SamplingInfo:
                 for tok, bias in (p.logit_bias or {}).items():
                     logit_bias[i, tok] = bias
         banned_rows, banned_ids = [], []
-        for i, (r, j) in enumerate(rows):
-            if len(r.output_ids) + j < r.sampling_params.min_new_tokens:
+        for i, (r, path, _) in enumerate(rows):
+            if len(r.output_ids) + len(path) < r.sampling_params.min_new_tokens:
                 stops = set(r.sampling_params.stop_token_ids or ()) | set(r.eos_token_ids)
                 for t in stops:
                     if t < vocab_size:
@@ -105,23 +126,24 @@ class SamplingInfo:
         if banned_rows:
             banned = (torch.tensor(banned_rows, **i64), torch.tensor(banned_ids, **i64))
         draft_tokens = None
-        if any(drafts):
-            draft_tokens = torch.tensor([t for d in drafts for t in [*d, -1]], **i64)
+        if any(x >= 0 for _, _, x in rows):
+            draft_tokens = torch.tensor([x for _, _, x in rows], **i64)
         return cls(
             temperatures=torch.tensor(temps, **f32)[:, None],
             top_ps=torch.tensor([p.top_p for p in ps], **f32),
             top_ks=torch.tensor(top_ks, **i64),
             min_ps=torch.tensor([p.min_p for p in ps], **f32),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
-            seeds=torch.tensor([r.seed for r, _ in rows], **i64),
-            steps=torch.tensor([r.seq_len + j for r, j in rows], **i64),
+            seeds=torch.tensor([r.seed for r, _, _ in rows], **i64),
+            steps=torch.tensor([r.seq_len + len(path) for r, path, _ in rows], **i64),
             need_top_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in ps),
             need_min_p=any(p.min_p > 0 for p in ps),
             all_greedy=all(greedy),
             logit_bias=logit_bias,
-            penalty=_penalty_tensors(reqs, drafts, vocab_size, dev),
+            penalty=_penalty_tensors(rows, vocab_size, dev),
             banned=banned,
             draft_tokens=draft_tokens,
+            trees=trees or None,
         )
 
     def to(self, device: torch.device | str) -> SamplingInfo:
@@ -135,39 +157,39 @@ class SamplingInfo:
         return SamplingInfo(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
-def _penalty_tensors(reqs: list[Req], drafts: list[list[int]], vocab_size: int, dev):
-    """Penalty state per row: a draft's row j counts the j draft tokens before it as output
+def _penalty_tensors(rows: list[tuple[Req, list[int], int]], vocab_size: int, dev):
+    """Penalty state per row: a draft row counts the draft tokens on its path as output
     (penalties apply token by token over an accepted run)."""
-    ps = [r.sampling_params for r in reqs]
+    ps = [r.sampling_params for r, _, _ in rows]
     if all(
         p.frequency_penalty == 0 and p.presence_penalty == 0 and p.repetition_penalty == 1
         for p in ps
     ):
         return None
-    counts = [1 + len(d) for d in drafts]
-    n = sum(counts)
+    n = len(rows)
     out_counts = torch.zeros(n, vocab_size, dtype=torch.float32)
     seen = torch.zeros(n, vocab_size, dtype=torch.bool)
-    row = 0
-    for r, p, d in zip(reqs, ps, drafts):
-        base = torch.zeros(vocab_size, dtype=torch.float32)
-        if r.output_ids:
-            base.index_add_(0, torch.tensor(r.output_ids), torch.ones(len(r.output_ids)))
-        base_seen = torch.zeros(vocab_size, dtype=torch.bool)
-        if p.repetition_penalty != 1:
-            base_seen[torch.tensor(r.fill_ids)] = True
-        for j in range(1 + len(d)):
-            if j:
-                base[d[j - 1]] += 1
-                if p.repetition_penalty != 1:
-                    base_seen[d[j - 1]] = True
-            out_counts[row] = base
-            seen[row] = base_seen
-            row += 1
-    per_row = [p for p, c in zip(ps, counts) for _ in range(c)]
-    freq = torch.tensor([p.frequency_penalty for p in per_row])[:, None]
-    pres = torch.tensor([p.presence_penalty for p in per_row])[:, None]
-    rep = torch.tensor([p.repetition_penalty for p in per_row])[:, None]
+    base = base_seen = None
+    last_req = None
+    for row, ((r, path, _), p) in enumerate(zip(rows, ps)):
+        if r is not last_req:  # a request's rows are consecutive
+            last_req = r
+            base = torch.zeros(vocab_size, dtype=torch.float32)
+            if r.output_ids:
+                base.index_add_(0, torch.tensor(r.output_ids), torch.ones(len(r.output_ids)))
+            base_seen = torch.zeros(vocab_size, dtype=torch.bool)
+            if p.repetition_penalty != 1:
+                base_seen[torch.tensor(r.fill_ids)] = True
+        out_counts[row] = base
+        seen[row] = base_seen
+        if path:
+            ids = torch.tensor(path)
+            out_counts[row].index_add_(0, ids, torch.ones(len(path)))
+            if p.repetition_penalty != 1:
+                seen[row, ids] = True
+    freq = torch.tensor([p.frequency_penalty for p in ps])[:, None]
+    pres = torch.tensor([p.presence_penalty for p in ps])[:, None]
+    rep = torch.tensor([p.repetition_penalty for p in ps])[:, None]
     return tuple(t.to(dev) for t in (out_counts, seen, freq, pres, rep))
 
 
@@ -196,24 +218,36 @@ def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
 def sample_and_verify(
     logits: torch.Tensor, info: SamplingInfo
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [N, V] float32 (modified in place) -> (token ids [N], accepted [N] or None).
+    """Chain drafts only: `sample_verify_trees` without the trees' results."""
+    tokens, accepted, _ = sample_verify_trees(logits, info)
+    return tokens, accepted
 
-    Without drafts: one token per row. With drafts (`info.draft_tokens`), row j verifies the
-    draft token x: greedy rows accept x when it is the argmax; sampled rows accept it with
+
+def sample_verify_trees(
+    logits: torch.Tensor, info: SamplingInfo
+) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[list[int], int]] | None]:
+    """logits [N, V] float32 (modified in place) -> (token ids [N], accepted [N] or None,
+    per tree of `info.trees` (accepted node indices, the token sampled after them) or None).
+
+    Without drafts: one token per row. With chain drafts (`info.draft_tokens`), row j verifies
+    the draft token x: greedy rows accept x when it is the argmax; sampled rows accept it with
     probability min(1, p(x) / q(x)) = p(x) (the n-gram drafter is deterministic: q one-hot),
     and otherwise take a sample of the residual max(p - q, 0), renormalized. The caller keeps
     the accepted run and the token of the first rejected row (or the last row's sample).
-    Noise is counter-based (seed, position), so a request's output is reproducible."""
+    Tree rows are verified by `verify_trees`. Noise is counter-based (seed, position), so a
+    request's output is reproducible."""
     apply_penalties(logits, info)
     greedy_ids = logits.argmax(dim=-1)
     drafts = info.draft_tokens
     if info.all_greedy:
-        return greedy_ids, (None if drafts is None else greedy_ids == drafts)
+        tree_out = verify_trees(None, greedy_ids, info) if info.trees else None
+        return greedy_ids, (None if drafts is None else greedy_ids == drafts), tree_out
     probs = target_probs(logits, info)
+    tree_out = verify_trees(probs, greedy_ids, info) if info.trees else None
     noise = hashed_uniform(info.seeds, info.steps, probs.shape[-1])
     if drafts is None:
         sampled = race(probs, noise)
-        return torch.where(info.greedy, greedy_ids, sampled), None
+        return torch.where(info.greedy, greedy_ids, sampled), None, tree_out
     has_draft = drafts >= 0
     x = drafts.clamp(min=0)
     q = torch.zeros_like(probs).scatter_(1, x[:, None], 1.0) * has_draft[:, None]
@@ -222,7 +256,72 @@ def sample_and_verify(
     accepted = has_draft & (coin < p_x)  # min(1, p(x) / q(x)) with q(x) = 1
     sampled = torch.where(accepted, x, race(residual(probs, q), noise))
     tokens = torch.where(info.greedy, greedy_ids, sampled)
-    return tokens, torch.where(info.greedy, greedy_ids == drafts, accepted)
+    return tokens, torch.where(info.greedy, greedy_ids == drafts, accepted), tree_out
+
+
+def verify_trees(
+    probs: torch.Tensor | None, greedy_ids: torch.Tensor, info: SamplingInfo
+) -> list[tuple[list[int], int]]:
+    """Walk each draft tree from its root row: at a node, its children are tried in order.
+    Greedy: a child is accepted when its token is the argmax. Sampled (multi-candidate
+    rejection sampling, as SpecInfer): child k with token x and draft distribution q_k
+    (one-hot for a deterministic drafter) is accepted with probability min(1, p'(x) / q_k(x)),
+    a coin hashed from (seed, position, -1 - k); if rejected p' <- max(p' - q_k, 0)
+    renormalized and the next child is tried; when no child is accepted the token is sampled
+    from p' with the position's token noise. Each emitted token thus follows the target's
+    distribution given its ancestors. A chain (one child per node) verifies exactly as the
+    chain path does. Returns per tree (accepted node indices, the token after them)."""
+    out = []
+    greedy_list = greedy_ids.tolist()
+    coins = None
+    if probs is not None:  # every row's coins for its first children, in one hash
+        most = max(len(t[1]) for t in info.trees)
+        columns = -1 - torch.arange(most, device=info.seeds.device)
+        coins = _splitmix_uniform(
+            info.seeds[:, None] * _M1 + info.steps[:, None] * _M3 + columns[None, :] * _M2
+        ).tolist()
+    for root, tokens, parents, q in info.trees:
+        children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]
+        for i, par in enumerate(parents):
+            children[par + 1].append(i)
+        path: list[int] = []
+        node = -1
+        greedy = bool(info.greedy[root])
+        while True:
+            row = root + 1 + node
+            kids = children[node + 1]
+            if greedy or probs is None:
+                want = greedy_list[row]
+                nxt = next((k for k in kids if tokens[k] == want), None)
+                if nxt is None:
+                    out.append((path, want))
+                    break
+                path.append(nxt)
+                node = nxt
+                continue
+            p = probs[row]
+            nxt = None
+            for j, k in enumerate(kids):
+                x = tokens[k]
+                if q is None:
+                    qk = torch.zeros_like(p)
+                    qk[x] = 1.0
+                    q_x = 1.0
+                else:
+                    qk = q[k].to(p.device, p.dtype)
+                    q_x = max(float(qk[x]), 1e-30)
+                if coins[row][j] < float(p[x]) / q_x:
+                    nxt = k
+                    break
+                p = residual(p[None], qk[None])[0]
+            if nxt is None:
+                seed, step = info.seeds[row : row + 1], info.steps[row : row + 1]
+                noise = hashed_uniform(seed, step, p.shape[-1])
+                out.append((path, int(race(p[None], noise)[0])))
+                break
+            path.append(nxt)
+            node = nxt
+    return out
 
 
 def target_probs(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:

@@ -240,16 +240,12 @@ class ServerArgs:
             "speculative_ngram_max_match_window_size",
             f"must be in [min_match_window_size, 64], got {hi}",
         )
+        lo_b, hi_b = self.speculative_ngram_min_bfs_breadth, self.speculative_ngram_max_bfs_breadth
+        need(lo_b >= 1, "speculative_ngram_min_bfs_breadth", f"must be >= 1, got {lo_b}")
         need(
-            self.speculative_ngram_min_bfs_breadth == 1,
-            "speculative_ngram_min_bfs_breadth",
-            f"{self.speculative_ngram_min_bfs_breadth} is not supported yet (only 1: chain drafts)",
-        )
-        need(
-            self.speculative_ngram_max_bfs_breadth == 1,
+            lo_b <= hi_b <= 64,
             "speculative_ngram_max_bfs_breadth",
-            f"{self.speculative_ngram_max_bfs_breadth} is not supported yet (only 1: chain "
-            "drafts; tree drafts need the tree attention mask)",
+            f"must be in [min_bfs_breadth, 64], got {hi_b}",
         )
         need(
             self.speculative_ngram_match_type.upper() in NGRAM_MATCH_TYPES,
@@ -486,8 +482,8 @@ _HELP = {
     "speculative_num_draft_tokens": "Tokens per request in one verify step, the last real token included (default 8 with an algorithm)",
     "speculative_ngram_min_match_window_size": "Shortest suffix matched in the n-gram trie",
     "speculative_ngram_max_match_window_size": "Longest suffix matched in the n-gram trie (tried first)",
-    "speculative_ngram_min_bfs_breadth": "Draft tree breadth lower bound (only 1: chain drafts)",
-    "speculative_ngram_max_bfs_breadth": "Draft tree breadth upper bound (only 1: chain drafts; SGLang's default 10 needs tree drafts)",
+    "speculative_ngram_min_bfs_breadth": "Draft tree: children per node at the deepest levels (the breadth halves per level from the max down to this)",
+    "speculative_ngram_max_bfs_breadth": "Draft tree: children per node at the first level (1 = chain drafts, the default)",
     "speculative_ngram_match_type": "BFS: follow the most recently seen continuation; PROB: the most frequent one",
     "speculative_ngram_branch_length": "Tokens stored after each matched window in the trie (the longest draft)",
     "speculative_ngram_capacity": "Trie nodes kept (least recently used evicted first); SGLang's default is 10,000,000",

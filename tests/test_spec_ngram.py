@@ -86,8 +86,16 @@ def test_trie_is_shared_across_requests_and_bounded():
         ({"speculative_algorithm": "MEDUSA"}, "speculative_algorithm: unknown algorithm"),
         ({"speculative_num_draft_tokens": 4}, "speculative_num_draft_tokens: needs"),
         (
-            {"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 10},
-            "speculative_ngram_max_bfs_breadth: 10 is not supported yet",
+            {
+                "speculative_algorithm": "NGRAM",
+                "speculative_ngram_min_bfs_breadth": 4,
+                "speculative_ngram_max_bfs_breadth": 2,
+            },
+            "speculative_ngram_max_bfs_breadth: must be in [min_bfs_breadth, 64], got 2",
+        ),
+        (
+            {"speculative_algorithm": "NGRAM", "speculative_ngram_min_bfs_breadth": 0},
+            "speculative_ngram_min_bfs_breadth: must be >= 1",
         ),
         (
             {"speculative_algorithm": "NGRAM", "speculative_ngram_match_type": "DFS"},
@@ -153,12 +161,12 @@ def _validate(params: dict, text: str) -> None:
         lark.Lark(ARITH_LARK, parser="lalr").parse(text)
 
 
-def _generate(path, prompts, page_size, radix_off, **kw):
+def _generate(path, prompts, page_size, radix_off, submit_kw=None, **kw):
     sched = make_scheduler(
         path, page_size=page_size, disable_radix_cache=radix_off, disable_jump_forward=True, **kw
     )
     for i, (ids, params) in enumerate(prompts):
-        submit(sched, f"p{i}", ids, params)
+        submit(sched, f"p{i}", ids, params, **(submit_kw or {}))
     return run_all(sched), sched
 
 
@@ -184,6 +192,64 @@ def test_greedy_outputs_identical_with_ngram(tiny_model_dir, config):
     st = sched.get_state()
     assert st["spec_verify_ct"] > 0, st
     assert sum(st["spec_accepted_by_position"]) > 0, st
+
+
+TREE = {**SPEC, "speculative_ngram_max_bfs_breadth": 4}
+# (model, page size, radix cache off)
+TREE_CONFIGS = [("bundled", 4, False), ("llama", 1, True)]
+
+
+@pytest.mark.parametrize("config", TREE_CONFIGS, ids=[f"{c[0]}-page{c[1]}" for c in TREE_CONFIGS])
+def test_greedy_outputs_identical_with_tree_drafts(tiny_model_dir, monkeypatch, config):
+    """Draft trees (breadth 4 at the first level): one forward over every branch with the
+    tree mask, the longest accepted root path kept, its KV moved to its final positions and
+    the rest freed: the same greedy tokens and logprobs as plain decoding, constrained
+    outputs valid, KV accounting whole after every step."""
+    from loom.runtime.model_runner import ModelRunner
+
+    family, page, radix_off = config
+    path = BUNDLED_MODEL_PATH if family == "bundled" else tiny_model_dir(family)
+    moved = []
+    move = ModelRunner._move_tree_kv
+
+    def counting_move(self, inp, accepted_nodes):
+        moved.extend(
+            a for par, nodes in zip(inp.draft_parents, accepted_nodes) if par for a in nodes
+        )
+        return move(self, inp, accepted_nodes)
+
+    monkeypatch.setattr(ModelRunner, "_move_tree_kv", counting_move)
+    tok = make_scheduler(path).tokenizer
+    lp = {"return_logprob": True, "top_logprobs_num": 2}
+    prompts = [(tok.encode(t), greedy(24)) for t in TEXTS[:5]]
+    for c in CONSTRAINTS:
+        prompts.append((tok.encode("Answer: "), {**greedy(40), "ignore_eos": False, **c}))
+    plain, _ = _generate(path, prompts, page, radix_off, submit_kw=lp)
+    spec, sched = _generate(path, prompts, page, radix_off, submit_kw=lp, **TREE)
+    for i, (_, params) in enumerate(prompts):
+        a, b = plain[f"p{i}"], spec[f"p{i}"]
+        assert b.ids == a.ids, (family, i)
+        assert b.finish_reason == a.finish_reason
+        for (la, ta), (lb, tb) in zip(a.output_logprobs, b.output_logprobs):
+            assert ta == tb and abs(la - lb) < 1e-4
+        if params.get("ignore_eos") is False and b.finish_reason["type"] == "stop":
+            _validate(params, b.text)
+    st = sched.get_state()
+    assert st["spec_verify_ct"] > 0 and sum(st["spec_accepted_by_position"]) > 0, st
+    assert moved, "no verify step accepted a node off the first branch"
+
+
+def test_sampled_tree_drafts_keep_constraints(llama):
+    jobs = [([5, 6, 7], {"temperature": 1.0, "max_new_tokens": 64, **c}) for c in CONSTRAINTS]
+    sched = make_scheduler(llama, **TREE)
+    for i, (ids, params) in enumerate(jobs * 2):
+        submit(sched, f"c{i}", ids, params, seed=i)
+    res = run_all(sched)
+    for i, (_, params) in enumerate(jobs * 2):
+        r = res[f"c{i}"]
+        if r.finish_reason["type"] == "stop":
+            _validate(params, r.text)
+    assert sched.get_state()["spec_verify_ct"] > 0
 
 
 # --------------------------------------------------------------------------- per-position state

@@ -86,3 +86,100 @@ def test_same_seed_same_tokens():
     a = _chi_square(3, 1.0, 1.0)
     b = _chi_square(3, 1.0, 1.0)
     assert a[0] == b[0]
+
+
+# --------------------------------------------------------------------------- draft trees
+NT = 4_000  # trees per case (the tree walk runs per tree on the host)
+
+
+def _tree_info(trees: list, temperature: float) -> SamplingInfo:
+    """One tree per request, each with one root row and one row per node, all rows with the
+    same target logits; request r's seed is its own."""
+    rows = sum(1 + len(t[0]) for t in trees)
+    seeds, roots, row = [], [], 0
+    for r, (tokens, _, _) in enumerate(trees):
+        seeds += [r * 7919 + 11] * (1 + len(tokens))
+        roots.append(row)
+        row += 1 + len(tokens)
+    f32 = dict(dtype=torch.float32)
+    return SamplingInfo(
+        temperatures=torch.full((rows, 1), temperature, **f32),
+        top_ps=torch.ones(rows, **f32),
+        top_ks=torch.full((rows,), V),
+        min_ps=torch.zeros(rows, **f32),
+        greedy=torch.zeros(rows, dtype=torch.bool),
+        seeds=torch.tensor(seeds),
+        steps=torch.full((rows,), 42),
+        need_top_filter=False,
+        need_min_p=False,
+        all_greedy=False,
+        logit_bias=None,
+        penalty=None,
+        banned=None,
+        trees=[(root, *t) for root, t in zip(roots, trees)],
+    )
+
+
+def _tree_chi_square(make_tree) -> tuple[float, float]:
+    """(chi-square of the first emitted token against p, share of trees accepting a node)."""
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 1.5
+    p = torch.softmax(logits, -1)
+    gen = torch.Generator().manual_seed(5)
+    trees = [make_tree(p, gen) for _ in range(NT)]
+    info = _tree_info(trees, 1.0)
+    n_rows = info.seeds.shape[0]
+    _, _, out = sampler.sample_verify_trees(logits.expand(n_rows, V).clone(), info)
+    first = torch.tensor([tokens[path[0]] if path else last for (tokens, _, _), (path, last) in
+                          zip(trees, out)])  # fmt: skip
+    observed = torch.bincount(first, minlength=V).double()
+    expected = p.double() * NT
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    return stat, sum(bool(path) for path, _ in out) / NT
+
+
+def _deterministic_tree(p, gen):
+    """Three distinct first-level candidates (one rare), each with a child: q one-hot."""
+    return [6, 2, 12, 6, 3], [-1, -1, -1, 0, 2], None
+
+
+def _sampled_tree(p, gen):
+    """Two first-level candidates drawn i.i.d. from a draft distribution q (SpecInfer's
+    case; the two may be the same token), q given per node."""
+    q = torch.softmax(torch.arange(V, dtype=torch.float32) / 6, -1)
+    x = torch.multinomial(q, 2, replacement=True, generator=gen).tolist()
+    return x, [-1, -1], q.expand(2, V)
+
+
+@pytest.mark.parametrize("make_tree", [_deterministic_tree, _sampled_tree])
+@pytest.mark.parametrize(
+    "residual",
+    [
+        "correct",
+        pytest.param(
+            "broken", marks=pytest.mark.xfail(strict=True, reason="the residual must take q out")
+        ),
+    ],
+)
+def test_tree_verified_tokens_follow_the_target_distribution(monkeypatch, make_tree, residual):
+    """Multi-candidate rejection sampling over a tree keeps the target distribution; leaving
+    q in the residual (each rejected candidate stays as likely) fails the same test."""
+    if residual == "broken":
+        monkeypatch.setattr(sampler, "residual", _broken_residual)
+    stat, accepted = _tree_chi_square(make_tree)
+    assert 0 < accepted < 1  # both acceptance and rejection exercised
+    assert stat < CRITICAL, f"chi-square {stat:.1f} >= {CRITICAL} (df 15, p 0.001)"
+
+
+def test_greedy_tree_walk_takes_the_argmax_path():
+    """Greedy: the accepted path follows the argmax at every node; a sibling that is not the
+    argmax is never taken, and the token after the path is the argmax of its last row."""
+    logits = torch.full((6, V), -5.0)
+    # rows: root, node0 (tok 3), node1 (tok 4), node2 (tok 7, child of 1), node3, node4
+    for row, best in enumerate([4, 9, 7, 1, 0, 0]):
+        logits[row, best] = 5.0
+    tokens, parents = [3, 4, 7, 2, 1], [-1, -1, 1, 2, 2]
+    info = _tree_info([(tokens, parents, None)], 1.0)
+    info.greedy[:] = True
+    info.all_greedy = True
+    _, _, out = sampler.sample_verify_trees(logits, info)
+    assert out == [([1, 2, 4], 0)]

@@ -18,7 +18,8 @@ class AttentionBackend(ABC):
 
     `init_forward_metadata` runs once per forward (index tensors shared by all layers);
     `forward_extend` handles new tokens after a cached prefix with a causal mask (prompt
-    chunks, jump-forward text, and linear draft verification, which is causal too);
+    chunks, jump-forward text, and linear draft verification, which is causal too), or with
+    `batch.custom_masks[i]` where that is given (draft trees: each node sees its ancestors);
     `forward_decode` handles one token per request. q is [T, heads, head_dim]; k and v are
     [T, kv_heads, head_dim] and are written to the cache before attending.
     """

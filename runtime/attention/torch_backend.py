@@ -15,7 +15,9 @@ from loom.runtime.forward_batch import ForwardBatch
 @dataclass
 class _ExtendMeta:
     kv_slots: list[torch.Tensor]  # per request: slots of positions 0 .. seq_len-1
-    masks: list[torch.Tensor | None]  # per request: [extend_len, seq_len] bool (None: causal)
+    # per request: [extend_len, seq_len] bool (causal, or `batch.custom_masks`'s tree mask;
+    # None: causal over the new tokens alone)
+    masks: list[torch.Tensor | None]
     token_starts: list[int]
     extend_lens: list[int]
 
@@ -61,11 +63,16 @@ class TorchAttnBackend(AttentionBackend):
         kv_slots, masks, starts, exts = [], [], [], []
         start = 0
         req_rows = batch.req_pool_indices.tolist()
-        for row, prefix, seq in zip(req_rows, batch.prefix_lens_cpu, batch.seq_lens_cpu):
+        custom = batch.custom_masks or [None] * len(req_rows)
+        for row, prefix, seq, tree in zip(
+            req_rows, batch.prefix_lens_cpu, batch.seq_lens_cpu, custom
+        ):
             ext = seq - prefix
             kv_slots.append(table[row, :seq])
-            # no cached prefix: plain causal attention, which takes the fused kernel
-            masks.append(None if prefix == 0 else causal_mask(prefix, ext, device))
+            if tree is not None:  # a draft tree: each node sees its ancestors only
+                masks.append(tree)
+            else:  # no cached prefix: plain causal attention, which takes the fused kernel
+                masks.append(None if prefix == 0 else causal_mask(prefix, ext, device))
             starts.append(start)
             exts.append(ext)
             start += ext

@@ -7,12 +7,14 @@ import torch
 from loom.runtime.forward_batch import ForwardMode, ModelInput
 from loom.runtime.req import Req
 from loom.runtime.sampler import SamplingInfo
+from loom.runtime.spec import tree_depths
 
 
 class ScheduleBatch:
     """Requests that run together in one step. Each computes positions
     [kv_len, kv_len + extend_len): prompt tokens (a prefill), its last token (a decode step),
-    or its last token and `draft_ids` (a verify step). `is_decode` says which owner built it."""
+    or its last token and `draft_ids` (a verify step; a draft tree's nodes fill those KV
+    columns in node order, at positions by depth). `is_decode` says which owner built it."""
 
     def __init__(self, reqs: list[Req], is_decode: bool):
         self.reqs = reqs
@@ -44,7 +46,12 @@ class ScheduleBatch:
             draft = req.draft_ids
             ids.extend(req.tokens(begin, end - len(draft)))
             ids.extend(draft)
-            positions.extend(range(begin, end))
+            if req.draft_parents is None:
+                positions.extend(range(begin, end))
+            else:  # a draft tree: node i at the last real token's position + 1 + its depth
+                last = end - len(draft) - 1
+                positions.extend(range(begin, last + 1))
+                positions.extend(last + 1 + d for d in tree_depths(req.draft_parents))
             prefix_lens.append(begin)
             seq_lens.append(end)
             real_end = end - len(draft)
@@ -62,7 +69,11 @@ class ScheduleBatch:
         sampling = None
         if sampling_reqs:
             sampling = SamplingInfo.from_reqs(
-                sampling_reqs, vocab_size, drafts=[r.draft_ids for r in sampling_reqs]
+                sampling_reqs,
+                vocab_size,
+                drafts=[r.draft_ids for r in sampling_reqs],
+                parents=[r.draft_parents for r in sampling_reqs],
+                draft_probs=[r.draft_probs for r in sampling_reqs],
             )
             _fill_grammar_mask(sampling_reqs, sampling, vocab_size)
         self.model_input = ModelInput(
@@ -81,6 +92,7 @@ class ScheduleBatch:
             logprob_top_nums=top_nums,
             input_logprob_starts=lp_starts,
             input_logprob_targets=lp_targets,
+            draft_parents=[r.draft_parents for r in self.reqs],
         )
         return self.model_input
 

@@ -8,6 +8,7 @@ import logging
 from loom.runtime.req import Req
 from loom.runtime.scheduler.batch import ScheduleBatch
 from loom.runtime.scheduler.kv import KVManager
+from loom.runtime.spec import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,12 @@ class DecodeManager:
         batch = ScheduleBatch(reqs, is_decode=True)
         if any(drafts):
             for req, draft in zip(reqs, drafts):
-                req.draft_ids = draft
+                if isinstance(draft, DraftTree):
+                    req.draft_ids = draft.tokens
+                    if not draft.is_chain or draft.probs is not None:
+                        req.draft_parents, req.draft_probs = draft.parents, draft.probs
+                else:
+                    req.draft_ids = draft
                 req.extend_len = 1 + len(draft)
                 assert self.kv.alloc(req, req.extend_len) is not None
         else:
@@ -74,8 +80,9 @@ class DecodeManager:
         )
         return batch, retracted
 
-    def _draft(self, req: Req, free_drafts: bool) -> list[int]:
+    def _draft(self, req: Req, free_drafts: bool) -> list[int] | DraftTree:
         req.draft_ids, req.draft_masks = [], None
+        req.draft_parents = req.draft_probs = None
         if self.drafter is None or req.finished:
             return []
         # bounded by the context only: tokens past max_new_tokens or a stop are dropped when
@@ -83,7 +90,12 @@ class DecodeManager:
         room = self.context_len - req.seq_len - 1
         if room <= 0:
             return []
-        return list(self.drafter.draft(req, room, free_drafts))[:room]
+        draft = self.drafter.draft(req, room, free_drafts)
+        if isinstance(draft, DraftTree):
+            if len(draft) > room:
+                raise ValueError(f"drafter proposed {len(draft)} tree nodes, room for {room}")
+            return draft if len(draft) else []
+        return list(draft)[:room]
 
     def _retract_one(self) -> Req | None:
         """Free KV: drop a finishing request's last-token write first (its answer is out),

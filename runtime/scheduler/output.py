@@ -12,6 +12,7 @@ from loom.runtime.req import Req
 from loom.runtime.scheduler.batch import ScheduleBatch
 from loom.runtime.scheduler.jump_forward import try_jump_forward
 from loom.runtime.scheduler.kv import KVManager
+from loom.runtime.spec import tree_depths
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,10 @@ class OutputProcessor:
                 req.spec_accepted += len(tokens) - 1
                 req.spec_proposed += len(req.draft_ids)
                 if self.drafter is not None:
-                    self.drafter.on_verified(req, len(req.draft_ids), len(tokens) - 1)
+                    positions = len(req.draft_ids)
+                    if req.draft_parents is not None:  # a tree drafts positions = depths
+                        positions = 1 + max(tree_depths(req.draft_parents))
+                    self.drafter.on_verified(req, positions, len(tokens) - 1)
             for j, token in enumerate(tokens):
                 self._append_token(req, token, out, i, j)
                 if req.finished:
@@ -106,6 +110,7 @@ class OutputProcessor:
                 self.kv.truncate(req, req.kv_len, written_end)
             if req.draft_ids:
                 req.draft_ids, req.draft_masks = [], None
+                req.draft_parents = req.draft_probs = None
             if req.finished:
                 if self.drafter is not None:
                     self.drafter.on_finished(req)

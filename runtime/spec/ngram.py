@@ -14,6 +14,7 @@ last `MAX_PROMPT_TOKENS` tokens, so the first draft of a request costs O(that x 
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -118,13 +119,14 @@ class NgramDrafter:
         self.trie = NgramTrie(max_window + branch_length, capacity)
         self.by_count = match_type.upper() == "PROB"
 
-    def observe(self, req, state: NgramState) -> None:
-        """Insert the request's tokens the trie has not seen yet."""
+    def observe(self, req, state: NgramState, prompt_tail: int = MAX_PROMPT_TOKENS) -> None:
+        """Insert the request's tokens the trie has not seen yet (of its prompt, at most the
+        last `prompt_tail` tokens)."""
         n = req.seq_len
         if state.seen > n:  # the tail was rewritten: start the suffixes afresh
             state.pointers, state.seen = [], 0
         if state.seen == 0:
-            state.seen = max(0, len(req.origin_input_ids) - MAX_PROMPT_TOKENS)
+            state.seen = max(0, len(req.origin_input_ids) - prompt_tail)
         if state.seen == n:
             return
         pointers = state.pointers
@@ -144,6 +146,51 @@ class NgramDrafter:
                 node = max(node.children.values(), key=lambda c: c.stamp)
             draft.append(node.token)
         return draft
+
+    def propose_tree(
+        self,
+        req,
+        state: NgramState,
+        max_nodes: int,
+        max_depth: int,
+        breadth: tuple[int, int],
+        after: Sequence[int] = (),
+    ) -> tuple[list[int], list[int]]:
+        """A draft tree (tokens, parents; parent -1 = after `after`) of at most max_nodes
+        nodes and max_depth levels, grown best-first from the matched trie node: the next node
+        is the continuation with the highest estimated chance (the product of count shares
+        along its path), at most breadth(depth) children per node, where breadth goes from
+        breadth[1] at depth 0 down to breadth[0], halving per level. A confident history
+        yields a chain; branches appear where the history disagrees."""
+        self.observe(req, state)
+        start = self._match(state.pointers, after)
+        tokens: list[int] = []
+        parents: list[int] = []
+        if start is None or max_nodes <= 0 or max_depth <= 0:
+            return tokens, parents
+        lo, hi = breadth
+        heap: list[tuple[float, int, _Node, int, int]] = []
+        tie = 0
+
+        def push(node: _Node, parent: int, depth: int, chance: float) -> None:
+            nonlocal tie
+            if depth >= max_depth or not node.children:
+                return
+            kids = list(node.children.values())
+            total = sum(c.count for c in kids)
+            rank = (lambda c: (c.count, c.stamp)) if self.by_count else (lambda c: c.stamp)
+            kids.sort(key=rank, reverse=True)
+            for c in kids[: max(lo, hi >> depth)]:
+                tie += 1
+                heapq.heappush(heap, (-chance * c.count / total, tie, c, parent, depth))
+
+        push(start, -1, 0, 1.0)
+        while heap and len(tokens) < max_nodes:
+            neg, _, node, parent, depth = heapq.heappop(heap)
+            tokens.append(node.token)
+            parents.append(parent)
+            push(node, len(tokens) - 1, depth + 1, -neg)
+        return tokens, parents
 
     def _match(self, pointers: list[_Node], after: Sequence[int]) -> _Node | None:
         """The deepest node (suffix length in the match window) of current tokens + `after`

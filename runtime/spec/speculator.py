@@ -23,8 +23,8 @@ or more draft nothing (grammar requests there take the jump-forward path).
 
 from __future__ import annotations
 
-from loom.runtime.spec import Drafter
-from loom.runtime.spec.ngram import NgramDrafter, NgramState
+from loom.runtime.spec import Drafter, DraftTree, tree_depths
+from loom.runtime.spec.ngram import MAX_PROMPT_TOKENS, NgramDrafter, NgramState
 from loom.runtime.spec.stats import AcceptanceStats
 
 TOKEN_COST = 0.05
@@ -51,6 +51,11 @@ class NgramSpeculator(Drafter):
             args.speculative_ngram_capacity,
             args.speculative_ngram_match_type,
         )
+        # draft trees when the breadth allows more than one child per node
+        self.breadth = (
+            args.speculative_ngram_min_bfs_breadth,
+            args.speculative_ngram_max_bfs_breadth,
+        )
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos = frozenset(eos_token_ids)
@@ -69,6 +74,8 @@ class NgramSpeculator(Drafter):
         budget = min(room, self.num_draft)
         forced = self._forced(req, budget) if req.grammar is not None else []
         gains = self._gains(state)[: max(0, budget - len(forced))]
+        if self.breadth[1] > 1 and gains:
+            return self._draft_tree(req, state, forced, gains, budget)
         ngram = self.ngram.propose(req, state, len(gains), after=forced)
         state.expected = len(forced) + sum(gains[: len(ngram)])
         draft = forced + ngram
@@ -76,6 +83,22 @@ class NgramSpeculator(Drafter):
             draft = self._walk_grammar(req, draft)
         req.draft_forced = min(len(forced), len(draft))
         return draft
+
+    def _draft_tree(self, req, state, forced, gains, budget) -> list[int] | DraftTree:
+        """Forced text as a chain, the trie's tree below it (as deep as the positions that
+        pay, as many nodes as the budget), cut per branch by the grammar."""
+        f = len(forced)
+        tokens, parents = self.ngram.propose_tree(
+            req, state, budget - f, len(gains), self.breadth, after=forced
+        )
+        depth = 1 + max(tree_depths(parents), default=-1)
+        state.expected = f + sum(gains[:depth])
+        tokens = forced + tokens
+        parents = [i - 1 for i in range(f)] + [f - 1 if p < 0 else f + p for p in parents]
+        if req.grammar is not None and tokens:
+            tokens, parents = self._walk_grammar_tree(req, tokens, parents)
+        req.draft_forced = min(f, len(tokens))  # the forced chain is never cut before a node
+        return DraftTree(tokens, parents) if tokens else []
 
     def _forced(self, req, budget: int) -> list[int]:
         if self.tokenizer is None or budget <= 0:
@@ -110,6 +133,51 @@ class NgramSpeculator(Drafter):
         req.draft_masks = masks[: n + 1]
         return draft[:n]
 
+    def _walk_grammar_tree(
+        self, req, tokens: list[int], parents: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """Each branch walked through the grammar (accept down, roll back up): a node the
+        grammar refuses is cut with its subtree; mask row 0 is what may follow the last real
+        token, row 1 + i what may follow node i (`req.draft_masks`, in the kept nodes' order)."""
+        from loom.grammar.base import GrammarError, allocate_token_bitmask
+
+        g = req.grammar
+        n = len(tokens)
+        masks = allocate_token_bitmask(n + 1, self.vocab_size)
+        children: list[list[int]] = [[] for _ in range(n + 1)]
+        for i, p in enumerate(parents):
+            children[p + 1].append(i)
+        kept = [False] * n
+
+        def visit(node: int) -> None:
+            row = node + 1
+            g.fill_mask(masks, row)
+            for k in children[row]:
+                t = tokens[k]
+                if t in self.eos or t >= self.vocab_size:
+                    continue
+                if not (int(masks[row, t // 32]) >> (t % 32)) & 1:
+                    continue
+                try:
+                    g.accept_token(t)
+                except GrammarError:
+                    continue
+                kept[k] = True
+                visit(k)
+                g.rollback(1)
+
+        visit(-1)
+        index = {}
+        new_tokens, new_parents, rows = [], [], [0]
+        for i in range(n):
+            if kept[i]:
+                index[i] = len(new_tokens)
+                new_tokens.append(tokens[i])
+                new_parents.append(-1 if parents[i] < 0 else index[parents[i]])
+                rows.append(i + 1)
+        req.draft_masks = masks[rows]
+        return new_tokens, new_parents
+
     def _gains(self, state: NgramState) -> list[float]:
         """The chance each draft position is accepted, for the positions worth drafting."""
         state.steps += 1
@@ -141,8 +209,14 @@ class NgramSpeculator(Drafter):
             rates[j] += RATE_DECAY * (hit - rates[j])
 
     def on_finished(self, req) -> None:
-        if req.spec_state is not None:
-            self.ngram.observe(req, req.spec_state)
+        state = req.spec_state
+        if state is None:
+            return
+        # a request that never drafted (it ran in large batches) teaches the trie its output
+        # and only the prompt windows that lead into it: inserting a whole prompt costs
+        # O(prompt x depth) trie steps, measured as a third of result processing at batch 16
+        tail = self.ngram.trie.depth if state.seen == 0 else MAX_PROMPT_TOKENS
+        self.ngram.observe(req, state, prompt_tail=tail)
 
     def log_line(self) -> str:
         return self.stats.log_line() if self.stats.verify_ct else ""
