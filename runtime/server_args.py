@@ -21,8 +21,9 @@ MOE_A2A_BACKENDS = ("auto", "all_to_all", "none")
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
 TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3", "react")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
-SPECULATIVE_ALGORITHMS = ("NGRAM",)  # SGLang's EAGLE/EAGLE3/NEXTN/STANDALONE: refused by name
-SPECULATIVE_NOT_YET = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3")  # SGLang's others: refused by name
+SPECULATIVE_NOT_YET = ("MEDUSA", "NEXTN", "STANDALONE")
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # --dp-size N: the router policy that spreads requests over the replicas (runtime/router)
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -84,6 +85,10 @@ class ServerArgs:
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 1_000_000
     speculative_disable_by_batch_size: int = 8
+    # EAGLE / EAGLE3 (runtime/spec/eagle*.py): chains (topk 1) through the chain verify path
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
 
     # Parallelism
     tp_size: int = 1
@@ -223,6 +228,8 @@ class ServerArgs:
                 "speculative_num_draft_tokens",
                 "needs --speculative-algorithm",
             )
+        self._validate_eagle(need)
+        if algo is None:
             return
         n = self.speculative_num_draft_tokens
         need(
@@ -267,6 +274,57 @@ class ServerArgs:
             "speculative_disable_by_batch_size",
             f"must be >= 1, got {self.speculative_disable_by_batch_size}",
         )
+
+    def _validate_eagle(self, need) -> None:
+        """EAGLE flags: only with an EAGLE algorithm; chains only (topk 1) for now."""
+        algo = (self.speculative_algorithm or "").upper()
+        eagle = algo in EAGLE_ALGORITHMS
+        for name in (
+            "speculative_draft_model_path",
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+        ):
+            need(
+                eagle or getattr(self, name) is None,
+                name,
+                f"needs --speculative-algorithm {' or '.join(EAGLE_ALGORITHMS)}",
+            )
+        if not eagle:
+            return
+        steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
+        need(
+            steps is None or 1 <= steps <= 63,
+            "speculative_num_steps",
+            f"must be in [1, 63], got {steps}",
+        )
+        need(
+            topk is None or topk == 1,
+            "speculative_eagle_topk",
+            f"{topk} is not supported yet (only 1: chain drafts; EAGLE-2 trees need tree "
+            "verification)",
+        )
+        n = self.speculative_num_draft_tokens
+        need(
+            n is None or steps is None or n == steps + 1,
+            "speculative_num_draft_tokens",
+            f"must be speculative_num_steps + 1 ({steps + 1 if steps else '?'}) with topk 1, "
+            f"got {n}",
+        )
+        need(
+            self.tp_size == 1 and self.pp_size == 1,
+            "speculative_algorithm",
+            f"{algo} with tp_size or pp_size > 1 is not supported yet",
+        )
+
+    @property
+    def effective_speculative_num_steps(self) -> int:
+        """EAGLE draft steps per verify (a chain of this many tokens): the flag, else
+        num_draft_tokens - 1, else 4."""
+        if self.speculative_num_steps is not None:
+            return self.speculative_num_steps
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens - 1
+        return 4
 
     def _validate_parallel(self, need) -> None:
         """Parallel layout (runtime/distributed.py): world = tp_size ranks, or ep_size ranks
@@ -478,7 +536,7 @@ _HELP = {
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
     "grammar_compile_timeout": "Seconds a grammar may take to compile before its request fails",
     "disable_jump_forward": "Turn off grammar jump-forward",
-    "speculative_algorithm": "Speculative decoding: NGRAM (drafts from an n-gram trie over the prompt, the output and recent requests; grammar-aware)",
+    "speculative_algorithm": "Speculative decoding: NGRAM (drafts from an n-gram trie over the prompt, the output and recent requests; grammar-aware); EAGLE / EAGLE3 (a draft head over the target's hidden states: --speculative-draft-model-path)",
     "speculative_num_draft_tokens": "Tokens per request in one verify step, the last real token included (default 8 with an algorithm)",
     "speculative_ngram_min_match_window_size": "Shortest suffix matched in the n-gram trie",
     "speculative_ngram_max_match_window_size": "Longest suffix matched in the n-gram trie (tried first)",
@@ -487,6 +545,9 @@ _HELP = {
     "speculative_ngram_match_type": "BFS: follow the most recently seen continuation; PROB: the most frequent one",
     "speculative_ngram_branch_length": "Tokens stored after each matched window in the trie (the longest draft)",
     "speculative_ngram_capacity": "Trie nodes kept (least recently used evicted first); SGLang's default is 10,000,000",
+    "speculative_draft_model_path": "EAGLE / EAGLE3 head folder (published EAGLE layout, or one written by python -m loom.train_eagle); default: the head shipped for the bundled model",
+    "speculative_num_steps": "EAGLE draft steps per verify (default: num_draft_tokens - 1, else 4)",
+    "speculative_eagle_topk": "EAGLE branching per draft step (only 1: chains; EAGLE-2 dynamic trees are not built yet)",
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
     "tp_size": "Tensor-parallel degree: one scheduler process per rank (gloo on CPU, NCCL on CUDA)",
     "ep_size": "Expert-parallel degree for MoE models: divides tp_size, or shards experts over ep_size ranks with tp_size 1",

@@ -108,6 +108,9 @@ class LlamaModel(nn.Module):
     the first stage embeds, the last normalises; the others pass hidden states on."""
 
     layer_cls = LlamaDecoderLayer
+    # EAGLE drafting (runtime/spec/eagle.py): when set (a tuple of layer ids, possibly empty),
+    # forward keeps `captured` = (final hidden states, [residual stream after each such layer])
+    capture_layers: tuple[int, ...] | None = None
 
     def __init__(self, config):
         super().__init__()
@@ -131,12 +134,17 @@ class LlamaModel(nn.Module):
         else:
             dtype = next(self.layers[stage.start].parameters()).dtype
             hidden, residual = stage.recv(len(input_ids), self.hidden_size, dtype, input_ids.device)
-        for layer in self.layers[stage.start : stage.end]:
-            hidden, residual = layer(positions, hidden, residual)
+        capture, aux = self.capture_layers, {}
+        for i in range(stage.start, stage.end):
+            hidden, residual = self.layers[i](positions, hidden, residual)
+            if capture and i in capture:
+                aux[i] = hidden + residual
         if not stage.is_last:
             stage.send(hidden, residual)
             return None
         hidden, _ = self.norm(hidden, residual)
+        if capture is not None:
+            self.captured = (hidden, [aux[i] for i in capture])
         return hidden
 
 

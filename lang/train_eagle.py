@@ -1,0 +1,411 @@
+"""Train an EAGLE draft head for a loom-supported target model.
+
+    python -m loom.train_eagle --target PATH --data FILE|DIR --out DIR [--eagle3] [--medusa]
+
+The target runs through loom's own model code (runtime/spec/eagle_unroll.py: `target_pass`),
+and the head learns the target's next-token distribution (soft labels) over `--steps` unrolled
+draft steps ("training-time test": later steps read the head's own previous output, as
+drafting does). Data: .txt files (documents split on blank lines) and .jsonl files (one
+{"text": ...} or chat {"messages": [...]} object a line, rendered with the target's chat
+template), or a folder of them. Every epoch prints the held-out loss and the held-out mean
+accepted length: tokens per verify step of greedy chain drafting against the target's own
+greedy continuation of held-out prompts (1.0 = nothing accepted). `--out` receives the head
+(published EAGLE layout, loadable by --speculative-draft-model-path), `checkpoint.pt`
+(resumed automatically when present), `history.json` and `loss.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+LOSS_STEP_DECAY = 0.8  # weight of unrolled step s: 0.8 ** s (as EAGLE-3 weighs them)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m loom.train_eagle", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--target", required=True, help="target model folder (HF layout)")
+    p.add_argument("--data", required=True, help=".txt / .jsonl file or a folder of them")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--eagle3", action="store_true", help="EAGLE-3 head (fused low/mid/high)")
+    p.add_argument("--medusa", action="store_true", help="Medusa heads (not built yet)")
+    p.add_argument("--aux-layers", type=str, default=None, help="EAGLE-3 target layers, e.g. 1,2,3")
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="EAGLE-3 reduced vocab")
+    p.add_argument(
+        "--head-intermediate-size",
+        type=int,
+        default=None,
+        help="the head's MLP width (default: the target's; smaller drafts faster)",
+    )
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--unroll", type=int, default=3, help="draft steps unrolled in training")
+    p.add_argument("--eval-steps", type=int, default=5, help="draft chain length evaluated")
+    p.add_argument("--eval-prompts", type=int, default=16)
+    p.add_argument("--eval-tokens", type=int, default=48)
+    p.add_argument("--holdout", type=float, default=0.05, help="fraction of rows held out")
+    p.add_argument("--max-docs", type=int, default=None)
+    p.add_argument("--max-minutes", type=float, default=None, help="stop training after this")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.medusa:
+        p.error("--medusa: Medusa heads are not built yet (only EAGLE / EAGLE-3 heads)")
+    if args.draft_vocab_size is not None and not args.eagle3:
+        p.error("--draft-vocab-size: only EAGLE-3 heads have a reduced draft vocabulary")
+    for name in ("epochs", "seq_len", "batch_size", "unroll", "eval_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1")
+    return args
+
+
+# ------------------------------------------------------------------ data
+def read_documents(path: Path, tokenizer) -> list[str]:
+    files = sorted(
+        f for f in ([path] if path.is_file() else path.rglob("*")) if f.suffix in (".txt", ".jsonl")
+    )
+    if not files:
+        raise SystemExit(f"--data: no .txt or .jsonl files in {path}")
+    docs: list[str] = []
+    for f in files:
+        if f.suffix == ".txt":
+            docs.extend(d for d in f.read_text().split("\n\n") if d.strip())
+            continue
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if "messages" in obj:
+                docs.append(tokenizer.apply_chat_template(obj["messages"], tokenize=False))
+            elif "text" in obj:
+                docs.append(obj["text"])
+            else:
+                raise SystemExit(f"--data: {f}:{n} has neither 'text' nor 'messages'")
+    return docs
+
+
+def pack_rows(docs: list[str], tokenizer, seq_len: int):
+    import torch
+
+    sep = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    flat: list[int] = []
+    for d in docs:
+        flat.extend(tokenizer.encode(d, add_special_tokens=False))
+        flat.append(sep)
+    n = len(flat) // seq_len
+    if n < 2:
+        raise SystemExit(f"--data: only {len(flat)} tokens; need at least {2 * seq_len}")
+    return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def eval_prompts(rows, tokenizer, n: int, max_len: int = 96) -> list[list[int]]:
+    """Held-out prompts: up to and including an assistant header when a row has one (chat
+    data), else the first 32 tokens."""
+    header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    prompts = []
+    for row in rows.tolist():
+        cut = 32
+        for i in range(len(row) - len(header)):
+            if row[i : i + len(header)] == header and 8 <= i + len(header) <= max_len:
+                cut = i + len(header)
+                break
+        prompts.append(row[:cut])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+# ------------------------------------------------------------------ model
+def init_head(head, target, variant: str, seed: int) -> None:
+    """Random init, except that fc starts as a pass-through of the (highest) feature and an
+    EAGLE-3 head's norm / LM head start as the target's."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for name, p in head.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.data.fill_(1.0)
+        elif p.dim() >= 2:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        else:
+            p.data.zero_()
+    h = head.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight[:, -h:] += torch.eye(h)
+        if variant == "eagle3":
+            ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
+            head.lm_head.weight.copy_(target.lm_head.weight[ids])
+            head.norm.weight.copy_(target.model.norm.weight)
+
+
+def choose_draft_vocab(model, rows, size: int, capture):
+    """The `size` target ids the target predicts most often on the training rows."""
+    import torch
+
+    counts = torch.zeros(model.config.vocab_size, dtype=torch.long)
+    with torch.no_grad():
+        for i in range(0, min(len(rows), 64), 8):
+            logits, _ = _target(model, rows[i : i + 8], capture)
+            counts += torch.bincount(logits.argmax(-1).flatten(), minlength=counts.numel())
+    counts += torch.bincount(rows.flatten(), minlength=counts.numel())  # seen tokens too
+    return counts.topk(size).indices.sort().values
+
+
+def _target(model, ids, capture):
+    from loom.runtime.spec.eagle_unroll import target_pass
+
+    return target_pass(model, ids, capture)
+
+
+def soft_targets(logits, draft_ids):
+    """Target distribution restricted (and renormalised) to the draft vocabulary."""
+    if draft_ids is not None:
+        logits = logits[..., draft_ids]
+    return logits.softmax(-1)
+
+
+def step_losses(head, model, ids, capture, steps: int, draft_ids):
+    """Per unrolled step: soft cross-entropy against the target, and top-1 agreement."""
+    import torch
+
+    from loom.runtime.spec.eagle_unroll import unroll
+
+    with torch.no_grad():
+        logits, feats = _target(model, ids, capture)
+        probs = soft_targets(logits, draft_ids)
+    next_ids = torch.zeros_like(ids)
+    next_ids[:, :-1] = ids[:, 1:]
+    outs = unroll(head, feats, next_ids, steps, teacher_forcing=True)
+    t = ids.shape[1]
+    losses, accs = [], []
+    for s, out in enumerate(outs):
+        target = probs[:, s + 1 : t]  # row p predicts the token at p + 2: target row p + 1
+        pred = out[:, s : t - 1]
+        losses.append(-(target * pred.log_softmax(-1)).sum(-1).mean())
+        accs.append((pred.argmax(-1) == target.argmax(-1)).float().mean().item())
+    return losses, accs
+
+
+def greedy_generate(model, prompt: list[int], n: int, eos: set[int]) -> list[int]:
+    import torch
+
+    seq = list(prompt)
+    for _ in range(n):
+        logits, _ = _target(model, torch.tensor([seq]), None)
+        nxt = int(logits[0, -1].argmax())
+        seq.append(nxt)
+        if nxt in eos:
+            break
+    return seq
+
+
+def accepted_length(head, model, sequences, capture, steps: int) -> float:
+    """Mean tokens per verify step of greedy chain drafting along the target's greedy output."""
+    import torch
+
+    from loom.runtime.spec.eagle_unroll import chain_accept_lengths, unroll
+
+    lengths: list[int] = []
+    with torch.no_grad():
+        for prompt_len, seq in sequences:
+            ids = torch.tensor([seq])
+            _, feats = _target(model, ids, capture)
+            next_ids = torch.zeros_like(ids)
+            next_ids[:, :-1] = ids[:, 1:]
+            outs = unroll(head, feats, next_ids, steps, teacher_forcing=False)
+            drafts = torch.stack([head.to_target_ids(o[0].argmax(-1)) for o in outs])
+            lengths += chain_accept_lengths(drafts, ids[0], prompt_len - 1)
+    return sum(lengths) / max(1, len(lengths))
+
+
+# ------------------------------------------------------------------ main
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    from loom.runtime.model_loader import load_config, load_model
+    from loom.runtime.spec.eagle import build_eagle_head, head_config, save_eagle_head
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variant = "eagle3" if args.eagle3 else "eagle"
+    tcfg = load_config(args.target)
+    model = load_model(args.target, torch.float32, "cpu", tcfg)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
+    docs = read_documents(Path(args.data), tokenizer)
+    random.Random(args.seed).shuffle(docs)
+    if args.max_docs:
+        docs = docs[: args.max_docs]
+    rows = pack_rows(docs, tokenizer, args.seq_len)
+    n_hold = max(1, int(len(rows) * args.holdout))
+    train_rows, hold_rows = rows[:-n_hold], rows[-n_hold:]
+    print(f"data: {len(docs)} documents, {rows.numel()} tokens; {len(train_rows)} training rows "
+          f"of {args.seq_len}, {n_hold} held out", flush=True)  # fmt: skip
+
+    overrides = {}
+    capture = None
+    if variant == "eagle3":
+        layers = (
+            [int(x) for x in args.aux_layers.split(",")]
+            if args.aux_layers
+            else sorted({1, tcfg.num_hidden_layers // 2, tcfg.num_hidden_layers - 1})
+        )
+        overrides["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layers}
+        overrides["target_hidden_size"] = tcfg.hidden_size
+        capture = tuple(layers)
+        if args.draft_vocab_size:
+            overrides["draft_vocab_size"] = args.draft_vocab_size
+    if args.head_intermediate_size:
+        overrides["intermediate_size"] = args.head_intermediate_size
+    hcfg = head_config(tcfg, variant, **overrides)
+    head = build_eagle_head(hcfg, model, torch.float32, "cpu")
+    draft_ids = None
+    if variant == "eagle3" and args.draft_vocab_size:
+        draft_ids = choose_draft_vocab(model, train_rows, args.draft_vocab_size, capture)
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+    init_head(head, model, variant, args.seed)
+    for p in head.parameters():
+        p.requires_grad_(True)
+
+    eos = set(tokenizer.convert_tokens_to_ids([t for t in ("<|im_end|>", "<|endoftext|>")
+                                               if t in tokenizer.get_vocab()]))  # fmt: skip
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    t0 = time.time()
+    prompts = eval_prompts(hold_rows, tokenizer, args.eval_prompts)
+    with torch.no_grad():
+        sequences = [(len(p), greedy_generate(model, p, args.eval_tokens, eos)) for p in prompts]
+    print(f"held-out: {len(sequences)} prompts, target greedy continuations made in "
+          f"{time.time() - t0:.1f}s", flush=True)  # fmt: skip
+
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr,
+                            betas=(0.9, 0.95), weight_decay=0.0)  # fmt: skip
+    steps_per_epoch = math.ceil(len(train_rows) / args.batch_size)
+    total_steps = steps_per_epoch * args.epochs
+    history = {"step_loss": [], "epochs": [], "args": vars(args)}
+    start_step = 0
+    ckpt_path = out / "checkpoint.pt"
+    if ckpt_path.exists():
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        head.load_state_dict(ckpt["head"])
+        opt.load_state_dict(ckpt["opt"])
+        history, start_step = ckpt["history"], ckpt["step"]
+        print(f"resumed from {ckpt_path} at step {start_step}/{total_steps}", flush=True)
+    else:
+        head.eval()
+        acc_len = accepted_length(head, model, sequences, capture, args.eval_steps)
+        history["untrained_accept_length"] = acc_len
+        print(f"untrained head: held-out mean accepted length {acc_len:.2f}", flush=True)
+
+    def save_checkpoint(step: int) -> None:
+        tmp = out / "checkpoint.pt.tmp"
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "history": history,
+                    "step": step}, tmp)  # fmt: skip
+        tmp.replace(ckpt_path)
+
+    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed))
+    bar = tqdm(total=total_steps, initial=start_step, disable=args.no_progress,
+               desc="train_eagle", unit="step")  # fmt: skip
+    t_start = time.time()
+    stopped = False
+    for step in range(start_step, total_steps):
+        epoch, i = divmod(step, steps_per_epoch)
+        idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+        lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        head.train()
+        losses, accs = step_losses(head, model, train_rows[idx], capture, args.unroll, draft_ids)
+        loss = sum(LOSS_STEP_DECAY**s * x for s, x in enumerate(losses))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        history["step_loss"].append([step, loss.item(), accs[0]])
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{accs[0]:.2f}")
+        bar.update(1)
+        over = args.max_minutes is not None and time.time() - t_start > args.max_minutes * 60
+        if i + 1 == steps_per_epoch or over:
+            head.eval()
+            with torch.no_grad():
+                hl, ha = step_losses(head, model, hold_rows[:16], capture, args.unroll, draft_ids)
+            acc_len = accepted_length(head, model, sequences, capture, args.eval_steps)
+            rec = {"epoch": epoch + 1, "step": step + 1, "heldout_loss": hl[0].item(),
+                   "heldout_top1": ha, "accept_length": acc_len,
+                   "minutes": (time.time() - t_start) / 60}  # fmt: skip
+            history["epochs"].append(rec)
+            bar.write(f"epoch {epoch + 1}: held-out loss {rec['heldout_loss']:.3f}, top-1 per "
+                      f"step {[round(a, 2) for a in ha]}, mean accepted length {acc_len:.2f}")  # fmt: skip
+            save_checkpoint(step + 1)
+            save_head(head, out, args.save_dtype, save_eagle_head)
+        elif (step + 1) % 50 == 0:
+            save_checkpoint(step + 1)
+        if over:
+            bar.write(f"--max-minutes {args.max_minutes} reached at step {step + 1}")
+            stopped = True
+            break
+    bar.close()
+    (out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
+    plot_history(history, out / "loss.png")
+    if history["epochs"]:
+        last = history["epochs"][-1]
+        print(f"held-out mean accepted length: untrained {history.get('untrained_accept_length', float('nan')):.2f}"
+              f" -> trained {last['accept_length']:.2f} ({'stopped early' if stopped else 'done'}; "
+              f"{(time.time() - t_start) / 60:.1f} min training)")  # fmt: skip
+    return 0
+
+
+def save_head(head, out: Path, dtype: str, save_eagle_head) -> None:
+    import copy
+
+    import torch
+
+    h = head if dtype == "float32" else copy.deepcopy(head).to(getattr(torch, dtype))
+    save_eagle_head(h, out, {"torch_dtype": dtype, "dtype": dtype})
+
+
+def plot_history(history: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s for s, _, _ in history["step_loss"]]
+    losses = [x for _, x, _ in history["step_loss"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, losses, lw=0.8, label="train loss (unrolled, weighted)")
+    if history["epochs"]:
+        ax.plot([e["step"] for e in history["epochs"]], [e["heldout_loss"] for e in history["epochs"]],
+                "o-", label="held-out loss (step 0)")  # fmt: skip
+        ax2 = ax.twinx()
+        ax2.plot([e["step"] for e in history["epochs"]], [e["accept_length"] for e in history["epochs"]],
+                 "s--", color="C2", label="accepted length")  # fmt: skip
+        ax2.set_ylabel("held-out mean accepted length")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

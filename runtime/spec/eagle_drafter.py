@@ -1,0 +1,275 @@
+"""EAGLE / EAGLE-3 drafting beside the target: the head's KV, its catch-up and its draft loop.
+
+The drafter hooks the model runner (`runner.spec_hook`), so all head work happens right
+after each target step, on the target's device, batched over the step's requests:
+
+1. catch-up: one head extend over the positions the step committed. Entry p reads [emb(token
+   p+1); target feature p]: the fed tokens shifted by one, then the step's accepted drafts
+   and its sampled token (a prompt chunk that sampled nothing stops one short: its next
+   token comes with the next chunk). The head's KV lives in its own pool of the target's
+   design (`TokenToKVPool`, same slot count) at the SAME slots as the target's KV for those
+   positions, so it is found through the target's `req_to_token` rows, survives in the
+   radix cache with them and is freed with them.
+2. draft loop: `num_steps - 1` decode steps of the head from its own output hidden state,
+   greedy, attending to the committed entries (gathered once per loop) plus the loop's own
+   entries (kept in a small list, never written to the pool). No scheduler work per draft
+   step; one device -> host copy per loop.
+
+The drafts wait in a per-request-row slot until the scheduler asks (`draft`), tagged with the
+request length they were made for; a mismatch (retraction, a new request in the row) yields
+no draft. Drafts of constrained requests are cut at the first token the grammar refuses.
+Verification is the target's, so any draft (stale, garbage) changes speed, never output.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
+from loom.runtime.spec import Drafter
+from loom.runtime.spec.stats import AcceptanceStats
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_HEADS = Path(__file__).resolve().parent.parent / "bundled" / "eagle"
+
+
+def bundled_head_path(args) -> str:
+    """The head shipped for the bundled model (EAGLE: bundled/eagle, EAGLE3: bundled/eagle/eagle3)."""
+    from loom.runtime.server_args import BUNDLED_MODEL_PATH
+
+    algo = args.speculative_algorithm.upper()
+    folder = BUNDLED_HEADS / "eagle3" if algo == "EAGLE3" else BUNDLED_HEADS
+    same = Path(args.model_path).resolve() == Path(BUNDLED_MODEL_PATH).resolve()
+    if not same or not (folder / "config.json").is_file():
+        raise ValueError(
+            f"speculative_draft_model_path: needed for --speculative-algorithm {algo} (a head "
+            "ships only for the bundled model; train one with python -m loom.train_eagle)"
+        )
+    return str(folder)
+
+
+class _ChainAttention:
+    """Attention of the draft loop's decode steps: the committed entries (gathered from the
+    head's pool once per loop and layer) plus this loop's own entries."""
+
+    def __init__(self, kv, slots: torch.Tensor, committed: torch.Tensor):
+        self.kv, self.slots, self.committed = kv, slots, committed  # [b, L], [b, L] bool
+        self.cache: dict[int, list] = {}
+
+    def forward(self, q, k, v, layer, batch):
+        entry = self.cache.get(layer.layer_id)
+        if entry is None:
+            k_buf, v_buf = self.kv.get_kv(layer.layer_id)
+            b, n = self.slots.shape
+            kc = k_buf[self.slots.reshape(-1)].view(b, n, *k_buf.shape[1:]).transpose(1, 2)
+            vc = v_buf[self.slots.reshape(-1)].view(b, n, *v_buf.shape[1:]).transpose(1, 2)
+            entry = self.cache[layer.layer_id] = [kc.to(q.dtype), vc.to(q.dtype)]
+        entry[0] = torch.cat([entry[0], k.unsqueeze(2)], dim=2)  # [b, Hkv, L + j + 1, D]
+        entry[1] = torch.cat([entry[1], v.unsqueeze(2)], dim=2)
+        b = q.shape[0]
+        extra = entry[0].shape[2] - self.committed.shape[1]
+        mask = torch.cat([self.committed, self.committed.new_ones(b, extra)], dim=1)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            entry[0],
+            entry[1],
+            attn_mask=mask[:, None, None, :],
+            scale=layer.scaling,
+            enable_gqa=layer.is_gqa,
+        )
+        return out.squeeze(2)
+
+
+class EagleSpeculator(Drafter):
+    def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids):
+        from loom.runtime.attention.torch_backend import TorchAttnBackend
+        from loom.runtime.memory_pool import TokenToKVPool
+        from loom.runtime.models.llama import head_dim_of
+        from loom.runtime.spec.eagle import load_eagle_head
+
+        algo = args.speculative_algorithm.upper()
+        if runner is None:
+            raise ValueError(f"speculative_algorithm: {algo} needs the model runner")
+        path = args.speculative_draft_model_path or bundled_head_path(args)
+        head = load_eagle_head(path, runner.model, runner.dtype, runner.device)
+        want = "eagle3" if algo == "EAGLE3" else "eagle"
+        if head.variant != want:
+            raise ValueError(
+                f"speculative_draft_model_path: {path} holds an {head.variant.upper()} head, "
+                f"--speculative-algorithm {algo} needs an {want.upper()} one"
+            )
+        self.head, self.runner = head, runner
+        self.steps = args.effective_speculative_num_steps
+        self.disable_batch_size = args.speculative_disable_by_batch_size
+        self.vocab_size = vocab_size
+        self.eos = frozenset(eos_token_ids)
+        cfg = head.config
+        n_layers = cfg.num_hidden_layers if head.variant == "eagle" else 1
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        target_kv = runner.token_to_kv_pool
+        self.kv = TokenToKVPool(
+            target_kv.num_slots,
+            n_layers,
+            kv_heads,
+            head_dim_of(cfg),
+            runner.dtype,
+            runner.device,
+            padding_slots=target_kv.num_slots,
+        )  # fmt: skip  (all zero: an entry never written reads as a finite, if useless, value)
+        self.extend_backend = TorchAttnBackend()
+        inner = runner.model.model
+        inner.capture_layers = tuple(head.aux_layers or ())
+        self.inner = inner
+        rows = runner.req_to_token_pool.size
+        self.pending: list[tuple[int, list[int]] | None] = [None] * rows
+        self.stats = AcceptanceStats(self.steps)
+        self.draft_seconds = 0.0  # head time (catch-up + loop), for the benchmark's split
+        runner.spec_hook = self._after_step
+        logger.info("%s head from %s: %d draft steps", algo, path, self.steps)
+
+    # ------------------------------------------------------------ scheduler side
+    def enabled_for(self, batch_size: int) -> bool:
+        return batch_size < self.disable_batch_size
+
+    def draft(self, req, room: int, free_drafts: bool = True) -> list[int]:
+        row = req.req_pool_idx
+        pending = self.pending[row] if row is not None else None
+        if row is not None:
+            self.pending[row] = None
+        if not free_drafts:
+            self.stats.skipped += 1
+            return []
+        if pending is None or pending[0] != req.seq_len:
+            return []
+        draft = pending[1][: max(0, room)]
+        if req.grammar is not None and draft:
+            draft = self._walk_grammar(req, draft)
+        req.draft_forced = 0
+        return draft
+
+    def _walk_grammar(self, req, draft: list[int]) -> list[int]:
+        from loom.runtime.spec.speculator import NgramSpeculator
+
+        # the same cut (first refused token) and masks as n-gram drafts
+        return NgramSpeculator._walk_grammar(self, req, draft)
+
+    def on_verified(self, req, drafted: int, accepted: int) -> None:
+        self.stats.record(drafted, accepted, 0)
+
+    def log_line(self) -> str:
+        return self.stats.log_line() if self.stats.verify_ct else ""
+
+    def summary(self) -> dict:
+        return {**self.stats.summary(), "spec_draft_seconds": round(self.draft_seconds, 4)}
+
+    # ------------------------------------------------------------ runner side
+    def _after_step(self, inp, batch, out) -> None:
+        import time
+
+        if len(inp.seq_lens) >= self.disable_batch_size:
+            return  # no drafting at this size; the head's KV for these positions goes stale
+        t0 = time.perf_counter()
+        captured = self.inner.captured
+        if captured is None:
+            return
+        final, aux = captured
+        feats = final if self.head.variant == "eagle" else torch.cat(aux, dim=-1)
+        plan = _catch_up_plan(inp, out)
+        if plan is None:
+            return
+        self._run(plan, feats, batch)
+        self.draft_seconds += time.perf_counter() - t0
+
+    def _run(self, plan, feats: torch.Tensor, batch) -> None:
+        dev = feats.device
+        head = self.head
+        rows_t = torch.tensor(plan.rows, dtype=torch.int64)
+        positions = batch.positions.index_select(0, rows_t.to(dev))
+        hb = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor(plan.next_ids, dtype=torch.int64).to(dev),
+            positions=positions,
+            out_cache_loc=batch.out_cache_loc.index_select(0, rows_t.to(dev)),
+            req_pool_indices=torch.tensor(plan.req_rows, dtype=torch.int64).to(dev),
+            seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int64).to(dev),
+            seq_lens_cpu=plan.seq_lens,
+            prefix_lens_cpu=plan.prefix_lens,
+            req_to_token_pool=self.runner.req_to_token_pool,
+            token_to_kv_pool=self.kv,
+            attn_backend=self.extend_backend,
+            logits_indices=torch.tensor(plan.last_rows, dtype=torch.int64).to(dev),
+        )
+        self.extend_backend.init_forward_metadata(hb)
+        with forward_context(hb):
+            hidden = head(positions, hb.input_ids, feats.index_select(0, rows_t.to(dev)), True)
+        if not plan.drafting:
+            return
+        pick = torch.tensor([plan.last_rows[i] for i in plan.drafting], device=dev)
+        hidden = hidden.index_select(0, pick)
+        tokens = head.to_target_ids(head.logits(hidden).argmax(-1))
+        drafts = [tokens]
+        seq = torch.tensor([plan.seq_lens[i] for i in plan.drafting], device=dev)
+        if self.steps > 1:
+            req_rows = torch.tensor([plan.req_rows[i] for i in plan.drafting], device=dev)
+            width = int(seq.max())
+            table = self.runner.req_to_token_pool.req_to_token
+            committed = torch.arange(width, device=dev)[None, :] < seq[:, None]
+            slots = table[req_rows, :width].masked_fill(~committed, 0)
+            attn = _ChainAttention(self.kv, slots, committed)
+            with forward_context(SimpleNamespace(attn_backend=attn)):
+                for j in range(self.steps - 1):
+                    hidden = head(seq + j, tokens, hidden, False)
+                    tokens = head.to_target_ids(head.logits(hidden).argmax(-1))
+                    drafts.append(tokens)
+        table_cpu = torch.stack(drafts, dim=1).tolist()
+        # the request then holds its committed positions + the sampled token
+        for i, row_drafts in zip(plan.drafting, table_cpu):
+            self.pending[plan.req_rows[i]] = (plan.seq_lens[i] + 1, row_drafts)
+
+
+class _Plan(SimpleNamespace):
+    pass
+
+
+def _catch_up_plan(inp, out):
+    """Which fed rows the head's catch-up covers, per request: the rows whose next token is
+    known (fed tokens shifted by one, then the accepted drafts and the sampled token)."""
+    rows, next_ids = [], []
+    req_rows, prefix_lens, seq_lens, last_rows, drafting = [], [], [], [], []
+    fed = inp.input_ids.tolist()
+    pool_rows = inp.req_pool_indices.tolist()
+    start = 0
+    decode = inp.mode.is_decode
+    for i, (prefix, seq, count) in enumerate(zip(inp.prefix_lens, inp.seq_lens, inp.sample_counts)):
+        ext = seq - prefix
+        got = out.next_ids[i]
+        if count == 0:
+            n = 0 if decode else ext - 1
+            nxt = fed[start + 1 : start + 1 + n]
+        else:
+            known = ext - count  # rows before the sampled ones
+            nxt = fed[start + 1 : start + known + 1] + list(got)
+            n = min(known + len(got), ext)
+            nxt = nxt[:n]
+        if n > 0:
+            rows.extend(range(start, start + n))
+            next_ids.extend(nxt)
+            if count:
+                drafting.append(len(req_rows))
+            req_rows.append(pool_rows[i])
+            prefix_lens.append(prefix)
+            seq_lens.append(prefix + n)
+            last_rows.append(len(rows) - 1)
+        start += ext
+    if not rows:
+        return None
+    return _Plan(
+        rows=rows, next_ids=next_ids, req_rows=req_rows, prefix_lens=prefix_lens,
+        seq_lens=seq_lens, last_rows=last_rows, drafting=drafting,
+    )  # fmt: skip
