@@ -77,7 +77,7 @@ DECODE_CASES = [
     (4, 4, 16, 1, [1, 9, 30], 1),  # MHA, a one-token context
     (8, 2, 24, 16, [17, 5, 40], 3),  # GQA 4, odd-ish head dim, pages of 16, split-K
     (8, 1, 20, 1, [33, 2], 4),  # MQA (GQA 8), more splits than a short request has tokens
-    (6, 2, 12, 16, [64], 2),  # group 3 (not a power of two), page-aligned context
+    (6, 2, 13, 16, [64], 2),  # group 3 (not a power of two), odd head dim, page-aligned
 ]
 
 
@@ -120,7 +120,7 @@ EXTEND_CASES = [
     # heads, kv_heads, head_dim, page_size, prefix_lens, extend_lens
     (4, 4, 16, 1, [0, 0], [5, 19]),  # no cached prefix at all
     (8, 2, 20, 16, [0, 21, 3], [7, 1, 18]),  # ragged, one empty prefix, a one-token extension
-    (8, 1, 12, 1, [16, 5], [17, 2]),  # MQA, an extension longer than a query block
+    (8, 1, 15, 1, [16, 5], [17, 2]),  # MQA, odd head dim, an extension past a query block
 ]
 
 
