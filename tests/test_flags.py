@@ -20,7 +20,7 @@ from loom.runtime.server.runtime_client import Runtime
 from loom.runtime.server_args import ServerArgs
 
 REFUSED_FLAGS = [
-    # tp/ep/nnodes/node_rank/dist_init_addr: test_parallel.py; dp_size: test_dp.py
+    # tp/ep/nnodes/node_rank/dist_init_addr: test_parallel.py; dp_size: test_router.py
     ("trust_remote_code", True, "--trust-remote-code", None),
     ("attention_backend", "triton", "--attention-backend", "triton"),
 ]

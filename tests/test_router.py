@@ -1,5 +1,7 @@
-"""`loom router` in front of real loom servers (tiny model): the same answers as one server,
-streams passed through, worker admin, metrics, and a worker killed mid-run."""
+"""`--dp-size 2` and `loom router` on real loom servers (tiny model). One DP server is started
+for the module; its two replicas (plain dp_size=1 loom servers) are also the workers of the
+standalone routers, so the module costs three server processes, not five. Order matters: the
+last tests kill replica b, then stop the DP server."""
 
 from __future__ import annotations
 
@@ -9,13 +11,16 @@ import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
+import psutil
 import pytest
 import requests
 
 from loom.runtime.router.process import RouterProcess
 from loom.runtime.server.runtime_client import Runtime, free_port
+from loom.runtime.server_args import ServerArgs
 from tests.server_helpers import server_info, wait_idle_and_intact
 from tests.test_server import sse_events
 
@@ -30,11 +35,73 @@ PROMPTS = [
 ]
 
 
+KV = 4096
+
+
+@dataclass
+class Worker:
+    url: str
+    pid: int
+    served_model_name: str
+
+
 @pytest.fixture(scope="module")
-def workers(tiny_model_dir):
-    path = tiny_model_dir("llama")
-    with Runtime(path, max_total_tokens=4096) as a, Runtime(path, max_total_tokens=4096) as b:
-        yield a, b
+def dp(tiny_model_dir):
+    rt = Runtime(
+        tiny_model_dir("llama"), dp_size=2, load_balance_method="cache_aware", max_total_tokens=KV
+    )
+    yield rt
+    rt.shutdown(timeout=90)
+
+
+@pytest.fixture(scope="module")
+def workers(dp):
+    """The DP server's replicas, each a dp_size=1 loom server with the same arguments."""
+    children = psutil.Process(dp.pid).children()
+    out = []
+    for w in dp.get_server_info()["workers"]:
+        port = w["url"].rsplit(":", 1)[1]
+        pid = next(c.pid for c in children if port in c.cmdline())
+        out.append(Worker(w["url"], pid, dp.server_args.served_model_name))
+    assert len(out) == 2
+    return tuple(out)
+
+
+def test_dp_greedy_identical_to_one_replica_and_both_used(dp, workers):
+    a, _ = workers
+    prompts = [f"Tenant {i}: The quick brown fox " * 3 for i in range(4)]
+    for prompt in prompts * 2:
+        body = {"text": prompt, "sampling_params": GREEDY}
+        got = requests.post(dp.url + "/generate", json=body, timeout=120).json()
+        want = direct(a, "/generate", body).json()
+        assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+    info = wait_idle_and_intact(dp.url)
+    assert info["max_total_tokens"] == 2 * KV  # summed over the replicas
+    assert all(w["requests"] >= 1 for w in info["workers"]), info["workers"]
+    for w in info["workers"]:  # each replica's load and hit rate
+        assert w["num_running_reqs"] == 0 and w["num_waiting_reqs"] == 0
+        assert 0.0 <= w["cache_hit_rate"] <= 1.0 and w["max_total_tokens"] == KV
+    # cache_aware sent every repeat of a prompt to the replica holding it: hits on the repeats
+    assert info["router"]["decisions"]["prefix_match"] >= 4
+    assert info["cached_tokens"] > 0 and info["cache_hit_rate"] > 0
+    stream = {"text": prompts[0], "sampling_params": GREEDY, "stream": True}
+    with requests.post(dp.url + "/generate", json=stream, stream=True, timeout=120) as res:
+        events = sse_events(res.iter_lines())
+    want = direct(a, "/generate", {**stream, "stream": False}).json()
+    assert events[-1] == "[DONE]" and events[-2]["text"] == want["text"]
+
+
+def test_dp_flags_are_checked_by_name(tiny_model_dir):
+    import loom
+
+    with pytest.raises(ValueError, match="^load_balance_method: needs --dp-size"):
+        ServerArgs(load_balance_method="cache_aware")
+    with pytest.raises(ValueError, match="^load_balance_method: must be one of"):
+        ServerArgs(dp_size=2, load_balance_method="minimum_tokens")
+    with pytest.raises(ValueError, match="^dp_size: must be >= 1"):
+        ServerArgs(dp_size=0)
+    with pytest.raises(ValueError, match="^dp_size: an Engine runs one replica"):
+        loom.Engine(tiny_model_dir("llama"), dp_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +127,7 @@ def test_greedy_outputs_identical_to_one_server(workers, router):
     got = [o["output_ids"] for o in router.post("/generate", batch).json()]
     assert got == [o["output_ids"] for o in direct(a, "/generate", batch).json()]
     chat = {
-        "model": a.server_args.served_model_name,
+        "model": a.served_model_name,
         "messages": [{"role": "user", "content": "Paris is"}],
         "max_tokens": 8,
         "temperature": 0,
@@ -85,7 +152,7 @@ def test_streams_pass_through(workers, router):
     assert events[-1] == "[DONE]" and len(events) > 2
     assert events[-2]["text"] == want["text"]
     chat = {
-        "model": a.server_args.served_model_name,
+        "model": a.served_model_name,
         "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 6,
         "temperature": 0,
@@ -220,3 +287,23 @@ def test_killed_worker_is_removed_and_its_requests_complete_elsewhere(workers):
         assert json.loads(router.get("/get_server_info").text)["removed"][0]["url"] == victim.url
     finally:
         router.shutdown()
+
+
+def test_dp_survives_a_dead_replica_and_stops_cleanly(dp, workers):
+    """After the test above killed replica b: the DP router drops it and serves from a; then
+    a clean stop takes every process with it. Keep last."""
+    a, b = workers
+    body = {"text": "Paris is", "sampling_params": GREEDY}
+    for _ in range(3):
+        got = requests.post(dp.url + "/generate", json=body, timeout=120)
+        assert got.json()["output_ids"] == direct(a, "/generate", body).json()["output_ids"]
+    deadline = time.monotonic() + 30
+    while b.url not in [w["url"] for w in dp.get_server_info()["removed"]]:
+        assert time.monotonic() < deadline, dp.get_server_info()
+        time.sleep(0.5)
+    children = psutil.Process(dp.pid).children(recursive=True)
+    assert dp.shutdown(timeout=90) == 0  # a clean stop, not SIGKILL
+    deadline = time.monotonic() + 30
+    while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+        assert time.monotonic() < deadline, [c for c in children if c.is_running()]
+        time.sleep(0.2)
