@@ -71,8 +71,7 @@ class TritonAttnBackend(AttentionBackend):
             ext.to(device),
             starts.to(device),
             int(ext.max()),
-            # getattr: the field lands with tree verification (runtime/spec)
-            masks=getattr(batch, "custom_masks", None),
+            masks=batch.custom_masks,
         )
 
     def forward_extend(self, q, k, v, layer, batch):
