@@ -149,7 +149,10 @@ void loom_rope_f32(const float* x, int64_t T, int64_t H, int64_t st, int64_t sh,
 }
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+# OpenMP for the thread team where the compiler has it (clang often lacks libomp); without it
+# the pragmas are ignored and every kernel runs on the calling thread
+_VARIANTS = (["-fopenmp"], [])
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -169,14 +172,14 @@ def _cpu_key() -> str:
     return "\n".join(lines)
 
 
-def _compile(compiler: str, target: Path) -> None:
+def _compile(compiler: str, flags: list[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "decode.c"
         src.write_text(SOURCE)
         out = Path(tmp) / target.name
         res = subprocess.run(
-            [compiler, *_FLAGS, str(src), "-o", str(out), "-lm"],
+            [compiler, *flags, str(src), "-o", str(out), "-lm"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -196,16 +199,22 @@ def load() -> ctypes.CDLL | None:
         _tried = True
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
-            logger.warning("no C compiler found: CPU decode attention falls back to torch")
+            logger.warning("no C compiler found: CPU kernels fall back to torch")
             return None
-        key = hashlib.sha256("\0".join([SOURCE, *_FLAGS, _cpu_key()]).encode()).hexdigest()
-        target = _cache_dir() / f"loom_decode_{key[:16]}.so"
-        try:
-            if not target.exists():
-                _compile(compiler, target)
-            lib = ctypes.CDLL(str(target))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            logger.warning("CPU decode kernel unavailable (%s): falling back to torch", e)
+        lib, errors = None, []
+        for extra in _VARIANTS:
+            flags = [*_FLAGS, *extra]
+            key = hashlib.sha256("\0".join([SOURCE, *flags, _cpu_key()]).encode()).hexdigest()
+            target = _cache_dir() / f"loom_cpu_{key[:16]}.so"
+            try:
+                if not target.exists():
+                    _compile(compiler, flags, target)
+                lib = ctypes.CDLL(str(target))
+                break
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                errors.append(str(e))
+        if lib is None:
+            logger.warning("CPU kernels unavailable (%s): falling back to torch", errors)
             return None
         for fn in (lib.loom_decode_f32, lib.loom_decode_bf16):
             fn.restype = None
