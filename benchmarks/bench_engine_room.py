@@ -17,7 +17,10 @@ matmuls: norms, RoPE, elementwise ops and the Python module calls between them.
 
     python benchmarks/bench_engine_room.py [--models bundled,qwen0.5b-f32]
         [--batch-sizes 1,8,32,64] [--pp 128] [--tg 32] [--rounds 3] [--threads 1]
-        [--json out.json]
+        [--offline [--num-requests 64]] [--json out.json]
+
+--offline adds bench_offline's request set (prompts of 10..400 tokens, 8..128 new tokens, all
+sent at once): loom against llama-server -fa off, alternating; --batch-sizes "" skips the sweep.
 """
 
 from __future__ import annotations
@@ -161,6 +164,40 @@ def measure(args, label: str, path: str, llamacpp) -> dict:
     return {"model": label, "pp": args.pp, "tg": args.tg, "threads": args.threads, "rows": rows}
 
 
+def offline(args, label: str, path: str, llamacpp) -> dict:
+    """bench_offline's request set (--num-requests prompts of 10..400 tokens, 8..128 new
+    tokens, all at once): loom (cpu_paged, the default) against llama-server -fa off."""
+    import transformers
+    from bench_offline import make_requests
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    reqs = make_requests(tok, args.num_requests, args.seed)
+    useful = sum(m for _, m in reqs)
+    loom_side = BackendSide(path, len(reqs), args.threads, "cpu_paged")
+    peer = llamacpp.ServerPeer(label, args.threads, "off", reqs)
+    try:
+        t = common.alternate(
+            {"loom": lambda: loom_side.run(reqs), "llama.cpp": lambda: peer.run(reqs)},
+            args.rounds,
+        )
+    finally:
+        loom_side.close()
+        peer.close()
+    out = {
+        "requests": len(reqs),
+        "load": os.getloadavg()[0],
+        "loom": [useful / x for x in t["loom"]],
+        "llama": [useful / x for x in t["llama.cpp"]],
+    }
+    print(
+        f"offline ({len(reqs)} requests, load {out['load']:.1f}): loom "
+        f"{statistics.median(out['loom']):.0f} vs llama.cpp {statistics.median(out['llama']):.0f}"
+        f" useful tok/s; loom / llama.cpp {common.fmt_ratio(out['loom'], out['llama'])}",
+        flush=True,
+    )
+    return out
+
+
 def format_row(row: dict) -> str:
     sp = row["split"]
     parts = [f"B={row['B']:3} (load {row['load']:.1f})"]
@@ -184,16 +221,17 @@ def format_row(row: dict) -> str:
 def markdown(results: list[dict]) -> str:
     lines = []
     for res in results:
-        lines += [
-            f"**{res['model']}**, pp {res['pp']}, tg {res['tg']}, {res['threads']} thread(s) each;"
-            " ratios loom / llama.cpp (-fa off), median and range over the rounds:",
-            "",
-            "| B | load | decode, cpu_paged | decode, torch backend | prefill, cpu_paged |"
-            " loom decode tok/s | llama.cpp decode tok/s | loom CPU ms per decode step: step:"
-            " forward (attention / matmuls / other) |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for row in res["rows"]:
+        if res.get("rows"):
+            lines += [
+                f"**{res['model']}**, pp {res['pp']}, tg {res['tg']}, {res['threads']} thread(s)"
+                " each; ratios loom / llama.cpp (-fa off), median and range over the rounds:",
+                "",
+                "| B | load | decode, cpu_paged | decode, torch backend | prefill, cpu_paged |"
+                " loom decode tok/s | llama.cpp decode tok/s | loom CPU ms per decode step:"
+                " step: forward (attention / matmuls / other) |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+        for row in res.get("rows", []):
             sp = row["split"]
             lines.append(
                 f"| {row['B']} | {row['load']:.1f} "
@@ -205,6 +243,15 @@ def markdown(results: list[dict]) -> str:
                 f"| {sp['step_ms']:.2f}: {sp['forward_ms']:.2f} ({sp['attention_ms']:.2f} / "
                 f"{sp['matmul_ms']:.2f} / {sp['other_ms']:.2f}) |"
             )
+        if "offline" in res:
+            off = res["offline"]
+            lines += [
+                "",
+                f"**{res['model']}** offline ({off['requests']} requests, load "
+                f"{off['load']:.1f}): loom {statistics.median(off['loom']):.0f} vs llama.cpp "
+                f"{statistics.median(off['llama']):.0f} useful tok/s, loom / llama.cpp "
+                f"{common.fmt_ratio(off['loom'], off['llama'])}.",
+            ]
         lines.append("")
     return "\n".join(lines)
 
@@ -220,6 +267,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="threads for loom and llama.cpp")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--offline", action="store_true", help="also bench_offline's request set")
+    p.add_argument("--num-requests", type=int, default=64, help="offline: requests")
     p.add_argument("--json", help="write the raw figures here")
     args = p.parse_args(argv)
     import llamacpp
@@ -230,7 +279,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         label, path = common.resolve_model(name)
         llamacpp.build()
         llamacpp.check(label, args.threads)  # same tokens, same greedy output first
-        results.append(measure(args, label, path, llamacpp))
+        res = measure(args, label, path, llamacpp) if args.batch_sizes else {"model": label}
+        if args.offline:
+            res["offline"] = offline(args, label, path, llamacpp)
+        results.append(res)
     print(markdown(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
