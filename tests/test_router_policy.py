@@ -141,3 +141,34 @@ def test_cli_refuses_pd_flags_by_name(capsys):
     )
     args = parse_args(["--worker-urls", "http://a:1/", "--policy", "round_robin"])
     assert args.worker_urls == ("http://a:1",) and args.policy == "round_robin"
+
+
+def test_a_failed_request_removes_a_worker_only_if_health_fails_too():
+    import asyncio
+
+    from loom.runtime.router.policy import RoundRobin
+    from loom.runtime.router.workers import WorkerPool
+
+    class Client:
+        def __init__(self, healthy: set[str]):
+            self.healthy = healthy
+
+        async def get(self, url, timeout):
+            if url.split("/health")[0] not in self.healthy:
+                raise ConnectionRefusedError("refused")
+
+            class Res:
+                status_code = 200
+
+            return Res()
+
+    pool = WorkerPool(RoundRobin(), ["http://a:1", "http://b:1"])
+    client = Client({"http://a:1"})
+    a, b = pool.workers["http://a:1"], pool.workers["http://b:1"]
+    assert asyncio.run(pool.probe(client, a, 1.0, 1, cause="request failed: reset"))
+    assert asyncio.run(pool.probe(client, b, 1.0, 3)) is False  # 1 of 3: stays
+    assert list(pool.workers) == ["http://a:1", "http://b:1"]
+    assert asyncio.run(pool.probe(client, b, 1.0, 3, cause="request failed: reset")) is False
+    assert list(pool.workers) == ["http://a:1"]
+    reason = pool.listing()["removed"][0]["removed_reason"]
+    assert reason.startswith("request failed: reset; then /health failed: ConnectionRefusedError")

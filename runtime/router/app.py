@@ -69,7 +69,7 @@ def create_app(args: RouterArgs) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         timeout = httpx.Timeout(args.request_timeout, connect=args.health_check_timeout)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            app.state.proxy = Proxy(pool, client, metrics)
+            app.state.proxy = Proxy(pool, client, metrics, args.health_check_timeout)
             health = asyncio.create_task(
                 pool.health_loop(
                     client,

@@ -11,6 +11,7 @@ for bad input reaches the client unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -83,14 +84,24 @@ def sse_error(message: str) -> bytes:
 
 
 class Proxy:
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, metrics):
+    def __init__(
+        self, pool: WorkerPool, client: httpx.AsyncClient, metrics, probe_timeout: float = 5.0
+    ):
         self.pool = pool
         self.client = client
         self.metrics = metrics
+        self.probe_timeout = probe_timeout
+        self._probes: set[asyncio.Task] = set()
 
     def _fail(self, worker: Worker, why: str) -> None:
+        """Count the failure and probe the worker in the background (the request moves on at
+        once): it leaves the pool if /health fails too."""
         worker.failures += 1
-        self.pool.remove(worker.url, why)
+        task = asyncio.ensure_future(
+            self.pool.probe(self.client, worker, self.probe_timeout, 1, cause=why)
+        )
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     async def forward(
         self, method: str, path: str, raw: bytes, headers, stream: bool, key: str | None

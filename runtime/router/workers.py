@@ -1,7 +1,8 @@
 """The router's workers: who is in, who was removed and why, and their health probes.
 
 A worker leaves the pool when a request to it fails at the transport level (refused, reset,
-closed mid-response) or when `health_failure_threshold` probes in a row fail; it stays listed
+closed mid-response) and a /health probe right after fails too, or when
+`health_failure_threshold` probes in a row fail; it stays listed
 under `removed` with the reason, and can come back through /add_worker.
 Loads are the router's own count of requests in flight on each worker (no extra round trip).
 """
@@ -86,7 +87,12 @@ class WorkerPool:
         }
 
     # ------------------------------------------------------------------ health
-    async def probe(self, client, worker: Worker, timeout: float, threshold: int) -> None:
+    async def probe(
+        self, client, worker: Worker, timeout: float, threshold: int, cause: str | None = None
+    ) -> bool:
+        """GET /health; `threshold` failures in a row remove the worker, and so does one
+        failure right after a failed request (`cause`): a request failing on a worker that
+        still answers /health (a stale pooled connection, say) does not take it out."""
         try:
             res = await client.get(worker.url + "/health", timeout=timeout)
             ok, why = res.status_code == 200, f"/health answered {res.status_code}"
@@ -94,10 +100,16 @@ class WorkerPool:
             ok, why = False, f"/health failed: {type(e).__name__}: {e}"
         if ok:
             worker.health_failures = 0
-            return
+            return True
         worker.health_failures += 1
-        if worker.health_failures >= threshold and worker.url in self.workers:
-            self.remove(worker.url, f"{worker.health_failures} failed health checks ({why})")
+        if worker.url in self.workers and (cause or worker.health_failures >= threshold):
+            reason = (
+                f"{cause}; then {why}"
+                if cause
+                else f"{worker.health_failures} failed health checks ({why})"
+            )
+            self.remove(worker.url, reason)
+        return False
 
     async def health_loop(self, client, interval: float, timeout: float, threshold: int):
         while True:
