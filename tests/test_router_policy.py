@@ -172,3 +172,17 @@ def test_a_failed_request_removes_a_worker_only_if_health_fails_too():
     assert list(pool.workers) == ["http://a:1"]
     reason = pool.listing()["removed"][0]["removed_reason"]
     assert reason.startswith("request failed: reset; then /health failed: ConnectionRefusedError")
+
+
+def test_cli_router_and_serve_help(capsys):
+    from loom.cli import main
+
+    for argv, flags in [
+        (["router", "--help"], ["--worker-urls", "--policy", "--balance-abs-threshold"]),
+        (["serve", "--help"], ["--dp-size", "--load-balance-method"]),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        assert all(f in out for f in flags), (argv, out[:500])
