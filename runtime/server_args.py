@@ -15,9 +15,9 @@ BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
 ATTENTION_BACKENDS = ("torch", "cpu_paged", "triton")  # triton: loom.kernels, CUDA
 GRAMMAR_BACKENDS = ("llguidance", "xgrammar", "outlines")  # loom.grammar.engines.ENGINES
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
-# MoE token dispatch under expert parallelism (runtime/layers/moe.py); "none" is SGLang's name
-# for no all-to-all backend (every rank computes its experts on every token, one all-reduce)
-MOE_A2A_BACKENDS = ("auto", "all_to_all", "none")
+# MoE combine under expert parallelism (runtime/layers/moe.py): "none" (SGLang's default: every
+# rank runs its experts on the tokens routed to them, one all-reduce) or "all_to_all"
+MOE_A2A_BACKENDS = ("none", "all_to_all")
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
 TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3", "react")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
@@ -95,7 +95,7 @@ class ServerArgs:
     ep_size: int = 1
     pp_size: int = 1
     pp_max_micro_batch_size: int | None = None
-    moe_a2a_backend: str = "auto"
+    moe_a2a_backend: str = "none"
     dp_size: int = 1
     load_balance_method: str = "round_robin"
     nnodes: int = 1
@@ -403,10 +403,9 @@ class ServerArgs:
 
     @property
     def moe_all_to_all(self) -> bool:
-        """Whether MoE tokens are dispatched to their experts' ranks with all-to-all (auto:
-        whenever each expert lives whole on one rank) rather than all-reduced."""
-        whole = self.ep_size > 1 and self.tp_size in (1, self.ep_size)
-        return self.moe_a2a_backend != "none" and whole
+        """Whether MoE tokens are dispatched to their experts' ranks with all-to-all rather
+        than all-reduced (validated: only when each expert is whole on one rank)."""
+        return self.moe_a2a_backend == "all_to_all"
 
     @property
     def node_ranks(self) -> range:
@@ -553,7 +552,7 @@ _HELP = {
     "ep_size": "Expert-parallel degree for MoE models: divides tp_size, or shards experts over ep_size ranks with tp_size 1",
     "pp_size": "Pipeline-parallel stages: the layers split evenly, one rank per stage",
     "pp_max_micro_batch_size": "Most requests in one pipeline micro-batch (a step's requests are split so the stages overlap; default: the step's requests over pp_size micro-batches)",
-    "moe_a2a_backend": "MoE expert-parallel dispatch: all_to_all sends each token to its experts' ranks and back; none all-reduces every rank's experts over all tokens; auto: all_to_all whenever each expert is whole on one rank",
+    "moe_a2a_backend": "MoE expert-parallel combine: none (SGLang's default) all-reduces the experts' partial outputs; all_to_all sends each (token, expert) pair to the expert's rank and back, then all-gathers (needs each expert whole on one rank; pays once ranks hold different tokens, measured in docs/benchmarks.md)",
     "dp_size": "Data-parallel replicas: N whole servers (own KV pool and radix cache) behind an in-process router (runtime/router/dp.py)",
     "load_balance_method": "How --dp-size replicas share requests: round_robin, shortest_queue (fewest in flight) or cache_aware (longest routed prefix, balance thresholds as in `loom router`)",
     "nnodes": "Number of nodes the ranks are spread over (each node runs world_size / nnodes ranks)",

@@ -206,14 +206,15 @@ def test_pp2_tied_moe_matches_one_rank(tmp_path_factory):
 # --------------------------------------------------------------------------- MoE
 # EP = TP x DP (dp_size 1): with tp_size 2 and ep_size 2 each rank holds half the experts whole
 # and half the attention heads; ep_size 2 alone replicates attention. Each MoE family runs both
-# EP layouts (all-to-all dispatch by default) and one family the all-reduce fallback.
+# EP layouts, with both ways to combine the experts (all-reduce, the default, and all-to-all).
+A2A = {"moe_a2a_backend": "all_to_all"}
 MOE_LAYOUTS = [
     ("qwen2-moe", {"tp_size": 2}),  # every expert's intermediate split: all-reduce
-    ("qwen2-moe", {"ep_size": 2}),
+    ("qwen2-moe", {"ep_size": 2, **A2A}),
     ("qwen2-moe", {"tp_size": 2, "ep_size": 2}),
     ("qwen3-moe", {"ep_size": 2}),
-    ("qwen3-moe", {"tp_size": 2, "ep_size": 2}),
-    ("mixtral", {"ep_size": 2, "moe_a2a_backend": "none"}),
+    ("qwen3-moe", {"tp_size": 2, "ep_size": 2, **A2A}),
+    ("mixtral", {"ep_size": 2}),
 ]  # Mixtral's TP2+EP2 (all-to-all) runs as two nodes below
 
 
@@ -239,9 +240,10 @@ def test_moe_layouts_match_one_rank(tiny_model_dir, family, layout):
 
 
 def test_two_nodes_on_localhost_serve_a_request(tiny_model_dir):
-    """Mixtral TP2+EP2 as 2 "nodes": node 1 runs rank 1 only, node 0 serves HTTP."""
+    """Mixtral TP2+EP2 (all-to-all) as 2 "nodes": node 1 runs rank 1 only, node 0 serves HTTP."""
     path = tiny_model_dir("mixtral")
-    common = dict(tp_size=2, ep_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    addr = f"127.0.0.1:{free_port()}"
+    common = dict(tp_size=2, ep_size=2, nnodes=2, dist_init_addr=addr, **A2A)
     node1 = ServerArgs(model_path=path, node_rank=1, max_total_tokens=2048, **common)
     cmd = [sys.executable, "-m", "loom.launch_server", *server_argv(node1)]
     other = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -283,6 +285,7 @@ def test_impossible_layouts_are_refused_by_name(tiny_model_dir):
         ({"pp_max_micro_batch_size": 2}, "pp_max_micro_batch_size: needs pp_size > 1"),
         ({"pp_size": 2, "pp_max_micro_batch_size": 0}, "pp_max_micro_batch_size: must be >= 1"),
         ({"ep_size": 2, "moe_a2a_backend": "deepep"}, "moe_a2a_backend: must be one of"),
+        ({"ep_size": 2, "moe_a2a_backend": "auto"}, "moe_a2a_backend: must be one of"),
         (
             {"tp_size": 4, "ep_size": 2, "moe_a2a_backend": "all_to_all"},
             "moe_a2a_backend: all_to_all needs",
@@ -291,10 +294,8 @@ def test_impossible_layouts_are_refused_by_name(tiny_model_dir):
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             ServerArgs(**kwargs)
-    auto = {"tp_size": 4, "ep_size": 2}  # an expert split over 2 ranks: all-reduce
-    assert not ServerArgs(**auto).moe_all_to_all
-    assert ServerArgs(ep_size=2).moe_all_to_all and ServerArgs(tp_size=2, ep_size=2).moe_all_to_all
-    assert not ServerArgs(ep_size=2, moe_a2a_backend="none").moe_all_to_all
+    assert not ServerArgs(ep_size=2).moe_all_to_all  # SGLang's default: all-reduce
+    assert ServerArgs(tp_size=2, ep_size=2, moe_a2a_backend="all_to_all").moe_all_to_all
 
 
 def test_layout_warnings(tiny_model_dir, caplog, monkeypatch):

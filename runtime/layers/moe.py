@@ -6,14 +6,15 @@ ranks; when tp_size > ep_size, each expert's intermediate dimension is split acr
 remaining tp_size // ep_size ranks as in a column/row-parallel MLP.
 
 Every rank enters the block with the same tokens (attention is replicated or all-reduced).
-Two ways to combine the experts' outputs:
-- all-reduce (the fallback, and the only way when an expert is split over ranks): every rank
+Two ways to combine the experts' outputs (--moe-a2a-backend):
+- all-reduce (the default, and the only way when an expert is split over ranks): every rank
   routes every token, computes its experts' (or expert slices') share, one all-reduce sums it.
 - all-to-all (ParallelState.moe_all_to_all, when each expert is whole on one rank): each rank
   routes a 1/ep slice of the tokens, sends every (token, expert) pair to the expert's owner
   (`all_to_all_single`), the owner runs it, the results come back the same way and are
   weighted and summed at the token's rank; an all-gather restores every token on every rank.
-  Each expert then computes only the tokens routed to it, instead of every rank filtering all.
+While every rank holds every token (dp_size 1) both compute each pair once, on its owner;
+all-to-all moves more and pays only once ranks hold different tokens (docs/architecture.md).
 """
 
 from __future__ import annotations
