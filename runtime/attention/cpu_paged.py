@@ -4,7 +4,8 @@ Decode (one query row per request) runs the C kernel of cpu_kernels.py over each
 row of the req-to-token table: no per-layer gather into a padded copy, no padding mask.
 Everything else (prompt extends, cached-prefix extends, draft verification and any custom
 mask) is the torch reference backend's path, inherited unchanged, so the two backends can
-only differ in decode. Where the kernel cannot run (no C compiler, a KV dtype it has no
+only differ in decode; decode steps where requests share a long prefix also go to the torch
+backend, for its shared-prefix cascade. Where the kernel cannot run (no C compiler, a KV dtype it has no
 variant for, a CUDA pool) decode is the torch backend's too.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loom.runtime import cpu_kernels
+from loom.runtime.attention import shared_prefix
 from loom.runtime.attention.torch_backend import TorchAttnBackend
 from loom.runtime.forward_batch import ForwardBatch
 
@@ -21,6 +23,7 @@ from loom.runtime.forward_batch import ForwardBatch
 class _PagedDecodeMeta:
     max_len: int
     total_len: int
+    shared: None = None  # a step whose requests may share a prefix takes the torch cascade
 
 
 class CpuPagedAttnBackend(TorchAttnBackend):
@@ -39,7 +42,7 @@ class CpuPagedAttnBackend(TorchAttnBackend):
         )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.mode.is_decode and self._kernel_runs(batch):
+        if batch.mode.is_decode and self._kernel_runs(batch) and not _may_share_prefix(batch):
             batch.attn_metadata = _PagedDecodeMeta(max(batch.seq_lens_cpu), sum(batch.seq_lens_cpu))
             return
         super().init_forward_metadata(batch)
@@ -63,3 +66,14 @@ class CpuPagedAttnBackend(TorchAttnBackend):
             layer.scaling,
             meta.total_len,
         )
+
+
+def _may_share_prefix(batch: ForwardBatch) -> bool:
+    """Whether two adjacent requests start with the same MIN_SHARED_TOKENS KV slots (a fork's
+    branches, parallel samples): such a step goes to the torch backend, whose shared-prefix
+    cascade attends to the common prefix once per group instead of once per request."""
+    n = shared_prefix.MIN_SHARED_TOKENS
+    if batch.batch_size < 2 or max(batch.seq_lens_cpu) <= n:
+        return False
+    head = batch.req_to_token_pool.req_to_token[batch.req_pool_indices, :n]
+    return bool((head[1:] == head[:-1]).all(dim=1).any())
