@@ -107,7 +107,7 @@ class EagleSpeculator(Drafter):
         self.head, self.runner = head, runner
         self.steps = args.effective_speculative_num_steps
         self.disable_batch_size = args.speculative_disable_by_batch_size
-        self.vocab_size = vocab_size
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos = frozenset(eos_token_ids)
         cfg = head.config
         n_layers = cfg.num_hidden_layers if head.variant == "eagle" else 1
@@ -145,22 +145,31 @@ class EagleSpeculator(Drafter):
         if not free_drafts:
             self.stats.skipped += 1
             return []
-        if pending is None or pending[0] != req.seq_len:
-            return []
-        draft = pending[1][: max(0, room)]
-        if req.grammar is not None and draft:
-            draft = self._walk_grammar(req, draft)
+        fresh = pending is not None and pending[0] == req.seq_len
+        draft = pending[1][: max(0, room)] if fresh else []
         req.draft_forced = 0
+        if req.grammar is None:
+            return draft
+        # the grammar's forced text (what jump-forward would emit) leads; the head's chain
+        # follows only where it agrees with it
+        forced = self._ngram_rules()._forced(self, req, min(room, self.steps))
+        if forced:
+            draft = draft if draft[: len(forced)] == forced else forced
+        draft = self._ngram_rules()._walk_grammar(self, req, draft) if draft else []
+        req.draft_forced = min(len(forced), len(draft))
         return draft
 
-    def _walk_grammar(self, req, draft: list[int]) -> list[int]:
+    @staticmethod
+    def _ngram_rules():
+        """The n-gram speculator's grammar rules (forced text; the cut at the first refused
+        token, with the masks of every draft position), which read only tokenizer /
+        vocab_size / eos."""
         from loom.runtime.spec.speculator import NgramSpeculator
 
-        # the same cut (first refused token) and masks as n-gram drafts
-        return NgramSpeculator._walk_grammar(self, req, draft)
+        return NgramSpeculator
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
-        self.stats.record(drafted, accepted, 0)
+        self.stats.record(drafted, accepted, req.draft_forced)
 
     def log_line(self) -> str:
         return self.stats.log_line() if self.stats.verify_ct else ""
