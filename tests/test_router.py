@@ -48,7 +48,11 @@ class Worker:
 @pytest.fixture(scope="module")
 def dp(tiny_model_dir):
     rt = Runtime(
-        tiny_model_dir("llama"), dp_size=2, load_balance_method="cache_aware", max_total_tokens=KV
+        tiny_model_dir("llama"),
+        dp_size=2,
+        load_balance_method="cache_aware",
+        max_total_tokens=KV,
+        enable_metrics=True,
     )
     yield rt
     rt.shutdown(timeout=90)
@@ -89,6 +93,17 @@ def test_dp_greedy_identical_to_one_replica_and_both_used(dp, workers):
         events = sse_events(res.iter_lines())
     want = direct(a, "/generate", {**stream, "stream": False}).json()
     assert events[-1] == "[DONE]" and events[-2]["text"] == want["text"]
+    # /metrics: the router's series per replica and each replica's own series, labelled
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(dp.url + "/metrics", timeout=30).text
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    for w in workers:
+        assert any(s.name.startswith("loom:") and s.labels.get("worker") == w.url for s in samples)
+        assert any(
+            s.name == "loom_router_requests_total" and s.labels["worker"] == w.url and s.value > 0
+            for s in samples
+        )
 
 
 def test_dp_flags_are_checked_by_name(tiny_model_dir):

@@ -186,3 +186,25 @@ def test_cli_router_and_serve_help(capsys):
         assert exc.value.code == 0
         out = capsys.readouterr().out
         assert all(f in out for f in flags), (argv, out[:500])
+
+
+def test_worker_metrics_merge_into_valid_prometheus_text():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loom.runtime.router.metrics import merge_worker_metrics
+
+    one = (
+        '# HELP loom:requests_total n\n# TYPE loom:requests_total counter\nloom:requests_total{model="m"} 3.0\n'
+        "# HELP loom:running n\n# TYPE loom:running gauge\nloom:running 1.0\n"
+    )
+    two = one.replace("3.0", "5.0")
+    text = merge_worker_metrics([("http://a:1", one), ("http://b:1", two), ("http://c:1", "")])
+    samples = {
+        (s.name, s.labels.get("worker"), s.labels.get("model")): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    assert samples[("loom:requests_total", "http://a:1", "m")] == 3.0
+    assert samples[("loom:requests_total", "http://b:1", "m")] == 5.0
+    assert samples[("loom:running", "http://b:1", None)] == 1.0
+    assert text.count("# TYPE loom:running gauge") == 1

@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from loom.runtime.router.args import RouterArgs
-from loom.runtime.router.policy import CacheAware, make_policy
+from loom.runtime.router.metrics import _decisions, merge_worker_metrics, render_metrics
+from loom.runtime.router.policy import make_policy
 from loom.runtime.router.proxy import Proxy, error_response, parse_body, routing_key
 from loom.runtime.router.workers import WorkerPool
 
@@ -210,8 +211,19 @@ def create_app(args: RouterArgs) -> FastAPI:
         }
 
     @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(render_metrics(pool, metrics), media_type="text/plain")
+    async def prometheus(request: Request):
+        client = proxy(request).client
+
+        async def one(worker) -> tuple[str, str]:
+            try:
+                res = await client.get(worker.url + "/metrics", timeout=10)
+                return worker.url, res.text if res.status_code == 200 else ""
+            except httpx.HTTPError:
+                return worker.url, ""  # a worker without --enable-metrics, or gone
+
+        texts = await asyncio.gather(*(one(w) for w in pool.healthy()))
+        body = render_metrics(pool, metrics) + merge_worker_metrics(texts)
+        return PlainTextResponse(body, media_type="text/plain")
 
     return app
 
@@ -235,60 +247,3 @@ async def unless_disconnected(request: Request, coro):
     if task.cancelled():
         return error_response(499, "client disconnected")
     return task.result()
-
-
-def _decisions(pool: WorkerPool) -> dict:
-    policy = pool.policy
-    return {"decisions": dict(policy.decisions)} if isinstance(policy, CacheAware) else {}
-
-
-def render_metrics(pool: WorkerPool, metrics: RouterMetrics) -> str:
-    """Prometheus text exposition: one series per worker (removed ones too)."""
-    everyone = [*pool.workers.values(), *pool.removed.values()]
-    lines = []
-
-    def family(name: str, kind: str, help_text: str, values) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in values:
-            label_text = ",".join(f'{k}="{v}"' for k, v in labels.items())
-            lines.append(f"{name}{{{label_text}}} {value}" if labels else f"{name} {value}")
-
-    family(
-        "loom_router_requests_total",
-        "counter",
-        "Requests a worker served through this router",
-        [({"worker": w.url}, w.requests) for w in everyone],
-    )
-    family(
-        "loom_router_worker_failures_total",
-        "counter",
-        "Transport failures and 503s seen on a worker",
-        [({"worker": w.url}, w.failures) for w in everyone],
-    )
-    family(
-        "loom_router_in_flight_requests",
-        "gauge",
-        "Requests in flight on a worker",
-        [({"worker": w.url}, w.in_flight) for w in everyone],
-    )
-    family(
-        "loom_router_worker_healthy",
-        "gauge",
-        "1 while the worker is in the pool, 0 once removed",
-        [({"worker": w.url}, int(w.removed_reason is None)) for w in everyone],
-    )
-    family(
-        "loom_router_retries_total",
-        "counter",
-        "Requests moved to another worker",
-        [({}, metrics.retries)],
-    )
-    decisions = _decisions(pool).get("decisions", {})
-    family(
-        "loom_router_cache_aware_decisions_total",
-        "counter",
-        "How the cache-aware policy chose",
-        [({"kind": k}, v) for k, v in decisions.items()],
-    )
-    return "\n".join(lines) + "\n"
