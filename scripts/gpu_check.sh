@@ -4,8 +4,9 @@
 #      --attention-backend triton end to end against the torch backend);
 #   2. a Qwen2.5-0.5B-shaped model (random weights, bfloat16): decode tok/s at batch 1/16/64
 #      for loom with the triton backend, loom with the torch backend, and HF `generate`;
-#      prefill tok/s; greedy agreement of the two loom backends. Writes the markdown table the
-#      docs print (default docs/img/kernels_gpu_check.md).
+#      prefill tok/s; greedy agreement of the two loom backends; decode attention alone (the
+#      Triton kernel vs the torch backend's gather + SDPA, batch 64 x context 1024). Writes the
+#      markdown table the docs print (default docs/img/kernels_gpu_check.md).
 # CUDA graphs are not captured yet (--disable-cuda-graph / --cuda-graph-max-bs are refused by
 # name), so the table has no graphs-on row.
 #
@@ -142,6 +143,46 @@ def hf_rows():
     return decode, n * length / run(n, length, 1)
 
 
+def attention_micro():
+    """Decode attention alone, one layer: the Triton kernel (KV read in place) vs the torch
+    backend's gather + SDPA, at the largest batch over a long context; median microseconds."""
+    from types import SimpleNamespace
+
+    from loom.kernels import decode_attention as dk
+    from loom.runtime.attention.torch_backend import _decode
+
+    b, ctx, h, hkv, d = (2, 40, 4, 2, 16) if dry else (64, 1024, 14, 2, 64)
+    half = torch.float32 if dry else torch.bfloat16
+    k_buf = torch.randn(b * ctx + 1, hkv, d, device=device).to(half)
+    v_buf = torch.randn(b * ctx + 1, hkv, d, device=device).to(half)
+    table = (1 + torch.randperm(b * ctx, device=device)).view(b, ctx)
+    rows, seq = torch.arange(b, device=device), torch.full((b,), ctx, device=device)
+    q = torch.randn(b, h, d, device=device).to(half)
+    mask = torch.ones(b, 1, 1, ctx, dtype=torch.bool, device=device)
+    layer = SimpleNamespace(scaling=d**-0.5, is_gqa=h != hkv)
+    splits = dk.num_splits_for(ctx)
+
+    def triton_step():
+        return dk.decode_attention(q, k_buf, v_buf, table, rows, seq, d**-0.5, num_splits=splits)[0]
+
+    def torch_step():
+        return _decode(q, k_buf, v_buf, table.reshape(-1), mask, layer)
+
+    err = (triton_step().float() - torch_step().float()).abs().max().item()
+    times = {}
+    for name, fn in (("triton", triton_step), ("torch", torch_step)):
+        samples = []
+        for _ in range(3 if dry else 50):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - t0)
+        times[name] = sorted(samples)[len(samples) // 2] * 1e6
+    return b, ctx, times, err
+
+
+micro = attention_micro()
 rows = {"loom, triton backend": loom_rows("triton"), "loom, torch backend": loom_rows("torch")}
 same = sum(a == b for a, b in zip(rows["loom, triton backend"][2], rows["loom, torch backend"][2]))
 rows["HF generate"] = (*hf_rows(), None)
@@ -159,6 +200,10 @@ lines = [
 for name, (decode, prefill, _) in rows.items():
     cells = " | ".join(f"{decode[b]:,.0f}" for b in BATCHES)
     lines.append(f"| {name} tok/s | {cells} | {prefill:,.0f} |")
+mb, mctx, mt, merr = micro
+lines += ["", f"Decode attention alone, one layer, batch {mb} x context {mctx}: Triton kernel"
+          f" {mt['triton']:,.0f} us, torch backend (gather + SDPA) {mt['torch']:,.0f} us"
+          f" (median; max abs difference {merr:.1e})."]  # fmt: skip
 lines += ["", f"Greedy outputs equal between the triton and torch backends: {same} of"
           f" {max(BATCHES)} requests ({NEW} tokens each)."]  # fmt: skip
 out.parent.mkdir(parents=True, exist_ok=True)

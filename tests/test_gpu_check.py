@@ -29,6 +29,8 @@ def test_dry_run_writes_the_table(tmp_path):
         assert row, table
         assert all(float(x.replace(",", "")) > 0 for x in row.group(1).split(" | ")), row
     assert "triton and torch backends: 2 of 2 requests" in table
+    micro = re.search(r"Triton kernel [\d,]+ us, torch .* [\d,]+ us .*difference (\S+)\)", table)
+    assert micro and float(micro.group(1)) < 1e-4, table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the full run needs no CUDA to refuse")
