@@ -11,7 +11,7 @@ second is steadier on a shared machine), and the scheduler steps each side took 
 itself, independent of the load). Prints accepted tokens per verify and acceptance by
 draft position, and writes docs/img/spec_acceptance.png.
 
-    python benchmarks/bench_spec.py [--rounds 5] [--no-plot]
+    python benchmarks/bench_spec.py [--rounds 5] [--no-plot] [--ngram-breadth 4]
 """
 
 from __future__ import annotations
@@ -132,8 +132,10 @@ def run_once(sched: Scheduler, jobs, batch: int) -> tuple[int, float, float]:
     return total, time.perf_counter() - wall0, time.process_time() - cpu0
 
 
-def make(spec: bool, **kw) -> Scheduler:
-    extra = {"speculative_algorithm": "NGRAM"} if spec else {}
+def make(spec: bool, breadth: int = 1, **kw) -> Scheduler:
+    extra = {}
+    if spec:
+        extra = {"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": breadth}
     return Scheduler(ServerArgs(model_path=BUNDLED_MODEL_PATH, dtype="float32", **extra, **kw))
 
 
@@ -143,11 +145,17 @@ def main() -> None:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--workloads", default="json,copy,chat")
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument(
+        "--ngram-breadth", type=int, default=1, help="--speculative-ngram-max-bfs-breadth (trees)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(ServerArgs().effective_cpu_threads)
     tok = make(False).tokenizer
     loads = workloads(tok)
-    print(f"bundled model, torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}")
+    print(
+        f"bundled model, torch threads {torch.get_num_threads()}, ngram breadth "
+        f"{args.ngram_breadth}, loadavg {os.getloadavg()}"
+    )
     curves = {}
     for batch in [int(b) for b in args.batches.split(",")]:
         for name in args.workloads.split(","):
@@ -157,7 +165,7 @@ def main() -> None:
             ratios_wall, ratios_cpu, st = [], [], {}
             steps = {}
             for rnd in range(args.rounds):
-                off, on = make(False), make(True)
+                off, on = make(False), make(True, args.ngram_breadth)
                 run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
                 run_once(on, warm, 2)
                 # alternate which side runs first, so a load change within a round does not

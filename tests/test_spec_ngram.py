@@ -356,3 +356,26 @@ def test_a_batch_verifies_only_when_the_expected_gain_pays_for_it(monkeypatch):
     for r in reqs:
         r.spec_state.expected = 2.0
     assert spec.worth_verifying(reqs, [[9, 9]] * 4)
+
+
+def test_finished_requests_are_learnt_lazily_and_boundedly():
+    """A finished request teaches the trie only when a step drafts (batches too large to
+    draft never pay for it), LEARN_PER_STEP tokens per drafting request-step."""
+    from loom.runtime.spec import speculator
+    from loom.runtime.spec.speculator import NgramSpeculator
+
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
+    done = _req(list(range(10, 60)))
+    done.output_ids = list(range(60, 100))
+    done.spec_state = NgramState(7)
+    spec.on_finished(done)
+    assert len(spec.ngram.trie) == 0
+    live = _req([1, 2, 3])
+    spec.draft(live, 8, free_drafts=False)  # a large batch: nothing learnt
+    assert len(spec.ngram.trie) == 0 and len(spec.finished) == 1
+    spec.draft(live, 8)
+    # the request's prompt tail (trie depth) and output: 70 tokens, LEARN_PER_STEP a step
+    assert done.spec_state.seen == 50 - spec.ngram.trie.depth + speculator.LEARN_PER_STEP
+    for _ in range(10):
+        spec.draft(live, 8)
+    assert not spec.finished and done.spec_state.seen == done.seq_len

@@ -119,21 +119,25 @@ class NgramDrafter:
         self.trie = NgramTrie(max_window + branch_length, capacity)
         self.by_count = match_type.upper() == "PROB"
 
-    def observe(self, req, state: NgramState, prompt_tail: int = MAX_PROMPT_TOKENS) -> None:
+    def observe(
+        self, req, state: NgramState, prompt_tail: int = MAX_PROMPT_TOKENS, limit: int = 1 << 30
+    ) -> bool:
         """Insert the request's tokens the trie has not seen yet (of its prompt, at most the
-        last `prompt_tail` tokens)."""
+        last `prompt_tail` tokens; at most `limit` tokens this call). Returns whether it
+        has seen them all."""
         n = req.seq_len
         if state.seen > n:  # the tail was rewritten: start the suffixes afresh
             state.pointers, state.seen = [], 0
         if state.seen == 0:
             state.seen = max(0, len(req.origin_input_ids) - prompt_tail)
-        if state.seen == n:
-            return
-        pointers = state.pointers
-        for t in req.tokens(state.seen, n):
-            pointers = self.trie.extend(pointers, t)
-        state.pointers = pointers
-        state.seen = n
+        end = min(n, state.seen + limit)
+        if state.seen < end:
+            pointers = state.pointers
+            for t in req.tokens(state.seen, end):
+                pointers = self.trie.extend(pointers, t)
+            state.pointers = pointers
+            state.seen = end
+        return end == n
 
     def propose(self, req, state: NgramState, max_len: int, after: Sequence[int] = ()) -> list[int]:
         self.observe(req, state)

@@ -23,11 +23,15 @@ or more draft nothing (grammar requests there take the jump-forward path).
 
 from __future__ import annotations
 
+from collections import deque
+
 from loom.runtime.spec import Drafter, DraftTree, tree_depths
 from loom.runtime.spec.ngram import MAX_PROMPT_TOKENS, NgramDrafter, NgramState
 from loom.runtime.spec.stats import AcceptanceStats
 
 TOKEN_COST = 0.05
+LEARN_QUEUE = 64
+LEARN_PER_STEP = 16  # tokens of finished requests the trie learns per drafting request-step
 PROBE_EVERY = 16
 
 
@@ -60,6 +64,7 @@ class NgramSpeculator(Drafter):
         self.vocab_size = vocab_size
         self.eos = frozenset(eos_token_ids)
         self.stats = AcceptanceStats(self.num_draft)
+        self.finished: deque = deque(maxlen=LEARN_QUEUE)  # finished requests not yet learnt
 
     def enabled_for(self, batch_size: int) -> bool:
         return batch_size < self.disable_batch_size
@@ -71,6 +76,7 @@ class NgramSpeculator(Drafter):
         if not free_drafts:
             self.stats.skipped += 1
             return []
+        self._learn_finished()
         budget = min(room, self.num_draft)
         forced = self._forced(req, budget) if req.grammar is not None else []
         gains = self._gains(state)[: max(0, budget - len(forced))]
@@ -209,14 +215,25 @@ class NgramSpeculator(Drafter):
             rates[j] += RATE_DECAY * (hit - rates[j])
 
     def on_finished(self, req) -> None:
-        state = req.spec_state
-        if state is None:
-            return
-        # a request that never drafted (it ran in large batches) teaches the trie its output
-        # and only the prompt windows that lead into it: inserting a whole prompt costs
-        # O(prompt x depth) trie steps, measured as a third of result processing at batch 16
-        tail = self.ngram.trie.depth if state.seen == 0 else MAX_PROMPT_TOKENS
-        self.ngram.observe(req, state, prompt_tail=tail)
+        """Queue `req` for the trie: it learns finished requests lazily, LEARN_PER_STEP
+        tokens per drafting request-step, so batches too large to draft never pay for it and
+        a drafting step pays a bounded share (the last LEARN_QUEUE requests are kept)."""
+        if req.spec_state is not None:
+            self.finished.append(req)
+
+    def _learn_finished(self) -> None:
+        budget = LEARN_PER_STEP
+        while self.finished and budget > 0:
+            req = self.finished[0]
+            state = req.spec_state
+            # a request that never drafted (it ran in large batches) teaches the trie its
+            # output and only the prompt windows that lead into it (a whole prompt costs
+            # O(prompt x depth) trie steps)
+            tail = self.ngram.trie.depth if state.seen == 0 else MAX_PROMPT_TOKENS
+            if not self.ngram.observe(req, state, prompt_tail=tail, limit=budget):
+                return  # the budget is spent: the rest of it next step
+            self.finished.popleft()
+            budget -= 1 + len(req.output_ids)  # an estimate of the tokens it took
 
     def log_line(self) -> str:
         return self.stats.log_line() if self.stats.verify_ct else ""
