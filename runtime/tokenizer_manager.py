@@ -124,10 +124,12 @@ class TokenizerManager:
             task.cancel()
         await asyncio.gather(*getattr(self, "_tasks", []), return_exceptions=True)
         self._tokenize_pool.shutdown(wait=False)
-        if self._started:
+        if getattr(self, "_recv_fd", None) is not None:
             self._loop.remove_reader(self._recv_fd)
-            self.send_sock.close(linger=0)
-            self.recv_sock.close(linger=0)
+        for name in ("send_sock", "recv_sock"):  # start() may have failed part-way
+            if getattr(self, name, None) is not None:
+                getattr(self, name).close(linger=0)
+        if getattr(self, "ctx", None) is not None:
             self.ctx.term()
 
     # ------------------------------------------------------------------ input
