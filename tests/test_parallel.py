@@ -5,6 +5,7 @@ grammar-constrained request in the batches. One server per layout, tiny models."
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -51,6 +52,7 @@ def _generate(url: str, batch: list, logprob_start: int) -> list[dict]:
     return res.json()
 
 
+@functools.cache  # several layouts serve the same model
 def _reference(path: str) -> list:
     """(output ids, prompt logprobs) of every request on one rank, in this process."""
     sched = make_scheduler(path, chunked_prefill_size=CHUNK, max_total_tokens=2048)
