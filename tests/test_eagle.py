@@ -258,6 +258,28 @@ def test_greedy_identical_with_eagle_heads_on_tiny_model(llama, heads, radix_off
         assert sched.get_state()["spec_verify_ct"] > 0
 
 
+def test_sampled_constrained_outputs_follow_their_grammar(llama, heads):
+    """Temperature 1 through rejection sampling with EAGLE-3 drafts: every output matches
+    its regex (drafts are cut by the grammar, every verified position is masked)."""
+    import re
+
+    tok = make_scheduler(llama).tokenizer
+    prompts = [
+        (tok.encode(f"Answer {i}: "), {"temperature": 1.0, "max_new_tokens": 24, **CONSTRAINTS[0]})
+        for i in range(6)
+    ]
+    out, sched = _run(
+        llama, prompts, speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"]
+    )
+    stopped = [
+        out[f"p{i}"] for i in range(len(prompts)) if out[f"p{i}"].finish_reason["type"] == "stop"
+    ]
+    assert len(stopped) >= 3
+    for r in stopped:
+        assert re.fullmatch(CONSTRAINTS[0]["regex"], r.text), r.text
+    assert sched.get_state()["spec_verify_ct"] > 0
+
+
 # --------------------------------------------------------------------------- flags
 @pytest.mark.parametrize(
     "kwargs, match",
