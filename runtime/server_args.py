@@ -433,7 +433,9 @@ class ServerArgs:
     def effective_cpu_threads(self) -> int:
         if self.cpu_threads is not None:
             return self.cpu_threads
-        return max(1, (os.cpu_count() or 2) - 1)
+        from loom.runtime.cpu_topology import physical_cores
+
+        return max(1, physical_cores() - 1)
 
     @property
     def effective_chunked_prefill_size(self) -> int | None:
@@ -531,7 +533,7 @@ _HELP = {
     "disable_radix_cache": "Turn off the radix prefix cache",
     "attention_backend": "Attention implementation: torch (the plain reference) or cpu_paged (CPU decode reads K/V in place; the CPU default; extends as torch); or triton (the Triton kernels of loom.kernels, the CUDA default; on the CPU only under TRITON_INTERPRET=1, for tests)",
     "random_seed": "Seed of the server's random state",
-    "cpu_threads": "Torch threads of the scheduler on CPU; default: CPU count - 1 (one core is left to the tokenizer and detokenizer processes)",
+    "cpu_threads": "Torch threads of the scheduler on CPU; default: the physical cores this process may use (affinity, cgroup quota, SMT siblings once) - 1 (one core is left to the tokenizer and detokenizer processes)",
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
     "grammar_compile_timeout": "Seconds a grammar may take to compile before its request fails",
     "disable_jump_forward": "Turn off grammar jump-forward",
