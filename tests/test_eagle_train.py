@@ -37,8 +37,17 @@ def _args(target, corpus, out, *extra):
         "--target", target, "--data", str(corpus), "--out", str(out), "--seq-len", "32",
         "--batch-size", "4", "--epochs", "2", "--unroll", "2", "--eval-steps", "3",
         "--eval-prompts", "2", "--eval-tokens", "8", "--holdout", "0.1", "--no-progress",
-        "--lr", "1e-2", *extra,
+        "--lr", "1e-2", "--threads", "1", *extra,
     ]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """--threads sets torch's process-wide thread count (one thread: tiny matmuls on a loaded
+    2-core machine run ~8x faster than with oversubscribed threads); later tests get theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("variant", ["eagle", "eagle3"])
