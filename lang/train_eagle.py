@@ -383,7 +383,11 @@ def save_head(head, out: Path, dtype: str, save_eagle_head) -> None:
 
 
 def plot_history(history: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no {path.name} (pip install matplotlib); history.json has the curve")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
