@@ -386,7 +386,9 @@ def plot_history(history: dict, path: Path) -> None:
     try:
         import matplotlib
     except ImportError:
-        print(f"matplotlib is not installed: no {path.name} (pip install matplotlib); history.json has the curve")
+        print(
+            f"matplotlib is not installed: no {path.name} (pip install matplotlib); history.json has the curve"
+        )
         return
 
     matplotlib.use("Agg")
