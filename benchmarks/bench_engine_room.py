@@ -20,7 +20,8 @@ matmuls: norms, RoPE, elementwise ops and the Python module calls between them.
         [--offline [--num-requests 64]] [--json out.json]
 
 --offline adds bench_offline's request set (prompts of 10..400 tokens, 8..128 new tokens, all
-sent at once): loom against llama-server -fa off, alternating; --batch-sizes "" skips the sweep.
+sent at once): loom against llama-server (-fa --offline-fa, default auto), alternating;
+--batch-sizes "" skips the sweep.
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ def measure(args, label: str, path: str, llamacpp) -> dict:
 
 def offline(args, label: str, path: str, llamacpp) -> dict:
     """bench_offline's request set (--num-requests prompts of 10..400 tokens, 8..128 new
-    tokens, all at once): loom (cpu_paged, the default) against llama-server -fa off."""
+    tokens, all at once): loom (cpu_paged, the default) against llama-server (-fa
+    --offline-fa: with "off" its unified KV pool makes every sequence attend over the whole
+    pool, masked, so "auto" is its faster setting for this workload)."""
     import transformers
     from bench_offline import make_requests
 
@@ -174,7 +177,7 @@ def offline(args, label: str, path: str, llamacpp) -> dict:
     reqs = make_requests(tok, args.num_requests, args.seed)
     useful = sum(m for _, m in reqs)
     loom_side = BackendSide(path, len(reqs), args.threads, "cpu_paged")
-    peer = llamacpp.ServerPeer(label, args.threads, "off", reqs)
+    peer = llamacpp.ServerPeer(label, args.threads, args.offline_fa, reqs)
     try:
         t = common.alternate(
             {"loom": lambda: loom_side.run(reqs), "llama.cpp": lambda: peer.run(reqs)},
@@ -185,12 +188,13 @@ def offline(args, label: str, path: str, llamacpp) -> dict:
         peer.close()
     out = {
         "requests": len(reqs),
+        "fa": args.offline_fa,
         "load": os.getloadavg()[0],
         "loom": [useful / x for x in t["loom"]],
         "llama": [useful / x for x in t["llama.cpp"]],
     }
     print(
-        f"offline ({len(reqs)} requests, load {out['load']:.1f}): loom "
+        f"offline ({len(reqs)} requests, -fa {args.offline_fa}, load {out['load']:.1f}): loom "
         f"{statistics.median(out['loom']):.0f} vs llama.cpp {statistics.median(out['llama']):.0f}"
         f" useful tok/s; loom / llama.cpp {common.fmt_ratio(out['loom'], out['llama'])}",
         flush=True,
@@ -249,7 +253,7 @@ def markdown(results: list[dict]) -> str:
                 "",
                 f"**{res['model']}** offline ({off['requests']} requests, load "
                 f"{off['load']:.1f}): loom {statistics.median(off['loom']):.0f} vs llama.cpp "
-                f"{statistics.median(off['llama']):.0f} useful tok/s, loom / llama.cpp "
+                f"{statistics.median(off['llama']):.0f} useful tok/s, loom / llama.cpp -fa {off['fa']} "
                 f"{common.fmt_ratio(off['loom'], off['llama'])}.",
             ]
         lines.append("")
@@ -269,6 +273,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--offline", action="store_true", help="also bench_offline's request set")
     p.add_argument("--num-requests", type=int, default=64, help="offline: requests")
+    p.add_argument("--offline-fa", default="auto", choices=["auto", "off"], help="offline: -fa")
     p.add_argument("--json", help="write the raw figures here")
     args = p.parse_args(argv)
     import llamacpp
