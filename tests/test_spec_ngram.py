@@ -82,8 +82,8 @@ def test_trie_is_shared_across_requests_and_bounded():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm: 'EAGLE' is not supported yet"),
-        ({"speculative_algorithm": "MEDUSA"}, "speculative_algorithm: unknown algorithm"),
+        ({"speculative_algorithm": "NEXTN"}, "speculative_algorithm: 'NEXTN' is not supported yet"),
+        ({"speculative_algorithm": "LOOKAHEAD2"}, "speculative_algorithm: unknown algorithm"),
         ({"speculative_num_draft_tokens": 4}, "speculative_num_draft_tokens: needs"),
         (
             {

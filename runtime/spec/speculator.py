@@ -42,6 +42,7 @@ def extra_cost(batch_size: int, longest_draft: int) -> float:
 
 
 RATE_DECAY = 0.3
+PRIOR_DECAY = 0.05
 
 
 class NgramSpeculator(Drafter):
@@ -65,6 +66,10 @@ class NgramSpeculator(Drafter):
         self.eos = frozenset(eos_token_ids)
         self.stats = AcceptanceStats(self.num_draft)
         self.finished: deque = deque(maxlen=LEARN_QUEUE)  # finished requests not yet learnt
+        # a new request's per-position rates start from every request's so far (a slower
+        # running average), not from 1.0: a batch that shrinks under the size threshold then
+        # drafts what has been paying, instead of full-length drafts for every request in it
+        self.prior_rates = [1.0] * self.num_draft
 
     def enabled_for(self, batch_size: int) -> bool:
         return batch_size < self.disable_batch_size
@@ -73,6 +78,7 @@ class NgramSpeculator(Drafter):
         state = req.spec_state
         if state is None:
             state = req.spec_state = NgramState(self.num_draft)
+            state.rates = list(self.prior_rates)  # what drafts have earned so far, server-wide
         if not free_drafts:
             self.stats.skipped += 1
             return []
@@ -207,12 +213,13 @@ class NgramSpeculator(Drafter):
         state = req.spec_state
         if state is None or accepted < forced:
             return
-        rates = state.rates
+        rates, prior = state.rates, self.prior_rates
         for j in range(drafted - forced):
             if j > accepted - forced or j >= len(rates):
                 break
             hit = 1.0 if j < accepted - forced else 0.0
             rates[j] += RATE_DECAY * (hit - rates[j])
+            prior[j] += PRIOR_DECAY * (hit - prior[j])
 
     def on_finished(self, req) -> None:
         """Queue `req` for the trie: it learns finished requests lazily, LEARN_PER_STEP
