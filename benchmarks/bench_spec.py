@@ -12,6 +12,11 @@ itself, independent of the load). Prints accepted tokens per verify and acceptan
 draft position, and writes docs/img/spec_acceptance.png.
 
     python benchmarks/bench_spec.py [--rounds 5] [--no-plot] [--ngram-breadth 4]
+        [--algorithms NGRAM,EAGLE,EAGLE3]
+
+`--algorithms`: one row per algorithm (default NGRAM); a model-based drafter's rows also split
+the on side's wall time into target forwards, the head's own work (`spec_draft_seconds`) and
+everything else.
 """
 
 from __future__ import annotations
@@ -109,10 +114,12 @@ def workloads(tok) -> dict[str, list[tuple[str, dict]]]:
 
 def run_once(sched: Scheduler, jobs, batch: int) -> tuple[int, float, float]:
     """(output tokens, wall seconds, CPU seconds) for the jobs, `batch` at a time; the
-    scheduler steps they took are left in `sched.bench_steps`."""
+    scheduler steps they took and the target model's forward seconds are left in
+    `sched.bench_steps` and `sched.bench_model_seconds`."""
     tok = sched.tokenizer
     total = 0
     steps0 = sched.stats["steps"]
+    model_seconds = 0.0
     wall0, cpu0 = time.perf_counter(), time.process_time()
     for start in range(0, len(jobs), batch):
         group = jobs[start : start + batch]
@@ -126,16 +133,22 @@ def run_once(sched: Scheduler, jobs, batch: int) -> tuple[int, float, float]:
                 )
             )
         while not sched.is_idle:
+            before = sched.stats["steps"]
             for out in sched.step():
                 total += len(out.new_ids)
+            if sched.stats["steps"] > before:  # the step ran a forward
+                model_seconds += sched.runner.last_model_seconds
     sched.bench_steps = sched.stats["steps"] - steps0
+    sched.bench_model_seconds = model_seconds
     return total, time.perf_counter() - wall0, time.process_time() - cpu0
 
 
-def make(spec: bool, breadth: int = 1, **kw) -> Scheduler:
+def make(spec: bool, breadth: int = 1, algorithm: str = "NGRAM", **kw) -> Scheduler:
     extra = {}
     if spec:
-        extra = {"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": breadth}
+        extra = {"speculative_algorithm": algorithm}
+        if algorithm == "NGRAM":
+            extra["speculative_ngram_max_bfs_breadth"] = breadth
     return Scheduler(ServerArgs(model_path=BUNDLED_MODEL_PATH, dtype="float32", **extra, **kw))
 
 
@@ -148,6 +161,9 @@ def main() -> None:
     ap.add_argument(
         "--ngram-breadth", type=int, default=1, help="--speculative-ngram-max-bfs-breadth (trees)"
     )
+    ap.add_argument(
+        "--algorithms", default="NGRAM", help="comma-separated: NGRAM, EAGLE, EAGLE3 (one row each)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(ServerArgs().effective_cpu_threads)
     tok = make(False).tokenizer
@@ -157,47 +173,63 @@ def main() -> None:
         f"{args.ngram_breadth}, loadavg {os.getloadavg()}"
     )
     curves = {}
-    for batch in [int(b) for b in args.batches.split(",")]:
-        for name in args.workloads.split(","):
-            all_jobs = loads[name]
-            warm, base_jobs = all_jobs[-2:], all_jobs[:-2]
-            jobs = base_jobs * (2 if batch == 16 else 1)  # 16 at once
-            ratios_wall, ratios_cpu, st = [], [], {}
-            steps = {}
-            for rnd in range(args.rounds):
-                off, on = make(False), make(True, args.ngram_breadth)
-                run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
-                run_once(on, warm, 2)
-                # alternate which side runs first, so a load change within a round does not
-                # always favour the same side
-                if rnd % 2:
-                    n_on, w_on, c_on = run_once(on, jobs, batch)
-                    n_off, w_off, c_off = run_once(off, jobs, batch)
-                else:
-                    n_off, w_off, c_off = run_once(off, jobs, batch)
-                    n_on, w_on, c_on = run_once(on, jobs, batch)
-                assert n_on == n_off, (name, n_on, n_off)
-                ratios_wall.append(w_off / w_on)
-                ratios_cpu.append(c_off / c_on)
-                st = on.get_state()
-                steps = {"off": off.bench_steps, "on": on.bench_steps}
-            by_pos = [
-                a / p if p else 0.0
-                for a, p in zip(st["spec_accepted_by_position"], st["spec_proposed_by_position"])
-            ]
-            if batch == 1:
-                curves[name] = by_pos
-            print(
-                f"{name:5s} batch {batch:2d}: tokens/s on/off wall {statistics.median(ratios_wall):.2f}x "
-                f"[{min(ratios_wall):.2f}-{max(ratios_wall):.2f}], CPU {statistics.median(ratios_cpu):.2f}x "
-                f"[{min(ratios_cpu):.2f}-{max(ratios_cpu):.2f}] | {n_on} tokens, "
-                f"{st['spec_accept_length']:.2f} tokens/verify over {st['spec_verify_ct']} verifies, "
-                f"forced {st['spec_forced_accepted']}/{st['spec_forced_proposed']}, "
-                f"no-draft request-steps {st['spec_skipped']}, steps off/on {steps['off']}/{steps['on']} "
-                f"| acceptance by position "
-                f"[{' '.join(f'{r:.2f}' for r in by_pos)}] | loadavg {os.getloadavg()[0]:.1f}",
-                flush=True,
+    rows = [
+        (algo.upper(), batch, name)
+        for algo in args.algorithms.split(",")
+        for batch in [int(b) for b in args.batches.split(",")]
+        for name in args.workloads.split(",")
+    ]
+    for algo, batch, name in rows:
+        all_jobs = loads[name]
+        warm, base_jobs = all_jobs[-2:], all_jobs[:-2]
+        jobs = base_jobs * (2 if batch == 16 else 1)  # 16 at once
+        ratios_wall, ratios_cpu, st = [], [], {}
+        steps = {}
+        for rnd in range(args.rounds):
+            off, on = make(False), make(True, args.ngram_breadth, algo)
+            run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
+            run_once(on, warm, 2)
+            draft0 = on.decode.drafter.summary().get("spec_draft_seconds", 0.0)
+            # alternate which side runs first, so a load change within a round does not
+            # always favour the same side
+            if rnd % 2:
+                n_on, w_on, c_on = run_once(on, jobs, batch)
+                n_off, w_off, c_off = run_once(off, jobs, batch)
+            else:
+                n_off, w_off, c_off = run_once(off, jobs, batch)
+                n_on, w_on, c_on = run_once(on, jobs, batch)
+            assert n_on == n_off, (name, n_on, n_off)
+            ratios_wall.append(w_off / w_on)
+            ratios_cpu.append(c_off / c_on)
+            st = on.get_state()
+            steps = {"off": off.bench_steps, "on": on.bench_steps}
+            # the on side's wall time: target forwards, the drafter's own device work
+            # (a model-based head), everything else
+            split = (on.bench_model_seconds, st.get("spec_draft_seconds", 0.0) - draft0, w_on)
+        by_pos = [
+            a / p if p else 0.0
+            for a, p in zip(st["spec_accepted_by_position"], st["spec_proposed_by_position"])
+        ]
+        if batch == 1:
+            curves[name if algo == "NGRAM" else f"{algo} {name}"] = by_pos
+        head = ""
+        if algo != "NGRAM":
+            head = (
+                f" | on side: target {split[0]:.2f} s, head {split[1]:.2f} s, "
+                f"outside {split[2] - split[0] - split[1]:.2f} s"
             )
+        print(
+            f"{'' if algo == 'NGRAM' else algo + ' '}{name:5s} batch {batch:2d}: tokens/s on/off wall {statistics.median(ratios_wall):.2f}x "
+            f"[{min(ratios_wall):.2f}-{max(ratios_wall):.2f}], CPU {statistics.median(ratios_cpu):.2f}x "
+            f"[{min(ratios_cpu):.2f}-{max(ratios_cpu):.2f}] | {n_on} tokens, "
+            f"{st['spec_accept_length']:.2f} tokens/verify over {st['spec_verify_ct']} verifies, "
+            f"forced {st.get('spec_forced_accepted', 0)}/{st.get('spec_forced_proposed', 0)}, "
+            f"no-draft request-steps {st.get('spec_skipped', 0)}, steps off/on {steps['off']}/{steps['on']} "
+            f"| acceptance by position "
+            f"[{' '.join(f'{r:.2f}' for r in by_pos)}]{head} | loadavg "
+            f"{os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
     if not args.no_plot and curves:
         plot(curves, Path(__file__).resolve().parents[1] / "docs" / "img" / "spec_acceptance.png")
 
