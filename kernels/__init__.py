@@ -14,6 +14,7 @@ import sys
 from types import ModuleType
 
 MODULES = (
+    "_online_softmax",  # first: the attention kernels import its helpers
     "decode_attention",
     "extend_attention",
     "cascade",

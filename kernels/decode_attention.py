@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.kernels._online_softmax import fold_block, load_rows
 from loom.kernels._util import block, dot_precision, interpreted
 
 INTERPRETED = interpreted()
@@ -63,24 +64,11 @@ def _decode_split_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < hi
         slot = tl.load(ReqToToken + row * stride_rt + pos, mask=pmask, other=0).to(tl.int64)
-        k = tl.load(
-            K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=pmask[:, None] & dmask[None, :],
-            other=0.0,
-        ).to(q.dtype)
+        k = load_rows(K, slot, kvh, stride_kt, stride_kh, offs_d, pmask, dmask, q)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(pmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-            mask=pmask[:, None] & dvmask[None, :],
-            other=0.0,
-        ).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        v = load_rows(V, slot, kvh, stride_vt, stride_vh, offs_dv, pmask, dvmask, q)
+        m_i, l_i, acc = fold_block(s, v, m_i, l_i, acc, PRECISION)
     # an empty split (a short request) leaves lse = -inf and output 0: the merge weighs it 0
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.kernels._online_softmax import fold_block, load_rows
 from loom.kernels._util import block, dot_precision, interpreted
 
 INTERPRETED = interpreted()
@@ -65,11 +66,7 @@ def _extend_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         pmask = pos < hi
         slot = tl.load(ReqToToken + row * stride_rt + pos, mask=pmask, other=0).to(tl.int64)
-        k = tl.load(
-            K + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=pmask[:, None] & dmask[None, :],
-            other=0.0,
-        ).to(q.dtype)
+        k = load_rows(K, slot, kvh, stride_kt, stride_kh, offs_d, pmask, dmask, q)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = mmask[:, None] & pmask[None, :]
         if CUSTOM_MASK:
@@ -80,19 +77,8 @@ def _extend_kernel(
         else:
             visible = visible & (pos[None, :] <= prefix + offs_m[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # rows that have seen nothing visible yet keep m = -inf; shift them by 0, not by -inf
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-            mask=pmask[:, None] & dvmask[None, :],
-            other=0.0,
-        ).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        v = load_rows(V, slot, kvh, stride_vt, stride_vh, offs_dv, pmask, dvmask, q)
+        m_i, l_i, acc = fold_block(s, v, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         Out + (qo + offs_m[:, None]) * stride_ot + h * stride_oh + offs_dv[None, :],
