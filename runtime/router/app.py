@@ -24,6 +24,7 @@ from loom.runtime.router.metrics import _decisions, merge_worker_metrics, render
 from loom.runtime.router.policy import make_policy
 from loom.runtime.router.proxy import Proxy, error_response, parse_body, routing_key
 from loom.runtime.router.workers import WorkerPool
+from loom.runtime.server.disconnect import unless_disconnected
 
 _GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 _ANY_WORKER_GET = (
@@ -112,7 +113,9 @@ def create_app(args: RouterArgs) -> FastAPI:
         )
         if stream:  # a stream's client leaving closes the generator, and so the upstream
             return await forward
-        return await unless_disconnected(request, forward)
+        return await unless_disconnected(
+            request, forward, lambda: error_response(499, "client disconnected")
+        )
 
     for path in _GENERATE_ROUTES:
         app.add_api_route(path, generate, methods=["POST"])
@@ -226,24 +229,3 @@ def create_app(args: RouterArgs) -> FastAPI:
         return PlainTextResponse(body, media_type="text/plain")
 
     return app
-
-
-async def unless_disconnected(request: Request, coro):
-    """Await a non-streaming forward, cancelling it if the client goes away first: the
-    upstream connection closes and the worker aborts the request and frees its KV."""
-    task = asyncio.ensure_future(coro)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        return error_response(499, "client disconnected")
-    return task.result()

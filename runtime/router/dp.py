@@ -57,23 +57,13 @@ class Replica:
         )
 
     def wait_healthy(self, timeout: float) -> None:
-        import time
+        from loom.runtime.server.runtime_client import wait_for_health
 
-        import requests
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"dp replica {self.index} exited during start-up:\n{self.tail()}"
-                )
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"dp replica {self.index} not healthy in {timeout}s:\n{self.tail()}")
+        status = wait_for_health(self.url, self.process, timeout)
+        if status == "exited":
+            raise RuntimeError(f"dp replica {self.index} exited during start-up:\n{self.tail()}")
+        if status == "timeout":
+            raise RuntimeError(f"dp replica {self.index} not healthy in {timeout}s:\n{self.tail()}")
 
     def tail(self, chars: int = 3000) -> str:
         with open(self.log.name, errors="replace") as f:

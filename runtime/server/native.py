@@ -12,6 +12,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from loom.runtime.io_struct import GenerateReqInput, decode_generate_request
 from loom.runtime.server.app import APIError, JSONOut, ServerState, json_dumps
+from loom.runtime.server.disconnect import unless_disconnected as _unless_disconnected
 from loom.runtime.server.protocol import (
     AbortRequest,
     ConcateAndAppendRequest,
@@ -38,25 +39,14 @@ async def control(state: ServerState, coro) -> Any:
     return await asyncio.wait_for(coro, _CONTROL_TIMEOUT)
 
 
+def _client_gone() -> Any:
+    raise APIError(499, "client disconnected")
+
+
 async def unless_disconnected(request: Request, coro) -> Any:
     """Await a non-streaming generation, cancelling it (which aborts the request in the
     scheduler and frees its KV) if the client goes away first."""
-    task = asyncio.ensure_future(coro)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        raise APIError(499, "client disconnected")
-    return task.result()
+    return await _unless_disconnected(request, coro, _client_gone)
 
 
 # --------------------------------------------------------------------------- SSE

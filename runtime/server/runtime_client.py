@@ -43,6 +43,24 @@ def server_argv(args: ServerArgs) -> list[str]:
     return argv
 
 
+def wait_for_health(url: str, process: subprocess.Popen, timeout: float) -> str:
+    """Poll `url`/health: "healthy" once it answers 200, "exited" if `process` ends first,
+    "timeout" after `timeout` seconds."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return "exited"
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return "healthy"
+        except requests.RequestException:
+            pass
+        time.sleep(0.25)
+    return "timeout"
+
+
 class Runtime:
     """`Runtime(model_path=None, **server_args)`: start a server on a free port and wait
     until /health answers. `.url`, `.generate(...)`, `.shutdown()`; a context manager."""
@@ -75,22 +93,15 @@ class Runtime:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _wait_healthy(self, timeout: float) -> None:
-        import requests
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            code = self.process.poll()
-            if code is not None:
-                raise RuntimeError(
-                    f"the server exited during start-up (code {code}):\n{self.log_tail()}"
-                )
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"the server did not become healthy in {timeout}s:\n{self.log_tail()}")
+        status = wait_for_health(self.url, self.process, timeout)
+        if status == "exited":
+            raise RuntimeError(
+                f"the server exited during start-up (code {self.process.returncode}):\n{self.log_tail()}"
+            )
+        if status == "timeout":
+            raise TimeoutError(
+                f"the server did not become healthy in {timeout}s:\n{self.log_tail()}"
+            )
 
     def log_tail(self, chars: int = _LOG_TAIL) -> str:
         try:
