@@ -37,6 +37,15 @@ class ModelRunner:
         # called as spec_hook(inp, batch, out) after each step's sampling (a model-based
         # drafter reads the target's captured hidden states here and drafts the next step)
         self.spec_hook = None
+        # the compiled CPU forward for small steps (runtime/cpu_forward.py), with the default
+        # CPU attention backend only (an explicit torch/triton backend runs eager); None: eager
+        self.cpu_forward = None
+        if args.cpu_forward == "auto" and args.effective_attention_backend == "cpu_paged":
+            from loom.runtime.cpu_forward import CpuForward
+
+            self.cpu_forward = CpuForward.build(
+                self.model, self.token_to_kv_pool, tp_size=args.tp_size, pp_size=args.pp_size
+            )
 
     def _init_memory(self) -> None:
         cfg, args = self.config, self.args
@@ -107,10 +116,15 @@ class ModelRunner:
                 None if par is None else tree_mask(prefix, par, dev)
                 for prefix, par in zip(inp.prefix_lens, inp.draft_parents)
             ]
-        self.attn_backend.init_forward_metadata(batch)
+        compiled = self.cpu_forward is not None and self.cpu_forward.covers(batch)
+        if not compiled:
+            self.attn_backend.init_forward_metadata(batch)
         t0 = time.perf_counter()
-        with forward_context(batch):
-            logits = self.model(batch.input_ids, batch.positions)
+        if compiled:
+            logits = self.cpu_forward(batch)
+        else:
+            with forward_context(batch):
+                logits = self.model(batch.input_ids, batch.positions)
         # the model's own time (exact on the CPU; on CUDA it is launch time only)
         self.last_model_seconds = time.perf_counter() - t0
         out = self._sample(inp, logits, len(sample_rows), lp_targets)
