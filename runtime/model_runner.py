@@ -10,6 +10,7 @@ import torch
 
 from loom.runtime.attention.base import create_attention_backend
 from loom.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelInput, forward_context
+from loom.runtime.graph_runner import create_graph_runner
 from loom.runtime.memory_pool import PagedAllocator, ReqToTokenPool, TokenToKVPool
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
@@ -33,19 +34,12 @@ class ModelRunner:
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()
         self.attn_backend = create_attention_backend(args.effective_attention_backend)
+        # decode steps replayed from CUDA graphs (None: eager; always None on the CPU)
+        self.graph_runner = create_graph_runner(self)
         self.last_model_seconds = 0.0
         # called as spec_hook(inp, batch, out) after each step's sampling (a model-based
         # drafter reads the target's captured hidden states here and drafts the next step)
         self.spec_hook = None
-        # the compiled CPU forward for small steps (runtime/cpu_forward.py), with the default
-        # CPU attention backend only (an explicit torch/triton backend runs eager); None: eager
-        self.cpu_forward = None
-        if args.cpu_forward == "auto" and args.effective_attention_backend == "cpu_paged":
-            from loom.runtime.cpu_forward import CpuForward
-
-            self.cpu_forward = CpuForward.build(
-                self.model, self.token_to_kv_pool, tp_size=args.tp_size, pp_size=args.pp_size
-            )
 
     def _init_memory(self) -> None:
         cfg, args = self.config, self.args
@@ -116,12 +110,12 @@ class ModelRunner:
                 None if par is None else tree_mask(prefix, par, dev)
                 for prefix, par in zip(inp.prefix_lens, inp.draft_parents)
             ]
-        compiled = self.cpu_forward is not None and self.cpu_forward.covers(batch)
-        if not compiled:
+        graphed = self.graph_runner is not None and self.graph_runner.can_run(batch)
+        if not graphed:
             self.attn_backend.init_forward_metadata(batch)
         t0 = time.perf_counter()
-        if compiled:
-            logits = self.cpu_forward(batch)
+        if graphed:  # the padded batch's captured graph (runtime/graph_runner.py)
+            logits = self.graph_runner.run(batch)
         else:
             with forward_context(batch):
                 logits = self.model(batch.input_ids, batch.positions)

@@ -47,6 +47,13 @@ class TritonAttnBackend(AttentionBackend):
                 " Triton's interpreter, for tests); use 'torch'"
             )
 
+    def graph_decode_metadata(self, max_context_len: int) -> _DecodeMeta:
+        """Decode metadata a captured CUDA graph replays for any batch (runtime/graph_runner.py):
+        the split count of the longest context the pool holds (each request's split length is
+        computed inside the kernel) and no shared-prefix groups (their launches depend on the
+        step's data)."""
+        return _DecodeMeta(decode_attention.num_splits_for(max_context_len), [])
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode.is_decode:
             lens = batch.seq_lens_cpu
