@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -101,6 +102,88 @@ void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t 
 DECODE(loom_decode_f32, float, load_f32)
 DECODE(loom_decode_bf16, uint16_t, load_bf16)
 
+/* Several query rows per request (a short extend, a draft tree's verify step): q [T, H, D] f32
+   with request b's E = exts[b] rows at q[qstart[b] ..]; they attend to the K/V rows
+   table[rows[b], :lens[b]]. Row j sees column t where mask[mask_off[b] + j * L + t] != 0, or,
+   with mask_off[b] < 0, causally: t <= L - E + j. out [T, H, Dv] f32. One (request, kv head)
+   per work item, so each K/V row is read once for all E x G query rows. */
+#define EXTEND(NAME, T, LOAD)                                                              \
+void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t stride,   \
+          const int64_t* rows, const int64_t* lens, const int64_t* exts,                   \
+          const int64_t* qstart, const uint8_t* mask, const int64_t* mask_off, float* out, \
+          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t Dv, float scale,           \
+          int64_t max_len, int64_t max_ext, int nthreads) {                                \
+    const int64_t G = H / Hkv;                                                             \
+    const int64_t R = G * (max_ext > 0 ? max_ext : 1);                                     \
+    _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1)")                       \
+    {                                                                                      \
+        float* s = (float*)malloc(sizeof(float) * R * (max_len > 0 ? max_len : 1));        \
+        float* acc = (float*)malloc(sizeof(float) * R * Dv);                               \
+        float* denom = (float*)malloc(sizeof(float) * R);                                  \
+        _Pragma("omp for schedule(dynamic)")                                               \
+        for (int64_t w = 0; w < B * Hkv; w++) {                                            \
+            const int64_t b = w / Hkv, h = w % Hkv, L = lens[b], E = exts[b];              \
+            const int64_t P = L - E;                                                       \
+            const int64_t* slots = table + rows[b] * stride;                               \
+            const uint8_t* mk = mask_off[b] >= 0 ? mask + mask_off[b] : NULL;              \
+            for (int64_t t = 0; t < L; t++) {                                              \
+                const T* kp = k + (slots[t] * Hkv + h) * D;                                \
+                for (int64_t j = 0; j < E; j++) {                                          \
+                    const int ok = mk ? mk[j * L + t] != 0 : t <= P + j;                   \
+                    const float* qj = q + ((qstart[b] + j) * H + h * G) * D;               \
+                    for (int64_t g = 0; g < G; g++) {                                      \
+                        float dot = -INFINITY;                                             \
+                        if (ok) {                                                          \
+                            const float* qg = qj + g * D;                                  \
+                            dot = 0.f;                                                     \
+                            _Pragma("omp simd reduction(+:dot)")                           \
+                            for (int64_t d = 0; d < D; d++) dot += qg[d] * LOAD(kp + d);   \
+                            dot *= scale;                                                  \
+                        }                                                                  \
+                        s[(j * G + g) * L + t] = dot;                                      \
+                    }                                                                      \
+                }                                                                          \
+            }                                                                              \
+            for (int64_t r = 0; r < E * G; r++) {                                          \
+                float* sr = s + r * L;                                                     \
+                float m = -INFINITY, sum = 0.f;                                            \
+                for (int64_t t = 0; t < L; t++) m = sr[t] > m ? sr[t] : m;                 \
+                if (m == -INFINITY) { /* a row that sees nothing: zeros, not NaN */        \
+                    for (int64_t t = 0; t < L; t++) sr[t] = 0.f;                           \
+                } else {                                                                   \
+                    for (int64_t t = 0; t < L; t++) { sr[t] = expf(sr[t] - m); sum += sr[t]; } \
+                }                                                                          \
+                denom[r] = sum;                                                            \
+            }                                                                              \
+            memset(acc, 0, sizeof(float) * E * G * Dv);                                    \
+            for (int64_t t = 0; t < L; t++) {                                              \
+                const T* vp = v + (slots[t] * Hkv + h) * Dv;                               \
+                for (int64_t r = 0; r < E * G; r++) {                                      \
+                    const float p = s[r * L + t];                                          \
+                    if (p == 0.f) continue;                                                \
+                    float* a = acc + r * Dv;                                               \
+                    _Pragma("omp simd")                                                    \
+                    for (int64_t d = 0; d < Dv; d++) a[d] += p * LOAD(vp + d);             \
+                }                                                                          \
+            }                                                                              \
+            for (int64_t j = 0; j < E; j++) {                                              \
+                for (int64_t g = 0; g < G; g++) {                                          \
+                    const int64_t r = j * G + g;                                           \
+                    float* o = out + ((qstart[b] + j) * H + h * G + g) * Dv;               \
+                    const float inv = denom[r] > 0.f ? 1.f / denom[r] : 0.f;               \
+                    for (int64_t d = 0; d < Dv; d++) o[d] = acc[r * Dv + d] * inv;         \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+        free(s);                                                                           \
+        free(acc);                                                                         \
+        free(denom);                                                                       \
+    }                                                                                      \
+}
+
+EXTEND(loom_extend_f32, float, load_f32)
+EXTEND(loom_extend_bf16, uint16_t, load_bf16)
+
 /* RMSNorm over rows x[o * so + i * si + 0 .. D-1] (o < no, i < ni) into out [no * ni, D]. With
    res [no * ni, D]: the row is x + res, and that sum is also written to res_out. */
 void loom_rms_norm_f32(const float* x, int64_t no, int64_t ni, int64_t so, int64_t si,
@@ -172,11 +255,11 @@ def _cpu_key() -> str:
     return "\n".join(lines)
 
 
-def _compile(compiler: str, flags: list[str], target: Path) -> None:
+def _compile(compiler: str, flags: list[str], target: Path, source: str = SOURCE) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "decode.c"
-        src.write_text(SOURCE)
+        src = Path(tmp) / "kernel.c"
+        src.write_text(source)
         out = Path(tmp) / target.name
         res = subprocess.run(
             [compiler, *flags, str(src), "-o", str(out), "-lm"],
@@ -190,6 +273,29 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
         os.replace(out, target)  # atomic: concurrent processes never load a half-written file
 
 
+def build(source: str, name: str) -> ctypes.CDLL | None:
+    """C `source` compiled (with OpenMP where the compiler has it) into the per-machine cache
+    as `name`_<hash>.so, or found there, and loaded; None (logged) without a working compiler.
+    Callers declare the functions' argtypes."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: %s falls back to torch", name)
+        return None
+    errors = []
+    for extra in _VARIANTS:
+        flags = [*_FLAGS, *extra]
+        key = hashlib.sha256("\0".join([source, *flags, _cpu_key()]).encode()).hexdigest()
+        target = _cache_dir() / f"{name}_{key[:16]}.so"
+        try:
+            if not target.exists():
+                _compile(compiler, flags, target, source)
+            return ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            errors.append(str(e))
+    logger.warning("%s unavailable (%s): falling back to torch", name, errors)
+    return None
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; None without a C compiler."""
     global _lib, _tried
@@ -197,24 +303,8 @@ def load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            logger.warning("no C compiler found: CPU kernels fall back to torch")
-            return None
-        lib, errors = None, []
-        for extra in _VARIANTS:
-            flags = [*_FLAGS, *extra]
-            key = hashlib.sha256("\0".join([SOURCE, *flags, _cpu_key()]).encode()).hexdigest()
-            target = _cache_dir() / f"loom_cpu_{key[:16]}.so"
-            try:
-                if not target.exists():
-                    _compile(compiler, flags, target)
-                lib = ctypes.CDLL(str(target))
-                break
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                errors.append(str(e))
+        lib = build(SOURCE, "loom_cpu")
         if lib is None:
-            logger.warning("CPU kernels unavailable (%s): falling back to torch", errors)
             return None
         for fn in (lib.loom_decode_f32, lib.loom_decode_bf16):
             fn.restype = None
@@ -222,6 +312,13 @@ def load() -> ctypes.CDLL | None:
             # q, k, v, table, stride, rows, lens, out, B, H, Hkv, D, Dv, scale, max_len, threads
             fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 3 + [i64] * 5
             fn.argtypes += [ctypes.c_float, i64, ctypes.c_int]
+        for fn in (lib.loom_extend_f32, lib.loom_extend_bf16):
+            fn.restype = None
+            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+            # q, k, v, table, stride, rows, lens, exts, qstart, mask, mask_off, out,
+            # B, H, Hkv, D, Dv, scale, max_len, max_ext, threads
+            fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 7 + [i64] * 5
+            fn.argtypes += [ctypes.c_float, i64, i64, ctypes.c_int]
         ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         # x, no, ni, so, si, D, res, res_out, w, eps, out, threads
         lib.loom_rms_norm_f32.argtypes = [ptr] + [i64] * 5 + [ptr] * 3 + [f32, ptr, i32]
@@ -272,6 +369,83 @@ def decode_attention(
         qf.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), table.data_ptr(), table.stride(0),
         rows.data_ptr(), lens.data_ptr(), out.data_ptr(), b, h, hkv, d, dv, scale, max_len,
         _threads(b * hkv, (total_len or b * max_len) * h * (d + dv)),
+    )  # fmt: skip
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+_EXTEND_KERNELS = {torch.float32: "loom_extend_f32", torch.bfloat16: "loom_extend_bf16"}
+
+
+@dataclass
+class ExtendPlan:
+    """One step's per-request layout for `extend_attention`, built once and read by every
+    layer: request b's new tokens are q rows qstart[b] .. qstart[b] + exts[b] - 1 and attend to
+    its first lens[b] KV positions, causally or through its mask (packed at mask_off[b])."""
+
+    lens: torch.Tensor  # [B] int64
+    exts: torch.Tensor  # [B] int64
+    qstart: torch.Tensor  # [B] int64
+    mask: torch.Tensor  # [sum of masked E * L] uint8 (one zero byte when no request has one)
+    mask_off: torch.Tensor  # [B] int64, -1: causal
+    max_len: int
+    max_ext: int
+    total_len: int  # sum over requests of exts * lens: the score count, which sizes the team
+
+    @classmethod
+    def build(
+        cls, seq_lens: list[int], ext_lens: list[int], masks: list[torch.Tensor | None] | None
+    ) -> ExtendPlan:
+        masks = masks or [None] * len(seq_lens)
+        offs, parts, off, start, starts = [], [], 0, 0, []
+        for seq, ext, m in zip(seq_lens, ext_lens, masks):
+            starts.append(start)
+            start += ext
+            if m is None:
+                offs.append(-1)
+                continue
+            if tuple(m.shape) != (ext, seq):
+                raise ValueError(f"custom mask of shape {tuple(m.shape)}, expected {(ext, seq)}")
+            parts.append(m.reshape(-1).to(device="cpu", dtype=torch.uint8))
+            offs.append(off)
+            off += ext * seq
+        i64 = torch.int64
+        return cls(
+            lens=torch.tensor(seq_lens, dtype=i64),
+            exts=torch.tensor(ext_lens, dtype=i64),
+            qstart=torch.tensor(starts, dtype=i64),
+            mask=torch.cat(parts) if parts else torch.zeros(1, dtype=torch.uint8),
+            mask_off=torch.tensor(offs, dtype=i64),
+            max_len=max(seq_lens, default=0),
+            max_ext=max(ext_lens, default=0),
+            total_len=sum(e * s for e, s in zip(ext_lens, seq_lens)),
+        )
+
+
+def extend_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    plan: ExtendPlan,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, D] (every request's new tokens, in order) over the K/V rows
+    table[rows[b], :plan.lens[b]], masked per `plan` -> [T, H, Dv] in q's dtype. The new
+    tokens' K/V must already be in the pool."""
+    t, h, d = q.shape
+    hkv, dv = k_buf.shape[1], v_buf.shape[2]
+    assert k_buf.is_contiguous() and v_buf.is_contiguous() and table.is_contiguous()
+    assert table.dtype == rows.dtype == torch.int64 and t == int(plan.exts.sum())
+    qf = q.to(torch.float32).contiguous()
+    out = torch.empty((t, h, dv), dtype=torch.float32)
+    b = len(plan.lens)
+    getattr(lib, _EXTEND_KERNELS[k_buf.dtype])(
+        qf.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), table.data_ptr(), table.stride(0),
+        rows.data_ptr(), plan.lens.data_ptr(), plan.exts.data_ptr(), plan.qstart.data_ptr(),
+        plan.mask.data_ptr(), plan.mask_off.data_ptr(), out.data_ptr(), b, h, hkv, d, dv,
+        scale, plan.max_len, plan.max_ext, _threads(b * hkv, plan.total_len * h * (d + dv)),
     )  # fmt: skip
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
