@@ -8,6 +8,26 @@ from __future__ import annotations
 
 import torch
 
+_KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The KV pool's storage dtype for --kv-cache-dtype ("auto": the model dtype). K/V are
+    rounded to it when stored; every attention path reads them back into float32 (the C
+    kernels) or the query's dtype (torch) before its math. Triton's kernels are only tested
+    with a pool in the model dtype, so another combination is refused there."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not supported yet")
+    dtype = _KV_DTYPES[kv_cache_dtype]
+    if backend == "triton" and dtype != model_dtype:
+        raise ValueError(
+            f"kv_cache_dtype: {kv_cache_dtype!r} with a {model_dtype} model is not supported yet"
+            " by the triton attention backend (use --dtype bfloat16, or the torch backend)"
+        )
+    return dtype
+
 
 class ReqToTokenPool:
     """[max requests x max context] slot indices; a row is a running request's KV map."""

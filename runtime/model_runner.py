@@ -11,7 +11,12 @@ import torch
 from loom.runtime.attention.base import create_attention_backend
 from loom.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelInput, forward_context
 from loom.runtime.graph_runner import create_graph_runner
-from loom.runtime.memory_pool import PagedAllocator, ReqToTokenPool, TokenToKVPool
+from loom.runtime.memory_pool import (
+    PagedAllocator,
+    ReqToTokenPool,
+    TokenToKVPool,
+    resolve_kv_dtype,
+)
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
 from loom.runtime.sampler import sample_verify_trees, token_logprobs
@@ -49,8 +54,10 @@ class ModelRunner:
             (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // args.tp_size,
         )
         head_dim = head_dim_of(cfg)
+        backend = args.effective_attention_backend
+        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, backend)
         per_token = (
-            2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.finfo(self.dtype).bits // 8
+            2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.finfo(self.kv_dtype).bits // 8
         )
         if args.max_total_tokens is not None:
             total = args.max_total_tokens
@@ -70,7 +77,7 @@ class ModelRunner:
             cfg.num_hidden_layers,
             kv_heads,
             head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             padding_slots=page,
         )

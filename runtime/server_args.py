@@ -28,6 +28,9 @@ NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # --dp-size N: the router policy that spreads requests over the replicas (runtime/router)
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
+# --kv-cache-dtype (SGLang's values): the KV pool's storage dtype, "auto" = the model dtype
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
+KV_CACHE_DTYPES_NOT_YET = ("fp8_e5m2", "fp8_e4m3", "fp4_e2m1")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class ServerArgs:
     reasoning_parser: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES (memory_pool.resolve_kv_dtype)
     device: str | None = None
     context_length: int | None = None
 
@@ -136,6 +140,16 @@ class ServerArgs:
             f"must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}",
         )
         need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        need(
+            self.kv_cache_dtype not in KV_CACHE_DTYPES_NOT_YET,
+            "kv_cache_dtype",
+            f"{self.kv_cache_dtype!r} is not supported yet (only {KV_CACHE_DTYPES})",
+        )
+        need(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
         need(
             self.attention_backend is None or self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
@@ -536,6 +550,7 @@ _HELP = {
     "max_prefill_tokens": "Token budget of one prefill batch",
     "chunked_prefill_size": "Split long prompts into chunks of this many tokens (-1: off)",
     "page_size": "Tokens per KV page",
+    "kv_cache_dtype": "KV cache storage dtype: auto (the model dtype) or bf16/bfloat16 (half of float32's bytes; attention still accumulates in float32); fp8_e5m2/fp8_e4m3/fp4_e2m1 are not supported yet",
     "schedule_policy": "Order of the waiting queue",
     "schedule_conservativeness": "Scale of the KV reserved for running requests' future tokens",
     "disable_radix_cache": "Turn off the radix prefix cache",
