@@ -1,0 +1,210 @@
+"""The compiled CPU forward (runtime/cpu_forward.py) against the eager modules: logits and the
+KV it writes on ragged extend, cached-prefix extend, decode and draft-tree verify steps of every
+covered family; greedy generations equal end to end (page sizes 1 and 4, tree drafts); the
+fallbacks and the flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.runtime import cpu_forward
+from loom.runtime.attention.base import create_attention_backend
+from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
+from loom.runtime.model_runner import ModelRunner, tree_mask
+from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
+from tests.runtime_helpers import make_scheduler, run_all, submit
+
+pytestmark = pytest.mark.skipif(cpu_forward.load() is None, reason="no C compiler")
+
+FAMILIES = ["llama", "llama-mqa", "qwen2", "qwen3"]  # llama: llama3 rope scaling; qwen3: q/k norm
+
+
+def _runner(path: str, **kw) -> ModelRunner:
+    return ModelRunner(ServerArgs(model_path=path, dtype="float32", max_total_tokens=4096, **kw))
+
+
+class _Steps:
+    """Requests with scattered KV slots in one runner's pools; `batch` builds one step."""
+
+    def __init__(self, runner: ModelRunner, n_req: int, seed: int):
+        self.r, self.g = runner, torch.Generator().manual_seed(seed)
+        self.rows = torch.randperm(runner.req_to_token_pool.req_to_token.shape[0] - 1)[:n_req]
+        self.free = (torch.randperm(3000, generator=self.g) + 8).tolist()
+        self.lens = [0] * n_req
+
+    def batch(self, reqs, ext, mode, masks=None, all_logits=True) -> ForwardBatch:
+        r, table = self.r, self.r.req_to_token_pool.req_to_token
+        ids, pos, slots, seq, pre = [], [], [], [], []
+        for i, e in zip(reqs, ext):
+            new = [self.free.pop() for _ in range(e)]
+            table[self.rows[i], self.lens[i] : self.lens[i] + e] = torch.tensor(new)
+            ids += torch.randint(0, r.vocab_size, (e,), generator=self.g).tolist()
+            pos += list(range(self.lens[i], self.lens[i] + e))
+            slots += new
+            pre.append(self.lens[i])
+            self.lens[i] += e
+            seq.append(self.lens[i])
+        t = len(ids)
+        logit_rows = list(range(t)) if all_logits else [t - 1]
+        return ForwardBatch(
+            mode=mode, input_ids=torch.tensor(ids), positions=torch.tensor(pos),
+            out_cache_loc=torch.tensor(slots), req_pool_indices=self.rows[list(reqs)].clone(),
+            seq_lens=torch.tensor(seq), seq_lens_cpu=seq, prefix_lens_cpu=pre,
+            req_to_token_pool=r.req_to_token_pool, token_to_kv_pool=r.token_to_kv_pool,
+            attn_backend=create_attention_backend("torch"),
+            logits_indices=torch.tensor(logit_rows), custom_masks=masks,
+        )  # fmt: skip
+
+
+def _compare(runner: ModelRunner, batch: ForwardBatch) -> None:
+    """Eager (torch backend) and C logits and written KV agree; the C KV stays in the pool."""
+    pool = runner.token_to_kv_pool
+    before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
+    batch.attn_backend.init_forward_metadata(batch)
+    with forward_context(batch):
+        want = runner.model(batch.input_ids, batch.positions)
+    eager_kv = [b.clone() for b in pool.k_buffers + pool.v_buffers]
+    for b, old in zip(pool.k_buffers + pool.v_buffers, before):
+        b.copy_(old)
+    assert runner.cpu_forward.covers(batch)
+    got = runner.cpu_forward(batch)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for b, ref in zip(pool.k_buffers + pool.v_buffers, eager_kv):
+        torch.testing.assert_close(b, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.inference_mode()
+def test_logits_and_kv_match_eager_on_every_kind_of_step(tiny_model_dir, family):
+    runner = _runner(tiny_model_dir(family))
+    assert runner.cpu_forward is not None
+    st = _Steps(runner, 4, seed=len(family))
+    _compare(runner, st.batch([0, 1, 2], [5, 1, 9], ForwardMode.EXTEND))  # ragged prompts
+    _compare(runner, st.batch([0, 1, 2, 3], [3, 2, 1, 4], ForwardMode.EXTEND))  # after prefixes
+    for _ in range(2):
+        _compare(runner, st.batch([0, 1, 2, 3], [1] * 4, ForwardMode.DECODE, all_logits=False))
+    # draft-tree verify rows beside a causal chain: the mask layout of ModelRunner.tree_mask
+    trees = {0: [-1, -1, 0, 1], 2: [-1, 0, 0]}
+    masks = [tree_mask(st.lens[i], trees[i], "cpu") if i in trees else None for i in range(3)]
+    _compare(runner, st.batch([0, 1, 2], [5, 3, 4], ForwardMode.EXTEND, masks))
+
+
+@pytest.fixture(scope="module")
+def bundled_pair():
+    return {m: make_scheduler(BUNDLED_MODEL_PATH, cpu_forward=m) for m in ("eager", "auto")}
+
+
+def _generate(sched, prompts, n=10):
+    for i, ids in enumerate(prompts):
+        submit(sched, f"r{i}", ids, {"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+    return {k: v.ids for k, v in run_all(sched).items()}
+
+
+def test_bundled_greedy_batch_equals_eager(bundled_pair):
+    """A ragged batch whose short prompts go through C and whose long one runs eager (more
+    than MAX_TOKENS tokens), then decodes in C; the same greedy tokens as eager throughout."""
+    assert bundled_pair["auto"].runner.cpu_forward is not None
+    prompts = [[5, 6, 7], [9] * 40, [11, 12, 13, 14, 15, 16]]
+    assert _generate(bundled_pair["eager"], prompts) == _generate(bundled_pair["auto"], prompts)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tree_drafts_and_pages_give_eager_tokens(tiny_model_dir, monkeypatch, page_size):
+    """NGRAM draft trees (breadth 4) verified through the C forward: greedy tokens equal to
+    the eager forward's, at page sizes 1 and 4."""
+    from loom.runtime.spec import speculator
+
+    monkeypatch.setattr(speculator, "extra_cost", lambda batch_size, longest: 0.0)
+    path = tiny_model_dir("qwen3")
+    spec = dict(
+        speculative_algorithm="NGRAM",
+        speculative_ngram_max_bfs_breadth=4,
+        speculative_disable_by_batch_size=64,
+        page_size=page_size,
+    )
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [30, 31, 32, 30, 31], [40] * 6]
+    out = {}
+    for mode in ("eager", "auto"):
+        sched = make_scheduler(path, cpu_forward=mode, **spec)
+        out[mode] = _generate(sched, prompts, n=16)
+        assert sched.get_state()["spec_verify_ct"] > 0
+    assert out["eager"] == out["auto"]
+
+
+@pytest.mark.parametrize(
+    "family,kw,why",
+    [
+        ("qwen3-moe", {}, "is not the SiLU-gated dense MLP"),
+        ("llama", {"dtype": "bfloat16"}, "not float32"),
+    ],
+)
+def test_uncovered_models_run_eager(tiny_model_dir, caplog, family, kw, why):
+    with caplog.at_level("INFO", logger="loom.runtime.cpu_forward"):
+        runner = ModelRunner(
+            ServerArgs(model_path=tiny_model_dir(family), max_total_tokens=2048, **kw)
+        )
+    assert runner.cpu_forward is None
+    assert why in caplog.text
+
+
+def test_flag_and_backend_choose_eager(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    assert _runner(path, cpu_forward="eager").cpu_forward is None
+    assert _runner(path, attention_backend="torch").cpu_forward is None
+    with pytest.raises(ValueError, match=r"^cpu_forward: must be one of"):
+        ServerArgs(model_path=path, cpu_forward="fast")
+
+
+@torch.inference_mode()
+def test_large_steps_and_eagle_capture_fall_back_and_bad_input_is_an_error(tiny_model_dir):
+    runner = _runner(tiny_model_dir("llama"))
+    st = _Steps(runner, 2, seed=1)
+    big = st.batch([0], [cpu_forward.MAX_TOKENS + 1], ForwardMode.EXTEND)
+    assert not runner.cpu_forward.covers(big)
+    small = st.batch([1], [2], ForwardMode.EXTEND)
+    runner.model.model.capture_layers = ()
+    try:
+        assert not runner.cpu_forward.covers(small)
+    finally:
+        runner.model.model.capture_layers = None
+    small.positions[0] = 10**6
+    with pytest.raises(IndexError, match="rotary table"):
+        runner.cpu_forward(small)
+    small.positions[0] = 0
+    small.input_ids[0] = runner.vocab_size
+    with pytest.raises(IndexError, match="vocabulary"):
+        runner.cpu_forward(small)
+
+
+@pytest.mark.parametrize("t,k,n", [(1, 256, 4032), (3, 20, 7), (2, 688, 256), (5, 64, 9)])
+def test_matmul_kernel_matches_linear(t, k, n):
+    """The register-tiled matmul every projection uses, on odd shapes (K not a multiple of
+    the SIMD width, N not of the 4-row tile, odd token counts), with and without bias."""
+    import ctypes
+
+    g = torch.Generator().manual_seed(t * k + n)
+    x, w, b = (
+        torch.randn(t, k, generator=g),
+        torch.randn(n, k, generator=g),
+        torch.randn(n, generator=g),
+    )
+    fn = cpu_forward.load().loom_linear_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    for bias in (None, b):
+        y = torch.empty(t, n)
+        fn(
+            x.data_ptr(),
+            t,
+            k,
+            w.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            n,
+            y.data_ptr(),
+            2,
+        )
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
