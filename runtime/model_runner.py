@@ -45,6 +45,15 @@ class ModelRunner:
         # called as spec_hook(inp, batch, out) after each step's sampling (a model-based
         # drafter reads the target's captured hidden states here and drafts the next step)
         self.spec_hook = None
+        # the compiled CPU forward for small steps (runtime/cpu_forward.py), with the default
+        # CPU attention backend only (an explicit torch/triton backend runs eager); None: eager
+        self.cpu_forward = None
+        if args.cpu_forward == "auto" and args.effective_attention_backend == "cpu_paged":
+            from loom.runtime.cpu_forward import CpuForward
+
+            self.cpu_forward = CpuForward.build(
+                self.model, self.token_to_kv_pool, tp_size=args.tp_size, pp_size=args.pp_size
+            )
 
     def _init_memory(self) -> None:
         cfg, args = self.config, self.args
@@ -118,11 +127,14 @@ class ModelRunner:
                 for prefix, par in zip(inp.prefix_lens, inp.draft_parents)
             ]
         graphed = self.graph_runner is not None and self.graph_runner.can_run(batch)
-        if not graphed:
+        compiled = not graphed and self.cpu_forward is not None and self.cpu_forward.covers(batch)
+        if not (compiled or graphed):
             self.attn_backend.init_forward_metadata(batch)
         t0 = time.perf_counter()
         if graphed:  # the padded batch's captured graph (runtime/graph_runner.py)
             logits = self.graph_runner.run(batch)
+        elif compiled:
+            logits = self.cpu_forward(batch)
         else:
             with forward_context(batch):
                 logits = self.model(batch.input_ids, batch.positions)

@@ -18,6 +18,9 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs", "lof", "random")
 # MoE combine under expert parallelism (runtime/layers/moe.py): "none" (SGLang's default: every
 # rank runs its experts on the tokens routed to them, one all-reduce) or "all_to_all"
 MOE_A2A_BACKENDS = ("none", "all_to_all")
+# the CPU forward (runtime/cpu_forward.py): "auto" runs small steps through the compiled C
+# forward where it covers the model, "eager" always runs the torch modules (the reference)
+CPU_FORWARD_MODES = ("auto", "eager")
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
 TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3", "react")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
@@ -72,6 +75,7 @@ class ServerArgs:
     attention_backend: str | None = None  # None: cpu_paged on the CPU, triton on CUDA
     random_seed: int = 0
     cpu_threads: int | None = None
+    cpu_forward: str = "auto"
     # CUDA graphs of decode batches (runtime/graph_runner.py); never captured on the CPU
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: 160, capped by max running requests
@@ -214,6 +218,11 @@ class ServerArgs:
             self.cpu_threads is None or self.cpu_threads >= 1,
             "cpu_threads",
             f"must be >= 1, got {self.cpu_threads}",
+        )
+        need(
+            self.cpu_forward in CPU_FORWARD_MODES,
+            "cpu_forward",
+            f"must be one of {CPU_FORWARD_MODES}, got {self.cpu_forward!r}",
         )
         need(
             self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
@@ -518,6 +527,8 @@ class ServerArgs:
                 kwargs["choices"] = REASONING_PARSERS
             if f.name == "moe_a2a_backend":
                 kwargs["choices"] = MOE_A2A_BACKENDS
+            if f.name == "cpu_forward":
+                kwargs["choices"] = CPU_FORWARD_MODES
             parser.add_argument(flag, **kwargs)
 
     @classmethod
@@ -556,6 +567,7 @@ _HELP = {
     "disable_radix_cache": "Turn off the radix prefix cache",
     "attention_backend": "Attention implementation: torch (the plain reference) or cpu_paged (CPU decode reads K/V in place; the CPU default; extends as torch); or triton (the Triton kernels of loom.kernels, the CUDA default; on the CPU only under TRITON_INTERPRET=1, for tests)",
     "random_seed": "Seed of the server's random state",
+    "cpu_forward": "CPU forward: auto (steps of up to 16 tokens run as one compiled C call per step for dense Llama/Mistral/Qwen2/Qwen3 float32 models on one rank with the cpu_paged attention backend; larger steps and anything else run eager) or eager (always the torch modules, the reference)",
     "cpu_threads": "Torch threads of the scheduler on CPU; default: the physical cores this process may use (affinity, cgroup quota, SMT siblings once) - 1 (one core is left to the tokenizer and detokenizer processes)",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying CUDA graphs (graphs are captured on CUDA with the triton backend only; never on the CPU)",
     "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph (sizes 1, 2, 4, 8, then every 8 up to it; larger batches run eagerly); default 160, capped by max running requests. Validated on the CPU too, where no graph is captured",

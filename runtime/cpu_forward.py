@@ -1,0 +1,279 @@
+"""The compiled CPU forward for small batches: a whole llama-style decoder stack per C call.
+
+At batch 1 the eager forward of a small model is mostly overhead: a few hundred small aten
+calls and Python module calls per step, several times the matmuls themselves. This path runs
+the step's whole forward in one C function (cpu_forward_kernel.SOURCE: norms, QKV, q/k norm,
+RoPE, the KV store into the pool, paged attention read in place through the req-to-token
+table, causal or under a draft tree's mask, O projection, the SiLU MLP, the final norm and
+the LM head for the rows that need logits), reading the weights in place from the model's
+parameters. It covers the dense Llama family (Llama, Mistral, Qwen2, Qwen3) in float32 with
+one rank; steps of more than `max_tokens` tokens go to the eager forward, where torch's GEMM
+wins, and so does anything the C code does not cover (`CpuForward.build` says why, once).
+`--cpu-forward eager` turns it off; the eager modules stay the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from loom.runtime import cpu_kernels
+from loom.runtime.cpu_forward_kernel import SOURCE
+from loom.runtime.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# tokens per step up to which the C forward runs (above it torch's blocked GEMM is faster:
+# see docs/benchmarks.md "Engine room", the C forward rows)
+MAX_TOKENS = 16
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
+            "ln2", "gu_w", "gu_b", "down_w", "down_b", "k_cache", "v_cache",
+        )
+    ]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *[(n, _I64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "vocab")],
+        ("layers", _I64),
+        ("max_pos", _I64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *[(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin")],
+        ("layer", ctypes.POINTER(_Layer)),
+    ]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
+
+
+def _build(compiler: str, flags: list[str], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, out = Path(tmp) / "forward.c", Path(tmp) / target.name
+        src.write_text(SOURCE)
+        res = subprocess.run(
+            [compiler, *flags, str(src), "-o", str(out), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if res.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {res.stderr[-2000:]}")
+        os.replace(out, target)  # atomic: a concurrent process never loads a half-written file
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled forward library (built once per machine into cpu_kernels' cache
+    directory); None without a working C compiler."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        errors = []
+        for extra in _VARIANTS if compiler else ():
+            flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", *extra]
+            key = "\0".join([SOURCE, *flags, cpu_kernels._cpu_key()])
+            target = cpu_kernels._cache_dir() / (
+                f"loom_forward_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+            )
+            try:
+                if not target.exists():
+                    _build(compiler, flags, target)
+                lib = ctypes.CDLL(str(target))
+                break
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                errors.append(str(e))
+        else:
+            logger.warning("compiled CPU forward unavailable (%s): eager forward", errors)
+            return None
+        fn = lib.loom_forward_f32
+        fn.restype = ctypes.c_int
+        # model, T, ids, pos, slots, B, starts, rows, seq_lens, table, stride, masks,
+        # mask_offs, N, logit_rows, logits, threads
+        fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
+        fn.argtypes += [ctypes.c_int]
+        _lib = lib
+        return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuForward:
+    """The C forward bound to one model and its KV pool. `build` returns None (and logs why)
+    when the model or the setup is outside what it covers; `covers(batch)` decides per step."""
+
+    def __init__(self, lib: ctypes.CDLL, model, pool, max_tokens: int = MAX_TOKENS):
+        self.lib, self.model, self.pool, self.max_tokens = lib, model, pool, max_tokens
+        inner = model.model
+        attn0 = inner.layers[0].self_attn
+        rot = attn0.rotary_emb
+        cfg = model.config
+        self._keep: list[torch.Tensor] = []  # every tensor whose pointer the C side holds
+
+        def p(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
+            self._keep.append(t)
+            return t.data_ptr()
+
+        layers = (_Layer * len(inner.layers))()
+        for i, layer in enumerate(inner.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            layers[i] = _Layer(
+                p(layer.input_layernorm.weight), p(a.qkv_proj.weight), p(a.qkv_proj.bias),
+                p(a.q_norm.weight) if a.qk_norm else None,
+                p(a.k_norm.weight) if a.qk_norm else None,
+                p(a.o_proj.weight), p(a.o_proj.bias), p(layer.post_attention_layernorm.weight),
+                p(mlp.gate_up_proj.weight), p(mlp.gate_up_proj.bias),
+                p(mlp.down_proj.weight), p(mlp.down_proj.bias),
+                p(pool.k_buffers[i]), p(pool.v_buffers[i]),
+            )  # fmt: skip
+        self._layers = layers
+        self._struct = _Model(
+            cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
+            inner.layers[0].mlp.gate_up_proj.weight.shape[0] // 2,
+            model.lm_head.num_embeddings, len(inner.layers), rot.cos_cache.shape[0],
+            inner.layers[0].input_layernorm.eps, attn0.attn.scaling,
+            p(inner.embed_tokens.weight), p(inner.norm.weight), p(model.lm_head.weight),
+            p(rot.cos_cache), p(rot.sin_cache), layers,
+        )  # fmt: skip
+        self._model_ptr = ctypes.addressof(self._struct)
+
+    @classmethod
+    def build(cls, model, pool, *, tp_size: int, pp_size: int) -> CpuForward | None:
+        reason = unsupported(model, pool, tp_size=tp_size, pp_size=pp_size)
+        lib = None if reason else load()
+        if reason is None and lib is None:
+            reason = "no C compiler"
+        if reason:
+            logger.info("compiled CPU forward off: %s; the eager forward runs", reason)
+            return None
+        return cls(lib, model, pool)
+
+    def covers(self, batch: ForwardBatch) -> bool:
+        """Whether this step runs in C: few enough tokens, and no EAGLE head reading the
+        target's hidden states (capture_layers)."""
+        return (
+            0 < batch.input_ids.numel() <= self.max_tokens
+            and self.model.model.capture_layers is None
+        )
+
+    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [N, vocab] for batch.logits_indices, the KV of this step's tokens
+        written to batch.out_cache_loc (what the eager model call does)."""
+        seq = batch.seq_lens_cpu
+        ext = batch.extend_lens_cpu
+        b = len(seq)
+        starts = [0]
+        for e in ext:
+            starts.append(starts[-1] + e)
+        masks, offs = None, [-1] * b
+        if batch.custom_masks is not None:
+            parts, at = [], 0
+            for i, m in enumerate(batch.custom_masks):
+                if m is not None:
+                    assert tuple(m.shape) == (ext[i], seq[i]), "custom mask shape"
+                    parts.append(m.reshape(-1).to(torch.uint8))
+                    offs[i] = at
+                    at += m.numel()
+            masks = torch.cat(parts) if parts else None
+        meta = torch.tensor([*starts, *seq, *offs], dtype=torch.int64)
+        ids = batch.input_ids.contiguous()
+        pos = batch.positions.contiguous()
+        slots = batch.out_cache_loc.contiguous()
+        rows = batch.req_pool_indices.contiguous()
+        table = batch.req_to_token_pool.req_to_token
+        want = batch.logits_indices.contiguous()
+        logits = torch.empty((want.numel(), self._struct.vocab), dtype=torch.float32)
+        base = meta.data_ptr()
+        rc = self.lib.loom_forward_f32(
+            self._model_ptr, ids.numel(), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(),
+            b, base, rows.data_ptr(), base + 8 * (b + 1), table.data_ptr(), table.stride(0),
+            _ptr(masks), base + 8 * (2 * b + 1), want.numel(), want.data_ptr(),
+            logits.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == -1:
+            raise IndexError(f"position {int(pos.max())} is past the rotary table")
+        if rc == -2:
+            raise IndexError(f"token id {int(ids.max())} is past the vocabulary")
+        return logits
+
+
+def unsupported(model, pool, *, tp_size: int, pp_size: int) -> str | None:
+    """Why the C forward cannot run this model (None: it can)."""
+    from loom.runtime.layers.activation import SiluAndMul
+    from loom.runtime.layers.rotary import RotaryEmbedding
+    from loom.runtime.models.llama import (
+        LlamaAttention,
+        LlamaDecoderLayer,
+        LlamaForCausalLM,
+        LlamaMLP,
+    )
+
+    if tp_size != 1 or pp_size != 1:
+        return f"tp_size {tp_size}, pp_size {pp_size} (one rank only)"
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a dense Llama-family model"
+    inner = model.model
+    for layer in inner.layers:
+        if type(layer).forward is not LlamaDecoderLayer.forward:
+            return f"{type(layer).__name__} has its own forward"
+        if type(layer.self_attn).forward is not LlamaAttention.forward:
+            return f"{type(layer.self_attn).__name__} has its own forward"
+        if type(layer.mlp) is not LlamaMLP or type(layer.mlp.act_fn) is not SiluAndMul:
+            return f"{type(layer.mlp).__name__} is not the SiLU-gated dense MLP"
+        if type(layer.self_attn.rotary_emb) is not RotaryEmbedding:
+            return "a rotary embedding other than the neox RotaryEmbedding"
+    act = getattr(model.config, "hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act {act!r}"
+    params = list(model.parameters())
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in params):
+        return "weights are not float32 on the CPU"
+    if any(
+        b.dtype != torch.float32 or b.device.type != "cpu" for b in pool.k_buffers + pool.v_buffers
+    ):
+        return "the KV pool is not float32 on the CPU"
+    a = inner.layers[0].self_attn
+    if a.num_heads % a.num_kv_heads or a.head_dim % 2:
+        return "heads not a multiple of the KV heads, or an odd head_dim"
+    eps = {
+        n.eps
+        for layer in inner.layers
+        for n in (layer.input_layernorm, layer.post_attention_layernorm)
+    }
+    eps |= {inner.norm.eps}
+    if a.qk_norm:
+        eps |= {layer.self_attn.q_norm.eps for layer in inner.layers}
+        eps |= {layer.self_attn.k_norm.eps for layer in inner.layers}
+    if len(eps) != 1:
+        return "RMSNorm epsilons differ between layers"
+    return None
