@@ -15,14 +15,8 @@ wins, and so does anything the C code does not cover (`CpuForward.build` says wh
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
@@ -65,51 +59,18 @@ class _Model(ctypes.Structure):
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-_VARIANTS = (["-fopenmp"], ["-fopenmp-simd"])
-
-
-def _build(compiler: str, flags: list[str], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp) / "forward.c", Path(tmp) / target.name
-        src.write_text(SOURCE)
-        res = subprocess.run(
-            [compiler, *flags, str(src), "-o", str(out), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        if res.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {res.stderr[-2000:]}")
-        os.replace(out, target)  # atomic: a concurrent process never loads a half-written file
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled forward library (built once per machine into cpu_kernels' cache
-    directory); None without a working C compiler."""
+    """The compiled forward library (cpu_kernels.build: once per machine, cached); None
+    without a working C compiler."""
     global _lib, _tried
     with _lock:
         if _tried:
             return _lib
         _tried = True
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        errors = []
-        for extra in _VARIANTS if compiler else ():
-            flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", *extra]
-            key = "\0".join([SOURCE, *flags, cpu_kernels._cpu_key()])
-            target = cpu_kernels._cache_dir() / (
-                f"loom_forward_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-            )
-            try:
-                if not target.exists():
-                    _build(compiler, flags, target)
-                lib = ctypes.CDLL(str(target))
-                break
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                errors.append(str(e))
-        else:
-            logger.warning("compiled CPU forward unavailable (%s): eager forward", errors)
+        lib = cpu_kernels.build(SOURCE, "loom_forward")
+        if lib is None:
             return None
         fn = lib.loom_forward_f32
         fn.restype = ctypes.c_int
@@ -117,6 +78,9 @@ def load() -> ctypes.CDLL | None:
         # mask_offs, N, logit_rows, logits, threads
         fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
         fn.argtypes += [ctypes.c_int]
+        fn = lib.loom_linear_f32
+        fn.restype = None
+        fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
         _lib = lib
         return lib
 

@@ -138,7 +138,8 @@ def test_tree_drafts_and_pages_give_eager_tokens(tiny_model_dir, monkeypatch, pa
     "family,kw,why",
     [
         ("qwen3-moe", {}, "is not the SiLU-gated dense MLP"),
-        ("llama", {"dtype": "bfloat16"}, "not float32"),
+        ("llama", {"dtype": "bfloat16"}, "weights are not float32"),
+        ("llama", {"dtype": "float32", "kv_cache_dtype": "bf16"}, "KV pool is not float32"),
     ],
 )
 def test_uncovered_models_run_eager(tiny_model_dir, caplog, family, kw, why):
@@ -183,8 +184,6 @@ def test_large_steps_and_eagle_capture_fall_back_and_bad_input_is_an_error(tiny_
 def test_matmul_kernel_matches_linear(t, k, n):
     """The register-tiled matmul every projection uses, on odd shapes (K not a multiple of
     the SIMD width, N not of the 4-row tile, odd token counts), with and without bias."""
-    import ctypes
-
     g = torch.Generator().manual_seed(t * k + n)
     x, w, b = (
         torch.randn(t, k, generator=g),
@@ -192,9 +191,6 @@ def test_matmul_kernel_matches_linear(t, k, n):
         torch.randn(n, generator=g),
     )
     fn = cpu_forward.load().loom_linear_f32
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     for bias in (None, b):
         y = torch.empty(t, n)
         fn(
