@@ -329,17 +329,23 @@ class ServerArgs:
             f"must be in [1, 63], got {steps}",
         )
         need(
-            topk is None or topk == 1,
+            topk is None or 1 <= topk <= 16,
             "speculative_eagle_topk",
-            f"{topk} is not supported yet (only 1: chain drafts; EAGLE-2 trees need tree "
-            "verification)",
+            f"must be in [1, 16], got {topk}",
         )
         n = self.speculative_num_draft_tokens
         need(
-            n is None or steps is None or n == steps + 1,
+            n is None or steps is None or (topk or 1) > 1 or n == steps + 1,
             "speculative_num_draft_tokens",
             f"must be speculative_num_steps + 1 ({steps + 1 if steps else '?'}) with topk 1, "
             f"got {n}",
+        )
+        k, s = self.effective_speculative_eagle_topk, self.effective_speculative_num_steps
+        most = 1 + k + (s - 1) * k * k  # the root + every candidate the tree search offers
+        need(
+            n is None or n <= most,
+            "speculative_num_draft_tokens",
+            f"{n} is more than the {most} tokens {s} steps of top-{k} can offer",
         )
         need(
             self.tp_size == 1 and self.pp_size == 1,
@@ -353,9 +359,25 @@ class ServerArgs:
         num_draft_tokens - 1, else 4."""
         if self.speculative_num_steps is not None:
             return self.speculative_num_steps
-        if self.speculative_num_draft_tokens is not None:
-            return self.speculative_num_draft_tokens - 1
+        n, chain = self.speculative_num_draft_tokens, self.effective_speculative_eagle_topk == 1
+        if n is not None and chain:
+            return n - 1
         return 4
+
+    @property
+    def effective_speculative_eagle_topk(self) -> int:
+        """EAGLE branching per tree node (1: chains)."""
+        return self.speculative_eagle_topk or 1
+
+    @property
+    def effective_speculative_num_draft_tokens(self) -> int:
+        """EAGLE tokens per verify, the last real token included: the flag, else a chain's
+        num_steps + 1, else 8 for a tree."""
+        if self.speculative_num_draft_tokens is not None:
+            return self.speculative_num_draft_tokens
+        if self.effective_speculative_eagle_topk == 1:
+            return self.effective_speculative_num_steps + 1
+        return 8
 
     def _validate_parallel(self, need) -> None:
         """Parallel layout (runtime/distributed.py): world = tp_size ranks, or ep_size ranks
@@ -585,7 +607,7 @@ _HELP = {
     "speculative_ngram_capacity": "Trie nodes kept (least recently used evicted first); SGLang's default is 10,000,000",
     "speculative_draft_model_path": "EAGLE / EAGLE3 head folder (published EAGLE layout, or one written by python -m loom.train_eagle); default: the head shipped for the bundled model",
     "speculative_num_steps": "EAGLE draft steps per verify (default: num_draft_tokens - 1, else 4)",
-    "speculative_eagle_topk": "EAGLE branching per draft step (only 1: chains; EAGLE-2 dynamic trees are not built yet)",
+    "speculative_eagle_topk": "EAGLE branching per draft step: 1 = chains; k > 1 = EAGLE-2 dynamic trees (the top-k children of the k best nodes per level, reranked by cumulative draft probability; --speculative-num-draft-tokens nodes kept)",
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
     "tp_size": "Tensor-parallel degree: one scheduler process per rank (gloo on CPU, NCCL on CUDA)",
     "ep_size": "Expert-parallel degree for MoE models: divides tp_size, or shards experts over ep_size ranks with tp_size 1",

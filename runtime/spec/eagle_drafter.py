@@ -28,10 +28,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
 from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
-from loom.runtime.spec import Drafter
+from loom.runtime.spec import Drafter, DraftTree
+from loom.runtime.spec.eagle_tree import TreeAttention, graft_forced, grow_trees
 from loom.runtime.spec.stats import AcceptanceStats
 
 logger = logging.getLogger(__name__)
@@ -54,38 +54,6 @@ def bundled_head_path(args) -> str:
     return str(folder)
 
 
-class _ChainAttention:
-    """Attention of the draft loop's decode steps: the committed entries (gathered from the
-    head's pool once per loop and layer) plus this loop's own entries."""
-
-    def __init__(self, kv, slots: torch.Tensor, committed: torch.Tensor):
-        self.kv, self.slots, self.committed = kv, slots, committed  # [b, L], [b, L] bool
-        self.cache: dict[int, list] = {}
-
-    def forward(self, q, k, v, layer, batch):
-        entry = self.cache.get(layer.layer_id)
-        if entry is None:
-            k_buf, v_buf = self.kv.get_kv(layer.layer_id)
-            b, n = self.slots.shape
-            kc = k_buf[self.slots.reshape(-1)].view(b, n, *k_buf.shape[1:]).transpose(1, 2)
-            vc = v_buf[self.slots.reshape(-1)].view(b, n, *v_buf.shape[1:]).transpose(1, 2)
-            entry = self.cache[layer.layer_id] = [kc.to(q.dtype), vc.to(q.dtype)]
-        entry[0] = torch.cat([entry[0], k.unsqueeze(2)], dim=2)  # [b, Hkv, L + j + 1, D]
-        entry[1] = torch.cat([entry[1], v.unsqueeze(2)], dim=2)
-        b = q.shape[0]
-        extra = entry[0].shape[2] - self.committed.shape[1]
-        mask = torch.cat([self.committed, self.committed.new_ones(b, extra)], dim=1)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            entry[0],
-            entry[1],
-            attn_mask=mask[:, None, None, :],
-            scale=layer.scaling,
-            enable_gqa=layer.is_gqa,
-        )
-        return out.squeeze(2)
-
-
 class EagleSpeculator(Drafter):
     def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids):
         from loom.runtime.attention.torch_backend import TorchAttnBackend
@@ -106,8 +74,11 @@ class EagleSpeculator(Drafter):
             )
         self.head, self.runner = head, runner
         self.steps = args.effective_speculative_num_steps
+        self.topk = args.effective_speculative_eagle_topk
+        self.num_nodes = args.effective_speculative_num_draft_tokens - 1  # the root aside
         self.disable_batch_size = args.speculative_disable_by_batch_size
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.forced_ids: dict[str, list[int]] = {}  # NgramSpeculator._forced's cache
         self.eos = frozenset(eos_token_ids)
         cfg = head.config
         n_layers = cfg.num_hidden_layers if head.variant == "eagle" else 1
@@ -127,17 +98,21 @@ class EagleSpeculator(Drafter):
         inner.capture_layers = tuple(head.aux_layers or ())
         self.inner = inner
         rows = runner.req_to_token_pool.size
-        self.pending: list[tuple[int, list[int]] | None] = [None] * rows
-        self.stats = AcceptanceStats(self.steps)
+        # per request row: (the request length the draft is for, (tokens, parents))
+        self.pending: list[tuple[int, tuple[list[int], list[int]]] | None] = [None] * rows
+        self.stats = AcceptanceStats(max(self.steps, self.num_nodes))
         self.draft_seconds = 0.0  # head time (catch-up + loop), for the benchmark's split
         runner.spec_hook = self._after_step
-        logger.info("%s head from %s: %d draft steps", algo, path, self.steps)
+        logger.info(
+            "%s head from %s: %d draft steps, top-%d, %d draft tokens",
+            algo, path, self.steps, self.topk, self.num_nodes,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ scheduler side
     def enabled_for(self, batch_size: int) -> bool:
         return batch_size < self.disable_batch_size
 
-    def draft(self, req, room: int, free_drafts: bool = True) -> list[int]:
+    def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
         row = req.req_pool_idx
         pending = self.pending[row] if row is not None else None
         if row is not None:
@@ -146,18 +121,23 @@ class EagleSpeculator(Drafter):
             self.stats.skipped += 1
             return []
         fresh = pending is not None and pending[0] == req.seq_len
-        draft = pending[1][: max(0, room)] if fresh else []
+        tokens, parents = pending[1] if fresh else ([], [])
+        budget = max(0, min(room, self.num_nodes))
         req.draft_forced = 0
-        if req.grammar is None:
-            return draft
-        # the grammar's forced text (what jump-forward would emit) leads; the head's chain
-        # follows only where it agrees with it
-        forced = self._ngram_rules()._forced(self, req, min(room, self.steps))
-        if forced:
-            draft = draft if draft[: len(forced)] == forced else forced
-        draft = self._ngram_rules()._walk_grammar(self, req, draft) if draft else []
-        req.draft_forced = min(len(forced), len(draft))
-        return draft
+        rules = self._ngram_rules()
+        forced = rules._forced(self, req, min(budget, self.steps)) if req.grammar else []
+        if forced:  # forced text leads; the head's subtree follows where it agrees with it
+            tokens, parents = graft_forced(tokens, parents, forced)
+        tokens, parents = tokens[:budget], parents[:budget]  # parents come first
+        if self.topk == 1:  # a chain: the chain verify path
+            if req.grammar is not None and tokens:
+                tokens = rules._walk_grammar(self, req, tokens)
+            req.draft_forced = min(len(forced), len(tokens))
+            return tokens
+        if req.grammar is not None and tokens:  # pruned before verification
+            tokens, parents = rules._walk_grammar_tree(self, req, tokens, parents)
+        req.draft_forced = min(len(forced), len(tokens))
+        return DraftTree(tokens, parents) if tokens else []
 
     @staticmethod
     def _ngram_rules():
@@ -204,7 +184,9 @@ class EagleSpeculator(Drafter):
             mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(plan.next_ids, dtype=torch.int64).to(dev),
             positions=positions,
-            out_cache_loc=batch.out_cache_loc.index_select(0, rows_t.to(dev)),
+            out_cache_loc=batch.out_cache_loc.index_select(
+                0, torch.tensor(plan.slot_rows, dtype=torch.int64, device=dev)
+            ),
             req_pool_indices=torch.tensor(plan.req_rows, dtype=torch.int64).to(dev),
             seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int64).to(dev),
             seq_lens_cpu=plan.seq_lens,
@@ -221,25 +203,19 @@ class EagleSpeculator(Drafter):
             return
         pick = torch.tensor([plan.last_rows[i] for i in plan.drafting], device=dev)
         hidden = hidden.index_select(0, pick)
-        tokens = head.to_target_ids(head.logits(hidden).argmax(-1))
-        drafts = [tokens]
         seq = torch.tensor([plan.seq_lens[i] for i in plan.drafting], device=dev)
+        attn = None
         if self.steps > 1:
             req_rows = torch.tensor([plan.req_rows[i] for i in plan.drafting], device=dev)
             width = int(seq.max())
             table = self.runner.req_to_token_pool.req_to_token
             committed = torch.arange(width, device=dev)[None, :] < seq[:, None]
             slots = table[req_rows, :width].masked_fill(~committed, 0)
-            attn = _ChainAttention(self.kv, slots, committed)
-            with forward_context(SimpleNamespace(attn_backend=attn)):
-                for j in range(self.steps - 1):
-                    hidden = head(seq + j, tokens, hidden, False)
-                    tokens = head.to_target_ids(head.logits(hidden).argmax(-1))
-                    drafts.append(tokens)
-        table_cpu = torch.stack(drafts, dim=1).tolist()
+            attn = TreeAttention(self.kv, slots, committed, self.topk, self.steps)
+        trees = grow_trees(head, hidden, seq, attn, self.steps, self.topk, self.num_nodes)
         # the request then holds its committed positions + the sampled token
-        for i, row_drafts in zip(plan.drafting, table_cpu):
-            self.pending[plan.req_rows[i]] = (plan.seq_lens[i] + 1, row_drafts)
+        for i, tree in zip(plan.drafting, trees):
+            self.pending[plan.req_rows[i]] = (plan.seq_lens[i] + 1, tree)
 
 
 class _Plan(SimpleNamespace):
@@ -248,13 +224,17 @@ class _Plan(SimpleNamespace):
 
 def _catch_up_plan(inp, out):
     """Which fed rows the head's catch-up covers, per request: the rows whose next token is
-    known (fed tokens shifted by one, then the accepted drafts and the sampled token)."""
-    rows, next_ids = [], []
+    known (fed tokens shifted by one, then the accepted drafts and the sampled token). After a
+    tree verify those rows are the last real token's and the accepted path's (`rows`), while
+    the head's KV goes to the slots of the positions they now hold (`slot_rows`: the target
+    moved the path's KV there)."""
+    rows, slot_rows, next_ids = [], [], []
     req_rows, prefix_lens, seq_lens, last_rows, drafting = [], [], [], [], []
     fed = inp.input_ids.tolist()
     pool_rows = inp.req_pool_indices.tolist()
     start = 0
     decode = inp.mode.is_decode
+    trees = inp.draft_parents or [None] * len(inp.seq_lens)
     for i, (prefix, seq, count) in enumerate(zip(inp.prefix_lens, inp.seq_lens, inp.sample_counts)):
         ext = seq - prefix
         got = out.next_ids[i]
@@ -267,7 +247,11 @@ def _catch_up_plan(inp, out):
             n = min(known + len(got), ext)
             nxt = nxt[:n]
         if n > 0:
-            rows.extend(range(start, start + n))
+            slot_rows.extend(range(start, start + n))
+            if trees[i] is None:
+                rows.extend(range(start, start + n))
+            else:
+                rows.extend([start] + [start + 1 + a for a in out.accepted_nodes[i]])
             next_ids.extend(nxt)
             if count:
                 drafting.append(len(req_rows))
@@ -279,6 +263,6 @@ def _catch_up_plan(inp, out):
     if not rows:
         return None
     return _Plan(
-        rows=rows, next_ids=next_ids, req_rows=req_rows, prefix_lens=prefix_lens,
+        rows=rows, slot_rows=slot_rows, next_ids=next_ids, req_rows=req_rows, prefix_lens=prefix_lens,
         seq_lens=seq_lens, last_rows=last_rows, drafting=drafting,
     )  # fmt: skip
