@@ -7,7 +7,7 @@ RoPE, the KV store into the pool, paged attention read in place through the req-
 table, causal or under a draft tree's mask, O projection, the SiLU MLP, the final norm and
 the LM head for the rows that need logits), reading the weights in place from the model's
 parameters. It covers the dense Llama family (Llama, Mistral, Qwen2, Qwen3) in float32 with
-one rank; steps of more than `max_tokens` tokens go to the eager forward, where torch's GEMM
+one rank; steps of more than `MAX_TOKENS` tokens go to the eager forward, where torch's GEMM
 wins, and so does anything the C code does not cover (`CpuForward.build` says why, once).
 `--cpu-forward eager` turns it off; the eager modules stay the reference it is tested against.
 """
@@ -26,9 +26,11 @@ from loom.runtime.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-# tokens per step up to which the C forward runs (above it torch's blocked GEMM is faster:
-# see docs/benchmarks.md "Engine room", the C forward rows)
-MAX_TOKENS = 16
+# tokens per step up to which the C forward runs. Measured against the eager forward (CPU ms,
+# one thread, bundled model): one request's extend of 32 / 64 / 128 tokens takes 0.73x / 0.94x
+# / 1.32x the eager time (torch's blocked GEMM wins from ~64 rows), a 32-request decode step
+# 0.85x; docs/benchmarks.md "Engine room" has the batch-1 and batch-8 figures
+MAX_TOKENS = 32
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -93,8 +95,9 @@ class CpuForward:
     """The C forward bound to one model and its KV pool. `build` returns None (and logs why)
     when the model or the setup is outside what it covers; `covers(batch)` decides per step."""
 
-    def __init__(self, lib: ctypes.CDLL, model, pool, max_tokens: int = MAX_TOKENS):
-        self.lib, self.model, self.pool, self.max_tokens = lib, model, pool, max_tokens
+    def __init__(self, lib: ctypes.CDLL, model, pool, max_tokens: int | None = None):
+        self.lib, self.model, self.pool = lib, model, pool
+        self.max_tokens = max_tokens or MAX_TOKENS
         inner = model.model
         attn0 = inner.layers[0].self_attn
         rot = attn0.rotary_emb

@@ -24,8 +24,8 @@ CPU_FORWARD_MODES = ("auto", "eager")
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
 TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3", "react")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
-SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "MEDUSA")  # others: refused by name
-SPECULATIVE_NOT_YET = ("NEXTN", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3")  # SGLang's others: refused by name
+SPECULATIVE_NOT_YET = ("MEDUSA", "NEXTN", "STANDALONE")
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # --dp-size N: the router policy that spreads requests over the replicas (runtime/router)
@@ -316,16 +316,10 @@ class ServerArgs:
             "speculative_eagle_topk",
         ):
             need(
-                eagle or getattr(self, name) is None
-                or (algo == "MEDUSA" and name == "speculative_draft_model_path"),
+                eagle or getattr(self, name) is None,
                 name,
                 f"needs --speculative-algorithm {' or '.join(EAGLE_ALGORITHMS)}",
             )
-        need(
-            algo != "MEDUSA" or (self.tp_size == 1 and self.pp_size == 1),
-            "speculative_algorithm",
-            "MEDUSA with tp_size or pp_size > 1 is not supported yet",
-        )
         if not eagle:
             return
         steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
@@ -595,14 +589,14 @@ _HELP = {
     "disable_radix_cache": "Turn off the radix prefix cache",
     "attention_backend": "Attention implementation: torch (the plain reference) or cpu_paged (CPU decode reads K/V in place; the CPU default; extends as torch); or triton (the Triton kernels of loom.kernels, the CUDA default; on the CPU only under TRITON_INTERPRET=1, for tests)",
     "random_seed": "Seed of the server's random state",
-    "cpu_forward": "CPU forward: auto (steps of up to 16 tokens run as one compiled C call per step for dense Llama/Mistral/Qwen2/Qwen3 float32 models on one rank with the cpu_paged attention backend; larger steps and anything else run eager) or eager (always the torch modules, the reference)",
+    "cpu_forward": "CPU forward: auto (steps of up to 32 tokens run as one compiled C call per step for dense Llama/Mistral/Qwen2/Qwen3 float32 models on one rank with the cpu_paged attention backend; larger steps and anything else run eager) or eager (always the torch modules, the reference)",
     "cpu_threads": "Torch threads of the scheduler on CPU; default: the physical cores this process may use (affinity, cgroup quota, SMT siblings once) - 1 (one core is left to the tokenizer and detokenizer processes)",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying CUDA graphs (graphs are captured on CUDA with the triton backend only; never on the CPU)",
     "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph (sizes 1, 2, 4, 8, then every 8 up to it; larger batches run eagerly); default 160, capped by max running requests. Validated on the CPU too, where no graph is captured",
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
     "grammar_compile_timeout": "Seconds a grammar may take to compile before its request fails",
     "disable_jump_forward": "Turn off grammar jump-forward",
-    "speculative_algorithm": "Speculative decoding: NGRAM (drafts from an n-gram trie over the prompt, the output and recent requests; grammar-aware); EAGLE / EAGLE3 (a draft head over the target's hidden states: --speculative-draft-model-path); MEDUSA (extra LM heads on the last hidden state, tree drafts)",
+    "speculative_algorithm": "Speculative decoding: NGRAM (drafts from an n-gram trie over the prompt, the output and recent requests; grammar-aware); EAGLE / EAGLE3 (a draft head over the target's hidden states: --speculative-draft-model-path)",
     "speculative_num_draft_tokens": "Tokens per request in one verify step, the last real token included (default 8 with an algorithm)",
     "speculative_ngram_min_match_window_size": "Shortest suffix matched in the n-gram trie",
     "speculative_ngram_max_match_window_size": "Longest suffix matched in the n-gram trie (tried first)",
@@ -611,7 +605,7 @@ _HELP = {
     "speculative_ngram_match_type": "BFS: follow the most recently seen continuation; PROB: the most frequent one",
     "speculative_ngram_branch_length": "Tokens stored after each matched window in the trie (the longest draft)",
     "speculative_ngram_capacity": "Trie nodes kept (least recently used evicted first); SGLang's default is 10,000,000",
-    "speculative_draft_model_path": "EAGLE / EAGLE3 head folder (published EAGLE layout, or one written by python -m loom.train_eagle), or a Medusa heads folder (published Medusa-1 layout, or train_eagle --medusa); default: the head(s) shipped for the bundled model",
+    "speculative_draft_model_path": "EAGLE / EAGLE3 head folder (published EAGLE layout, or one written by python -m loom.train_eagle); default: the head shipped for the bundled model",
     "speculative_num_steps": "EAGLE draft steps per verify (default: num_draft_tokens - 1, else 4)",
     "speculative_eagle_topk": "EAGLE branching per draft step: 1 = chains; k > 1 = EAGLE-2 dynamic trees (the top-k children of the k best nodes per level, reranked by cumulative draft probability; --speculative-num-draft-tokens nodes kept)",
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
