@@ -79,9 +79,9 @@ class GraphRunner:
     """Static decode buffers for `sizes[-1]` rows and one graph per size in `sizes`.
 
     Contract: `can_run(batch)` says whether a forward batch may take `run(batch)`, which
-    returns the same logits [B, vocab] as the plain forward (the view of a static buffer that
-    the next `run` overwrites) and writes K/V only into the batch's out-cache slots and the
-    padding page.
+    returns the same logits as the plain forward (the rows `batch.logits_indices` asks for;
+    all rows: a view of a static buffer that the next `run` overwrites) and writes K/V only
+    into the batch's out-cache slots and the padding page.
     """
 
     def __init__(self, runner: ModelRunner, sizes: list[int], capture: bool):
@@ -103,7 +103,9 @@ class GraphRunner:
         # per size: the forward batch over the static buffers (static metadata only)
         self.batches: dict[int, ForwardBatch] = {}
         if self.static_metadata:
-            meta = backend.graph_decode_metadata(runner.req_to_token_pool.max_context_len)
+            # no request is longer than its page-table row or the whole KV pool
+            longest = min(runner.req_to_token_pool.max_context_len, runner.max_total_tokens)
+            meta = backend.graph_decode_metadata(longest)
             for bs in sizes:
                 self.batches[bs] = self._batch(bs, [1] * bs)
                 self.batches[bs].attn_metadata = meta
@@ -118,7 +120,6 @@ class GraphRunner:
             and batch.batch_size <= self.max_bs
             and batch.custom_masks is None
             and self.runner.spec_hook is None
-            and batch.logits_indices.numel() == batch.batch_size
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -127,13 +128,19 @@ class GraphRunner:
         self._load(batch, b, bs)
         if bs in self.graphs:
             self.graphs[bs].replay()
-            return self.outputs[bs][:b]
-        if self.static_metadata:
-            static = self.batches[bs]
-        else:  # the backend's own metadata, built on the padded batch
-            static = self._batch(bs, batch.seq_lens_cpu + [1] * (bs - b))
-            self.runner.attn_backend.init_forward_metadata(static)
-        return self._forward(static)[:b]
+            logits = self.outputs[bs]
+        else:
+            if self.static_metadata:
+                static = self.batches[bs]
+            else:  # the backend's own metadata, built on the padded batch
+                static = self._batch(bs, batch.seq_lens_cpu + [1] * (bs - b))
+                self.runner.attn_backend.init_forward_metadata(static)
+            logits = self._forward(static)
+        # the graph computes every row's logits; the step may want fewer (requests that only
+        # write their last token's KV sample nothing): decode rows are 0 .. B-1, one per request
+        if batch.logits_indices.numel() == b:
+            return logits[:b]
+        return logits.index_select(0, batch.logits_indices)
 
     # ------------------------------------------------------------------ internals
     def _load(self, batch: ForwardBatch, b: int, bs: int) -> None:

@@ -3,16 +3,18 @@
 #   1. the kernel tests on CUDA (compiled Triton kernels against their torch references, and
 #      --attention-backend triton end to end against the torch backend);
 #   2. a Qwen2.5-0.5B-shaped model (random weights, bfloat16): decode tok/s at batch 1/16/64
-#      for loom with the triton backend, loom with the torch backend, and HF `generate`;
-#      prefill tok/s; greedy agreement of the two loom backends; decode attention alone (the
-#      Triton kernel vs the torch backend's gather + SDPA, batch 64 x context 1024). Writes the
-#      markdown table the docs print (default docs/img/kernels_gpu_check.md).
-# CUDA graphs are not captured yet (--disable-cuda-graph / --cuda-graph-max-bs are refused by
-# name), so the table has no graphs-on row.
+#      for loom with the triton backend and CUDA graphs (runtime/graph_runner.py), the same
+#      with --disable-cuda-graph, loom with the torch backend (never captured), and HF
+#      `generate`; prefill tok/s; greedy agreement (graphs on vs off, triton vs torch); decode
+#      attention alone (the Triton kernel vs the torch backend's gather + SDPA, batch 64 x
+#      context 1024). Writes the markdown table the docs print (default
+#      docs/img/kernels_gpu_check.md).
 #
 #   scripts/gpu_check.sh [--dry-run] [--out FILE]
 # --dry-run: the same code on the CPU with tiny shapes through Triton's interpreter (no kernel
-# tests: CI runs them); tests/test_gpu_check.py runs it so the script cannot rot.
+# tests: CI runs them); the graphs-on row runs the graph runner in eager-replay mode (its static
+# buffers and padding, batch 3 padded to 4, no capture: the CPU has no graphs);
+# tests/test_gpu_check.py runs it so the script cannot rot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=full
@@ -53,7 +55,7 @@ if dry:
     os.environ["TRITON_INTERPRET"] = "1"  # this process only: ServerArgs admits triton on CPU
 device = "cpu" if dry else "cuda"
 dtype = "float32" if dry else "bfloat16"
-BATCHES = [1, 2] if dry else [1, 16, 64]
+BATCHES = [1, 3] if dry else [1, 16, 64]  # dry: 3 pads to the graph size 4
 NEW = 2 if dry else 64  # decode tokens per request
 PROMPT = 8 if dry else 16
 PREFILL = (2, 12) if dry else (8, 512)  # requests x tokens
@@ -87,6 +89,7 @@ def sync():
 
 
 RUNS = iter(range(10**6))
+GRAPH_STEPS = {"decode": 0, "graph": 0}
 
 
 def loom_run(sched, ids_list, new):
@@ -102,11 +105,33 @@ def loom_run(sched, ids_list, new):
     return time.perf_counter() - t0, [res[f"{tag}-{i}"].ids for i in range(len(ids_list))]
 
 
-def loom_rows(backend):
+def loom_rows(backend, graphs=False):
     sched = make_scheduler(str(path), attention_backend=backend, dtype=dtype, device=device,
                            max_total_tokens=64 * (PROMPT + NEW + 8) + PREFILL[0] * PREFILL[1] + 64,
-                           max_running_requests=64)
+                           max_running_requests=64, disable_cuda_graph=not graphs,
+                           # dry: short rows keep the graph's fixed split count at 1 (the
+                           # interpreter's cost grows with it; the kernel tests cover splits)
+                           context_length=64 if dry else None)
     sched.check_integrity_every_step = False
+    runner = sched.runner
+    if graphs and dry:  # the CPU never captures: the same buffers and padding, run eagerly
+        from loom.kernels.cuda_graph import capture_batch_sizes
+        from loom.runtime.graph_runner import GraphRunner
+
+        runner.graph_runner = GraphRunner(runner, capture_batch_sizes(4), capture=False)
+    assert (runner.graph_runner is not None) == graphs, "CUDA graphs were not captured"
+    if graphs:  # count the decode steps, and those that went through the graph buffers
+        gr, run, can_run = runner.graph_runner, runner.graph_runner.run, runner.graph_runner.can_run
+
+        def counted_can_run(batch):
+            GRAPH_STEPS["decode"] += batch.mode.is_decode
+            return can_run(batch)
+
+        def counted_run(batch):
+            GRAPH_STEPS["graph"] += 1
+            return run(batch)
+
+        gr.can_run, gr.run = counted_can_run, counted_run
     loom_run(sched, prompts(2, PROMPT), 2)  # warm-up: kernel compilation, allocator
     decode = {}
     for b in BATCHES:  # fresh prompts each run, so nothing comes from the radix cache
@@ -183,29 +208,47 @@ def attention_micro():
 
 
 micro = attention_micro()
-rows = {"loom, triton backend": loom_rows("triton"), "loom, torch backend": loom_rows("torch")}
+GRAPHS = "loom, triton backend, CUDA graphs" + (" (eager replay)" if dry else "")
+rows = {
+    GRAPHS: loom_rows("triton", graphs=True),
+    "loom, triton backend": loom_rows("triton"),
+    "loom, torch backend": loom_rows("torch"),
+}
 same = sum(a == b for a, b in zip(rows["loom, triton backend"][2], rows["loom, torch backend"][2]))
+same_graphs = sum(a == b for a, b in zip(rows[GRAPHS][2], rows["loom, triton backend"][2]))
 rows["HF generate"] = (*hf_rows(), None)
 
 lines = [
     f"Machine: {label}. torch {torch.__version__}; load {os.getloadavg()[0]:.1f};"
     f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
     f"Decode: {PROMPT}-token prompts, {NEW} greedy tokens per request (tok/s over the decode"
-    f" steps only); prefill: {PREFILL[0]} prompts x {PREFILL[1]} tokens. CUDA graphs: not"
-    " captured yet.",
+    f" steps only); prefill: {PREFILL[0]} prompts x {PREFILL[1]} tokens. CUDA graphs: decode"
+    " batches up to 64 (sizes 1, 2, 4, 8, then every 8), triton backend only"
+    + (" (dry run: the graph runner's buffers and padding, run eagerly)." if dry else "."),
     "",
     "| | " + " | ".join(f"decode batch {b}" for b in BATCHES) + " | prefill |",
     "|---" * (len(BATCHES) + 2) + "|",
 ]
+
+
+def rate(x):  # two significant digits below 10 (the dry run's interpreter rates)
+    return f"{x:,.0f}" if x >= 10 else f"{x:.2g}"
+
+
 for name, (decode, prefill, _) in rows.items():
-    cells = " | ".join(f"{decode[b]:,.0f}" for b in BATCHES)
-    lines.append(f"| {name} tok/s | {cells} | {prefill:,.0f} |")
+    cells = " | ".join(rate(decode[b]) for b in BATCHES)
+    lines.append(f"| {name} tok/s | {cells} | {rate(prefill)} |")
+on, off = rows[GRAPHS][0], rows["loom, triton backend"][0]
+lines += ["", "CUDA graphs on / off, decode tok/s (triton backend): "
+          + ", ".join(f"batch {b} {on[b] / off[b]:.2f}x" for b in BATCHES) + "."]  # fmt: skip
 mb, mctx, mt, merr = micro
 lines += ["", f"Decode attention alone, one layer, batch {mb} x context {mctx}: Triton kernel"
           f" {mt['triton']:,.0f} us, torch backend (gather + SDPA) {mt['torch']:,.0f} us"
           f" (median; max abs difference {merr:.1e})."]  # fmt: skip
 lines += ["", f"Greedy outputs equal between the triton and torch backends: {same} of"
-          f" {max(BATCHES)} requests ({NEW} tokens each)."]  # fmt: skip
+          f" {max(BATCHES)} requests ({NEW} tokens each); with CUDA graphs on and off (triton):"
+          f" {same_graphs} of {max(BATCHES)}. Decode steps through the graph runner:"
+          f" {GRAPH_STEPS['graph']} of {GRAPH_STEPS['decode']}."]  # fmt: skip
 out.parent.mkdir(parents=True, exist_ok=True)
 out.write_text("\n".join(lines) + "\n")
 print("\n".join(lines))

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh cannot rot: its --dry-run (the same code on the CPU, tiny shapes,
-Triton's interpreter) runs here and writes the table; without CUDA the full run refuses."""
+Triton's interpreter, the CUDA-graph row through the graph runner's eager replay) runs here
+and writes the table; without CUDA the full run refuses."""
 
 from __future__ import annotations
 
@@ -23,12 +24,21 @@ def test_dry_run_writes_the_table(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     table = out.read_text()
-    assert "| | decode batch 1 | decode batch 2 | prefill |" in table
-    for name in ("loom, triton backend", "loom, torch backend", "HF generate"):
+    assert "| | decode batch 1 | decode batch 3 | prefill |" in table
+    names = ("loom, triton backend, CUDA graphs \\(eager replay\\)", "loom, triton backend",
+             "loom, torch backend", "HF generate")  # fmt: skip
+    for name in names:
         row = re.search(rf"^\| {name} tok/s \| (.*) \|$", table, re.M)
         assert row, table
         assert all(float(x.replace(",", "")) > 0 for x in row.group(1).split(" | ")), row
-    assert "triton and torch backends: 2 of 2 requests" in table
+    assert "triton and torch backends: 3 of 3 requests" in table
+    assert "with CUDA graphs on and off (triton): 3 of 3." in table
+    # every decode step of the graphs-on row went through the graph runner's buffers
+    steps = re.search(r"through the graph runner: (\d+) of (\d+)\.", table)
+    assert steps and int(steps.group(1)) == int(steps.group(2)) > 0, table
+    assert re.search(
+        r"CUDA graphs on / off, decode tok/s \(triton backend\): batch 1 [\d.]+x", table
+    )
     micro = re.search(r"Triton kernel [\d,]+ us, torch .* [\d,]+ us .*difference (\S+)\)", table)
     assert micro and float(micro.group(1)) < 1e-4, table
 

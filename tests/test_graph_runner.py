@@ -29,7 +29,7 @@ def serve(path: str, page_size: int, graphs: bool, backend: str):
     )
     runner = sched.runner
     assert runner.graph_runner is None  # the CPU never captures
-    steps = []
+    steps, decodes = [], []
     if graphs:
         gr = GraphRunner(runner, capture_batch_sizes(8), capture=False)
         runner.graph_runner = gr
@@ -50,14 +50,21 @@ def serve(path: str, page_size: int, graphs: bool, backend: str):
             bs = next(s for s in gr.sizes if s >= batch.batch_size)
             if bs > batch.batch_size:  # padded rows ran: they wrote into slot 0
                 assert pool.k_buffers[0][0].abs().sum() > 0
-            assert logits.shape[0] == batch.batch_size
+            assert logits.shape[0] == batch.logits_indices.numel()  # B, or 0: KV only
             steps.append((batch.batch_size, bs))
             return logits
 
-        gr.run = checked_run
+        can_run = gr.can_run
+
+        def counted_can_run(batch):
+            decodes.append(batch.mode.is_decode)
+            return can_run(batch)
+
+        gr.run, gr.can_run = checked_run, counted_can_run
     for i, (ids, new) in enumerate(zip(PROMPTS, MAX_NEW)):
         submit(sched, f"r{i}", ids, greedy(new))
     res = run_all(sched)
+    assert len(steps) == sum(decodes)  # every decode step took the padded static buffers
     return [res[f"r{i}"].ids for i in range(len(PROMPTS))], steps
 
 
