@@ -3,8 +3,10 @@ decode step time goes.
 
 For each model and batch size B, B sequences of --pp random prompt tokens generate --tg tokens
 each (llama.cpp's llama-batched-bench workload, as bench_offline --batched runs it). The sides
-alternate every round: loom with the cpu_paged attention backend (the CPU default), loom with
-the torch reference backend (the per-step gather it replaces), and llama-batched-bench -fa off
+alternate every round: loom as it starts by default (the cpu_paged attention backend, and steps
+of up to 32 tokens through the compiled C forward of runtime/cpu_forward.py), loom with
+--cpu-forward eager (the torch modules, cpu_paged), loom with the torch reference backend
+(eager, the per-step gather cpu_paged replaces), and llama-batched-bench -fa off
 (llama.cpp's fastest CPU setting here), through benchmarks/peers/llamacpp.py (which builds
 llama.cpp once, converts the model to GGUF f32 and checks greedy tokens match). Ratios are
 loom / llama.cpp tok/s per round: median and range, with the load average beside them.
@@ -12,8 +14,9 @@ loom / llama.cpp tok/s per round: median and range, with the load average beside
 The split (loom, cpu_paged, in-process scheduler, one thread), in CPU time of the scheduler
 thread so that the other processes' load does not inflate it: per full-batch decode step, the
 whole step (scheduling, sampling and the forward), the model forward alone, its attention
-calls and its matmuls (every F.linear, the LM head included); "other" = forward - attention -
-matmuls: norms, RoPE, elementwise ops and the Python module calls between them.
+calls and its matmuls (every F.linear, the LM head included; in the compiled forward its own
+CPU-time counters of the same parts); "other" = forward - attention - matmuls: norms, RoPE,
+elementwise ops and the Python module calls between them.
 
     python benchmarks/bench_engine_room.py [--models bundled,qwen0.5b-f32]
         [--batch-sizes 1,8,32,64] [--pp 128] [--tg 32] [--rounds 3] [--threads 1]
@@ -41,11 +44,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import common  # noqa: E402
 from bench_offline import LoomSide  # noqa: E402
 
-BACKENDS = ("cpu_paged", "torch")
+# loom's sides: the default ("cpu_paged": steps of <= 32 tokens through the compiled C forward
+# of runtime/cpu_forward.py, the rest eager with the cpu_paged backend), the same with
+# --cpu-forward eager (the torch modules), and the torch reference backend (eager)
+SIDES = {
+    "cpu_paged": {"attention_backend": "cpu_paged"},
+    "eager": {"attention_backend": "cpu_paged", "cpu_forward": "eager"},
+    "torch": {"attention_backend": "torch"},
+}
+BACKENDS = tuple(SIDES)
 
 
 class BackendSide(LoomSide):
-    """bench_offline's loom side with a chosen attention backend."""
+    """bench_offline's loom side with one of SIDES' settings."""
 
     def __init__(self, model_path: str, max_running: int, threads: int, backend: str):
         import loom
@@ -55,8 +66,8 @@ class BackendSide(LoomSide):
             max_running_requests=max_running,
             random_seed=0,
             cpu_threads=threads,
-            attention_backend=backend,
             log_level="warning",
+            **SIDES[backend],
         )
         self.engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 4})
 
@@ -91,22 +102,45 @@ def step_split(path: str, prompts: list[list[int]], tg: int, threads: int) -> di
     )
     torch.set_num_threads(threads)  # as the scheduler process does (scheduler/loop.py)
     sched = Scheduler(args)
-    model, backend = sched.runner.model, sched.runner.attn_backend
+    runner = sched.runner
+    model, backend = runner.model, runner.attn_backend
     spent = {"forward": 0.0, "attention": 0.0, "matmul": 0.0, "rows": 0}
 
-    def timing(key, fn, rows=False):
+    def timing(key, fn):
         def wrapped(*a, **kw):
             t = time.thread_time()
             out = fn(*a, **kw)
             spent[key] += time.thread_time() - t
-            if rows:
-                spent["rows"] = a[0].shape[0]  # q [B, H, D]: the decode batch size
             return out
 
         return wrapped
 
     model.forward = timing("forward", model.forward)
-    backend.forward_decode = timing("attention", backend.forward_decode, rows=True)
+    backend.forward_decode = timing("attention", backend.forward_decode)
+    runner_forward = runner.forward
+
+    def forward(inp):  # the decode batch size (0: an extend step)
+        spent["rows"] = len(inp.seq_lens) if inp.mode.is_decode else 0
+        return runner_forward(inp)
+
+    runner.forward = forward
+    if runner.cpu_forward is not None:  # the compiled forward: its own matmul/attention split
+        compiled = runner.cpu_forward
+        compiled.profile = prof = torch.zeros(2, dtype=torch.float64)
+
+        class Timed:
+            covers = compiled.covers
+
+            def __call__(self, batch):
+                before = prof.tolist()
+                t = time.thread_time()
+                out = compiled(batch)
+                spent["forward"] += time.thread_time() - t
+                spent["matmul"] += float(prof[0]) - before[0]
+                spent["attention"] += float(prof[1]) - before[1]
+                return out
+
+        runner.cpu_forward = Timed()
     linear = F.linear
     params = make_sampling_params({"max_new_tokens": tg, "temperature": 0, "ignore_eos": True})
     for i, ids in enumerate(prompts):
@@ -230,16 +264,17 @@ def markdown(results: list[dict]) -> str:
                 f"**{res['model']}**, pp {res['pp']}, tg {res['tg']}, {res['threads']} thread(s)"
                 " each; ratios loom / llama.cpp (-fa off), median and range over the rounds:",
                 "",
-                "| B | load | decode, cpu_paged | decode, torch backend | prefill, cpu_paged |"
-                " loom decode tok/s | llama.cpp decode tok/s | loom CPU ms per decode step:"
-                " step: forward (attention / matmuls / other) |",
-                "|---|---|---|---|---|---|---|---|",
+                "| B | load | decode, default | decode, --cpu-forward eager | decode, torch backend"
+                " | prefill, default | loom decode tok/s | llama.cpp decode tok/s | loom CPU ms per"
+                " decode step: step: forward (attention / matmuls / other) |",
+                "|---|---|---|---|---|---|---|---|---|",
             ]
         for row in res.get("rows", []):
             sp = row["split"]
             lines.append(
                 f"| {row['B']} | {row['load']:.1f} "
                 f"| {common.fmt_ratio(row['cpu_paged_decode'], row['llama_decode'])} "
+                f"| {common.fmt_ratio(row['eager_decode'], row['llama_decode'])} "
                 f"| {common.fmt_ratio(row['torch_decode'], row['llama_decode'])} "
                 f"| {common.fmt_ratio(row['cpu_paged_prefill'], row['llama_prefill'])} "
                 f"| {statistics.median(row['cpu_paged_decode']):.0f} "

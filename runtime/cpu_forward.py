@@ -77,9 +77,9 @@ def load() -> ctypes.CDLL | None:
         fn = lib.loom_forward_f32
         fn.restype = ctypes.c_int
         # model, T, ids, pos, slots, B, starts, rows, seq_lens, table, stride, masks,
-        # mask_offs, N, logit_rows, logits, threads
+        # mask_offs, N, logit_rows, logits, threads, prof
         fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
-        fn.argtypes += [ctypes.c_int]
+        fn.argtypes += [ctypes.c_int, _P]  # threads, prof
         fn = lib.loom_linear_f32
         fn.restype = None
         fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
@@ -98,6 +98,8 @@ class CpuForward:
     def __init__(self, lib: ctypes.CDLL, model, pool, max_tokens: int | None = None):
         self.lib, self.model, self.pool = lib, model, pool
         self.max_tokens = max_tokens or MAX_TOKENS
+        # float64 [2]: when set, each call adds its CPU seconds in matmuls and in attention
+        self.profile: torch.Tensor | None = None
         inner = model.model
         attn0 = inner.layers[0].self_attn
         rot = attn0.rotary_emb
@@ -185,7 +187,7 @@ class CpuForward:
             self._model_ptr, ids.numel(), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(),
             b, base, rows.data_ptr(), base + 8 * (b + 1), table.data_ptr(), table.stride(0),
             _ptr(masks), base + 8 * (2 * b + 1), want.numel(), want.data_ptr(),
-            logits.data_ptr(), torch.get_num_threads(),
+            logits.data_ptr(), torch.get_num_threads(), _ptr(self.profile),
         )  # fmt: skip
         if rc == -1:
             raise IndexError(f"position {int(pos.max())} is past the rotary table")

@@ -11,10 +11,12 @@ GCC/clang vector extensions, so -march=native picks the SIMD width.
 """
 
 SOURCE = r"""
+#define _GNU_SOURCE
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -102,6 +104,16 @@ void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const
     gemm(x, T, K, K, w, b, N, y, N, 0, nthreads);
 }
 
+static inline double cpu_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+/* with prof != NULL: prof[0] += the calling thread's CPU seconds in matmuls, prof[1] in
+   attention (the benchmark's step split) */
+#define TIMED(slot, stmt) do { const double t0_ = prof ? cpu_seconds() : 0.;                 \
+    stmt; if (prof) prof[slot] += cpu_seconds() - t0_; } while (0)
+
 /* out[D] = w * x / rms(x); out may alias x */
 static void rms(const float* x, const float* w, int64_t D, float eps, float* out) {
     float ss = 0.f;
@@ -131,7 +143,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                      const int64_t* slots, int64_t B, const int64_t* starts, const int64_t* rows,
                      const int64_t* seq_lens, const int64_t* table, int64_t stride,
                      const uint8_t* masks, const int64_t* mask_offs, int64_t N,
-                     const int64_t* logit_rows, float* logits, int nthreads) {
+                     const int64_t* logit_rows, float* logits, int nthreads, double* prof) {
     const int64_t Hd = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
     const int64_t G = H / Hkv, I = m->inter, QKV = (H + 2 * Hkv) * D;
     for (int64_t t = 0; t < T; t++) {
@@ -154,7 +166,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     for (int64_t l = 0; l < m->layers; l++) {
         const Layer* L = m->layer + l;
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln1, Hd, m->eps, h + t * Hd);
-        gemm(h, T, Hd, Hd, L->qkv_w, L->qkv_b, QKV, qkv, QKV, 0, nthreads);
+        TIMED(0, gemm(h, T, Hd, Hd, L->qkv_w, L->qkv_b, QKV, qkv, QKV, 0, nthreads));
         for (int64_t t = 0; t < T; t++) {
             float* q = qkv + t * QKV;
             float* k = q + H * D;
@@ -171,6 +183,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             memcpy(L->k_cache + slots[t] * Hkv * D, k, sizeof(float) * Hkv * D);
             memcpy(L->v_cache + slots[t] * Hkv * D, v, sizeof(float) * Hkv * D);
         }
+        const double att0 = prof ? cpu_seconds() : 0.;
         #pragma omp parallel num_threads(attn_threads) if(attn_threads > 1)
         {
             float* sc = malloc(sizeof(float) * G * max_len);
@@ -226,18 +239,19 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             free(sc);
             free(acc);
         }
-        gemm(att, T, H * D, H * D, L->o_w, L->o_b, Hd, x, Hd, 1, nthreads);
+        if (prof) prof[1] += cpu_seconds() - att0;
+        TIMED(0, gemm(att, T, H * D, H * D, L->o_w, L->o_b, Hd, x, Hd, 1, nthreads));
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, h + t * Hd);
-        gemm(h, T, Hd, Hd, L->gu_w, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
+        TIMED(0, gemm(h, T, Hd, Hd, L->gu_w, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads));
         for (int64_t t = 0; t < T; t++) {
             float* g = gu + t * 2 * I;
             const float* u = g + I;
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
         }
-        gemm(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads);
+        TIMED(0, gemm(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads));
     }
     for (int64_t r = 0; r < N; r++) rms(x + logit_rows[r] * Hd, m->norm, Hd, m->eps, h + r * Hd);
-    gemm(h, N, Hd, Hd, m->lm_head, NULL, m->vocab, logits, m->vocab, 0, nthreads);
+    TIMED(0, gemm(h, N, Hd, Hd, m->lm_head, NULL, m->vocab, logits, m->vocab, 0, nthreads));
     free(tok_req); free(x); free(h); free(qkv); free(att); free(gu);
     return 0;
 }

@@ -171,6 +171,10 @@ def test_large_steps_and_eagle_capture_fall_back_and_bad_input_is_an_error(tiny_
         assert not runner.cpu_forward.covers(small)
     finally:
         runner.model.model.capture_layers = None
+    runner.cpu_forward.profile = prof = torch.zeros(2, dtype=torch.float64)
+    runner.cpu_forward(small)  # the benchmark's split: CPU seconds in matmuls, in attention
+    assert prof[0] > 0 and prof[1] > 0
+    runner.cpu_forward.profile = None
     small.positions[0] = 10**6
     with pytest.raises(IndexError, match="rotary table"):
         runner.cpu_forward(small)
