@@ -358,6 +358,39 @@ def test_greedy_identical_with_eagle_heads_on_tiny_model(llama, heads, radix_off
             assert sum(state["spec_proposed_by_position"][1:]) > 0, state
 
 
+def test_batches_too_large_to_draft_run_the_compiled_forward(llama, heads):
+    """A decode batch at --speculative-disable-by-batch-size captures no features, so it runs
+    the compiled CPU forward like plain decoding; once the batch shrinks the head drafts
+    again; outputs equal plain decoding."""
+    tok = make_scheduler(llama).tokenizer
+    prompts = [(tok.encode(t), greedy(6 + 6 * i)) for i, t in enumerate(TEXTS[:3])]
+    plain, _ = _run(llama, prompts)
+    sched = make_scheduler(
+        llama, disable_jump_forward=True, speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=heads["EAGLE3"], speculative_disable_by_batch_size=2,
+    )  # fmt: skip
+    runner = sched.decode.drafter.runner
+    assert runner.cpu_forward is not None
+    compiled = []
+    covers = runner.cpu_forward.covers
+
+    def spy(batch):
+        ok = covers(batch)
+        if batch.mode.is_decode:
+            compiled.append((len(batch.seq_lens_cpu), ok))
+        return ok
+
+    runner.cpu_forward.covers = spy
+    for i, (ids, params) in enumerate(prompts):
+        submit(sched, f"p{i}", ids, params)
+    out = run_all(sched)
+    for i in range(len(prompts)):
+        assert out[f"p{i}"].ids == plain[f"p{i}"].ids
+    assert any(n >= 2 and ok for n, ok in compiled), compiled  # large: compiled
+    assert all(not ok for n, ok in compiled if n < 2), compiled  # drafting: captured, eager
+    assert sched.get_state()["spec_verify_ct"] > 0
+
+
 def test_sampled_constrained_outputs_follow_their_grammar(llama, heads):
     """Temperature 1 through rejection sampling with EAGLE-3 drafts: every output matches
     its regex (drafts are cut by the grammar, every verified position is masked)."""

@@ -95,7 +95,8 @@ class EagleSpeculator(Drafter):
         )  # fmt: skip  (all zero: an entry never written reads as a finite, if useless, value)
         self.extend_backend = TorchAttnBackend()
         inner = runner.model.model
-        inner.capture_layers = tuple(head.aux_layers or ())
+        self.capture = tuple(head.aux_layers or ())  # () = the final hidden state only
+        inner.capture_layers = self.capture
         self.inner = inner
         rows = runner.req_to_token_pool.size
         # per request row: (the request length the draft is for, (tokens, parents))
@@ -110,7 +111,12 @@ class EagleSpeculator(Drafter):
 
     # ------------------------------------------------------------ scheduler side
     def enabled_for(self, batch_size: int) -> bool:
-        return batch_size < self.disable_batch_size
+        """Also decides whether this decode step captures the target's features: a batch too
+        large to draft captures none, so it runs the compiled CPU forward (which covers no
+        capture) like plain decoding; the next step captures again."""
+        on = batch_size < self.disable_batch_size
+        self.inner.capture_layers = self.capture if on else None
+        return on
 
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
         row = req.req_pool_idx
@@ -161,12 +167,12 @@ class EagleSpeculator(Drafter):
     def _after_step(self, inp, batch, out) -> None:
         import time
 
-        if len(inp.seq_lens) >= self.disable_batch_size:
+        captured = getattr(self.inner, "captured", None)
+        self.inner.captured = None  # never read twice
+        self.inner.capture_layers = self.capture  # a step enabled_for turned off is over
+        if len(inp.seq_lens) >= self.disable_batch_size or captured is None:
             return  # no drafting at this size; the head's KV for these positions goes stale
         t0 = time.perf_counter()
-        captured = self.inner.captured
-        if captured is None:
-            return
         final, aux = captured
         feats = final if self.head.variant == "eagle" else torch.cat(aux, dim=-1)
         plan = _catch_up_plan(inp, out)
