@@ -3,13 +3,13 @@
 A captured graph replays fixed shapes, so a decode batch of B requests runs in the graph of
 the smallest captured size >= B, its extra rows padded so they are harmless: each padded row
 feeds token 0 at position 0, writes its K/V into slot 0 (the pool's reserved padding page,
-never handed to a request) and attends to one position through a reserved page-table row
-whose first entry is slot 0. The decode kernel's split count is fixed per graph and each
-request's split length is computed inside the kernel (decode_attention.py), so the same
-graph serves any context lengths.
+never handed to a request) and attends to one position through page-table row `pad_row` (a
+read whose result is dropped with the row's logits). The decode kernel's split count is
+fixed per graph and each request's split length is computed inside the kernel
+(decode_attention.py), so the same graph serves any context lengths.
 
-The capture itself is not built yet (it needs a model-runner seam and a GPU to verify it on),
-so loom has no --disable-cuda-graph / --cuda-graph-max-bs flags today.
+The runner that captures and replays the graphs, with static buffers padded by these rules,
+is runtime/graph_runner.py (--disable-cuda-graph, --cuda-graph-max-bs).
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ def bucket_for(batch_size: int, sizes: list[int]) -> int | None:
     return next((s for s in sizes if s >= batch_size), None)
 
 
+def pad_values(pad_row: int) -> tuple[int, int, int, int, int]:
+    """What a padded row holds in (input_ids, positions, out_cache_loc, req_pool_indices,
+    seq_lens), by the rules above."""
+    return (0, 0, 0, pad_row, 1)
+
+
 def pad_decode_inputs(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -41,19 +47,12 @@ def pad_decode_inputs(
     pad_row: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The five per-request decode tensors padded from B to `size` rows by the rules above;
-    `pad_row` is a page-table row reserved for padding (its entry 0 must be slot 0)."""
+    `pad_row` is the page-table row padded rows read their one position through."""
     b = input_ids.shape[0]
     if not 0 < b <= size:
         raise ValueError(f"batch of {b} does not fit a captured size of {size}")
-    extra = size - b
-
-    def pad(x: torch.Tensor, value: int) -> torch.Tensor:
-        return torch.cat([x, x.new_full((extra,), value)])
-
-    return (
-        pad(input_ids, 0),
-        pad(positions, 0),
-        pad(out_cache_loc, 0),
-        pad(req_pool_indices, pad_row),
-        pad(seq_lens, 1),
+    tensors = (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens)
+    return tuple(
+        torch.cat([x, x.new_full((size - b,), value)])
+        for x, value in zip(tensors, pad_values(pad_row))
     )

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loom.kernels.cuda_graph import bucket_for, capture_batch_sizes
+from loom.kernels.cuda_graph import bucket_for, capture_batch_sizes, pad_values
 from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
 
 if TYPE_CHECKING:
@@ -145,13 +145,12 @@ class GraphRunner:
     # ------------------------------------------------------------------ internals
     def _load(self, batch: ForwardBatch, b: int, bs: int) -> None:
         """The step's rows into the static buffers, rows b .. bs-1 reset to padding."""
-        for buf, src, pad in (
-            (self.input_ids, batch.input_ids, 0),
-            (self.positions, batch.positions, 0),
-            (self.out_cache_loc, batch.out_cache_loc, 0),
-            (self.req_pool_indices, batch.req_pool_indices, PAD_ROW),
-            (self.seq_lens, batch.seq_lens, 1),
-        ):
+        for buf, src, pad in zip(
+            (self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices, self.seq_lens),
+            (batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices,
+             batch.seq_lens),
+            pad_values(PAD_ROW),
+        ):  # fmt: skip
             buf[:b].copy_(src, non_blocking=True)
             buf[b:bs].fill_(pad)
 
@@ -176,6 +175,7 @@ class GraphRunner:
         with forward_context(batch):
             return self.runner.model(batch.input_ids, batch.positions)
 
+    @torch.inference_mode()  # as ModelRunner.forward runs the eager steps
     def _capture_all(self) -> None:
         """One graph per size, largest first so the smaller ones reuse its memory pool. The
         buffers hold padding meanwhile: the warm-up and captured runs write slot 0 only."""
