@@ -37,6 +37,10 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, omit_defaults=True):
     extra_key: str | None = None  # prefix-cache namespace (SGLang's extra_key / cache_salt)
     cache_salt: str | None = None
     log_metrics: bool = True  # False: this request is left out of /metrics
+    # prefill/decode disaggregation (set by the router; a PD-mode server only)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 # SGLang GenerateReqInput fields loom does not implement: each is accepted at the value that
@@ -61,9 +65,6 @@ _OFF: dict[str, tuple] = {
             "lora_id",
             "custom_logit_processor",
             "positional_embed_overrides",
-            "bootstrap_host",
-            "bootstrap_port",
-            "bootstrap_room",
             "bootstrap_pair_key",
             "decode_tp_size",
             "routed_dp_rank",
@@ -161,6 +162,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True, kw_only=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     extra_key: str | None = None
+    bootstrap: tuple[str, int, int] | None = None  # (host, port, room): see GenerateReqInput
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -47,6 +47,7 @@ class Req:
         top_logprobs_num: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
         extra_key: str | None = None,
+        bootstrap: tuple[str, int, int] | None = None,
     ):
         self.rid = rid
         self.origin_input_ids = list(input_ids)
@@ -56,6 +57,10 @@ class Req:
         self.stream = stream
         self.eos_token_ids = eos_token_ids
         self.extra_key = extra_key
+        # prefill/decode disaggregation (runtime/disagg/): the prefill server's bootstrap
+        # host and port, and the room id that pairs the two halves of this request
+        host, port, room = bootstrap or (None, None, None)
+        self.bootstrap_host, self.bootstrap_port, self.bootstrap_room = host, port, room
         self.return_logprob = return_logprob
         self.logprob = LogprobState()
         if return_logprob:

@@ -21,6 +21,8 @@ MOE_A2A_BACKENDS = ("none", "all_to_all")
 # the CPU forward (runtime/cpu_forward.py): "auto" runs small steps through the compiled C
 # forward where it covers the model, "eager" always runs the torch modules (the reference)
 CPU_FORWARD_MODES = ("auto", "eager")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DISAGGREGATION_TRANSFER_BACKENDS = ("zmq",)  # mooncake / nixl: not built
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
 TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3", "react")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
@@ -112,6 +114,12 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+
+    # Prefill/decode disaggregation (runtime/disagg/)
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "zmq"
+    disaggregation_timeout: float = 30.0
 
     # Process layout
     skip_tokenizer_init: bool = False
@@ -240,6 +248,35 @@ class ServerArgs:
             f"must be > 0, got {self.grammar_compile_timeout}",
         )
         self._validate_speculative(need)
+        self._validate_disaggregation(need)
+
+    def _validate_disaggregation(self, need) -> None:
+        mode = self.disaggregation_mode
+        need(
+            mode in DISAGGREGATION_MODES,
+            "disaggregation_mode",
+            f"must be one of {DISAGGREGATION_MODES}, got {mode!r}",
+        )
+        backend = self.disaggregation_transfer_backend
+        need(
+            backend in DISAGGREGATION_TRANSFER_BACKENDS,
+            "disaggregation_transfer_backend",
+            f"{backend!r} is not supported yet (only {DISAGGREGATION_TRANSFER_BACKENDS})",
+        )
+        port = self.disaggregation_bootstrap_port
+        need(0 < port < 65536, "disaggregation_bootstrap_port", f"must be a TCP port, got {port}")
+        need(
+            self.disaggregation_timeout > 0,
+            "disaggregation_timeout",
+            f"must be > 0, got {self.disaggregation_timeout}",
+        )
+        if mode != "null":
+            for name in ("tp_size", "ep_size", "pp_size", "dp_size", "nnodes"):
+                need(
+                    getattr(self, name) == 1,
+                    "disaggregation_mode",
+                    f"{mode} with {name} {getattr(self, name)} is not supported yet (one rank)",
+                )
 
     def _validate_speculative(self, need) -> None:
         algo = self.speculative_algorithm
@@ -547,6 +584,8 @@ class ServerArgs:
                 kwargs["choices"] = TOOL_CALL_PARSERS
             if f.name == "reasoning_parser":
                 kwargs["choices"] = REASONING_PARSERS
+            if f.name == "disaggregation_mode":
+                kwargs["choices"] = DISAGGREGATION_MODES
             if f.name == "moe_a2a_backend":
                 kwargs["choices"] = MOE_A2A_BACKENDS
             if f.name == "cpu_forward":
@@ -619,6 +658,10 @@ _HELP = {
     "nnodes": "Number of nodes the ranks are spread over (each node runs world_size / nnodes ranks)",
     "node_rank": "This node's rank; node 0 serves HTTP, the others run their ranks only",
     "dist_init_addr": "host:port of the torch.distributed rendezvous",
+    "disaggregation_mode": "Prefill/decode disaggregation: null (colocated), prefill (computes prompts' KV and first tokens and sends the KV to the decode server named by each request's bootstrap fields) or decode (receives the KV, then decodes); both sit behind `loom router --pd-disaggregation`",
+    "disaggregation_bootstrap_port": "Prefill server: the TCP port decode servers send their KV requests to (SGLang's default 8998)",
+    "disaggregation_transfer_backend": "How KV pages move between prefill and decode servers: zmq (tensor buffers over TCP; mooncake and nixl are not built)",
+    "disaggregation_timeout": "Seconds a decode server waits for a request's KV, and a prefill server holds computed KV for a decode peer that has not asked for it, before failing the request and freeing its KV",
     "skip_tokenizer_init": "Take and return token ids only",
     "watchdog_timeout": "Seconds the runtime may go without answering while requests wait before it is declared stuck (the server then exits)",
     "max_batch_request": "Most generations one request body may expand to (prompts x n)",

@@ -188,6 +188,7 @@ class TokenizerManager:
             prompts = await self.off_loop(self._encode_all, texts, prompt_field)
         else:
             prompts = [list(lst) for lst in id_lists]
+        bootstrap = self._bootstrap(obj, total, names)
         extra_key = obj.extra_key
         if obj.cache_salt is not None:
             extra_key = f"{extra_key or ''}\x00{obj.cache_salt}"
@@ -230,6 +231,7 @@ class TokenizerManager:
                     logprob_start_len=start,
                     top_logprobs_num=tops[i],
                     extra_key=extra_key,
+                    bootstrap=bootstrap,
                 )
                 states.append(
                     ReqState(
@@ -254,6 +256,38 @@ class TokenizerManager:
                 raise RequestError(f"{field}: a list of {len(value)} for a batch of {n}")
             return [default if v is None else v for v in value]
         return [value] * n
+
+    def _bootstrap(self, obj, total: int, names: dict) -> tuple[str, int, int] | None:
+        """A PD-mode server needs all three bootstrap fields (the router sets them) for one
+        generation; a plain server refuses them by name."""
+        mode = self.args.disaggregation_mode
+        given = {
+            f: getattr(obj, f)
+            for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+            if getattr(obj, f) is not None
+        }
+        if mode == "null":
+            if given:
+                raise RequestError(
+                    f"{names.get(next(iter(given))) or next(iter(given))}: needs a server "
+                    "started with --disaggregation-mode prefill|decode"
+                )
+            return None
+        for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+            if f not in given:
+                raise RequestError(
+                    f"{names.get(f) or f}: required on a --disaggregation-mode {mode} server "
+                    "(send requests through `loom router --pd-disaggregation`)"
+                )
+        if total != 1:
+            raise RequestError(
+                f"{names.get('bootstrap_room') or 'bootstrap_room'}: one bootstrap room pairs one "
+                f"generation; this request expands to {total} (batches and n > 1 are not "
+                "supported with disaggregation)"
+            )
+        if not 0 < obj.bootstrap_port < 65536 or obj.bootstrap_room < 0:
+            raise RequestError("bootstrap_port / bootstrap_room: out of range")
+        return (obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room)
 
     @staticmethod
     def _rids(rids, is_batch: bool, n: int, field: str) -> list[str]:

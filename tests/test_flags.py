@@ -46,7 +46,7 @@ REFUSED_FIELDS = {
     "image_data": "https://example.com/cat.png",
     "custom_logit_processor": "{'callable': 'x'}",
     "modalities": ["image"],
-    "bootstrap_host": "10.0.0.2",
+    "bootstrap_pair_key": "10.0.0.2",
     "return_hidden_states": True,
     "session_params": {"id": "s"},
     "input_embeds": [[0.1, 0.2]],
@@ -57,7 +57,7 @@ OFF_VALUES = {
     "image_data": None,
     "custom_logit_processor": None,
     "modalities": [],
-    "bootstrap_host": [None, None],
+    "bootstrap_pair_key": [None, None],
     "return_hidden_states": False,
     "session_params": None,
 }

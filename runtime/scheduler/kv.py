@@ -128,10 +128,10 @@ class KVManager:
         """Share what `req` has computed so far through the cache (it keeps running)."""
         self.tree_cache.cache_unfinished_req(req)
 
-    def release(self, req: Req) -> None:
+    def release(self, req: Req, insert: bool = True) -> None:
         """Hand the request's KV to the prefix cache (which frees what it does not keep) and
-        free its row."""
-        self.tree_cache.cache_finished_req(req)
+        free its row; `insert=False` frees its own slots uncached (KV never written)."""
+        self.tree_cache.cache_finished_req(req, insert=insert)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None

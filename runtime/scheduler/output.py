@@ -48,6 +48,9 @@ class OutputProcessor:
         self.jump_forward = jump_forward
         self.stats = stats
         self.pending: list[Req] = []
+        # prefill/decode disaggregation, prefill side: a finished request with a bootstrap
+        # room goes here (KV kept, answer not sent) instead of being released
+        self.hold_for_transfer = None
 
     def finish_with_error(self, req: Req, message: str, status_code: int | None = 400) -> None:
         req.finished_reason = {"type": "abort", "message": message}
@@ -99,7 +102,11 @@ class OutputProcessor:
                         positions = 1 + max(tree_depths(req.draft_parents))
                     self.drafter.on_verified(req, positions, len(tokens) - 1)
             for j, token in enumerate(tokens):
-                self._append_token(req, token, out, i, j)
+                lp = top = None
+                if req.return_logprob:
+                    lp = out.logprobs[i][j]
+                    top = out.top_logprobs[i][j] if req.logprob.top_num else None
+                self.append_token(req, token, lp, top)
                 if req.finished:
                     break  # the rest of a verified chunk comes after the stop: dropped
             if tokens:
@@ -114,6 +121,9 @@ class OutputProcessor:
             if req.finished:
                 if self.drafter is not None:
                     self.drafter.on_finished(req)
+                if self.hold_for_transfer is not None and req.bootstrap_room is not None:
+                    self.hold_for_transfer(req)
+                    continue
                 self.pending.append(req)
                 if self._completes_kv(req):
                     routes.finishing.append(req)
@@ -141,13 +151,15 @@ class OutputProcessor:
             and req.kv_len == req.seq_len - 1
         )
 
-    def _append_token(self, req: Req, token: int, out: ForwardOutput, i: int, j: int) -> None:
+    def append_token(self, req: Req, token: int, logprob: float | None, top) -> None:
+        """One sampled token (with its logprob and top logprobs when the request asked):
+        grammar, stop checks."""
         req.output_ids.append(token)
         self.stats["generated_tokens"] += 1
         if req.return_logprob:
-            req.logprob.output_token_logprobs.append((out.logprobs[i][j], token))
+            req.logprob.output_token_logprobs.append((logprob, token))
             if req.logprob.top_num:
-                req.logprob.output_top_logprobs.append(out.top_logprobs[i][j])
+                req.logprob.output_top_logprobs.append(top)
         if req.grammar is not None and token not in req.eos_token_ids:
             try:
                 req.grammar.accept_token(token)

@@ -79,6 +79,12 @@ class Scheduler:
             self.stats,
             drafter,
         )
+        # prefill/decode disaggregation (runtime/disagg/): the prefill or decode side
+        self.disagg = None
+        if args.disaggregation_mode != "null":
+            from loom.runtime.disagg import create_side
+
+            self.disagg = create_side(args, self.kv, r.token_to_kv_pool, self.output, self.stats)
         self.check_integrity_every_step = False
         self.decode_timing: dict[int, list] = {}
         self._last_log = 0.0
@@ -88,6 +94,8 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """One iteration: schedule -> run -> process results. Returns the outputs to stream."""
         start = time.perf_counter()
+        if self.disagg is not None:
+            self._step_disagg()
         batch = self.schedule()
         if batch is None:
             self.check_integrity()
@@ -142,11 +150,20 @@ class Scheduler:
 
     @property
     def is_idle(self) -> bool:
-        return not (len(self.prefill) or len(self.decode) or len(self.grammar_queue))
+        return not (
+            len(self.prefill) or len(self.decode) or len(self.grammar_queue) or self._disagg_busy
+        )
 
     @property
     def only_waiting_for_grammar(self) -> bool:
-        return len(self.grammar_queue) > 0 and not (len(self.prefill) or len(self.decode))
+        """Nothing to compute, only grammars compiling or KV transfers in flight (the loop
+        polls every millisecond instead of spinning)."""
+        waiting = len(self.grammar_queue) > 0 or self._disagg_busy
+        return waiting and not (len(self.prefill) or len(self.decode))
+
+    @property
+    def _disagg_busy(self) -> bool:
+        return self.disagg is not None and self.disagg.busy
 
     # ---------------------------------------------------------------- messages
     def handle_message(self, msg) -> ControlOut | None:
@@ -171,6 +188,8 @@ class Scheduler:
         reqs = [r for r, _, _ in self.grammar_queue.pending]
         reqs += self.prefill.waiting + self.decode.running + self.decode.finishing
         reqs += self.output.pending
+        if self.disagg is not None:  # waiting for a KV transfer (either side)
+            reqs += self.disagg.known()
         if self.prefill.chunked_req is not None:
             reqs.append(self.prefill.chunked_req)
         return sorted({r.rid for r in reqs})
@@ -188,25 +207,62 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num,
             eos_token_ids=self.eos_token_ids,
             extra_key=msg.extra_key,
+            bootstrap=msg.bootstrap,
         )
         error = self._validate(req)
         if error:
-            self.output.finish_with_error(req, error)
+            self._fail(req, error)
             return
+        if req.bootstrap_room is not None and self.args.disaggregation_mode == "prefill":
+            p.max_new_tokens = min(p.max_new_tokens, 1)  # the decode server does the rest
+            p.min_new_tokens = min(p.min_new_tokens, 1)
         spec = p.grammar_spec
         if spec is not None:
             error = self.grammar_queue.add(req, *spec)
             if error:
-                self.output.finish_with_error(req, error)
+                self._fail(req, error)
             return
-        self.prefill.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
+        """A decode-side disaggregated request waits for its KV instead of a prefill."""
+        if req.bootstrap_room is not None and self.args.disaggregation_mode == "decode":
+            self.disagg.add(req)
+        else:
+            self.prefill.waiting.append(req)
+
+    def _fail(self, req: Req, message: str) -> None:
+        """Answer `req` with a 400; a disaggregated one's peer is told (it frees its KV)."""
+        if req.bootstrap_room is not None and self.disagg is not None:
+            self.disagg.peer_failed(req, message)
+        self.output.finish_with_error(req, message)
+
+    def _step_disagg(self) -> None:
+        """Handshakes and KV transfers; on the decode side, requests whose KV arrived start
+        decoding: their first token (sampled by the prefill server) is appended as if this
+        server had sampled it, and they join the running batch."""
+        for req, header in self.disagg.step():
+            if header.first_token >= 0:
+                lp = header.first_logprob[0] if header.first_logprob else None
+                self.output.append_token(req, header.first_token, lp, header.first_top_logprobs)
+            else:  # max_new_tokens 0
+                req.finished_reason = {"type": "length", "length": 0}
+            if req.finished:
+                self.output.pending.append(req)
+                self.kv.release(req)
+                continue
+            self.kv.cache_unfinished(req)
+            self.decode.running.append(req)
+            if req.stream:
+                self.output.pending.append(req)
 
     def _poll_grammars(self) -> None:
         if len(self.grammar_queue):
             ready, failed = self.grammar_queue.poll()
-            self.prefill.waiting.extend(ready)
+            for req in ready:
+                self._enqueue(req)
             for req, message in failed:
-                self.output.finish_with_error(req, message)
+                self._fail(req, message)
 
     def _validate(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
@@ -236,6 +292,11 @@ class Scheduler:
         for req in reqs + running + finishing:
             if req.req_pool_idx is not None:
                 self.kv.release(req)
+        if self.disagg is not None:
+            for req in reqs + running:  # the peer frees its KV for these
+                if req.bootstrap_room is not None:
+                    self.disagg.peer_failed(req, "aborted by request")
+            reqs += self.disagg.remove(rid)  # KV freed, the peer told
         for req in reqs + running:  # a finishing one was already answered
             self.output.finish_with_error(req, "aborted by request", status_code=None)
 
@@ -300,7 +361,8 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """free + cached + in use == total, and every live request's invariants."""
-        self.kv.check_integrity(self.decode.finishing + self.decode.running + self.prefill.live())
+        live = self.decode.finishing + self.decode.running + self.prefill.live()
+        self.kv.check_integrity(live + (self.disagg.live() if self.disagg is not None else []))
 
 
 def _make_tree_cache(args: ServerArgs, runner):
