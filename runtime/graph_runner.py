@@ -9,14 +9,15 @@ to a request, never read by one), its attention over one position of page-table 
 `PAD_ROW` (a read whose result is dropped, like the padded rows' logits). Sampling, grammar
 masks, logprobs and draft verification stay outside the graph, in the model runner.
 
-What is captured: the whole model forward (embedding, layers, final norm, LM head on the B
-rows) of a decode step, with the triton attention backend, whose decode metadata is static
+What is captured: the whole model forward (embedding, layers, final norm, LM head on every
+row) of a decode step, with the triton attention backend, whose decode metadata is static
 (`TritonAttnBackend.graph_decode_metadata`: a split count fixed by the context length, no
 shared-prefix groups). Everything else runs eagerly: extend and verify steps, batches over
-the largest size, steps whose drafter reads the forward's hidden states (EAGLE's
-`spec_hook`), the torch and cpu_paged backends (their decode metadata has data-dependent
-shapes), MoE models (their dispatch counts tokens on the host), tensor, expert and pipeline
-parallel ranks (not verified on a GPU yet), and every CPU run.
+the largest size, steps whose drafter reads the forward's hidden states (EAGLE's and
+Medusa's `spec_hook` and the model's `capture_layers`), the torch and cpu_paged backends
+(their decode metadata has data-dependent shapes), MoE models (their dispatch counts tokens
+on the host), tensor, expert and pipeline parallel ranks (not verified on a GPU yet), and
+every CPU run.
 
 On the CPU the same runner runs in "eager replay" mode (`capture=False`): the static buffers
 and padding exactly as above, then the model run eagerly on the padded batch (with the
@@ -120,6 +121,9 @@ class GraphRunner:
             and batch.batch_size <= self.max_bs
             and batch.custom_masks is None
             and self.runner.spec_hook is None
+            # a drafter reading the forward's hidden states (EAGLE, Medusa: `capture_layers`)
+            # needs the Python-side capture a replay skips
+            and getattr(getattr(self.runner.model, "model", None), "capture_layers", None) is None
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:

@@ -6,11 +6,13 @@ into the padding page only. The capture itself runs on CUDA only (scripts/gpu_ch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
 
 from loom.kernels.cuda_graph import capture_batch_sizes
+from loom.runtime.forward_batch import ForwardMode
 from loom.runtime.graph_runner import GraphRunner, create_graph_runner, graph_sizes
 from loom.runtime.server_args import ServerArgs
 from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
@@ -100,3 +102,22 @@ def test_flags_validate_and_mean_no_graphs_on_the_cpu(tiny_model_dir):
         GraphRunner(runner, [1, 2], capture=True)
     runner.args = runner.args.replace(cuda_graph_max_bs=None)
     assert graph_sizes(runner)[-1] == 64  # the default 160, capped by max running requests
+
+
+def test_steps_the_graphs_do_not_take(tiny_model_dir):
+    """Extend steps, batches over the largest size, tree masks and drafters that read the
+    forward's hidden states run eagerly."""
+    runner = make_scheduler(tiny_model_dir("llama"), max_total_tokens=256).runner
+    gr = GraphRunner(runner, [1, 2], capture=False)
+    batch = gr._batch(2, [5, 7])
+    assert gr.can_run(batch)
+    assert not gr.can_run(dataclasses.replace(batch, mode=ForwardMode.EXTEND))
+    assert not gr.can_run(GraphRunner(runner, [1, 2, 4], capture=False)._batch(3, [5, 6, 7]))
+    assert not gr.can_run(dataclasses.replace(batch, custom_masks=[None, None]))
+    runner.spec_hook = lambda *a: None
+    assert not gr.can_run(batch)
+    runner.spec_hook = None
+    runner.model.model.capture_layers = ()
+    assert not gr.can_run(batch)
+    runner.model.model.capture_layers = None
+    assert gr.can_run(batch)
