@@ -35,7 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", required=True, help=".txt / .jsonl file or a folder of them")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--eagle3", action="store_true", help="EAGLE-3 head (fused low/mid/high)")
-    p.add_argument("--medusa", action="store_true", help="Medusa heads (not built yet)")
+    p.add_argument("--medusa", action="store_true", help="Medusa heads (lang/train_medusa.py)")
+    p.add_argument("--medusa-heads", type=int, default=4, help="Medusa heads (draft depth)")
+    p.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per head")
     p.add_argument("--aux-layers", type=str, default=None, help="EAGLE-3 target layers, e.g. 1,2,3")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="EAGLE-3 reduced vocab")
     p.add_argument(
@@ -60,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.medusa:
-        p.error("--medusa: Medusa heads are not built yet (only EAGLE / EAGLE-3 heads)")
+    if args.medusa and (args.eagle3 or args.aux_layers or args.head_intermediate_size):
+        p.error("--medusa: trains Medusa heads; --eagle3 / --aux-layers / --head-* do not apply")
     if args.draft_vocab_size is not None and not args.eagle3:
         p.error("--draft-vocab-size: only EAGLE-3 heads have a reduced draft vocabulary")
     for name in ("epochs", "seq_len", "batch_size", "unroll", "eval_steps"):
@@ -232,6 +234,10 @@ def accepted_length(head, model, sequences, capture, steps: int) -> float:
 # ------------------------------------------------------------------ main
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.medusa:
+        from loom.train_medusa import main as train_medusa
+
+        return train_medusa(args)
     import torch
     import transformers
     from tqdm import tqdm

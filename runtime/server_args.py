@@ -26,8 +26,8 @@ DISAGGREGATION_TRANSFER_BACKENDS = ("zmq",)  # mooncake / nixl: not built
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
 TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3", "react")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
-SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3")  # SGLang's others: refused by name
-SPECULATIVE_NOT_YET = ("MEDUSA", "NEXTN", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "MEDUSA")  # others: refused by name
+SPECULATIVE_NOT_YET = ("NEXTN", "STANDALONE")
 EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # --dp-size N: the router policy that spreads requests over the replicas (runtime/router)
@@ -353,10 +353,16 @@ class ServerArgs:
             "speculative_eagle_topk",
         ):
             need(
-                eagle or getattr(self, name) is None,
+                eagle or getattr(self, name) is None
+                or (algo == "MEDUSA" and name == "speculative_draft_model_path"),
                 name,
                 f"needs --speculative-algorithm {' or '.join(EAGLE_ALGORITHMS)}",
             )
+        need(
+            algo != "MEDUSA" or (self.tp_size == 1 and self.pp_size == 1),
+            "speculative_algorithm",
+            "MEDUSA with tp_size or pp_size > 1 is not supported yet",
+        )
         if not eagle:
             return
         steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
@@ -635,7 +641,7 @@ _HELP = {
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
     "grammar_compile_timeout": "Seconds a grammar may take to compile before its request fails",
     "disable_jump_forward": "Turn off grammar jump-forward",
-    "speculative_algorithm": "Speculative decoding: NGRAM (drafts from an n-gram trie over the prompt, the output and recent requests; grammar-aware); EAGLE / EAGLE3 (a draft head over the target's hidden states: --speculative-draft-model-path)",
+    "speculative_algorithm": "Speculative decoding: NGRAM (drafts from an n-gram trie over the prompt, the output and recent requests; grammar-aware); EAGLE / EAGLE3 (a draft head over the target's hidden states: --speculative-draft-model-path); MEDUSA (extra LM heads on the last hidden state, tree drafts)",
     "speculative_num_draft_tokens": "Tokens per request in one verify step, the last real token included (default 8 with an algorithm)",
     "speculative_ngram_min_match_window_size": "Shortest suffix matched in the n-gram trie",
     "speculative_ngram_max_match_window_size": "Longest suffix matched in the n-gram trie (tried first)",
@@ -644,7 +650,7 @@ _HELP = {
     "speculative_ngram_match_type": "BFS: follow the most recently seen continuation; PROB: the most frequent one",
     "speculative_ngram_branch_length": "Tokens stored after each matched window in the trie (the longest draft)",
     "speculative_ngram_capacity": "Trie nodes kept (least recently used evicted first); SGLang's default is 10,000,000",
-    "speculative_draft_model_path": "EAGLE / EAGLE3 head folder (published EAGLE layout, or one written by python -m loom.train_eagle); default: the head shipped for the bundled model",
+    "speculative_draft_model_path": "EAGLE / EAGLE3 head folder (published EAGLE layout, or one written by python -m loom.train_eagle), or a Medusa heads folder (published Medusa-1 layout, or train_eagle --medusa); default: the head(s) shipped for the bundled model",
     "speculative_num_steps": "EAGLE draft steps per verify (default: num_draft_tokens - 1, else 4)",
     "speculative_eagle_topk": "EAGLE branching per draft step: 1 = chains; k > 1 = EAGLE-2 dynamic trees (the top-k children of the k best nodes per level, reranked by cumulative draft probability; --speculative-num-draft-tokens nodes kept)",
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",

@@ -87,7 +87,7 @@ def test_train_writes_a_loadable_head_and_resumes(
 @pytest.mark.parametrize(
     "argv, match",
     [
-        (["--medusa"], "--medusa: Medusa heads are not built yet"),
+        (["--medusa", "--eagle3"], "--medusa: trains Medusa heads"),
         (["--draft-vocab-size", "64"], "--draft-vocab-size: only EAGLE-3"),
         (["--epochs", "0"], "--epochs: must be >= 1"),
     ],

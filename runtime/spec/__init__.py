@@ -99,7 +99,12 @@ def create_drafter(args, tokenizer, vocab_size: int, eos_token_ids, runner=None)
         from loom.runtime.spec.speculator import NgramSpeculator
 
         return NgramSpeculator(args, tokenizer, vocab_size, eos_token_ids)
-    if algo in ("EAGLE", "EAGLE3", "MEDUSA"):
+    if algo == "MEDUSA":
+        from loom.runtime.spec.medusa_drafter import MedusaSpeculator
+
+        return MedusaSpeculator(args, tokenizer=tokenizer, runner=runner, vocab_size=vocab_size,
+                                eos_token_ids=eos_token_ids)  # fmt: skip
+    if algo in ("EAGLE", "EAGLE3"):
         from loom.runtime.spec.eagle_drafter import EagleSpeculator
 
         return EagleSpeculator(args, runner, tokenizer, vocab_size, eos_token_ids)
