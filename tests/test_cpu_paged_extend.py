@@ -109,13 +109,13 @@ def test_a_mask_of_the_wrong_shape_is_refused():
         cpu_kernels.ExtendPlan.build([10], [3], [torch.ones(3, 9, dtype=torch.bool)])
 
 
-def test_tree_verify_and_short_extends_match_the_torch_backend(monkeypatch):
-    """NGRAM draft trees on the bundled model, page sizes 1 and 4, batches of several
+def test_tree_verify_and_short_extends_match_the_torch_backend(monkeypatch, tiny_model_dir):
+    """NGRAM draft trees on a tiny Qwen3 (GQA 4/2), page sizes 1 and 4, batches of several
     requests: the verify steps and the short extends after a cached prompt go through the C
     kernel, with the same greedy tokens and logprobs as the torch backend's SDPA path."""
-    from loom.runtime.server_args import BUNDLED_MODEL_PATH
     from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
 
+    path = tiny_model_dir("qwen3")
     calls = {"masked": 0, "causal": 0}
     kernel = cpu_kernels.extend_attention
 
@@ -126,31 +126,34 @@ def test_tree_verify_and_short_extends_match_the_torch_backend(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "extend_attention", counting)
     texts = [
         "The quick brown fox jumps over the lazy dog. The quick brown fox",
-        "def add(a, b): return a + b\ndef sub(a, b): return a - b\ndef mul(a, b):",
         "Repeat after me: red green blue, red green blue, red green",
     ]
     # then prompts that extend the last one by a few tokens, together: short extends
-    tails = [" blue", " blue, red", " yellow", " blue green red"]
+    tails = [" blue", " yellow", " blue green red"]
     spec = {"speculative_algorithm": "NGRAM", "speculative_ngram_max_bfs_breadth": 4}
     results = {}
     for backend, page_size in (("torch", 1), ("cpu_paged", 1), ("cpu_paged", 4)):
-        sched = make_scheduler(
-            BUNDLED_MODEL_PATH, attention_backend=backend, page_size=page_size, **spec
+        sched = make_scheduler(  # cpu_forward eager: small steps would take the C forward
+            path,
+            attention_backend=backend,
+            page_size=page_size,
+            cpu_forward="eager",
+            **spec,
         )
         res = results[f"{backend}{page_size}"] = {}
         for i, text in enumerate(texts):
-            submit(sched, f"r{i}", sched.tokenizer.encode(text), greedy(16), return_logprob=True)
+            submit(sched, f"r{i}", sched.tokenizer.encode(text), greedy(12), return_logprob=True)
         res.update(run_all(sched))
         for i, tail in enumerate(tails):
             ids = sched.tokenizer.encode(texts[-1] + tail)
-            submit(sched, f"t{i}", ids, greedy(16), return_logprob=True)
+            submit(sched, f"t{i}", ids, greedy(12), return_logprob=True)
         res.update(run_all(sched))
         assert sched.get_state()["spec_verify_ct"] > 0
     assert calls["masked"] > 0 and calls["causal"] > 0, calls
     assert len(results["torch1"]) == len(texts) + len(tails)
     for rid, ref in results["torch1"].items():
         for got in (results["cpu_paged1"][rid], results["cpu_paged4"][rid]):
-            assert got.ids == ref.ids and len(ref.ids) == 16
+            assert got.ids == ref.ids and len(ref.ids) == 12
             lp = torch.tensor([x[0] for x in got.output_logprobs])
             want = torch.tensor([x[0] for x in ref.output_logprobs])
             torch.testing.assert_close(lp, want, atol=1e-4, rtol=0)
