@@ -65,6 +65,20 @@ def test_longest_window_first_then_recency_or_frequency():
     assert _drafter(max_window=2).propose(_req(seq), NgramState(4), 1, after=[2]) == [9]
 
 
+def test_a_new_token_after_a_seen_context_drafts_what_followed_another():
+    # skip-gram fallback: "1 2 3" was followed by 50 then 7 8 9; a request ending "1 2 3 60"
+    # (60 never seen there) drafts what followed 50
+    d = _drafter()
+    d.observe(_req([1, 2, 3, 50, 7, 8, 9]), NgramState(4))
+    assert d.propose(_req([4, 1, 2, 3, 60]), NgramState(4), 3) == [7, 8, 9]
+    # the most recently seen other token wins; an exact match of a longer window comes first
+    d.observe(_req([1, 2, 3, 51, 5, 6]), NgramState(4))
+    assert d.propose(_req([4, 1, 2, 3, 61]), NgramState(4), 2) == [5, 6]
+    assert d.propose(_req([1, 2, 3, 50]), NgramState(4), 2) == [7, 8]
+    # one token of context is not enough
+    assert _drafter().propose(_req([3, 50, 7, 3, 60]), NgramState(4), 1) == []
+
+
 def test_trie_is_shared_across_requests_and_bounded():
     d = _drafter(capacity=2048)
     first = _req([30, 31, 32, 33, 34, 35, 36])

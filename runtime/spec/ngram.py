@@ -6,6 +6,10 @@ the trie nodes of its current suffixes of length 1 .. depth-1, so appending a to
 pointer by one child (O(depth) dict operations, no rebuild) and matching the last w tokens is
 reading the pointer at depth w. A draft follows, from the deepest matched suffix that has a
 continuation, the most recently seen child (match type BFS) or the most frequent one (PROB).
+When the last token is new after a context of 2+ tokens the trie knows (a name, a number in
+a JSON value), the draft continues as the most recently seen other token after that context
+did (a skip-gram: `"name": "Alice` drafts `", "age": ` learnt from `"name": "Bob", "age": `),
+unless an exact match of a longer window exists.
 
 Bounded: at most `capacity` nodes, least recently touched evicted first (an evicted node's
 subtree is cut off with it and ages out of the LRU in turn); a prompt contributes at most its
@@ -19,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 MAX_PROMPT_TOKENS = 2048
+SKIP_MIN_CONTEXT = 2  # tokens of context a skip-gram match needs
+SKIP_SCAN = 32  # siblings a skip-gram match looks at
 
 
 class _Node:
@@ -198,7 +204,8 @@ class NgramDrafter:
 
     def _match(self, pointers: list[_Node], after: Sequence[int]) -> _Node | None:
         """The deepest node (suffix length in the match window) of current tokens + `after`
-        that has a continuation."""
+        that has a continuation; or, when the last token is new after a longer context
+        (a name, a number), a sibling's node (see `_skip_match`)."""
         k = len(after)
         for w in range(self.max_window, self.min_window - 1, -1):
             if w > k:
@@ -209,5 +216,28 @@ class NgramDrafter:
             else:
                 node = self.trie.walk(self.trie.root, after[k - w :])
             if node is not None and node.children:
-                return node
-        return None
+                return self._skip_match(pointers, w) if k == 0 else node
+        return self._skip_match(pointers, 0) if k == 0 else None
+
+    def _skip_match(self, pointers: list[_Node], exact: int) -> _Node | None:
+        """Skip-gram fallback: the context before the last token (at least SKIP_MIN_CONTEXT
+        and more than `exact` tokens, the exact match's window) was seen, the last token
+        after it was not (`"name": "` then a new name): continue as the most recently seen
+        other token after that context did (`", "age": `). Returns that sibling's node
+        (its children are the draft), or the exact match's (None: no sibling found)."""
+        exact_node = pointers[exact - 1] if 0 < exact <= len(pointers) else None
+        lo = max(exact, SKIP_MIN_CONTEXT - 1)
+        for i in range(min(len(pointers), self.max_window) - 1, lo, -1):
+            mine = pointers[i]  # the suffix of i + 1 tokens; its parent: the i before the last
+            context = mine.parent
+            if context is None or mine.children:
+                continue  # evicted, or not new here (the exact match covers it)
+            best = None
+            for n, sib in enumerate(context.children.values()):
+                if n >= SKIP_SCAN:
+                    break
+                if sib is not mine and sib.children and (best is None or sib.stamp > best.stamp):
+                    best = sib
+            if best is not None:
+                return best
+        return exact_node
