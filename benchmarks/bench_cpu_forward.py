@@ -1,0 +1,145 @@
+"""The compiled CPU forward (runtime/cpu_forward.py) against the eager forward, in one process.
+
+Two in-process schedulers on the same model, one thread each: `--cpu-forward auto` (the
+default: steps of <= 32 tokens in one C call) and `--cpu-forward eager` (the torch modules).
+Per batch size B and round, each runs B requests of --pp random prompt tokens generating --tg
+tokens (greedy), the two sides alternating. Figures are CPU time of this thread (so the other
+processes' load inflates them less than wall time): the median decode step (whole step:
+scheduling, forward, sampling) and its forward alone, per side; the step ratio eager / C is
+per round, median and range. The prompts' prefill is timed too (its first step).
+
+    python benchmarks/bench_cpu_forward.py [--model bundled] [--batch-sizes 1,2,4,8]
+        [--pp 128] [--tg 32] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+MODES = ("auto", "eager")
+
+
+def _timed_forward(runner, spent: dict) -> None:
+    """Count the CPU time of the model forward, eager or compiled, into spent["forward"]."""
+    model_forward = runner.model.forward
+
+    def eager(*a, **kw):
+        t = time.thread_time()
+        out = model_forward(*a, **kw)
+        spent["forward"] += time.thread_time() - t
+        return out
+
+    runner.model.forward = eager
+    compiled = runner.cpu_forward
+    if compiled is not None:
+
+        class Timed:
+            covers = compiled.covers
+
+            def __call__(self, batch):
+                t = time.thread_time()
+                out = compiled(batch)
+                spent["forward"] += time.thread_time() - t
+                return out
+
+        runner.cpu_forward = Timed()
+
+
+def run_once(sched, spent: dict, prompts: list[list[int]], tg: int) -> tuple[float, float, float]:
+    """(median decode step ms, median decode forward ms, prefill step ms) of one generation."""
+    from loom.runtime.io_struct import TokenizedGenerateReq
+    from loom.runtime.sampling_params import make_sampling_params
+
+    params = make_sampling_params({"max_new_tokens": tg, "temperature": 0, "ignore_eos": True})
+    for i, ids in enumerate(prompts):
+        sched.add_request(
+            TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=params, seed=0)
+        )
+    steps = []
+    while not sched.is_idle:
+        spent["forward"] = 0.0
+        t = time.thread_time()
+        sched.step()
+        steps.append((time.thread_time() - t, spent["forward"]))
+    decode = steps[-(tg - 1) :]  # the last tg - 1 steps decode the whole batch
+    return (
+        statistics.median(s for s, _ in decode) * 1e3,
+        statistics.median(f for _, f in decode) * 1e3,
+        steps[0][0] * 1e3,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="bundled", help=f"one of {common.MODELS}")
+    p.add_argument("--batch-sizes", default="1,2,4,8")
+    p.add_argument("--pp", type=int, default=128)
+    p.add_argument("--tg", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    import torch
+
+    from loom.runtime.scheduler.scheduler import Scheduler
+    from loom.runtime.server_args import ServerArgs
+
+    torch.set_num_threads(1)
+    label, path = common.resolve_model(args.model)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    print(common.header(f"compiled CPU forward vs eager ({label}, 1 thread)"))
+    spent = {"forward": 0.0}
+    scheds = {}
+    for mode in MODES:
+        sched = Scheduler(
+            ServerArgs(
+                model_path=path,
+                cpu_threads=1,
+                cpu_forward=mode,
+                max_running_requests=max(sizes),
+                log_level="warning",
+            )
+        )
+        _timed_forward(sched.runner, spent)
+        scheds[mode] = sched
+    assert scheds["auto"].runner.cpu_forward is not None, "the C forward does not cover this"
+    vocab = scheds["auto"].vocab_size
+    for sched in scheds.values():  # warm-up: torch's first GEMMs, the allocator
+        run_once(sched, spent, [list(range(10, 10 + args.pp))] * max(sizes), 4)
+    rng = random.Random(0)
+    print(
+        "| B | load | decode step, C (CPU ms) | its forward | decode step, eager | its forward"
+        " | step eager / C | prefill step, C | prefill step, eager |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for b in sizes:
+        prompts = [[rng.randrange(10, vocab) for _ in range(args.pp)] for _ in range(b)]
+        res = common.alternate(
+            {m: (lambda s=s, p=prompts: run_once(s, spent, p, args.tg)) for m, s in scheds.items()},
+            args.rounds,
+        )
+        c, e = res["auto"], res["eager"]
+
+        def med(xs, k):
+            return statistics.median(x[k] for x in xs)
+
+        print(
+            f"| {b} | {os.getloadavg()[0]:.1f} | {med(c, 0):.2f} | {med(c, 1):.2f} | {med(e, 0):.2f} "
+            f"| {med(e, 1):.2f} | {common.fmt_ratio([x[0] for x in e], [x[0] for x in c])} "
+            f"| {med(c, 2):.1f} | {med(e, 2):.1f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
