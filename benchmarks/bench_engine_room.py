@@ -20,11 +20,12 @@ elementwise ops and the Python module calls between them.
 
     python benchmarks/bench_engine_room.py [--models bundled,qwen0.5b-f32]
         [--batch-sizes 1,8,32,64] [--pp 128] [--tg 32] [--rounds 3] [--threads 1]
-        [--offline [--num-requests 64]] [--json out.json]
+        [--offline [--num-requests 64]] [--kv-cache-dtype auto|bf16] [--json out.json]
 
 --offline adds bench_offline's request set (prompts of 10..400 tokens, 8..128 new tokens, all
 sent at once): loom against llama-server (-fa --offline-fa, default auto), alternating;
---batch-sizes "" skips the sweep.
+--batch-sizes "" skips the sweep. --kv-cache-dtype bf16 stores every loom side's KV in
+bfloat16 (llama-batched-bench keeps its KV in f16: the same bytes per element).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ BACKENDS = tuple(SIDES)
 class BackendSide(LoomSide):
     """bench_offline's loom side with one of SIDES' settings."""
 
-    def __init__(self, model_path: str, max_running: int, threads: int, backend: str):
+    def __init__(
+        self, model_path: str, max_running: int, threads: int, backend: str, kv: str = "auto"
+    ):
         import loom
 
         self.engine = loom.Engine(
@@ -67,6 +70,7 @@ class BackendSide(LoomSide):
             random_seed=0,
             cpu_threads=threads,
             log_level="warning",
+            kv_cache_dtype=kv,
             **SIDES[backend],
         )
         self.engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 4})
@@ -82,7 +86,9 @@ def prompts_for(path: str, b: int, pp: int, seed: int) -> list[list[int]]:
     return [[rng.choice(pool) for _ in range(pp)] for _ in range(b)]
 
 
-def step_split(path: str, prompts: list[list[int]], tg: int, threads: int) -> dict:
+def step_split(
+    path: str, prompts: list[list[int]], tg: int, threads: int, kv: str = "auto"
+) -> dict:
     """Median CPU milliseconds (this thread's CPU time, so other processes' load does not
     count) per decode step of the whole batch: step, forward, attention, matmuls (F.linear),
     other (= forward - attention - matmuls)."""
@@ -99,6 +105,7 @@ def step_split(path: str, prompts: list[list[int]], tg: int, threads: int) -> di
         cpu_threads=threads,
         max_running_requests=len(prompts),
         attention_backend="cpu_paged",
+        kv_cache_dtype=kv,
     )
     torch.set_num_threads(threads)  # as the scheduler process does (scheduler/loop.py)
     sched = Scheduler(args)
@@ -171,7 +178,8 @@ def step_split(path: str, prompts: list[list[int]], tg: int, threads: int) -> di
 
 def measure(args, label: str, path: str, llamacpp) -> dict:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    sides = {name: BackendSide(path, max(sizes), args.threads, name) for name in BACKENDS}
+    kv = args.kv_cache_dtype
+    sides = {name: BackendSide(path, max(sizes), args.threads, name, kv) for name in BACKENDS}
     rows = []
     try:
         for b in sizes:
@@ -190,13 +198,20 @@ def measure(args, label: str, path: str, llamacpp) -> dict:
                 row[f"{name}_decode"] = [b * (args.tg - 1) / (tot - f) for f, tot in t[name]]
             row["llama_prefill"] = [x[0] for x in t["llama.cpp"]]
             row["llama_decode"] = [x[1] for x in t["llama.cpp"]]
-            row["split"] = step_split(path, prompts, args.tg, args.threads)
+            row["split"] = step_split(path, prompts, args.tg, args.threads, kv)
             rows.append(row)
             print(format_row(row), flush=True)
     finally:
         for side in sides.values():
             side.close()
-    return {"model": label, "pp": args.pp, "tg": args.tg, "threads": args.threads, "rows": rows}
+    return {
+        "model": label,
+        "pp": args.pp,
+        "tg": args.tg,
+        "threads": args.threads,
+        "kv": kv,
+        "rows": rows,
+    }
 
 
 def offline(args, label: str, path: str, llamacpp) -> dict:
@@ -261,7 +276,8 @@ def markdown(results: list[dict]) -> str:
     for res in results:
         if res.get("rows"):
             lines += [
-                f"**{res['model']}**, pp {res['pp']}, tg {res['tg']}, {res['threads']} thread(s)"
+                f"**{res['model']}**, pp {res['pp']}, tg {res['tg']}, loom KV {res['kv']}, "
+                f"{res['threads']} thread(s)"
                 " each; ratios loom / llama.cpp (-fa off), median and range over the rounds:",
                 "",
                 "| B | load | decode, default | decode, --cpu-forward eager | decode, torch backend"
@@ -309,6 +325,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--offline", action="store_true", help="also bench_offline's request set")
     p.add_argument("--num-requests", type=int, default=64, help="offline: requests")
     p.add_argument("--offline-fa", default="auto", choices=["auto", "off"], help="offline: -fa")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bf16"],
+        help="loom's KV pool (auto: the model's f32; llama-batched-bench's is f16)",
+    )
     p.add_argument("--json", help="write the raw figures here")
     args = p.parse_args(argv)
     import llamacpp

@@ -35,79 +35,120 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-static inline float load_f32(const float* p) { return *p; }
-static inline float load_bf16(const uint16_t* p) {
-    uint32_t u = (uint32_t)(*p) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+/* A K or V row as f32: in place for an f32 pool, else widened into `buf` (bf16 -> f32 is a
+   16-bit shift, which vectorizes; an element-wise load inside the dot products does not). */
+static inline const float* row_f32(const float* p, float* buf, int64_t n) {
+    (void)buf;
+    (void)n;
+    return p;
+}
+static inline const float* row_bf16(const uint16_t* p, float* buf, int64_t n) {
+    uint32_t* u = (uint32_t*)buf;
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; i++) u[i] = (uint32_t)p[i] << 16;
+    return buf;
+}
+
+/* exp(x) for the softmax (x <= 0: a score minus its row max), in arithmetic that vectorizes
+   (libm's expf does not without -ffast-math): 2^n * e^r with |r| <= ln2 / 2 and a degree-6
+   Taylor polynomial, relative error ~2e-7; exactly 0 below -87 (and for -inf: masked). */
+static inline float fast_expf(float x) {
+    const float n = __builtin_rintf(x * 1.44269504f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t e = ((int32_t)(n < -126.f ? -126.f : n) + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return x < -87.f ? 0.f : p * scale;
 }
 
 /* q [B, H, D] f32; k [S, Hkv, D], v [S, Hkv, Dv] (T); table [R, stride] i64 slot ids;
    rows, lens [B] i64; out [B, H, Dv] f32. Query head h reads kv head h / (H / Hkv). */
-#define DECODE(NAME, T, LOAD)                                                              \
-void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t stride,   \
-          const int64_t* rows, const int64_t* lens, float* out, int64_t B, int64_t H,      \
-          int64_t Hkv, int64_t D, int64_t Dv, float scale, int64_t max_len,               \
-          int nthreads) {                                                                 \
-    const int64_t G = H / Hkv;                                                             \
-    _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1)")                       \
-    {                                                                                      \
-        float* s = (float*)malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));        \
-        float* acc = (float*)malloc(sizeof(float) * G * Dv);                               \
-        _Pragma("omp for schedule(dynamic)")                                               \
-        for (int64_t w = 0; w < B * Hkv; w++) {                                            \
-            const int64_t b = w / Hkv, h = w % Hkv, L = lens[b];                           \
-            const int64_t* slots = table + rows[b] * stride;                               \
-            const float* qb = q + (b * H + h * G) * D;                                     \
-            for (int64_t t = 0; t < L; t++) {                                              \
-                const T* kp = k + (slots[t] * Hkv + h) * D;                                \
-                for (int64_t g = 0; g < G; g++) {                                          \
-                    const float* qg = qb + g * D;                                          \
-                    float dot = 0.f;                                                       \
-                    _Pragma("omp simd reduction(+:dot)")                                   \
-                    for (int64_t d = 0; d < D; d++) dot += qg[d] * LOAD(kp + d);           \
-                    s[g * L + t] = dot * scale;                                            \
-                }                                                                          \
-            }                                                                              \
-            float denom[G > 0 ? G : 1];                                                    \
-            for (int64_t g = 0; g < G; g++) {                                              \
-                float* sg = s + g * L;                                                     \
-                float m = -INFINITY, sum = 0.f;                                            \
-                for (int64_t t = 0; t < L; t++) m = sg[t] > m ? sg[t] : m;                 \
-                for (int64_t t = 0; t < L; t++) { sg[t] = expf(sg[t] - m); sum += sg[t]; } \
-                denom[g] = sum;                                                            \
-            }                                                                              \
-            memset(acc, 0, sizeof(float) * G * Dv);                                        \
-            for (int64_t t = 0; t < L; t++) {                                              \
-                const T* vp = v + (slots[t] * Hkv + h) * Dv;                               \
-                for (int64_t g = 0; g < G; g++) {                                          \
-                    const float p = s[g * L + t];                                          \
-                    float* a = acc + g * Dv;                                               \
-                    _Pragma("omp simd")                                                    \
-                    for (int64_t d = 0; d < Dv; d++) a[d] += p * LOAD(vp + d);             \
-                }                                                                          \
-            }                                                                              \
-            for (int64_t g = 0; g < G; g++) {                                              \
-                float* o = out + (b * H + h * G + g) * Dv;                                 \
-                const float inv = L > 0 ? 1.f / denom[g] : 0.f;                            \
-                for (int64_t d = 0; d < Dv; d++) o[d] = acc[g * Dv + d] * inv;             \
-            }                                                                              \
-        }                                                                                  \
-        free(s);                                                                           \
-        free(acc);                                                                         \
-    }                                                                                      \
+#define DECODE(NAME, T, ROW)                                                               \
+/* One (request, kv head): its G query heads qb [G, D] over the L rows `slots` names. Inlined \
+   with D, Dv constant for the common head sizes, so the row loops unroll and stay in        \
+   registers. */                                                                             \
+static inline __attribute__((always_inline)) void NAME##_item(                               \
+    const float* qb, const T* k, const T* v, const int64_t* slots, int64_t L, int64_t Hkv,   \
+    int64_t h, int64_t G, const int64_t D, const int64_t Dv, float scale, float* s,          \
+    float* acc, float* buf, float* o) {                                                      \
+    for (int64_t t = 0; t < L; t++) {                                                        \
+        const float* kp = ROW(k + (slots[t] * Hkv + h) * D, buf, D);                         \
+        for (int64_t g = 0; g < G; g++) {                                                    \
+            const float* qg = qb + g * D;                                                    \
+            float dot = 0.f;                                                                 \
+            _Pragma("omp simd reduction(+:dot)")                                             \
+            for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];                            \
+            s[g * L + t] = dot * scale;                                                      \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t g = 0; g < G; g++) {                                                        \
+        float* sg = s + g * L;                                                               \
+        float m = -INFINITY, sum = 0.f;                                                      \
+        _Pragma("omp simd reduction(max:m)")                                                 \
+        for (int64_t t = 0; t < L; t++) m = sg[t] > m ? sg[t] : m;                           \
+        _Pragma("omp simd reduction(+:sum)")                                                 \
+        for (int64_t t = 0; t < L; t++) { sg[t] = fast_expf(sg[t] - m); sum += sg[t]; }      \
+        const float inv = L > 0 ? 1.f / sum : 0.f;                                           \
+        _Pragma("omp simd")                                                                  \
+        for (int64_t t = 0; t < L; t++) sg[t] *= inv;                                        \
+    }                                                                                        \
+    memset(acc, 0, sizeof(float) * G * Dv);                                                  \
+    for (int64_t t = 0; t < L; t++) {                                                        \
+        const float* vp = ROW(v + (slots[t] * Hkv + h) * Dv, buf, Dv);                       \
+        for (int64_t g = 0; g < G; g++) {                                                    \
+            const float p = s[g * L + t];                                                    \
+            float* a = acc + g * Dv;                                                         \
+            _Pragma("omp simd")                                                              \
+            for (int64_t d = 0; d < Dv; d++) a[d] += p * vp[d];                              \
+        }                                                                                    \
+    }                                                                                        \
+    memcpy(o, acc, sizeof(float) * G * Dv);                                                  \
+}                                                                                            \
+void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t stride,     \
+          const int64_t* rows, const int64_t* lens, float* out, int64_t B, int64_t H,        \
+          int64_t Hkv, int64_t D, int64_t Dv, float scale, int64_t max_len,                 \
+          int nthreads) {                                                                   \
+    const int64_t G = H / Hkv;                                                               \
+    _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1)")                         \
+    {                                                                                        \
+        float* s = (float*)malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));          \
+        float* acc = (float*)malloc(sizeof(float) * G * Dv);                                 \
+        float* buf = (float*)malloc(sizeof(float) * (D > Dv ? D : Dv));                      \
+        _Pragma("omp for schedule(dynamic)")                                                 \
+        for (int64_t w = 0; w < B * Hkv; w++) {                                              \
+            const int64_t b = w / Hkv, h = w % Hkv, L = lens[b];                             \
+            const int64_t* slots = table + rows[b] * stride;                                 \
+            const float* qb = q + (b * H + h * G) * D;                                       \
+            float* o = out + (b * H + h * G) * Dv;                                           \
+            if (D == 64 && Dv == 64)                                                         \
+                NAME##_item(qb, k, v, slots, L, Hkv, h, G, 64, 64, scale, s, acc, buf, o);   \
+            else if (D == 128 && Dv == 128)                                                  \
+                NAME##_item(qb, k, v, slots, L, Hkv, h, G, 128, 128, scale, s, acc, buf, o); \
+            else                                                                             \
+                NAME##_item(qb, k, v, slots, L, Hkv, h, G, D, Dv, scale, s, acc, buf, o);    \
+        }                                                                                    \
+        free(s);                                                                             \
+        free(acc);                                                                           \
+        free(buf);                                                                           \
+    }                                                                                        \
 }
 
-DECODE(loom_decode_f32, float, load_f32)
-DECODE(loom_decode_bf16, uint16_t, load_bf16)
+DECODE(loom_decode_f32, float, row_f32)
+DECODE(loom_decode_bf16, uint16_t, row_bf16)
 
 /* Several query rows per request (a short extend, a draft tree's verify step): q [T, H, D] f32
    with request b's E = exts[b] rows at q[qstart[b] ..]; they attend to the K/V rows
    table[rows[b], :lens[b]]. Row j sees column t where mask[mask_off[b] + j * L + t] != 0, or,
    with mask_off[b] < 0, causally: t <= L - E + j. out [T, H, Dv] f32. One (request, kv head)
    per work item, so each K/V row is read once for all E x G query rows. */
-#define EXTEND(NAME, T, LOAD)                                                              \
+#define EXTEND(NAME, T, ROW)                                                               \
 void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t stride,   \
           const int64_t* rows, const int64_t* lens, const int64_t* exts,                   \
           const int64_t* qstart, const uint8_t* mask, const int64_t* mask_off, float* out, \
@@ -119,6 +160,7 @@ void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t 
     {                                                                                      \
         float* s = (float*)malloc(sizeof(float) * R * (max_len > 0 ? max_len : 1));        \
         float* acc = (float*)malloc(sizeof(float) * R * Dv);                               \
+        float* buf = (float*)malloc(sizeof(float) * (D > Dv ? D : Dv));                    \
         float* denom = (float*)malloc(sizeof(float) * R);                                  \
         _Pragma("omp for schedule(dynamic)")                                               \
         for (int64_t w = 0; w < B * Hkv; w++) {                                            \
@@ -127,7 +169,7 @@ void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t 
             const int64_t* slots = table + rows[b] * stride;                               \
             const uint8_t* mk = mask_off[b] >= 0 ? mask + mask_off[b] : NULL;              \
             for (int64_t t = 0; t < L; t++) {                                              \
-                const T* kp = k + (slots[t] * Hkv + h) * D;                                \
+                const float* kp = ROW(k + (slots[t] * Hkv + h) * D, buf, D);                          \
                 for (int64_t j = 0; j < E; j++) {                                          \
                     const int ok = mk ? mk[j * L + t] != 0 : t <= P + j;                   \
                     const float* qj = q + ((qstart[b] + j) * H + h * G) * D;               \
@@ -137,7 +179,7 @@ void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t 
                             const float* qg = qj + g * D;                                  \
                             dot = 0.f;                                                     \
                             _Pragma("omp simd reduction(+:dot)")                           \
-                            for (int64_t d = 0; d < D; d++) dot += qg[d] * LOAD(kp + d);   \
+                            for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];          \
                             dot *= scale;                                                  \
                         }                                                                  \
                         s[(j * G + g) * L + t] = dot;                                      \
@@ -147,23 +189,25 @@ void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t 
             for (int64_t r = 0; r < E * G; r++) {                                          \
                 float* sr = s + r * L;                                                     \
                 float m = -INFINITY, sum = 0.f;                                            \
+                _Pragma("omp simd reduction(max:m)")                                       \
                 for (int64_t t = 0; t < L; t++) m = sr[t] > m ? sr[t] : m;                 \
                 if (m == -INFINITY) { /* a row that sees nothing: zeros, not NaN */        \
                     for (int64_t t = 0; t < L; t++) sr[t] = 0.f;                           \
                 } else {                                                                   \
-                    for (int64_t t = 0; t < L; t++) { sr[t] = expf(sr[t] - m); sum += sr[t]; } \
+                    _Pragma("omp simd reduction(+:sum)")                                   \
+                    for (int64_t t = 0; t < L; t++) { sr[t] = fast_expf(sr[t] - m); sum += sr[t]; } \
                 }                                                                          \
                 denom[r] = sum;                                                            \
             }                                                                              \
             memset(acc, 0, sizeof(float) * E * G * Dv);                                    \
             for (int64_t t = 0; t < L; t++) {                                              \
-                const T* vp = v + (slots[t] * Hkv + h) * Dv;                               \
+                const float* vp = ROW(v + (slots[t] * Hkv + h) * Dv, buf, Dv);                          \
                 for (int64_t r = 0; r < E * G; r++) {                                      \
                     const float p = s[r * L + t];                                          \
                     if (p == 0.f) continue;                                                \
                     float* a = acc + r * Dv;                                               \
                     _Pragma("omp simd")                                                    \
-                    for (int64_t d = 0; d < Dv; d++) a[d] += p * LOAD(vp + d);             \
+                    for (int64_t d = 0; d < Dv; d++) a[d] += p * vp[d];                    \
                 }                                                                          \
             }                                                                              \
             for (int64_t j = 0; j < E; j++) {                                              \
@@ -177,12 +221,13 @@ void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t 
         }                                                                                  \
         free(s);                                                                           \
         free(acc);                                                                         \
+        free(buf);                                                                         \
         free(denom);                                                                       \
     }                                                                                      \
 }
 
-EXTEND(loom_extend_f32, float, load_f32)
-EXTEND(loom_extend_bf16, uint16_t, load_bf16)
+EXTEND(loom_extend_f32, float, row_f32)
+EXTEND(loom_extend_bf16, uint16_t, row_bf16)
 
 /* RMSNorm over rows x[o * so + i * si + 0 .. D-1] (o < no, i < ni) into out [no * ni, D]. With
    res [no * ni, D]: the row is x + res, and that sum is also written to res_out. */
@@ -458,7 +503,7 @@ def fusable(x: torch.Tensor) -> bool:
         and x.device.type == "cpu"
         and x.stride(-1) == 1
         and not (torch.is_grad_enabled() and x.requires_grad)
-        and load() is not None
+        and (_lib is not None or load() is not None)
     )
 
 
