@@ -56,7 +56,7 @@ def bundled_head_path(args) -> str:
 
 class EagleSpeculator(Drafter):
     def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids):
-        from loom.runtime.attention.torch_backend import TorchAttnBackend
+        from loom.runtime.attention.base import create_attention_backend
         from loom.runtime.memory_pool import TokenToKVPool
         from loom.runtime.models.llama import head_dim_of
         from loom.runtime.spec.eagle import load_eagle_head
@@ -93,7 +93,9 @@ class EagleSpeculator(Drafter):
             runner.device,
             padding_slots=target_kv.num_slots,
         )  # fmt: skip  (all zero: an entry never written reads as a finite, if useless, value)
-        self.extend_backend = TorchAttnBackend()
+        # the catch-up's attention: the target's backend kind (on the CPU, cpu_paged: a few
+        # new entries per request read the head's pool in place through the C extend kernel)
+        self.extend_backend = create_attention_backend(args.effective_attention_backend)
         inner = runner.model.model
         self.capture = tuple(head.aux_layers or ())  # () = the final hidden state only
         inner.capture_layers = self.capture
