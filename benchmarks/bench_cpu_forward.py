@@ -3,7 +3,7 @@
 Two in-process schedulers on the same model, one thread each: `--cpu-forward auto` (the
 default: steps of <= 32 tokens in one C call) and `--cpu-forward eager` (the torch modules).
 Per batch size B and round, each runs B requests of --pp random prompt tokens generating --tg
-tokens (greedy), the two sides alternating. Figures are CPU time of this thread (so the other
+tokens (greedy), the two sides alternating (radix cache off, so every round prefills). Figures are CPU time of this thread (so the other
 processes' load inflates them less than wall time): the median decode step (whole step:
 scheduling, forward, sampling) and its forward alone, per side; the step ratio eager / C is
 per round, median and range. The prompts' prefill is timed too (its first step).
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 cpu_threads=1,
                 cpu_forward=mode,
                 max_running_requests=max(sizes),
+                disable_radix_cache=True,  # every round prefills its prompts again
                 log_level="warning",
             )
         )
