@@ -56,7 +56,8 @@ def test_bf16_pool_greedy_outputs_match_float32():
     """The bundled model (float32 weights) with its KV in bfloat16, on the cpu_paged backend
     (C kernels, f32 accumulation) and the torch backend: the same greedy tokens as a float32
     pool on this prompt set (measured: 6 x 24 of 6 x 24), output logprobs within 0.05 of
-    float32's (measured max 0.007), and the two backends within float error of each other."""
+    float32's (measured max 0.0055), and the two backends within float error of each other
+    (measured 7e-6)."""
     ref, ref_pool = _run()
     paged, pool = _run(kv_cache_dtype="bf16")
     plain, _ = _run(kv_cache_dtype="bfloat16", attention_backend="torch")
@@ -67,4 +68,4 @@ def test_bf16_pool_greedy_outputs_match_float32():
         assert paged[f"p{i}"].ids == ref[f"p{i}"].ids == plain[f"p{i}"].ids, i
     err = (_logprobs(paged) - _logprobs(ref)).abs().max().item()
     assert 0 < err < 0.05, err  # 0 would mean the pool's rounding never reached attention
-    torch.testing.assert_close(_logprobs(paged), _logprobs(plain), atol=2e-3, rtol=0)
+    torch.testing.assert_close(_logprobs(paged), _logprobs(plain), atol=1e-4, rtol=0)
