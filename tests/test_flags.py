@@ -101,6 +101,17 @@ def test_refused_generate_fields_are_400_naming_them(server, field):
     assert res.status_code == 200, res.text
 
 
+def test_bootstrap_fields_are_refused_by_name_on_a_plain_server(server):
+    """PD fields (set by `loom router --pd-disaggregation`) need --disaggregation-mode."""
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}, "bootstrap_room": 5}
+    res = requests.post(server.url + "/generate", json=body)
+    assert res.status_code == 400
+    assert res.json()["error"]["message"].startswith("bootstrap_room: needs a server started")
+    body = {"model": server.server_args.served_model_name, "prompt": "a", "bootstrap_port": 8998}
+    res = requests.post(server.url + "/v1/completions", json=body)
+    assert res.status_code == 400 and "bootstrap_port: needs a server started" in res.text
+
+
 def test_sglang_sampling_params_at_their_defaults_pass(server):
     sp = {"max_new_tokens": 2, "stop_regex": [], "beam_width": None, "stop": ()}
     body = {"input_ids": [1, 2, 3], "sampling_params": sp, "lora_path": None}

@@ -131,13 +131,32 @@ def test_router_args_name_the_bad_field(kwargs, field):
         RouterArgs(**kwargs)
 
 
-def test_cli_refuses_pd_flags_by_name(capsys):
+def test_cli_pd_flags(capsys):
     from loom.runtime.router.launch import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--worker-urls", "http://a:1", "--pd-disaggregation"])
-    assert "pd_disaggregation: prefill/decode disaggregation is not supported yet" in (
-        capsys.readouterr().err
+    assert "worker_urls: use --prefill and --decode with PD" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "http://a:1"])
+    assert "prefill: needs --pd-disaggregation" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(
+            ["--pd-disaggregation", "--prefill", "9000", "http://a:1", "--decode", "http://b:1"]
+        )
+    assert "prefill: bootstrap port 9000 does not follow a URL" in capsys.readouterr().err
+    args = parse_args(
+        ["--pd-disaggregation", "--prefill", "http://a:1", "9001", "http://c:1"]
+        + ["--prefill", "http://d:1/", "--decode", "http://b:1", "http://e:1"]
+    )
+    assert args.prefill == (("http://a:1", 9001), ("http://c:1", None), ("http://d:1", None))
+    assert args.decode == ("http://b:1", "http://e:1")
+    assert args.all_worker_urls == (
+        "http://a:1",
+        "http://c:1",
+        "http://d:1",
+        "http://b:1",
+        "http://e:1",
     )
     args = parse_args(["--worker-urls", "http://a:1/", "--policy", "round_robin"])
     assert args.worker_urls == ("http://a:1",) and args.policy == "round_robin"

@@ -56,14 +56,16 @@ class RouterMetrics:
 
 
 def create_app(args: RouterArgs) -> FastAPI:
-    policy = make_policy(
-        args.policy,
-        cache_threshold=args.cache_threshold,
-        balance_abs_threshold=args.balance_abs_threshold,
-        balance_rel_threshold=args.balance_rel_threshold,
-        max_tree_size=args.max_tree_size,
-    )
-    pool = WorkerPool(policy, args.worker_urls)
+    def new_policy():
+        return make_policy(
+            args.policy,
+            cache_threshold=args.cache_threshold,
+            balance_abs_threshold=args.balance_abs_threshold,
+            balance_rel_threshold=args.balance_rel_threshold,
+            max_tree_size=args.max_tree_size,
+        )
+
+    pool = WorkerPool(new_policy(), args.all_worker_urls)
     metrics = RouterMetrics()
 
     @contextlib.asynccontextmanager
@@ -72,6 +74,10 @@ def create_app(args: RouterArgs) -> FastAPI:
         timeout = httpx.Timeout(args.request_timeout, connect=args.health_check_timeout)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             app.state.proxy = Proxy(pool, client, metrics, args.health_check_timeout)
+            if args.pd_disaggregation:
+                from loom.runtime.router.pd import PDProxy
+
+                app.state.pd = PDProxy(pool, args, new_policy, client)
             health = asyncio.create_task(
                 pool.health_loop(
                     client,
@@ -108,9 +114,14 @@ def create_app(args: RouterArgs) -> FastAPI:
         body = parse_body(raw)
         path = request.url.path
         stream = isinstance(body, dict) and bool(body.get("stream"))
-        forward = proxy(request).forward(
-            "POST", path, raw, request.headers, stream, routing_key(path, body)
-        )
+        if args.pd_disaggregation:
+            forward = request.app.state.pd.forward(
+                path, body, request.headers, stream, routing_key(path, body)
+            )
+        else:
+            forward = proxy(request).forward(
+                "POST", path, raw, request.headers, stream, routing_key(path, body)
+            )
         if stream:  # a stream's client leaving closes the generator, and so the upstream
             return await forward
         return await unless_disconnected(
@@ -157,6 +168,10 @@ def create_app(args: RouterArgs) -> FastAPI:
     async def add_worker(request: Request, url: str | None = None):
         if not url:
             return error_response(400, "url: required (POST /add_worker?url=http://host:port)")
+        if args.pd_disaggregation:
+            return error_response(
+                400, "url: /add_worker is not supported with --pd-disaggregation yet"
+            )
         try:
             worker_url = url.strip().rstrip("/")
             res = await proxy(request).client.get(

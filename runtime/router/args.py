@@ -34,10 +34,24 @@ class RouterArgs:
     request_timeout: float = 1800.0
     api_key: str | None = None  # or LOOM_API_KEY; forwarded to the workers as it came
     log_level: str = "info"
+    # prefill/decode disaggregation (pd.py): prefill workers as (url, bootstrap port or None:
+    # read from the worker's /get_server_info), decode workers as urls
+    pd_disaggregation: bool = False
+    prefill: tuple[tuple[str, int | None], ...] = ()
+    decode: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "worker_urls", tuple(normalize_url(u) for u in self.worker_urls))
+        object.__setattr__(self, "prefill", tuple((normalize_url(u), p) for u, p in self.prefill))
+        object.__setattr__(self, "decode", tuple(normalize_url(u) for u in self.decode))
         self.validate()
+
+    @property
+    def all_worker_urls(self) -> tuple[str, ...]:
+        """Every worker: the plain ones, or the prefill then the decode ones."""
+        if self.pd_disaggregation:
+            return tuple(u for u, _ in self.prefill) + self.decode
+        return self.worker_urls
 
     def validate(self) -> None:
         def need(cond: bool, name: str, what: str) -> None:
@@ -45,6 +59,21 @@ class RouterArgs:
                 raise ValueError(f"{name}: {what}")
 
         need(self.policy in POLICIES, "policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        if self.pd_disaggregation:
+            need(not self.worker_urls, "worker_urls", "use --prefill and --decode with PD")
+            need(bool(self.prefill), "prefill", "--pd-disaggregation needs a prefill server")
+            need(bool(self.decode), "decode", "--pd-disaggregation needs a decode server")
+            urls = self.all_worker_urls
+            need(len(set(urls)) == len(urls), "prefill", f"lists a server twice: {list(urls)}")
+            for _, port in self.prefill:
+                need(
+                    port is None or 0 < port < 65536,
+                    "prefill",
+                    f"bootstrap port {port} is not a TCP port",
+                )
+        else:
+            need(not self.prefill, "prefill", "needs --pd-disaggregation")
+            need(not self.decode, "decode", "needs --pd-disaggregation")
         need(
             len(set(self.worker_urls)) == len(self.worker_urls),
             "worker_urls",
@@ -93,8 +122,28 @@ class RouterArgs:
             "--worker-urls", nargs="*", default=[], help="loom (or SGLang) servers to route to"
         )
         parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
+        parser.add_argument(
+            "--pd-disaggregation",
+            action="store_true",
+            help="Prefill/decode disaggregation: each request goes to a prefill server and a "
+            "decode server (started with --disaggregation-mode prefill / decode), paired by "
+            "bootstrap fields; the decode server's output is returned",
+        )
+        parser.add_argument(
+            "--prefill",
+            nargs="+",
+            action="append",
+            default=[],
+            metavar="URL [BOOTSTRAP_PORT]",
+            help="Prefill servers (repeat the flag, or list several URLs); a number after a URL "
+            "is its --disaggregation-bootstrap-port, else the router reads it from the "
+            "server's /get_server_info",
+        )
+        parser.add_argument(
+            "--decode", nargs="+", action="append", default=[], help="Decode servers"
+        )
         for f in dataclasses.fields(RouterArgs):
-            if f.name in ("worker_urls", "policy"):
+            if f.name in ("worker_urls", "policy", "pd_disaggregation", "prefill", "decode"):
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).replace(" | None", ""), str)
             parser.add_argument(
@@ -103,9 +152,6 @@ class RouterArgs:
                 default=f.default,
                 help=f"{_HELP[f.name]} (default: {f.default})",
             )
-        # SGLang's PD flags: not built yet, refused by name rather than accepted and ignored
-        for flag in ("--pd-disaggregation", "--prefill", "--decode"):
-            parser.add_argument(flag, nargs="*", default=None, help=argparse.SUPPRESS)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> RouterArgs:
@@ -115,11 +161,23 @@ class RouterArgs:
 
         if ns.api_key is None:  # keeps the key out of `ps`
             ns.api_key = os.environ.get(API_KEY_ENV) or None
-        for name in ("pd_disaggregation", "prefill", "decode"):
-            if getattr(ns, name) is not None:
-                raise ValueError(f"{name}: prefill/decode disaggregation is not supported yet")
+        ns.prefill = _prefill_servers([x for group in ns.prefill for x in group])
+        ns.decode = [x for group in ns.decode for x in group]
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _prefill_servers(items: list[str]) -> list[tuple[str, int | None]]:
+    """`URL [PORT] URL [PORT] ...` -> [(url, port or None)]."""
+    out: list[tuple[str, int | None]] = []
+    for item in items:
+        if item.isdigit():
+            if not out or out[-1][1] is not None:
+                raise ValueError(f"prefill: bootstrap port {item} does not follow a URL")
+            out[-1] = (out[-1][0], int(item))
+        else:
+            out.append((item, None))
+    return out
 
 
 _HELP = {

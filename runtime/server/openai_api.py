@@ -262,6 +262,9 @@ async def completions(req: CompletionRequest, request: Request):
         return_text_in_logprobs=logprobs,
         logprob_start_len=0 if logprobs and req.echo else None,
         rid=req.rid or None,
+        bootstrap_host=req.bootstrap_host,
+        bootstrap_port=req.bootstrap_port,
+        bootstrap_room=req.bootstrap_room,
     )
     names = openai_names("prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -375,6 +378,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         top_logprobs_num=req.top_logprobs or 0,
         return_text_in_logprobs=req.logprobs,
         rid=req.rid or None,
+        bootstrap_host=req.bootstrap_host,
+        bootstrap_port=req.bootstrap_port,
+        bootstrap_room=req.bootstrap_room,
     )
     names = openai_names("messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -133,6 +133,10 @@ class _SamplingExtras(_Lenient):
     ebnf: str | None = None
     response_format: ResponseFormat | None = None
     rid: str | None = None
+    # prefill/decode disaggregation (SGLang's names; set by `loom router --pd-disaggregation`)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class CompletionRequest(_SamplingExtras):
