@@ -7,9 +7,11 @@ position, never on what else is in the batch, and resume identically after a ret
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 from loom.runtime.req import Req
@@ -18,6 +20,7 @@ _M1 = 0x9E3779B97F4A7C15 - (1 << 64)
 _M2 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M3 = 0x94D049BB133111EB - (1 << 64)
 _LOW31 = (1 << 31) - 1
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -147,6 +150,9 @@ class SamplingInfo:
         )
 
     def to(self, device: torch.device | str) -> SamplingInfo:
+        if torch.device(device) == self.greedy.device:  # built where it samples (the CPU)
+            return self
+
         def move(x):
             if isinstance(x, torch.Tensor):
                 return x.to(device, non_blocking=True)
@@ -205,9 +211,21 @@ def apply_penalties(logits: torch.Tensor, info: SamplingInfo) -> None:
     if info.banned is not None:
         logits[info.banned] = float("-inf")
     if info.vocab_mask is not None:
-        from loom.grammar.base import apply_token_bitmask_
+        apply_vocab_mask_(logits, info.vocab_mask)
 
-        apply_token_bitmask_(logits, info.vocab_mask)
+
+def apply_vocab_mask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens' logits to -inf. On the CPU the bitmask's bytes are unpacked by
+    numpy (little-endian: token t is bit t % 8 of byte t // 8), a verify step's rows in one
+    call; elsewhere the grammar module's torch version."""
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu" and _LITTLE_ENDIAN:
+        words = bitmask.contiguous().numpy().view(np.uint8)
+        bits = np.unpackbits(words, axis=-1, bitorder="little")[:, : logits.shape[-1]]
+        logits.masked_fill_(torch.from_numpy(bits == 0), float("-inf"))
+        return
+    from loom.grammar.base import apply_token_bitmask_
+
+    apply_token_bitmask_(logits, bitmask)
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:

@@ -33,6 +33,7 @@ TOKEN_COST = 0.05
 LEARN_QUEUE = 64
 LEARN_PER_STEP = 16  # tokens of finished requests the trie learns per drafting request-step
 PROBE_EVERY = 16
+FORCED_CACHE = 4096  # forced texts whose token ids are remembered
 
 
 def extra_cost(batch_size: int, longest_draft: int) -> float:
@@ -52,7 +53,9 @@ class NgramSpeculator(Drafter):
         self.ngram = NgramDrafter(
             args.speculative_ngram_min_match_window_size,
             args.speculative_ngram_max_match_window_size,
-            args.speculative_ngram_branch_length,
+            # a draft never reads deeper than the match window + the draft budget, so the
+            # trie stores no longer branches (fewer nodes to touch per token seen)
+            min(args.speculative_ngram_branch_length, self.num_draft),
             args.speculative_ngram_capacity,
             args.speculative_ngram_match_type,
         )
@@ -62,6 +65,7 @@ class NgramSpeculator(Drafter):
             args.speculative_ngram_max_bfs_breadth,
         )
         self.tokenizer = tokenizer
+        self.forced_ids: dict[str, list[int]] = {}
         self.vocab_size = vocab_size
         self.eos = frozenset(eos_token_ids)
         self.stats = AcceptanceStats(self.num_draft)
@@ -118,21 +122,24 @@ class NgramSpeculator(Drafter):
         text = req.grammar.jump_forward()
         if not text:
             return []
-        return self.tokenizer.encode(text[: 8 * budget], add_special_tokens=False)[:budget]
+        text = text[: 8 * budget]
+        ids = self.forced_ids.get(text)
+        if ids is None:  # a schema's keys and punctuation recur in every request
+            if len(self.forced_ids) >= FORCED_CACHE:
+                self.forced_ids.clear()
+            ids = self.forced_ids[text] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids[:budget]
 
     def _walk_grammar(self, req, draft: list[int]) -> list[int]:
         from loom.grammar.base import GrammarError, allocate_token_bitmask
 
         g = req.grammar
         masks = allocate_token_bitmask(len(draft) + 1, self.vocab_size)
+        words = masks.numpy()  # the same memory: bit reads without tensor indexing
         n = 0
         for t in draft:
             g.fill_mask(masks, n)
-            if (
-                t in self.eos
-                or t >= self.vocab_size
-                or not (int(masks[n, t // 32]) >> (t % 32)) & 1
-            ):
+            if t in self.eos or t >= self.vocab_size or not (int(words[n, t >> 5]) >> (t & 31)) & 1:
                 break
             try:
                 g.accept_token(t)
@@ -156,6 +163,7 @@ class NgramSpeculator(Drafter):
         g = req.grammar
         n = len(tokens)
         masks = allocate_token_bitmask(n + 1, self.vocab_size)
+        words = masks.numpy()
         children: list[list[int]] = [[] for _ in range(n + 1)]
         for i, p in enumerate(parents):
             children[p + 1].append(i)
@@ -168,7 +176,7 @@ class NgramSpeculator(Drafter):
                 t = tokens[k]
                 if t in self.eos or t >= self.vocab_size:
                     continue
-                if not (int(masks[row, t // 32]) >> (t % 32)) & 1:
+                if not (int(words[row, t >> 5]) >> (t & 31)) & 1:
                     continue
                 try:
                     g.accept_token(t)
