@@ -90,21 +90,28 @@ def test_decode_kernel_uses_threads_like_one():
     assert torch.equal(outs[0], outs[1])  # each (request, kv head) is one thread's work
 
 
-def test_the_backend_decodes_like_the_torch_backend(tiny_model_dir):
+def test_the_backend_decodes_like_the_torch_backend(tiny_model_dir, monkeypatch):
     """Same greedy tokens and the same output logprobs (within float error) through the
     scheduler, with a batch of ragged prompts, one sharing a long prefix, and page size 4."""
     from tests.runtime_helpers import make_scheduler, run_all, submit
 
     path = tiny_model_dir("qwen3")
+    calls = []
+    kernel = cpu_kernels.decode_attention
+    monkeypatch.setattr(
+        cpu_kernels, "decode_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+    )
     common = list(range(5, 60))
     prompts = [[7, 8, 9], common + [3], common + [4, 5], list(range(100, 190))]
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     results = {}
     for backend in ("torch", "cpu_paged"):
-        sched = make_scheduler(path, attention_backend=backend, page_size=4)
+        # cpu_forward eager: steps of <= 32 tokens would take the compiled C forward instead
+        sched = make_scheduler(path, attention_backend=backend, page_size=4, cpu_forward="eager")
         for i, ids in enumerate(prompts):
             submit(sched, f"r{i}", ids, params, return_logprob=True, top_logprobs_num=0)
         results[backend] = run_all(sched)
+    assert calls, "no decode step reached the C kernel"
     for rid, ref in results["torch"].items():
         got = results["cpu_paged"][rid]
         assert got.ids == ref.ids and len(ref.ids) == 12
