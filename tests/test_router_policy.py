@@ -197,8 +197,17 @@ def test_cli_router_and_serve_help(capsys):
     from loom.cli import main
 
     for argv, flags in [
-        (["router", "--help"], ["--worker-urls", "--policy", "--balance-abs-threshold"]),
-        (["serve", "--help"], ["--dp-size", "--load-balance-method"]),
+        (
+            ["router", "--help"],
+            [
+                "--worker-urls",
+                "--policy",
+                "--balance-abs-threshold",
+                "--pd-disaggregation",
+                "--prefill",
+            ],
+        ),
+        (["serve", "--help"], ["--dp-size", "--load-balance-method", "--disaggregation-mode"]),
     ]:
         with pytest.raises(SystemExit) as exc:
             main(argv)
