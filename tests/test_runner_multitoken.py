@@ -134,6 +134,31 @@ def test_logprobs_stay_aligned_with_several_tokens_a_step(model):
         assert [t for _, t in got.input_logprobs] == [t for _, t in ref.input_logprobs]
 
 
+def test_drafts_are_cut_to_the_step_token_cap(model):
+    """A verify step feeds at most `step_token_cap` tokens (the compiled CPU forward's limit),
+    the drafts shared among the batch; the tokens stay the plain ones."""
+    prompts = _prompts(6, seed=3)
+    plain, _ = _run(model, prompts, greedy(20))
+    cont = {rid: r.ids for rid, r in plain.items()}
+    sched = make_scheduler(model, page_size=4)
+    sched.set_drafter(ReplayDrafter(cont, k=6))
+    sched.decode.step_token_cap = 16
+    fed = []
+    forward = sched.runner.forward
+
+    def spy(inp):
+        if any(inp.draft_ids):
+            fed.append((len(inp.sample_counts), len(inp.input_ids)))
+        return forward(inp)
+
+    sched.runner.forward = spy
+    for i, p in enumerate(prompts):
+        submit(sched, f"r{i}", p, greedy(20), seed=100 + i)
+    assert {rid: r.ids for rid, r in run_all(sched).items()} == cont
+    assert fed and max(n for _, n in fed) <= 16
+    assert any(b >= 4 for b, _ in fed)  # batches where 6-token drafts would not have fitted
+
+
 def test_stop_token_mid_chunk_ends_there(model):
     prompts = _prompts(4, seed=2)
     plain, _ = _run(model, prompts, greedy(30))

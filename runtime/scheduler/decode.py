@@ -28,6 +28,9 @@ class DecodeManager:
         self.conservativeness = conservativeness
         self.context_len = context_len
         self.drafter = drafter
+        # the most tokens a verify step should feed (the compiled CPU forward's limit; None:
+        # any): drafts are cut to share it
+        self.step_token_cap: int | None = None
         self.running: list[Req] = []
         self.finishing: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * conservativeness
@@ -44,7 +47,10 @@ class DecodeManager:
             if not reqs:
                 return None, retracted
             free = self.drafter is not None and self.drafter.enabled_for(len(reqs))
-            drafts = [self._draft(r, free) if use_drafts else [] for r in reqs]
+            cap = None
+            if self.step_token_cap is not None:
+                cap = (self.step_token_cap - len(reqs)) // len(reqs)
+            drafts = [self._draft(r, free, cap) if use_drafts else [] for r in reqs]
             if any(drafts) and not self.drafter.worth_verifying(reqs, drafts):
                 drafts = [[] for _ in reqs]
             short = self.kv.pages_short(reqs, [1 + len(d) for d in drafts])
@@ -80,7 +86,7 @@ class DecodeManager:
         )
         return batch, retracted
 
-    def _draft(self, req: Req, free_drafts: bool) -> list[int] | DraftTree:
+    def _draft(self, req: Req, free_drafts: bool, cap: int | None = None) -> list[int] | DraftTree:
         req.draft_ids, req.draft_masks = [], None
         req.draft_parents = req.draft_probs = None
         if self.drafter is None or req.finished:
@@ -88,6 +94,8 @@ class DecodeManager:
         # bounded by the context only: tokens past max_new_tokens or a stop are dropped when
         # the result is processed, like any chunk that ends mid-way
         room = self.context_len - req.seq_len - 1
+        if cap is not None:
+            room = min(room, cap)
         if room <= 0:
             return []
         draft = self.drafter.draft(req, room, free_drafts)

@@ -71,6 +71,7 @@ class Scheduler:
         self.decode = DecodeManager(
             self.kv, args.schedule_conservativeness, self.context_len, drafter
         )
+        self.decode.step_token_cap = _fast_step_tokens(self.runner)
         self.output = OutputProcessor(
             self.kv,
             self.tokenizer,
@@ -387,3 +388,14 @@ def _eos_ids(model_path: str, tokenizer) -> frozenset[int]:
     from loom.runtime.tokenizer import eos_token_ids
 
     return frozenset(eos_token_ids(model_path, tokenizer))
+
+
+def _fast_step_tokens(runner) -> int | None:
+    """The most tokens a step may feed and still run the compiled CPU forward (None: no such
+    path, e.g. on CUDA or while an EAGLE head captures hidden states): verify steps keep
+    their drafts within it, since a step past it runs the eager modules at twice the cost."""
+    fast = getattr(runner, "cpu_forward", None)
+    model = getattr(getattr(runner, "model", None), "model", None)
+    if fast is None or getattr(model, "capture_layers", None) is not None:
+        return None
+    return fast.max_tokens
