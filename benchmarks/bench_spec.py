@@ -143,12 +143,15 @@ def run_once(sched: Scheduler, jobs, batch: int) -> tuple[int, float, float]:
     return total, time.perf_counter() - wall0, time.process_time() - cpu0
 
 
-def make(spec: bool, breadth: int = 1, algorithm: str = "NGRAM", **kw) -> Scheduler:
+def make(spec: bool, breadth: int = 1, algorithm: str = "NGRAM", eagle=None, **kw) -> Scheduler:
+    """`eagle`: EAGLE / EAGLE3 shape flags (speculative_num_steps, ...; None = defaults)."""
     extra = {}
     if spec:
         extra = {"speculative_algorithm": algorithm}
         if algorithm == "NGRAM":
             extra["speculative_ngram_max_bfs_breadth"] = breadth
+        if algorithm in ("EAGLE", "EAGLE3"):
+            extra.update({k: v for k, v in (eagle or {}).items() if v is not None})
     return Scheduler(ServerArgs(model_path=BUNDLED_MODEL_PATH, dtype="float32", **extra, **kw))
 
 
@@ -164,13 +167,21 @@ def main() -> None:
     ap.add_argument(
         "--algorithms", default="NGRAM", help="comma-separated: NGRAM, EAGLE, EAGLE3 (one row each)"
     )
+    for name in ("steps", "topk", "draft-tokens"):  # EAGLE / EAGLE3 rows: the tree's shape
+        ap.add_argument(f"--eagle-{name}", type=int, default=None)
+    ap.add_argument("--plot-path", default="docs/img/spec_acceptance.png")
     args = ap.parse_args()
+    eagle = {
+        "speculative_num_steps": args.eagle_steps,
+        "speculative_eagle_topk": args.eagle_topk,
+        "speculative_num_draft_tokens": args.eagle_draft_tokens,
+    }
     torch.set_num_threads(ServerArgs().effective_cpu_threads)
     tok = make(False).tokenizer
     loads = workloads(tok)
     print(
         f"bundled model, torch threads {torch.get_num_threads()}, ngram breadth "
-        f"{args.ngram_breadth}, loadavg {os.getloadavg()}"
+        f"{args.ngram_breadth}, EAGLE {eagle}, loadavg {os.getloadavg()}"
     )
     curves = {}
     rows = [
@@ -186,7 +197,7 @@ def main() -> None:
         ratios_wall, ratios_cpu, st = [], [], {}
         steps = {}
         for rnd in range(args.rounds):
-            off, on = make(False), make(True, args.ngram_breadth, algo)
+            off, on = make(False), make(True, args.ngram_breadth, algo, eagle)
             run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
             run_once(on, warm, 2)
             draft0 = on.decode.drafter.summary().get("spec_draft_seconds", 0.0)
@@ -231,7 +242,7 @@ def main() -> None:
             flush=True,
         )
     if not args.no_plot and curves:
-        plot(curves, Path(__file__).resolve().parents[1] / "docs" / "img" / "spec_acceptance.png")
+        plot(curves, Path(__file__).resolve().parents[1] / args.plot_path)
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> None:
@@ -246,7 +257,7 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
     ax.set_xlabel("draft position")
     ax.set_ylabel("accepted / proposed")
     ax.set_ylim(0, 1.05)
-    ax.set_title("NGRAM acceptance by draft position (bundled model, batch 1)")
+    ax.set_title("acceptance by draft position (bundled model, batch 1)")
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
