@@ -52,6 +52,10 @@ static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float*
             const float *x0 = x + t * ldx, *x1 = x0 + ldx;
             v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
             for (int64_t k = 0; k < K8; k += 8) {
+                if (t == 0 && !(k & 15)) { /* first token pair: the next tile's rows */
+                    __builtin_prefetch(wr[0] + k + 4 * K); __builtin_prefetch(wr[1] + k + 4 * K);
+                    __builtin_prefetch(wr[2] + k + 4 * K); __builtin_prefetch(wr[3] + k + 4 * K);
+                }
                 const v8 u = ld(x0 + k), v = ld(x1 + k);
                 v8 w0 = ld(wr[0] + k); a00 += w0 * u; a01 += w0 * v;
                 v8 w1 = ld(wr[1] + k); a10 += w1 * u; a11 += w1 * v;
@@ -75,6 +79,9 @@ static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float*
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
             int64_t k = 0;
             for (; k + 16 <= K8; k += 16) {
+                /* the next tile's rows: 4K floats on */
+                __builtin_prefetch(wr[0] + k + 4 * K); __builtin_prefetch(wr[1] + k + 4 * K);
+                __builtin_prefetch(wr[2] + k + 4 * K); __builtin_prefetch(wr[3] + k + 4 * K);
                 const v8 u = ld(x0 + k), v = ld(x0 + k + 8);
                 a0 += ld(wr[0] + k) * u; a1 += ld(wr[1] + k) * u;
                 a2 += ld(wr[2] + k) * u; a3 += ld(wr[3] + k) * u;
