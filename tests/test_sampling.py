@@ -146,3 +146,43 @@ def test_top_p_min_p_keep_only_the_head():
         req = Req("r", [1], make_sampling_params({"min_p": 0.5}), seed)
         info = SamplingInfo.from_reqs([req], 4, "cpu")
         assert int(sample(logits.clone(), info)[0]) in (0, 1)
+
+
+def test_top_filters_without_a_full_sort_match_the_full_sort(monkeypatch):
+    """target_probs looks at each row's TOP_CANDIDATES largest probabilities only when every
+    row's top-k / top-p / min-p cut falls inside them, else sorts the whole vocabulary: both
+    give the same distribution, and the short path is taken exactly when it is exact."""
+    from loom.runtime import sampler
+    from loom.runtime.req import Req
+    from loom.runtime.sampling_params import make_sampling_params
+
+    vocab = 3000
+    monkeypatch.setattr(sampler, "TOP_CANDIDATES", 64)
+    g = torch.Generator().manual_seed(0)
+    peaked = torch.randn(vocab, generator=g) * 6  # most mass in a few tokens
+    flat = torch.randn(vocab, generator=g) * 0.1  # mass spread over the whole vocabulary
+    cases = [  # (params, logits row, whether the 64 largest decide the cut)
+        ({"top_k": 20}, flat, True),
+        ({"top_p": 0.5}, peaked, True),
+        ({"min_p": 0.2}, peaked, True),
+        ({"top_k": 40, "top_p": 0.9, "temperature": 0.7}, flat, True),
+        ({"top_p": 0.9}, flat, False),  # the cut lies past the 64 largest
+        ({"min_p": 0.7}, flat, False),
+        ({"top_k": 500}, flat, False),
+    ]
+    for group in ([c for c in cases if c[2]], cases, [cases[4]]):
+        reqs = [
+            Req("r", [1], make_sampling_params({"temperature": 1.0, **p}), 0) for p, *_ in group
+        ]
+        info = SamplingInfo.from_reqs(reqs, vocab, "cpu")
+        logits = torch.stack([row for _, row, _ in group])
+        short = all(ok for *_, ok in group)
+        assert sampler._head(torch.softmax(logits, -1), info)[0].shape[-1] == (
+            64 if short else vocab
+        )
+        got = sampler.target_probs(logits, info)
+        monkeypatch.setattr(sampler, "TOP_CANDIDATES", vocab)  # the full sort
+        want = sampler.target_probs(logits, info)
+        monkeypatch.setattr(sampler, "TOP_CANDIDATES", 64)
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
+        assert ((got > 0).sum(-1) < vocab).all()  # every row really was filtered
