@@ -149,81 +149,99 @@ DECODE(loom_decode_bf16, uint16_t, row_bf16)
    with mask_off[b] < 0, causally: t <= L - E + j. out [T, H, Dv] f32. One (request, kv head)
    per work item, so each K/V row is read once for all E x G query rows. */
 #define EXTEND(NAME, T, ROW)                                                               \
-void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t stride,   \
-          const int64_t* rows, const int64_t* lens, const int64_t* exts,                   \
-          const int64_t* qstart, const uint8_t* mask, const int64_t* mask_off, float* out, \
-          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t Dv, float scale,           \
-          int64_t max_len, int64_t max_ext, int nthreads) {                                \
-    const int64_t G = H / Hkv;                                                             \
-    const int64_t R = G * (max_ext > 0 ? max_ext : 1);                                     \
-    _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1)")                       \
-    {                                                                                      \
-        float* s = (float*)malloc(sizeof(float) * R * (max_len > 0 ? max_len : 1));        \
-        float* acc = (float*)malloc(sizeof(float) * R * Dv);                               \
-        float* buf = (float*)malloc(sizeof(float) * (D > Dv ? D : Dv));                    \
-        float* denom = (float*)malloc(sizeof(float) * R);                                  \
-        _Pragma("omp for schedule(dynamic)")                                               \
-        for (int64_t w = 0; w < B * Hkv; w++) {                                            \
-            const int64_t b = w / Hkv, h = w % Hkv, L = lens[b], E = exts[b];              \
-            const int64_t P = L - E;                                                       \
-            const int64_t* slots = table + rows[b] * stride;                               \
-            const uint8_t* mk = mask_off[b] >= 0 ? mask + mask_off[b] : NULL;              \
-            for (int64_t t = 0; t < L; t++) {                                              \
-                const float* kp = ROW(k + (slots[t] * Hkv + h) * D, buf, D);                          \
-                for (int64_t j = 0; j < E; j++) {                                          \
-                    const int ok = mk ? mk[j * L + t] != 0 : t <= P + j;                   \
-                    const float* qj = q + ((qstart[b] + j) * H + h * G) * D;               \
-                    for (int64_t g = 0; g < G; g++) {                                      \
-                        float dot = -INFINITY;                                             \
-                        if (ok) {                                                          \
-                            const float* qg = qj + g * D;                                  \
-                            dot = 0.f;                                                     \
-                            _Pragma("omp simd reduction(+:dot)")                           \
-                            for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];          \
-                            dot *= scale;                                                  \
-                        }                                                                  \
-                        s[(j * G + g) * L + t] = dot;                                      \
-                    }                                                                      \
-                }                                                                          \
-            }                                                                              \
-            for (int64_t r = 0; r < E * G; r++) {                                          \
-                float* sr = s + r * L;                                                     \
-                float m = -INFINITY, sum = 0.f;                                            \
-                _Pragma("omp simd reduction(max:m)")                                       \
-                for (int64_t t = 0; t < L; t++) m = sr[t] > m ? sr[t] : m;                 \
-                if (m == -INFINITY) { /* a row that sees nothing: zeros, not NaN */        \
-                    for (int64_t t = 0; t < L; t++) sr[t] = 0.f;                           \
-                } else {                                                                   \
-                    _Pragma("omp simd reduction(+:sum)")                                   \
-                    for (int64_t t = 0; t < L; t++) { sr[t] = fast_expf(sr[t] - m); sum += sr[t]; } \
-                }                                                                          \
-                denom[r] = sum;                                                            \
-            }                                                                              \
-            memset(acc, 0, sizeof(float) * E * G * Dv);                                    \
-            for (int64_t t = 0; t < L; t++) {                                              \
-                const float* vp = ROW(v + (slots[t] * Hkv + h) * Dv, buf, Dv);                          \
-                for (int64_t r = 0; r < E * G; r++) {                                      \
-                    const float p = s[r * L + t];                                          \
-                    if (p == 0.f) continue;                                                \
-                    float* a = acc + r * Dv;                                               \
-                    _Pragma("omp simd")                                                    \
-                    for (int64_t d = 0; d < Dv; d++) a[d] += p * vp[d];                    \
-                }                                                                          \
-            }                                                                              \
-            for (int64_t j = 0; j < E; j++) {                                              \
-                for (int64_t g = 0; g < G; g++) {                                          \
-                    const int64_t r = j * G + g;                                           \
-                    float* o = out + ((qstart[b] + j) * H + h * G + g) * Dv;               \
-                    const float inv = denom[r] > 0.f ? 1.f / denom[r] : 0.f;               \
-                    for (int64_t d = 0; d < Dv; d++) o[d] = acc[r * Dv + d] * inv;         \
-                }                                                                          \
-            }                                                                              \
-        }                                                                                  \
-        free(s);                                                                           \
-        free(acc);                                                                         \
-        free(buf);                                                                         \
-        free(denom);                                                                       \
-    }                                                                                      \
+/* One (request, kv head): its E new rows x G query heads, inlined with D, Dv constant for    \
+   the common head sizes as in DECODE. */                                                    \
+static inline __attribute__((always_inline)) void NAME##_item(                               \
+    const float* q, const T* k, const T* v, const int64_t* slots, const uint8_t* mk,         \
+    int64_t L, int64_t E, int64_t q0, int64_t H, int64_t Hkv, int64_t h, int64_t G,          \
+    const int64_t D, const int64_t Dv, float scale, float* s, float* acc, float* buf,        \
+    float* denom, float* out) {                                                              \
+    const int64_t P = L - E;                                                                 \
+    for (int64_t t = 0; t < L; t++) {                                                        \
+        const float* kp = ROW(k + (slots[t] * Hkv + h) * D, buf, D);                         \
+        for (int64_t j = 0; j < E; j++) {                                                    \
+            const int ok = mk ? mk[j * L + t] != 0 : t <= P + j;                             \
+            const float* qj = q + ((q0 + j) * H + h * G) * D;                                \
+            for (int64_t g = 0; g < G; g++) {                                                \
+                float dot = -INFINITY;                                                       \
+                if (ok) {                                                                    \
+                    const float* qg = qj + g * D;                                            \
+                    dot = 0.f;                                                               \
+                    _Pragma("omp simd reduction(+:dot)")                                     \
+                    for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];                    \
+                    dot *= scale;                                                            \
+                }                                                                            \
+                s[(j * G + g) * L + t] = dot;                                                \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t r = 0; r < E * G; r++) {                                                    \
+        float* sr = s + r * L;                                                               \
+        float m = -INFINITY, sum = 0.f;                                                      \
+        _Pragma("omp simd reduction(max:m)")                                                 \
+        for (int64_t t = 0; t < L; t++) m = sr[t] > m ? sr[t] : m;                           \
+        if (m == -INFINITY) { /* a row that sees nothing: zeros, not NaN */                  \
+            for (int64_t t = 0; t < L; t++) sr[t] = 0.f;                                     \
+        } else {                                                                             \
+            _Pragma("omp simd reduction(+:sum)")                                             \
+            for (int64_t t = 0; t < L; t++) { sr[t] = fast_expf(sr[t] - m); sum += sr[t]; }  \
+        }                                                                                    \
+        denom[r] = sum;                                                                      \
+    }                                                                                        \
+    memset(acc, 0, sizeof(float) * E * G * Dv);                                              \
+    for (int64_t t = 0; t < L; t++) {                                                        \
+        const float* vp = ROW(v + (slots[t] * Hkv + h) * Dv, buf, Dv);                       \
+        for (int64_t r = 0; r < E * G; r++) {                                                \
+            const float p = s[r * L + t];                                                    \
+            if (p == 0.f) continue;                                                          \
+            float* a = acc + r * Dv;                                                         \
+            _Pragma("omp simd")                                                              \
+            for (int64_t d = 0; d < Dv; d++) a[d] += p * vp[d];                              \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t j = 0; j < E; j++) {                                                        \
+        for (int64_t g = 0; g < G; g++) {                                                    \
+            const int64_t r = j * G + g;                                                     \
+            float* o = out + ((q0 + j) * H + h * G + g) * Dv;                                \
+            const float inv = denom[r] > 0.f ? 1.f / denom[r] : 0.f;                         \
+            _Pragma("omp simd")                                                              \
+            for (int64_t d = 0; d < Dv; d++) o[d] = acc[r * Dv + d] * inv;                   \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+void NAME(const float* q, const T* k, const T* v, const int64_t* table, int64_t stride,     \
+          const int64_t* rows, const int64_t* lens, const int64_t* exts,                     \
+          const int64_t* qstart, const uint8_t* mask, const int64_t* mask_off, float* out,   \
+          int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t Dv, float scale,             \
+          int64_t max_len, int64_t max_ext, int nthreads) {                                  \
+    const int64_t G = H / Hkv;                                                               \
+    const int64_t R = G * (max_ext > 0 ? max_ext : 1);                                       \
+    _Pragma("omp parallel num_threads(nthreads) if(nthreads > 1)")                         \
+    {                                                                                        \
+        float* s = (float*)malloc(sizeof(float) * R * (max_len > 0 ? max_len : 1));          \
+        float* acc = (float*)malloc(sizeof(float) * R * Dv);                                 \
+        float* buf = (float*)malloc(sizeof(float) * (D > Dv ? D : Dv));                      \
+        float* denom = (float*)malloc(sizeof(float) * R);                                    \
+        _Pragma("omp for schedule(dynamic)")                                                 \
+        for (int64_t w = 0; w < B * Hkv; w++) {                                              \
+            const int64_t b = w / Hkv, h = w % Hkv;                                          \
+            const int64_t* slots = table + rows[b] * stride;                                 \
+            const uint8_t* mk = mask_off[b] >= 0 ? mask + mask_off[b] : NULL;                \
+            if (D == 64 && Dv == 64)                                                         \
+                NAME##_item(q, k, v, slots, mk, lens[b], exts[b], qstart[b], H, Hkv, h, G,   \
+                            64, 64, scale, s, acc, buf, denom, out);                         \
+            else if (D == 128 && Dv == 128)                                                  \
+                NAME##_item(q, k, v, slots, mk, lens[b], exts[b], qstart[b], H, Hkv, h, G,   \
+                            128, 128, scale, s, acc, buf, denom, out);                       \
+            else                                                                             \
+                NAME##_item(q, k, v, slots, mk, lens[b], exts[b], qstart[b], H, Hkv, h, G,   \
+                            D, Dv, scale, s, acc, buf, denom, out);                          \
+        }                                                                                    \
+        free(s);                                                                             \
+        free(acc);                                                                           \
+        free(buf);                                                                           \
+        free(denom);                                                                         \
+    }                                                                                        \
 }
 
 EXTEND(loom_extend_f32, float, row_f32)
