@@ -50,7 +50,11 @@ class DecodeManager:
             cap = None
             if self.step_token_cap is not None:
                 cap = (self.step_token_cap - len(reqs)) // len(reqs)
-            drafts = [self._draft(r, free, cap) if use_drafts else [] for r in reqs]
+            if free:
+                drafts = [self._draft(r, True, cap) if use_drafts else [] for r in reqs]
+            else:
+                drafts = [[] for _ in reqs]
+                self._skip_drafts(reqs)
             if any(drafts) and not self.drafter.worth_verifying(reqs, drafts):
                 drafts = [[] for _ in reqs]
             short = self.kv.pages_short(reqs, [1 + len(d) for d in drafts])
@@ -85,6 +89,14 @@ class DecodeManager:
             MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY
         )
         return batch, retracted
+
+    def _skip_drafts(self, reqs: list[Req]) -> None:
+        """No drafts this step (no drafter, or a batch too large to draft)."""
+        for req in reqs:
+            req.draft_ids, req.draft_masks = [], None
+            req.draft_parents = req.draft_probs = None
+        if self.drafter is not None:
+            self.drafter.skip([r for r in reqs if not r.finished])
 
     def _draft(self, req: Req, free_drafts: bool, cap: int | None = None) -> list[int] | DraftTree:
         req.draft_ids, req.draft_masks = [], None

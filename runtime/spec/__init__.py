@@ -62,6 +62,12 @@ class Drafter(ABC):
         drafts come with `req.draft_masks` (one grammar row after the last real token, then
         one after each node)."""
 
+    def skip(self, reqs: list) -> None:
+        """A decode batch too large to draft (`enabled_for` False): the requests in it draft
+        nothing this step (one call per batch; the default asks `draft` per request)."""
+        for req in reqs:
+            self.draft(req, 0, free_drafts=False)
+
     def enabled_for(self, batch_size: int) -> bool:
         """Whether a decode batch of this size drafts (if not, grammar requests in it take
         the jump-forward path)."""

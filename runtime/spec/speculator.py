@@ -78,6 +78,13 @@ class NgramSpeculator(Drafter):
     def enabled_for(self, batch_size: int) -> bool:
         return batch_size < self.disable_batch_size
 
+    def skip(self, reqs: list) -> None:
+        for req in reqs:
+            if req.spec_state is None:
+                req.spec_state = NgramState(self.num_draft)
+                req.spec_state.rates = list(self.prior_rates)
+        self.stats.skipped += len(reqs)
+
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int]:
         state = req.spec_state
         if state is None:
