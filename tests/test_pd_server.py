@@ -140,3 +140,20 @@ def test_pd_client_leaving_and_refusals_free_kv_on_both(pd):
     assert res.status_code == 400 and "temperature" in res.text
     for server in (prefill, decode):
         wait_idle_and_intact(server.url)
+
+
+def test_pd_dead_prefill_worker_is_a_clear_error_and_decode_frees_kv(pd):
+    _, decode, _ = pd
+    dead = f"http://127.0.0.1:{free_port()}"
+    flags = ["--pd-disaggregation", "--prefill", dead, str(free_port()), "--decode", decode.url]
+    with RouterProcess([], *flags, "--health-check-interval", "600") as router:
+        res = router.post("/generate", {"text": "hello", "sampling_params": GREEDY})
+        assert res.status_code == 502
+        assert res.json()["error"]["message"].startswith(f"prefill worker {dead} failed")
+        body = {"text": "hello", "sampling_params": GREEDY, "stream": True}
+        res = router.post("/generate", body)
+        if res.status_code == 200:  # the decode stream started first: an error event ends it
+            assert f"prefill worker {dead} failed" in res.text and "data: [DONE]" in res.text
+        else:
+            assert res.status_code == 502 and f"prefill worker {dead} failed" in res.text
+    wait_idle_and_intact(decode.url)
