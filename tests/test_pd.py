@@ -203,3 +203,41 @@ def test_abort_on_either_side_frees_kv_on_both(model):
     assert reason["status_code"] == 502 and "aborted" in reason["message"], reason
     _kv_clean(p)
     _kv_clean(d)
+
+
+def test_decode_refuses_kv_that_does_not_fit_its_pool(model):
+    """A prefill server of another model (wrong K/V shape) fails the request with a 502; the
+    decode scheduler survives and frees the slots."""
+    import torch
+    import zmq
+
+    from loom.runtime.disagg.messages import KVHeader, KVRequest
+    from loom.runtime.disagg.transfer import ZmqTransfer
+    from loom.runtime.io_struct import decoder
+
+    port = _free_port()
+    fake = zmq.Context.instance().socket(zmq.PULL)  # stands in for the prefill bootstrap port
+    fake.bind(f"tcp://127.0.0.1:{port}")
+    d = make_scheduler(model, disaggregation_mode="decode", disaggregation_bootstrap_port=port)
+    ids = _prompts(1, 12, 12)[0]
+    submit(d, "w", ids, greedy(4), bootstrap=("127.0.0.1", port, 5))
+    d.step()
+    assert fake.poll(10_000)
+    ask = decoder(KVRequest).decode(fake.recv())
+    fake.close(linger=0)
+    assert (ask.room, ask.prefix_len, ask.num_tokens) == (5, 0, 12)
+    k = torch.zeros(1, 12, 1, 3)
+    header = KVHeader(room=5, num_tokens=12, dtype=str(k.dtype), first_token=7)
+    header.k_shape = header.v_shape = list(k.shape)
+    sender = ZmqTransfer("decode", "127.0.0.1", 0)
+    sender.send_kv(ask.decode_addr, header, k, k)
+    res = {}
+    for _ in range(2000):
+        res.update(run_all_once(d))
+        if "w" in res:
+            break
+        time.sleep(0.005)
+    sender.close()
+    reason = res["w"].finish_reason
+    assert reason["status_code"] == 502 and "this server's pool needs" in reason["message"]
+    _kv_clean(d)

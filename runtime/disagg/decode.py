@@ -120,13 +120,24 @@ class DecodeSide:
     def _write(self, req: Req, header: KVHeader, k, v) -> bool:
         n = len(req.origin_input_ids)
         prefix = len(req.prefix_indices)
+        pool = self.kv_pool
+        want_k = [len(pool.k_buffers), header.num_tokens, *pool.k_buffers[0].shape[1:]]
+        want_v = [len(pool.v_buffers), header.num_tokens, *pool.v_buffers[0].shape[1:]]
+        problem = None
         if header.start != prefix or header.start + header.num_tokens != n:
+            problem = (
+                f"positions [{header.start}, {header.start + header.num_tokens}); "
+                f"expected [{prefix}, {n})"
+            )
+        elif header.num_tokens and (list(k.shape) != want_k or list(v.shape) != want_v):
+            problem = (  # another model behind the prefill server
+                f"K/V of shape {list(k.shape)} / {list(v.shape)}; this server's pool needs "
+                f"{want_k} / {want_v}"
+            )
+        if problem is not None:
             self._release(req)
             self.output.finish_with_error(
-                req,
-                f"prefill server sent KV for positions [{header.start}, "
-                f"{header.start + header.num_tokens}); expected [{prefix}, {n})",
-                status_code=502,
+                req, f"prefill server sent KV for {problem}", status_code=502
             )
             return False
         if header.num_tokens:
