@@ -10,14 +10,18 @@ methods.
 
 from __future__ import annotations
 
+import logging
 import socket
 import warnings
 from abc import ABC, abstractmethod
 
+import msgspec
 import torch
 
 from loom.runtime.disagg.messages import KVHeader, ToPrefill
 from loom.runtime.io_struct import decoder, encode
+
+logger = logging.getLogger(__name__)
 
 
 class KVTransfer(ABC):
@@ -100,7 +104,13 @@ class ZmqTransfer(KVTransfer):
                 return out
 
     def recv_control(self) -> list[ToPrefill]:
-        return [self._control.decode(frames[0].buffer) for frames in self._drain()]
+        out = []
+        for frames in self._drain():
+            try:
+                out.append(self._control.decode(frames[0].buffer))
+            except msgspec.DecodeError as e:  # a stranger on the port: never the scheduler's end
+                logger.warning("disaggregation: dropped a malformed control message: %s", e)
+        return out
 
     def send_control(self, addr: str, msg: ToPrefill) -> None:
         self._peer(addr).send(encode(msg), self._zmq.NOBLOCK)
@@ -115,13 +125,21 @@ class ZmqTransfer(KVTransfer):
     def recv_kv(self):
         out = []
         for frames in self._drain():
-            header = self._header.decode(frames[0].buffer)
+            try:
+                header = self._header.decode(frames[0].buffer)
+            except msgspec.DecodeError as e:
+                logger.warning("disaggregation: dropped a malformed KV message: %s", e)
+                continue
             if header.error is not None or len(frames) < 3:
                 out.append((header, None, None))
                 continue
-            dtype = _DTYPES[header.dtype]
-            k = _from_bytes(frames[1].buffer, dtype, header.k_shape)
-            v = _from_bytes(frames[2].buffer, dtype, header.v_shape)
+            try:
+                dtype = _DTYPES[header.dtype]
+                k = _from_bytes(frames[1].buffer, dtype, header.k_shape)
+                v = _from_bytes(frames[2].buffer, dtype, header.v_shape)
+            except (KeyError, RuntimeError, ValueError) as e:  # the request fails, not the server
+                header.error = f"unreadable KV frames ({type(e).__name__}: {e})"
+                k = v = None
             out.append((header, k, v))
         return out
 
