@@ -103,7 +103,7 @@ class EagleSpeculator(Drafter):
         rows = runner.req_to_token_pool.size
         # per request row: (the request length the draft is for, (tokens, parents))
         self.pending: list[tuple[int, tuple[list[int], list[int]]] | None] = [None] * rows
-        self.stats = AcceptanceStats(max(self.steps, self.num_nodes))
+        self.stats = AcceptanceStats(self.steps)  # positions = tree depths (a graft: clamped)
         self.draft_seconds = 0.0  # head time (catch-up + loop), for the benchmark's split
         runner.spec_hook = self._after_step
         logger.info(
