@@ -166,11 +166,9 @@ class MedusaSpeculator(Drafter):
 
     # ------------------------------------------------------------ runner side
     def _after_step(self, inp, batch, out) -> None:
-        if len(inp.seq_lens) >= self.disable_batch_size:
-            return
-        captured, self.inner.captured = self.inner.captured, None
-        if captured is None or self.inner.capture_layers is None:
-            return  # this step kept no hidden states (a large batch)
+        captured, self.inner.captured = self.inner.captured, None  # never read twice
+        if captured is None or len(inp.seq_lens) >= self.disable_batch_size:
+            return  # this step kept no hidden states, or its batch is too large to draft
         t0 = time.perf_counter()
         rows, pool_rows, lengths = [], [], []
         start = 0
