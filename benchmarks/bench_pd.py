@@ -5,15 +5,17 @@ Workload (one fixed seed): --chat chat requests (a ~40-token prompt, --chat-len 
 arriving every --chat-gap seconds, and --long long-prompt requests (~--long-tokens tokens,
 --long-len new tokens) arriving among them; all streaming /generate, greedy.
 
-Two set-ups of the same total size, each 2 server processes with --cpu-threads 1 and the same
-KV pool per process:
-- PD: `loom router --pd-disaggregation` over one prefill and one decode server;
-- colocated: one server with --dp-size 2 (two replicas behind its in-process round-robin
-  router), so every replica prefills and decodes in the same batches.
+Two set-ups of the same total size (2 CPU threads, 2 x --max-total-tokens KV):
+- PD: `loom router --pd-disaggregation` over one prefill and one decode server, 1 thread each;
+- colocated (--colocated dp, the default): one server with --dp-size 2 (two 1-thread replicas
+  behind its in-process round-robin router), each prefilling and decoding in the same batches;
+  or (--colocated single) one server with 2 threads and the whole KV, where every long
+  prefill stalls every decoding request.
 They alternate for --rounds rounds. Per set-up (median over rounds): chat decode ITL p50 / p99
 (gaps between a chat stream's events after its first), TTFT p50 / p99 of chat and of long
 requests; the ITL p99 ratio colocated / PD; and the KV bytes the prefill server sent per
-request (its `disagg_kv_bytes` / `disagg_transfers`). Writes docs/img/pd_itl.png.
+request (its `disagg_kv_bytes` / `disagg_transfers`). Writes docs/img/pd_itl.png
+(pd_itl_single.png with --colocated single).
 
     python benchmarks/bench_pd.py [--model bundled|PATH] [--rounds 2]
 """
@@ -112,7 +114,7 @@ def summarize(res: list[dict]) -> dict:
     }
 
 
-def plot(rows: dict[str, dict], title: str) -> None:
+def plot(rows: dict[str, dict], title: str, name: str) -> None:
     try:
         import matplotlib
 
@@ -138,7 +140,7 @@ def plot(rows: dict[str, dict], title: str) -> None:
     fig.text(0.99, 0.01, f"commit {common.commit()}", fontsize=6, ha="right")
     fig.tight_layout()
     common.IMG_DIR.mkdir(parents=True, exist_ok=True)
-    path = common.IMG_DIR / "pd_itl.png"
+    path = common.IMG_DIR / name
     fig.savefig(path)
     print(f"wrote {path}")
 
@@ -154,6 +156,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--long-len", type=int, default=8)
     p.add_argument("--max-total-tokens", type=int, default=16384)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--colocated",
+        choices=("dp", "single"),
+        default="dp",
+        help="the colocated set-up: --dp-size 2 (1 thread each), or one server with 2 threads "
+        "and twice the KV",
+    )
     p.add_argument("--no-plot", action="store_true")
     a = p.parse_args(argv)
 
@@ -170,7 +179,10 @@ def main(argv: list[str] | None = None) -> dict:
         path, disaggregation_mode="prefill", disaggregation_bootstrap_port=free_port(), **kw
     )
     decode = Runtime(path, disaggregation_mode="decode", **kw)
-    colocated = Runtime(path, dp_size=2, **kw)
+    if a.colocated == "dp":
+        colocated = Runtime(path, dp_size=2, **kw)
+    else:  # one process with both threads and both pools' KV
+        colocated = Runtime(path, max_total_tokens=2 * a.max_total_tokens, cpu_threads=2)
     router = RouterProcess(
         [], "--pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url
     )
@@ -180,8 +192,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"{a.chat} chat requests (~40-token prompts, {a.chat_len} new tokens, one every "
             f"{a.chat_gap} s) + {a.long} long requests (~{a.long_tokens}-token prompts, "
-            f"{a.long_len} new tokens) among them; 2 processes x 1 CPU thread x "
-            f"{a.max_total_tokens} KV tokens per set-up"
+            f"{a.long_len} new tokens) among them; PD: 2 processes x 1 CPU thread x "
+            f"{a.max_total_tokens} KV tokens; colocated: "
+            + (
+                f"one process x 2 threads x {2 * a.max_total_tokens} KV tokens"
+                if a.colocated == "single"
+                else f"--dp-size 2, 2 processes x 1 thread x {a.max_total_tokens} KV tokens"
+            )
         )
         targets = {"colocated": colocated.url, "PD": router.url}
         per_round: dict[str, list[dict]] = {name: [] for name in targets}
@@ -230,7 +247,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"({kv_transfers} requests, {kv_bytes / 2**20:.1f} MiB); {common.loadavg()}"
         )
         if not a.no_plot:
-            plot(rows, f"{a.chat} chat + {a.long} x ~{a.long_tokens}-token prompts, {label}")
+            single = a.colocated == "single"
+            plot(
+                rows,
+                f"{a.chat} chat + {a.long} x ~{a.long_tokens}-token prompts, {label}, colocated: "
+                + ("one 2-thread server" if single else "--dp-size 2"),
+                "pd_itl_single.png" if single else "pd_itl.png",
+            )
         return {"rows": rows, "itl_p99_ratio": statistics.median(itl), "kv_bytes_per_req": per_req}
     finally:
         router.shutdown()
