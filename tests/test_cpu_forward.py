@@ -157,6 +157,16 @@ def test_flag_and_backend_choose_eager(tiny_model_dir):
     assert _runner(path, attention_backend="torch").cpu_forward is None
     with pytest.raises(ValueError, match=r"^cpu_forward: must be one of"):
         ServerArgs(model_path=path, cpu_forward="fast")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert (
+        ServerArgs.from_cli_args(parser.parse_args(["--cpu-forward", "eager"])).cpu_forward
+        == "eager"
+    )
+    with pytest.raises(SystemExit):  # argparse's choices
+        parser.parse_args(["--cpu-forward", "fast"])
 
 
 @torch.inference_mode()
