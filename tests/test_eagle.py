@@ -391,26 +391,33 @@ def test_batches_too_large_to_draft_run_the_compiled_forward(llama, heads):
     assert sched.get_state()["spec_verify_ct"] > 0
 
 
-def test_sampled_constrained_outputs_follow_their_grammar(llama, heads):
-    """Temperature 1 through rejection sampling with EAGLE-3 drafts: every output matches
-    its regex (drafts are cut by the grammar, every verified position is masked)."""
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_sampled_constrained_outputs_follow_their_grammar(llama, heads, shape):
+    """Temperature 1 through rejection sampling with EAGLE-3 chains and trees: every
+    constrained output matches its regex (drafts are pruned by the grammar, every verified
+    node is masked); free requests beside them verify unpruned trees at temperature 1."""
     import re
 
     tok = make_scheduler(llama).tokenizer
-    prompts = [
-        (tok.encode(f"Answer {i}: "), {"temperature": 1.0, "max_new_tokens": 24, **CONSTRAINTS[0]})
-        for i in range(6)
-    ]
-    out, sched = _run(
-        llama, prompts, speculative_algorithm="EAGLE3", speculative_draft_model_path=heads["EAGLE3"]
-    )
-    stopped = [
-        out[f"p{i}"] for i in range(len(prompts)) if out[f"p{i}"].finish_reason["type"] == "stop"
-    ]
+    sampled = {"temperature": 1.0, "max_new_tokens": 24}
+    prompts = [(tok.encode(f"Answer {i}: "), {**sampled, **CONSTRAINTS[0]}) for i in range(6)]
+    prompts += [(tok.encode(TEXTS[i]), {**sampled, "ignore_eos": True}) for i in range(3)]
+    sched = make_scheduler(
+        llama, disable_jump_forward=True, speculative_algorithm="EAGLE3",
+        speculative_draft_model_path=heads["EAGLE3"], **SHAPES[shape],
+    )  # fmt: skip
+    rec = _Recorder(sched.decode.drafter)
+    for i, (ids, params) in enumerate(prompts):
+        submit(sched, f"p{i}", ids, params)
+    out = run_all(sched)
+    stopped = [out[f"p{i}"] for i in range(6) if out[f"p{i}"].finish_reason["type"] == "stop"]
     assert len(stopped) >= 3
     for r in stopped:
         assert re.fullmatch(CONSTRAINTS[0]["regex"], r.text), r.text
+    assert all(len(out[f"p{i}"].ids) == 24 for i in range(6, 9))
     assert sched.get_state()["spec_verify_ct"] > 0
+    branching = [d for _, d in rec.calls if isinstance(d, DraftTree) and not d.is_chain]
+    assert (len(branching) > 0) == (shape == "tree")
 
 
 # --------------------------------------------------------------------------- flags
