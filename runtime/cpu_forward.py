@@ -79,7 +79,7 @@ def load() -> ctypes.CDLL | None:
         # model, T, ids, pos, slots, B, starts, rows, seq_lens, table, stride, masks,
         # mask_offs, N, logit_rows, logits, threads, prof
         fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
-        fn.argtypes += [ctypes.c_int, _P]  # threads, prof
+        fn.argtypes += [ctypes.c_int, _P, _P]  # threads, prof, hidden_out
         fn = lib.loom_linear_f32
         fn.restype = None
         fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
@@ -148,12 +148,11 @@ class CpuForward:
         return cls(lib, model, pool)
 
     def covers(self, batch: ForwardBatch) -> bool:
-        """Whether this step runs in C: few enough tokens, and no EAGLE head reading the
-        target's hidden states (capture_layers)."""
-        return (
-            0 < batch.input_ids.numel() <= self.max_tokens
-            and self.model.model.capture_layers is None
-        )
+        """Whether this step runs in C: few enough tokens, and no drafter reading the
+        target's per-layer hidden states (capture_layers other than None or (): the final
+        hidden states alone, what Medusa reads, come back from C)."""
+        capture = self.model.model.capture_layers
+        return 0 < batch.input_ids.numel() <= self.max_tokens and (capture is None or capture == ())
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [N, vocab] for batch.logits_indices, the KV of this step's tokens
@@ -182,13 +181,19 @@ class CpuForward:
         table = batch.req_to_token_pool.req_to_token
         want = batch.logits_indices.contiguous()
         logits = torch.empty((want.numel(), self._struct.vocab), dtype=torch.float32)
+        inner = self.model.model
+        hidden = None
+        if inner.capture_layers == ():  # LlamaModel.forward's contract: (final hidden, [])
+            hidden = torch.empty((ids.numel(), self._struct.hidden), dtype=torch.float32)
         base = meta.data_ptr()
         rc = self.lib.loom_forward_f32(
             self._model_ptr, ids.numel(), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(),
             b, base, rows.data_ptr(), base + 8 * (b + 1), table.data_ptr(), table.stride(0),
             _ptr(masks), base + 8 * (2 * b + 1), want.numel(), want.data_ptr(),
-            logits.data_ptr(), torch.get_num_threads(), _ptr(self.profile),
+            logits.data_ptr(), torch.get_num_threads(), _ptr(self.profile), _ptr(hidden),
         )  # fmt: skip
+        if hidden is not None:
+            inner.captured = (hidden, [])
         if rc == -1:
             raise IndexError(f"position {int(pos.max())} is past the rotary table")
         if rc == -2:

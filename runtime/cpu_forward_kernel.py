@@ -150,7 +150,8 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                      const int64_t* slots, int64_t B, const int64_t* starts, const int64_t* rows,
                      const int64_t* seq_lens, const int64_t* table, int64_t stride,
                      const uint8_t* masks, const int64_t* mask_offs, int64_t N,
-                     const int64_t* logit_rows, float* logits, int nthreads, double* prof) {
+                     const int64_t* logit_rows, float* logits, int nthreads, double* prof,
+                     float* hidden_out) {
     const int64_t Hd = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
     const int64_t G = H / Hkv, I = m->inter, QKV = (H + 2 * Hkv) * D;
     for (int64_t t = 0; t < T; t++) {
@@ -257,6 +258,9 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
         }
         TIMED(0, gemm(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads));
     }
+    /* a drafter reading the final hidden states (capture_layers == ()): every row, normed */
+    if (hidden_out)
+        for (int64_t t = 0; t < T; t++) rms(x + t * Hd, m->norm, Hd, m->eps, hidden_out + t * Hd);
     for (int64_t r = 0; r < N; r++) rms(x + logit_rows[r] * Hd, m->norm, Hd, m->eps, h + r * Hd);
     TIMED(0, gemm(h, N, Hd, Hd, m->lm_head, NULL, m->vocab, logits, m->vocab, 0, nthreads));
     free(tok_req); free(x); free(h); free(qkv); free(att); free(gu);

@@ -331,3 +331,37 @@ def test_train_medusa_writes_loadable_heads_and_resumes(llama, tmp_path, capsys)
     with pytest.raises(SystemExit):
         parse_args(["--target", "t", "--data", "d", "--out", "o", "--medusa", "--eagle3"])
     assert "--medusa: trains Medusa heads" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- compiled forward
+@torch.inference_mode()
+def test_compiled_cpu_forward_returns_the_final_hidden_states(llama):
+    """With capture_layers == () (Medusa's final-only capture) the compiled CPU forward still
+    covers the step and returns the same final hidden states as the eager model, every row;
+    a capture of inner layers (EAGLE-3) goes eager."""
+    from loom.runtime import cpu_forward
+    from loom.runtime.forward_batch import ForwardMode, forward_context
+    from tests.test_cpu_forward import _runner, _Steps
+
+    if cpu_forward.load() is None:
+        pytest.skip("no C compiler")
+    runner = _runner(llama)
+    inner, pool = runner.model.model, runner.token_to_kv_pool
+    inner.capture_layers = ()
+    st = _Steps(runner, 2, seed=1)
+    for ext, mode in (([4, 3], ForwardMode.EXTEND), ([1, 1], ForwardMode.DECODE)):
+        batch = st.batch([0, 1], ext, mode, all_logits=False)
+        before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
+        batch.attn_backend.init_forward_metadata(batch)
+        with forward_context(batch):
+            runner.model(batch.input_ids, batch.positions)
+        want = inner.captured[0].clone()
+        for b, old in zip(pool.k_buffers + pool.v_buffers, before):
+            b.copy_(old)
+        inner.captured = None
+        assert runner.cpu_forward.covers(batch)
+        runner.cpu_forward(batch)
+        assert inner.captured[0].shape == (sum(ext), runner.model.config.hidden_size)
+        torch.testing.assert_close(inner.captured[0], want, rtol=1e-4, atol=1e-4)
+    inner.capture_layers = (0,)
+    assert not runner.cpu_forward.covers(batch)

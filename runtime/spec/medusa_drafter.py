@@ -112,8 +112,8 @@ class MedusaSpeculator(Drafter):
     # ------------------------------------------------------------ scheduler side
     def enabled_for(self, batch_size: int) -> bool:
         enabled = batch_size < self.disable_batch_size
-        # keep the target's final hidden states only for steps that draft: a step that keeps
-        # them runs the eager forward (the compiled CPU forward does not return them)
+        # keep the target's final hidden states only for steps that may draft (the compiled
+        # CPU forward returns them too, when capture_layers is (); larger steps skip the copy)
         self.inner.capture_layers = () if enabled else None
         return enabled
 
