@@ -80,6 +80,7 @@ def load() -> ctypes.CDLL | None:
         # mask_offs, N, logit_rows, logits, threads, prof
         fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
         fn.argtypes += [ctypes.c_int, _P, _P]  # threads, prof, hidden_out
+        fn.argtypes += [_I64, _P, _P]  # n_aux, aux_layers, aux_out
         fn = lib.loom_linear_f32
         fn.restype = None
         fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
@@ -148,11 +149,14 @@ class CpuForward:
         return cls(lib, model, pool)
 
     def covers(self, batch: ForwardBatch) -> bool:
-        """Whether this step runs in C: few enough tokens, and no drafter reading the
-        target's per-layer hidden states (capture_layers other than None or (): the final
-        hidden states alone, what Medusa reads, come back from C)."""
+        """Whether this step runs in C: few enough tokens. A drafter's captures (final hidden
+        states for Medusa / EAGLE, inner layers' residual streams for EAGLE-3) come back from
+        C too; a capture of a layer the model lacks runs eager (and fails there as it would)."""
         capture = self.model.model.capture_layers
-        return 0 < batch.input_ids.numel() <= self.max_tokens and (capture is None or capture == ())
+        n = self._struct.layers
+        return 0 < batch.input_ids.numel() <= self.max_tokens and (
+            capture is None or all(0 <= i < n for i in capture)
+        )
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [N, vocab] for batch.logits_indices, the KV of this step's tokens
@@ -182,18 +186,25 @@ class CpuForward:
         want = batch.logits_indices.contiguous()
         logits = torch.empty((want.numel(), self._struct.vocab), dtype=torch.float32)
         inner = self.model.model
-        hidden = None
-        if inner.capture_layers == ():  # LlamaModel.forward's contract: (final hidden, [])
+        hidden = aux = aux_ids = None
+        capture = inner.capture_layers
+        if capture is not None:  # LlamaModel.forward's contract: (final hidden, [aux per layer])
             hidden = torch.empty((ids.numel(), self._struct.hidden), dtype=torch.float32)
+            if capture:
+                aux_ids = torch.tensor(capture, dtype=torch.int64)
+                aux = torch.empty(
+                    (len(capture), ids.numel(), self._struct.hidden), dtype=torch.float32
+                )
         base = meta.data_ptr()
         rc = self.lib.loom_forward_f32(
             self._model_ptr, ids.numel(), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(),
             b, base, rows.data_ptr(), base + 8 * (b + 1), table.data_ptr(), table.stride(0),
             _ptr(masks), base + 8 * (2 * b + 1), want.numel(), want.data_ptr(),
             logits.data_ptr(), torch.get_num_threads(), _ptr(self.profile), _ptr(hidden),
+            0 if aux is None else len(capture), _ptr(aux_ids), _ptr(aux),
         )  # fmt: skip
         if hidden is not None:
-            inner.captured = (hidden, [])
+            inner.captured = (hidden, [] if aux is None else list(aux.unbind(0)))
         if rc == -1:
             raise IndexError(f"position {int(pos.max())} is past the rotary table")
         if rc == -2:

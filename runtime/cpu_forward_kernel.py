@@ -144,14 +144,17 @@ static void rope(float* x, const float* c, const float* s, int64_t D) {
    sequence of seq_lens[b] KV columns, read through table[rows[b] * stride + column]); token j
    of request b sees columns 0 .. prefix + j (prefix = seq_lens[b] - its token count), or with
    mask_offs[b] >= 0 the columns c < seq_lens[b] where masks[mask_offs[b] + j * seq_lens[b] + c]
-   is nonzero. Rows logit_rows[0 .. N-1] get float32 logits [N, vocab].
+   is nonzero. Rows logit_rows[0 .. N-1] get float32 logits [N, vocab]. With hidden_out, every
+   row's final-norm hidden state [T, hidden]; with n_aux > 0, aux_out [n_aux, T, hidden] gets the
+   residual stream after layer aux_layers[a] (both what LlamaModel.forward captures).
    Returns 0, or -1 for a position past the rotary table, -2 for a token id past the vocab. */
 int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_t* pos,
                      const int64_t* slots, int64_t B, const int64_t* starts, const int64_t* rows,
                      const int64_t* seq_lens, const int64_t* table, int64_t stride,
                      const uint8_t* masks, const int64_t* mask_offs, int64_t N,
                      const int64_t* logit_rows, float* logits, int nthreads, double* prof,
-                     float* hidden_out) {
+                     float* hidden_out, int64_t n_aux, const int64_t* aux_layers,
+                     float* aux_out) {
     const int64_t Hd = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
     const int64_t G = H / Hkv, I = m->inter, QKV = (H + 2 * Hkv) * D;
     for (int64_t t = 0; t < T; t++) {
@@ -257,8 +260,12 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
         }
         TIMED(0, gemm(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads));
+        /* an EAGLE-3 drafter's aux features: the residual stream after layer l (the eager
+           model's hidden + residual), [n_aux, T, Hd] in capture_layers order */
+        for (int64_t a = 0; a < n_aux; a++)
+            if (aux_layers[a] == l) memcpy(aux_out + a * T * Hd, x, sizeof(float) * T * Hd);
     }
-    /* a drafter reading the final hidden states (capture_layers == ()): every row, normed */
+    /* a drafter reading the final hidden states (capture_layers not None): every row, normed */
     if (hidden_out)
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, m->norm, Hd, m->eps, hidden_out + t * Hd);
     for (int64_t r = 0; r < N; r++) rms(x + logit_rows[r] * Hd, m->norm, Hd, m->eps, h + r * Hd);

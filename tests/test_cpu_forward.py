@@ -62,8 +62,11 @@ def _compare(runner: ModelRunner, batch: ForwardBatch) -> None:
     pool = runner.token_to_kv_pool
     before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
     batch.attn_backend.init_forward_metadata(batch)
+    inner = runner.model.model
+    inner.captured = None
     with forward_context(batch):
         want = runner.model(batch.input_ids, batch.positions)
+    want_cap, inner.captured = inner.captured, None
     eager_kv = [b.clone() for b in pool.k_buffers + pool.v_buffers]
     for b, old in zip(pool.k_buffers + pool.v_buffers, before):
         b.copy_(old)
@@ -72,6 +75,12 @@ def _compare(runner: ModelRunner, batch: ForwardBatch) -> None:
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+    if inner.capture_layers is not None:  # a drafter's features: final hidden + inner layers'
+        (hid, aux), (want_hid, want_aux) = inner.captured, want_cap
+        torch.testing.assert_close(hid, want_hid, rtol=1e-4, atol=1e-4)
+        assert len(aux) == len(want_aux) == len(inner.capture_layers)
+        for a, ref in zip(aux, want_aux):
+            torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-4)
     for b, ref in zip(pool.k_buffers + pool.v_buffers, eager_kv):
         torch.testing.assert_close(b, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
 
@@ -90,6 +99,23 @@ def test_logits_and_kv_match_eager_on_every_kind_of_step(tiny_model_dir, family)
     trees = {0: [-1, -1, 0, 1], 2: [-1, 0, 0]}
     masks = [tree_mask(st.lens[i], trees[i], "cpu") if i in trees else None for i in range(3)]
     _compare(runner, st.batch([0, 1, 2], [5, 3, 4], ForwardMode.EXTEND, masks))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "bundled"])
+@torch.inference_mode()
+def test_eagle3_aux_captures_match_eager(tiny_model_dir, family):
+    """EAGLE-3's features (the residual stream after inner layers, in capture order, a layer
+    named twice as eager does) and the final hidden states come back from C as eager's."""
+    runner = _runner(BUNDLED_MODEL_PATH if family == "bundled" else tiny_model_dir(family))
+    st = _Steps(runner, 2, seed=7)
+    runner.model.model.capture_layers = (1, 0, 1)
+    try:
+        _compare(runner, st.batch([0, 1], [6, 3], ForwardMode.EXTEND))
+        _compare(runner, st.batch([0, 1], [1, 1], ForwardMode.DECODE, all_logits=False))
+        masks = [tree_mask(st.lens[0], [-1, 0, 0, 1], "cpu"), None]
+        _compare(runner, st.batch([0, 1], [5, 2], ForwardMode.EXTEND, masks))
+    finally:
+        runner.model.model.capture_layers = None
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +202,7 @@ def test_large_steps_and_eagle_capture_fall_back_and_bad_input_is_an_error(tiny_
     big = st.batch([0], [cpu_forward.MAX_TOKENS + 1], ForwardMode.EXTEND)
     assert not runner.cpu_forward.covers(big)
     small = st.batch([1], [2], ForwardMode.EXTEND)
-    runner.model.model.capture_layers = (0,)  # inner layers (EAGLE-3) fall back; () is covered
+    runner.model.model.capture_layers = (0, 2)  # a layer the model lacks: eager (and its error)
     try:
         assert not runner.cpu_forward.covers(small)
     finally:

@@ -387,7 +387,8 @@ def test_batches_too_large_to_draft_run_the_compiled_forward(llama, heads):
     for i in range(len(prompts)):
         assert out[f"p{i}"].ids == plain[f"p{i}"].ids
     assert any(n >= 2 and ok for n, ok in compiled), compiled  # large: compiled
-    assert all(not ok for n, ok in compiled if n < 2), compiled  # drafting: captured, eager
+    # drafting steps capture the aux layers' features, which the compiled forward returns too
+    assert all(ok for n, ok in compiled if n < 2), compiled
     assert sched.get_state()["spec_verify_ct"] > 0
 
 
