@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import sys
 import time
 from pathlib import Path
-
-LOSS_STEP_DECAY = 0.8  # weight of unrolled step s: 0.8 ** s (as EAGLE-3 weighs them)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -239,32 +235,12 @@ def main(argv=None) -> int:
 
         return train_medusa(args)
     import torch
-    import transformers
-    from tqdm import tqdm
 
-    from loom.runtime.model_loader import load_config, load_model
+    from loom.head_training import cast_copy, heldout_continuations, prepare, train
     from loom.runtime.spec.eagle import build_eagle_head, head_config, save_eagle_head
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     variant = "eagle3" if args.eagle3 else "eagle"
-    tcfg = load_config(args.target)
-    model = load_model(args.target, torch.float32, "cpu", tcfg)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
-    docs = read_documents(Path(args.data), tokenizer)
-    random.Random(args.seed).shuffle(docs)
-    if args.max_docs:
-        docs = docs[: args.max_docs]
-    rows = pack_rows(docs, tokenizer, args.seq_len)
-    n_hold = max(1, int(len(rows) * args.holdout))
-    train_rows, hold_rows = rows[:-n_hold], rows[-n_hold:]
-    print(f"data: {len(docs)} documents, {rows.numel()} tokens; {len(train_rows)} training rows "
-          f"of {args.seq_len}, {n_hold} held out", flush=True)  # fmt: skip
+    model, tcfg, tokenizer, train_rows, hold_rows = prepare(args)
 
     overrides = {}
     capture = None
@@ -291,132 +267,32 @@ def main(argv=None) -> int:
     for p in head.parameters():
         p.requires_grad_(True)
 
-    eos = set(tokenizer.convert_tokens_to_ids([t for t in ("<|im_end|>", "<|endoftext|>")
-                                               if t in tokenizer.get_vocab()]))  # fmt: skip
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
     t0 = time.time()
-    prompts = eval_prompts(hold_rows, tokenizer, args.eval_prompts)
-    with torch.no_grad():
-        sequences = [(len(p), greedy_generate(model, p, args.eval_tokens, eos)) for p in prompts]
+    sequences = heldout_continuations(model, tokenizer, hold_rows, args)
     print(f"held-out: {len(sequences)} prompts, target greedy continuations made in "
           f"{time.time() - t0:.1f}s", flush=True)  # fmt: skip
 
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr,
-                            betas=(0.9, 0.95), weight_decay=0.0)  # fmt: skip
-    steps_per_epoch = math.ceil(len(train_rows) / args.batch_size)
-    total_steps = steps_per_epoch * args.epochs
-    history = {"step_loss": [], "epochs": [], "args": vars(args)}
-    start_step = 0
-    ckpt_path = out / "checkpoint.pt"
-    if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        head.load_state_dict(ckpt["head"])
-        opt.load_state_dict(ckpt["opt"])
-        history, start_step = ckpt["history"], ckpt["step"]
-        print(f"resumed from {ckpt_path} at step {start_step}/{total_steps}", flush=True)
-    else:
-        head.eval()
-        acc_len = accepted_length(head, model, sequences, capture, args.eval_steps)
-        history["untrained_accept_length"] = acc_len
-        print(f"untrained head: held-out mean accepted length {acc_len:.2f}", flush=True)
+    def save(h) -> None:
+        save_eagle_head(cast_copy(h, args.save_dtype), Path(args.out),
+                        {"torch_dtype": args.save_dtype, "dtype": args.save_dtype})  # fmt: skip
 
-    def save_checkpoint(step: int) -> None:
-        tmp = out / "checkpoint.pt.tmp"
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "history": history,
-                    "step": step}, tmp)  # fmt: skip
-        tmp.replace(ckpt_path)
-
-    order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed))
-    bar = tqdm(total=total_steps, initial=start_step, disable=args.no_progress,
-               desc="train_eagle", unit="step")  # fmt: skip
-    t_start = time.time()
-    stopped = False
-    for step in range(start_step, total_steps):
-        epoch, i = divmod(step, steps_per_epoch)
-        idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-        lr = args.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        head.train()
-        losses, accs = step_losses(head, model, train_rows[idx], capture, args.unroll, draft_ids)
-        loss = sum(LOSS_STEP_DECAY**s * x for s, x in enumerate(losses))
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        history["step_loss"].append([step, loss.item(), accs[0]])
-        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{accs[0]:.2f}")
-        bar.update(1)
-        over = args.max_minutes is not None and time.time() - t_start > args.max_minutes * 60
-        if i + 1 == steps_per_epoch or over:
-            head.eval()
-            with torch.no_grad():
-                hl, ha = step_losses(head, model, hold_rows[:16], capture, args.unroll, draft_ids)
-            acc_len = accepted_length(head, model, sequences, capture, args.eval_steps)
-            rec = {"epoch": epoch + 1, "step": step + 1, "heldout_loss": hl[0].item(),
-                   "heldout_top1": ha, "accept_length": acc_len,
-                   "minutes": (time.time() - t_start) / 60}  # fmt: skip
-            history["epochs"].append(rec)
-            bar.write(f"epoch {epoch + 1}: held-out loss {rec['heldout_loss']:.3f}, top-1 per "
-                      f"step {[round(a, 2) for a in ha]}, mean accepted length {acc_len:.2f}")  # fmt: skip
-            save_checkpoint(step + 1)
-            save_head(head, out, args.save_dtype, save_eagle_head)
-        elif (step + 1) % 50 == 0:
-            save_checkpoint(step + 1)
-        if over:
-            bar.write(f"--max-minutes {args.max_minutes} reached at step {step + 1}")
-            stopped = True
-            break
-    bar.close()
-    (out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
-    plot_history(history, out / "loss.png")
-    if history["epochs"]:
-        last = history["epochs"][-1]
-        print(f"held-out mean accepted length: untrained {history.get('untrained_accept_length', float('nan')):.2f}"
-              f" -> trained {last['accept_length']:.2f} ({'stopped early' if stopped else 'done'}; "
-              f"{(time.time() - t_start) / 60:.1f} min training)")  # fmt: skip
-    return 0
-
-
-def save_head(head, out: Path, dtype: str, save_eagle_head) -> None:
-    import copy
-
-    import torch
-
-    h = head if dtype == "float32" else copy.deepcopy(head).to(getattr(torch, dtype))
-    save_eagle_head(h, out, {"torch_dtype": dtype, "dtype": dtype})
-
-
-def plot_history(history: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print(
-            f"matplotlib is not installed: no {path.name} (pip install matplotlib); history.json has the curve"
-        )
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [s for s, _, _ in history["step_loss"]]
-    losses = [x for _, x, _ in history["step_loss"]]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, losses, lw=0.8, label="train loss (unrolled, weighted)")
-    if history["epochs"]:
-        ax.plot([e["step"] for e in history["epochs"]], [e["heldout_loss"] for e in history["epochs"]],
-                "o-", label="held-out loss (step 0)")  # fmt: skip
-        ax2 = ax.twinx()
-        ax2.plot([e["step"] for e in history["epochs"]], [e["accept_length"] for e in history["epochs"]],
-                 "s--", color="C2", label="accepted length")  # fmt: skip
-        ax2.set_ylabel("held-out mean accepted length")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return train(
+        head,
+        args,
+        name="train_eagle",
+        state_key="head",
+        unit="step",
+        what="head",
+        train_rows=len(train_rows),
+        step_losses=lambda idx: step_losses(
+            head, model, train_rows[idx], capture, args.unroll, draft_ids
+        ),  # fmt: skip
+        heldout_losses=lambda: step_losses(
+            head, model, hold_rows[:16], capture, args.unroll, draft_ids
+        ),  # fmt: skip
+        accept_length=lambda: accepted_length(head, model, sequences, capture, args.eval_steps),
+        save=save,
+    )
 
 
 if __name__ == "__main__":
