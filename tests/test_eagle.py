@@ -371,6 +371,8 @@ def test_batches_too_large_to_draft_run_the_compiled_forward(llama, heads):
     )  # fmt: skip
     runner = sched.decode.drafter.runner
     assert runner.cpu_forward is not None
+    # capturing steps run compiled, so verify steps keep their drafts within its token limit
+    assert sched.decode.step_token_cap == runner.cpu_forward.max_tokens
     compiled = []
     covers = runner.cpu_forward.covers
 

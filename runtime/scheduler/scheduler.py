@@ -392,10 +392,8 @@ def _eos_ids(model_path: str, tokenizer) -> frozenset[int]:
 
 def _fast_step_tokens(runner) -> int | None:
     """The most tokens a step may feed and still run the compiled CPU forward (None: no such
-    path, e.g. on CUDA or while an EAGLE head captures hidden states): verify steps keep
-    their drafts within it, since a step past it runs the eager modules at twice the cost."""
+    path, e.g. on CUDA): verify steps keep their drafts within it, since a step past it runs
+    the eager modules at twice the cost. A drafter's captures (Medusa's and EAGLE's final
+    hidden states, EAGLE-3's aux layers) come back from the compiled forward too."""
     fast = getattr(runner, "cpu_forward", None)
-    model = getattr(getattr(runner, "model", None), "model", None)
-    if fast is None or getattr(model, "capture_layers", None) is not None:
-        return None
-    return fast.max_tokens
+    return None if fast is None else fast.max_tokens
