@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import time
 
+from loom.runtime.disagg import Side
 from loom.runtime.disagg.messages import KVCancel, KVHeader, KVRequest
 from loom.runtime.req import Req
 
 
-class DecodeSide:
+class DecodeSide(Side):
     def __init__(self, kv, kv_pool, output, transfer, timeout: float, stats: dict):
-        self.kv = kv
-        self.kv_pool = kv_pool
-        self.output = output
-        self.transfer = transfer
-        self.timeout = timeout
-        self.stats = stats
-        stats.update(disagg_transfers=0, disagg_kv_tokens=0, disagg_kv_bytes=0)
+        super().__init__(kv, kv_pool, output, transfer, timeout, stats)
         self.queue: list[tuple[Req, float]] = []  # no KV yet (request row or pool short)
         self.waiting: dict[int, tuple[Req, float]] = {}  # room -> (request, arrival)
 

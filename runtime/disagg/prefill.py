@@ -16,19 +16,14 @@ import time
 
 import torch
 
+from loom.runtime.disagg import Side
 from loom.runtime.disagg.messages import KVCancel, KVHeader, KVRequest
 from loom.runtime.req import Req
 
 
-class PrefillSide:
+class PrefillSide(Side):
     def __init__(self, kv, kv_pool, output, transfer, timeout: float, stats: dict):
-        self.kv = kv
-        self.kv_pool = kv_pool
-        self.output = output
-        self.transfer = transfer
-        self.timeout = timeout
-        self.stats = stats
-        stats.update(disagg_transfers=0, disagg_kv_tokens=0, disagg_kv_bytes=0)
+        super().__init__(kv, kv_pool, output, transfer, timeout, stats)
         self.held: dict[int, tuple[Req, float]] = {}  # room -> (computed request, since)
         self.asked: dict[int, tuple[KVRequest, float]] = {}  # handshakes not yet served
         self.failed: dict[int, tuple[str, float]] = {}  # rooms that failed before a handshake

@@ -95,6 +95,31 @@ class Drafter(ABC):
         return ""
 
 
+class HeadDrafter(Drafter):
+    """A drafter that runs a trained head beside the target (EAGLE, EAGLE-3, Medusa): it keeps
+    `stats` (an AcceptanceStats) and `draft_seconds` (head time, for bench_spec's step split),
+    and takes the n-gram speculator's grammar rules (forced text; the cut at the first refused
+    token, with every draft position's mask), which read only tokenizer / vocab_size / eos."""
+
+    stats: Any
+    draft_seconds: float = 0.0
+
+    @staticmethod
+    def _ngram_rules():
+        from loom.runtime.spec.speculator import NgramSpeculator
+
+        return NgramSpeculator
+
+    def on_verified(self, req, drafted: int, accepted: int) -> None:
+        self.stats.record(drafted, accepted, req.draft_forced)
+
+    def log_line(self) -> str:
+        return self.stats.log_line() if self.stats.verify_ct else ""
+
+    def summary(self) -> dict:
+        return {**self.stats.summary(), "spec_draft_seconds": round(self.draft_seconds, 4)}
+
+
 def create_drafter(args, tokenizer, vocab_size: int, eos_token_ids, runner=None) -> Drafter | None:
     """`runner`: the ModelRunner (model-based drafters run their head beside the target; the
     n-gram drafter needs none)."""

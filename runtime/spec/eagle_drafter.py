@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
-from loom.runtime.spec import Drafter, DraftTree
+from loom.runtime.spec import DraftTree, HeadDrafter
 from loom.runtime.spec.eagle_tree import TreeAttention, graft_forced, grow_trees
 from loom.runtime.spec.stats import AcceptanceStats
 
@@ -54,7 +54,7 @@ def bundled_head_path(args) -> str:
     return str(folder)
 
 
-class EagleSpeculator(Drafter):
+class EagleSpeculator(HeadDrafter):
     def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids):
         from loom.runtime.attention.base import create_attention_backend
         from loom.runtime.memory_pool import TokenToKVPool
@@ -146,24 +146,6 @@ class EagleSpeculator(Drafter):
             tokens, parents = rules._walk_grammar_tree(self, req, tokens, parents)
         req.draft_forced = min(len(forced), len(tokens))
         return DraftTree(tokens, parents) if tokens else []
-
-    @staticmethod
-    def _ngram_rules():
-        """The n-gram speculator's grammar rules (forced text; the cut at the first refused
-        token, with the masks of every draft position), which read only tokenizer /
-        vocab_size / eos."""
-        from loom.runtime.spec.speculator import NgramSpeculator
-
-        return NgramSpeculator
-
-    def on_verified(self, req, drafted: int, accepted: int) -> None:
-        self.stats.record(drafted, accepted, req.draft_forced)
-
-    def log_line(self) -> str:
-        return self.stats.log_line() if self.stats.verify_ct else ""
-
-    def summary(self) -> dict:
-        return {**self.stats.summary(), "spec_draft_seconds": round(self.draft_seconds, 4)}
 
     # ------------------------------------------------------------ runner side
     def _after_step(self, inp, batch, out) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from loom.runtime.spec import Drafter, DraftTree
+from loom.runtime.spec import DraftTree, HeadDrafter
 from loom.runtime.spec.stats import AcceptanceStats
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def best_first_tree(
     return tokens, parents
 
 
-class MedusaSpeculator(Drafter):
+class MedusaSpeculator(HeadDrafter):
     def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids):
         from loom.runtime.spec.medusa import load_medusa_heads
 
@@ -146,23 +146,6 @@ class MedusaSpeculator(Drafter):
         if not text:
             return []
         return self.tokenizer.encode(text[: 8 * budget], add_special_tokens=False)[:budget]
-
-    @staticmethod
-    def _ngram_rules():
-        """The n-gram speculator's tree walk (cuts refused branches, keeps every node's
-        mask), which reads only vocab_size / eos."""
-        from loom.runtime.spec.speculator import NgramSpeculator
-
-        return NgramSpeculator
-
-    def on_verified(self, req, drafted: int, accepted: int) -> None:
-        self.stats.record(drafted, accepted, req.draft_forced)
-
-    def log_line(self) -> str:
-        return self.stats.log_line() if self.stats.verify_ct else ""
-
-    def summary(self) -> dict:
-        return {**self.stats.summary(), "spec_draft_seconds": round(self.draft_seconds, 4)}
 
     # ------------------------------------------------------------ runner side
     def _after_step(self, inp, batch, out) -> None:
