@@ -143,7 +143,9 @@ def test_forked_requests_decode_as_they_would_alone(tiny_model_dir):
     prompts = {f"b{i}": shared + [10 + i, 20 + i] for i in range(6)}
     prompts["lone"] = [rng.randrange(3, 320) for _ in range(150)]
     model = tiny_model_dir("llama")
-    sched = make_scheduler(model)
+    # the eager forward: the compiled CPU forward (--cpu-forward auto) runs its own attention
+    # for steps of <= 32 tokens and never reaches the backend's shared-prefix path
+    sched = make_scheduler(model, cpu_forward="eager")
     used = []  # per decode step: did it take the shared-prefix path?
     init = sched.runner.attn_backend.init_forward_metadata
 
