@@ -94,5 +94,8 @@ def check_tool_loop(backend) -> None:
             cut += 1
         reply = state.text().rpartition("<|im_start|>assistant")[2]
         assert reply.count("\nObservation: ") == len(calls)
-    # every call made is valid (checked above); a first round rarely runs out of max_tokens
-    assert made >= 6 and cut <= 2, (made, cut)
+    # every call made is valid and every state without one was cut by max_tokens (checked
+    # above); at temperature 1 a random model's free text before the call runs past
+    # max_tokens in some rounds (3 of 8 in one CI run), so this only checks that the loop
+    # is not mostly cut off
+    assert made >= 4 and cut <= 4, (made, cut)
