@@ -28,7 +28,12 @@ def test_generate_single_and_batch_shapes(engine):
     }
     for key in ("id", "prompt_tokens", "cached_tokens", "e2e_latency"):
         assert key in meta
-    outs = engine.generate(["a b", "c d e"], [{"max_new_tokens": 3}, {"max_new_tokens": 5}])
+    # ignore_eos: at the default temperature the model may sample EOS early (a
+    # clean-clone CI run once got [3, 3]); this checks per-request lengths.
+    outs = engine.generate(
+        ["a b", "c d e"],
+        [{"max_new_tokens": 3, "ignore_eos": True}, {"max_new_tokens": 5, "ignore_eos": True}],
+    )
     assert [o["meta_info"]["completion_tokens"] for o in outs] == [3, 5]
     ids = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
     assert ids["meta_info"]["prompt_tokens"] == 3
@@ -55,11 +60,16 @@ def test_stream_chunks_are_cumulative(engine):
 
 def test_async_generate_and_stream(engine):
     async def main():
-        one = await engine.async_generate("abc", {"max_new_tokens": 4})
+        one = await engine.async_generate("abc", {"max_new_tokens": 4, "ignore_eos": True})
         many = await asyncio.gather(
-            *(engine.async_generate(f"p{i}", {"max_new_tokens": 4}) for i in range(8))
+            *(
+                engine.async_generate(f"p{i}", {"max_new_tokens": 4, "ignore_eos": True})
+                for i in range(8)
+            )
         )
-        stream = await engine.async_generate("abc", {"max_new_tokens": 4}, stream=True)
+        stream = await engine.async_generate(
+            "abc", {"max_new_tokens": 4, "ignore_eos": True}, stream=True
+        )
         chunks = [c async for c in stream]
         return one, many, chunks
 
@@ -127,7 +137,12 @@ def test_bad_model_path_fails_fast():
 def test_context_manager_shuts_down(tiny_model_dir):
     with loom.Engine(tiny_model_dir("qwen3"), max_total_tokens=1024) as eng:
         procs = list(eng._procs)
-        assert eng.generate("hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+        assert (
+            eng.generate("hi", {"max_new_tokens": 2, "ignore_eos": True})["meta_info"][
+                "completion_tokens"
+            ]
+            == 2
+        )
     assert all(not p.is_alive() for p in procs)
     with pytest.raises(RuntimeError, match="shut down"):
         eng.generate("hi")
@@ -166,7 +181,7 @@ def test_a_lost_request_fails_instead_of_waiting_forever(engine):
     final output, fails with a clear error (streamed or not) and the engine keeps serving."""
     tm = engine.tokenizer_manager
     real = tm.send_sock
-    params = {"max_new_tokens": 3, "temperature": 0}
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     try:
         tm.send_sock = _DroppingSocket(real, "lost-plain")
         with pytest.raises(RuntimeError, match="'lost-plain' was lost"):
@@ -197,7 +212,9 @@ def test_outputs_arrive_when_the_receive_wakeup_is_lost(engine):
     tm = engine.tokenizer_manager
     _run(engine, _async(tm._loop.remove_reader, tm._recv_fd))
     try:
-        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})
+        out = engine.generate(
+            input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
+        )
         assert out["meta_info"]["completion_tokens"] == 4
     finally:
         _run(engine, _async(tm._loop.add_reader, tm._recv_fd, tm._drain))
@@ -211,7 +228,9 @@ def test_a_failing_output_hook_costs_no_output(engine):
 
     tm.on_output = broken
     try:
-        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+        out = engine.generate(
+            input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "ignore_eos": True}
+        )
     finally:
         tm.on_output = None
     assert out["meta_info"]["completion_tokens"] == 2
