@@ -493,6 +493,7 @@ def test_bundled_model_uses_its_shipped_head(algo):
     drafts well: a chat answer mostly arrives in verified chains."""
     sched = make_scheduler(BUNDLED_MODEL_PATH, speculative_algorithm=algo)
     assert sched.decode.drafter.head.variant == algo.lower()
+    assert sched.decode.drafter.compiled is not None  # the C round (runtime/spec/head_kernel.py)
     tok = sched.tokenizer
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],

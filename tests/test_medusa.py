@@ -251,6 +251,7 @@ def test_bundled_model_uses_its_shipped_medusa_heads():
     """With no path, the bundled model drafts with its shipped heads, and they draft well."""
     sched = make_scheduler(BUNDLED_MODEL_PATH, speculative_algorithm="MEDUSA")
     assert sched.decode.drafter.heads.num_heads >= 3
+    assert sched.decode.drafter.compiled is not None  # the C heads (runtime/spec/head_kernel.py)
     tok = sched.tokenizer
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],

@@ -105,6 +105,13 @@ class EagleSpeculator(HeadDrafter):
         self.pending: list[tuple[int, tuple[list[int], list[int]]] | None] = [None] * rows
         self.stats = AcceptanceStats(self.steps)  # positions = tree depths (a graft: clamped)
         self.draft_seconds = 0.0  # head time (catch-up + loop), for the benchmark's split
+        # the whole round (catch-up + chain loop) as one C call where it covers the head
+        # (runtime/spec/head_kernel.py); with --cpu-forward eager, or for trees, the eager head
+        self.compiled = None
+        if runner.cpu_forward is not None:
+            from loom.runtime.spec.head_kernel import CompiledEagleHead
+
+            self.compiled = CompiledEagleHead.build(head, self.kv, self.topk)
         runner.spec_hook = self._after_step
         logger.info(
             "%s head from %s: %d draft steps, top-%d, %d draft tokens",
@@ -165,7 +172,34 @@ class EagleSpeculator(HeadDrafter):
         self._run(plan, feats, batch)
         self.draft_seconds += time.perf_counter() - t0
 
+    def summary(self) -> dict:
+        out = super().summary()
+        if self.compiled is not None:  # the C round's own wall split: catch-up / draft loop
+            catch_up, loop = self.compiled.profile.tolist()
+            out["spec_draft_split_seconds"] = [round(catch_up, 4), round(loop, 4)]
+        return out
+
+    def _run_compiled(self, plan, feats: torch.Tensor, batch) -> None:
+        rows_t = torch.tensor(plan.rows, dtype=torch.int64)
+        starts = [0] + [r + 1 for r in plan.last_rows]
+        tokens, _, _ = self.compiled.run(
+            torch.tensor(plan.next_ids, dtype=torch.int64),
+            batch.positions.index_select(0, rows_t),
+            batch.out_cache_loc.index_select(0, torch.tensor(plan.slot_rows, dtype=torch.int64)),
+            feats.index_select(0, rows_t).float(),
+            starts, plan.req_rows, plan.seq_lens, self.runner.req_to_token_pool.req_to_token,
+            plan.drafting, self.steps,
+        )  # fmt: skip
+        for i, chain in zip(plan.drafting, tokens.tolist()):
+            chain = chain[: self.num_nodes]
+            self.pending[plan.req_rows[i]] = (
+                plan.seq_lens[i] + 1,
+                (chain, list(range(-1, len(chain) - 1))),
+            )
+
     def _run(self, plan, feats: torch.Tensor, batch) -> None:
+        if self.compiled is not None:
+            return self._run_compiled(plan, feats, batch)
         dev = feats.device
         head = self.head
         rows_t = torch.tensor(plan.rows, dtype=torch.int64)

@@ -103,6 +103,13 @@ class MedusaSpeculator(HeadDrafter):
         self.pending: list[tuple | None] = [None] * runner.req_to_token_pool.size
         self.stats = AcceptanceStats(self.heads.num_heads)
         self.draft_seconds = 0.0  # head time, for the benchmark's step split
+        # all heads, log-softmax and top-k as one C call (runtime/spec/head_kernel.py); with
+        # --cpu-forward eager, the eager heads
+        self.compiled = None
+        if runner.cpu_forward is not None:
+            from loom.runtime.spec.head_kernel import CompiledMedusaHeads
+
+            self.compiled = CompiledMedusaHeads.build(self.heads)
         runner.spec_hook = self._after_step
         logger.info(
             "MEDUSA heads from %s: %d heads, trees of %d nodes (top-%d per head)",
@@ -172,9 +179,13 @@ class MedusaSpeculator(HeadDrafter):
             return
         final = captured[0]
         hidden = final.index_select(0, torch.tensor(rows, device=final.device))
-        logp, ids = self.heads(hidden).log_softmax(-1).topk(self.topk, dim=-1)  # [k, b, K]
-        logp_l = logp.transpose(0, 1).tolist()
-        ids_l = ids.transpose(0, 1).tolist()
+        if self.compiled is not None:
+            logp, ids = self.compiled.run(hidden, self.topk)  # [b, k, K]
+        else:
+            logp, ids = self.heads(hidden).log_softmax(-1).topk(self.topk, dim=-1)  # [k, b, K]
+            logp, ids = logp.transpose(0, 1), ids.transpose(0, 1)
+        logp_l = logp.tolist()
+        ids_l = ids.tolist()
         for b, row in enumerate(pool_rows):
             self.pending[row] = (lengths[b], ids_l[b], logp_l[b])
         self.draft_seconds += time.perf_counter() - t0

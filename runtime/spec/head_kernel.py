@@ -1,0 +1,545 @@
+"""Compiled draft heads on the CPU: EAGLE / EAGLE-3's whole draft round and Medusa's heads, one
+C call each.
+
+At batch 1 on a small target the eager head is mostly overhead (a few hundred small aten and
+module calls per draft round, ~5 ms against a ~2 ms target step), so drafting costs more than
+the accepted tokens save. This module runs it in C, reading the head's weights (and the
+target's shared embedding / LM head) in place:
+
+- `CompiledEagleHead.run`: the catch-up (one head extend over the rows the target step
+  committed: its K/V stored into the head's pool at the target's slots, causal attention read
+  in place through the req-to-token table), then the greedy chain loop (`num_steps - 1` head
+  decode steps from its own output, each attending to the committed entries plus the loop's
+  own entries, kept in C scratch and never written to the pool), the LM head (EAGLE: the
+  target's, EAGLE-3: its own over the draft vocabulary, mapped through d2t) and the argmax.
+  Chains only (`--speculative-eagle-topk 1`, the default); trees stay eager.
+- `CompiledMedusaHeads.run`: every head's residual SiLU blocks, its LM head (the target's when
+  shared), the log-softmax and the top-k, for all rows.
+
+The C source is `cpu_forward_kernel.SOURCE` (its gemm, rms, rope) + `EXTRA_C`, built by
+`cpu_kernels.build` as its own library. `build` returns None (and says why) for anything it
+does not cover; the eager head is the reference it is tested against (tests/test_head_kernel.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+
+from loom.runtime import cpu_kernels
+from loom.runtime.cpu_forward import _Layer, _ptr
+from loom.runtime.cpu_forward_kernel import SOURCE
+
+logger = logging.getLogger(__name__)
+
+EXTRA_C = r"""
+static inline double head_wall(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+typedef struct {
+    int64_t variant; /* 0 EAGLE (fc over [emb; feature], n layers, target LM head), 1 EAGLE-3 */
+    int64_t hidden, heads, kv_heads, head_dim, inter, layers, max_pos, vocab, dvocab, fc_in;
+    float eps, scale;
+    const float *embed, *fc_w, *fc_b, *in_norm, *hidden_norm, *norm, *lm_head, *cos, *sin;
+    const int64_t* d2t; /* EAGLE-3: target id = draft id + d2t[draft id] */
+    const Layer* layer;
+} Head;
+
+/* scores then softmax-weighted V over `len` pool columns (cols -> slots) and `n_extra` entries
+   [n_extra, Hkv, D] held elsewhere; one query row q [H, D] -> out [H, D] */
+static void head_attend(const Head* m, const Layer* L, const float* q, const int64_t* cols,
+                        int64_t len, const float* ek, const float* ev, int64_t ext_stride,
+                        int64_t n_extra, float* sc, float* out) {
+    const int64_t H = m->heads, Hkv = m->kv_heads, D = m->head_dim, G = H / Hkv;
+    const int64_t n = len + n_extra;
+    for (int64_t h = 0; h < H; h++) {
+        const int64_t kh = h / G;
+        const float* qh = q + h * D;
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < n; c++) {
+            const float* kp = c < len ? L->k_cache + (cols[c] * Hkv + kh) * D
+                                      : ek + (c - len) * ext_stride + kh * D;
+            float dot = 0.f;
+            #pragma omp simd reduction(+:dot)
+            for (int64_t d = 0; d < D; d++) dot += qh[d] * kp[d];
+            dot *= m->scale;
+            sc[c] = dot;
+            mx = dot > mx ? dot : mx;
+        }
+        float sum = 0.f;
+        for (int64_t c = 0; c < n; c++) { sc[c] = expf(sc[c] - mx); sum += sc[c]; }
+        const float inv = 1.f / sum;
+        float* o = out + h * D;
+        memset(o, 0, sizeof(float) * D);
+        for (int64_t c = 0; c < n; c++) {
+            const float* vp = c < len ? L->v_cache + (cols[c] * Hkv + kh) * D
+                                      : ev + (c - len) * ext_stride + kh * D;
+            const float p = sc[c] * inv;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] += p * vp[d];
+        }
+    }
+}
+
+/* The head over T rows: row t reads token ids[t] at rotary position pos[t] and feature
+   feat + t * ldf (`fused`: a target feature, else the head's own previous output) and attends
+   to pool columns cols[t][0 .. lens[t]-1]; with slots, its K/V go to pool slot slots[t] first
+   (the catch-up: causal through the table), else to the loop buffers lk/lv at entry `level`
+   of row t, and it also attends to entries 0 .. level there (the draft loop). x [T, hidden]
+   gets the output hidden state. */
+static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64_t* pos,
+                       const float* feat, int64_t ldf, int fused, const int64_t* const* cols,
+                       const int64_t* lens, const int64_t* slots, float* lk, float* lv,
+                       int64_t level, int64_t steps, float* x, int64_t max_len, int nthreads) {
+    const int64_t Hd = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim, I = m->inter;
+    const int64_t QKV = (H + 2 * Hkv) * D, KVD = Hkv * D;
+    const int64_t Kin = m->variant == 0 ? Hd : 2 * Hd;
+    float* hin = malloc(sizeof(float) * T * 2 * Hd);
+    float* qkv = malloc(sizeof(float) * T * QKV);
+    float* att = malloc(sizeof(float) * T * H * D);
+    float* gu = malloc(sizeof(float) * T * 2 * I);
+    float* sc = malloc(sizeof(float) * (max_len + steps + 1));
+    if (m->variant == 0) {
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(hin + t * 2 * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
+            memcpy(hin + t * 2 * Hd + Hd, feat + t * ldf, sizeof(float) * Hd);
+        }
+        gemm(hin, T, 2 * Hd, 2 * Hd, m->fc_w, m->fc_b, Hd, x, Hd, 0, nthreads);
+    } else if (fused) {
+        gemm(feat, T, m->fc_in, ldf, m->fc_w, m->fc_b, Hd, x, Hd, 0, nthreads);
+    } else {
+        for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, feat + t * ldf, sizeof(float) * Hd);
+    }
+    for (int64_t l = 0; l < m->layers; l++) {
+        const Layer* L = m->layer + l;
+        for (int64_t t = 0; t < T; t++) {
+            float* hr = hin + t * Kin;
+            if (m->variant == 1) {
+                rms(m->embed + ids[t] * Hd, m->in_norm, Hd, m->eps, hr);
+                rms(x + t * Hd, m->hidden_norm, Hd, m->eps, hr + Hd);
+            } else if (L->ln1) {
+                rms(x + t * Hd, L->ln1, Hd, m->eps, hr);
+            } else {
+                memcpy(hr, x + t * Hd, sizeof(float) * Hd);
+            }
+        }
+        gemm(hin, T, Kin, Kin, L->qkv_w, L->qkv_b, QKV, qkv, QKV, 0, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            float* q = qkv + t * QKV;
+            float* k = q + H * D;
+            const float* v = k + KVD;
+            const float *c = m->cos + pos[t] * D, *s = m->sin + pos[t] * D;
+            for (int64_t i = 0; i < H; i++) {
+                if (L->q_norm) rms(q + i * D, L->q_norm, D, m->eps, q + i * D);
+                rope(q + i * D, c, s, D);
+            }
+            for (int64_t i = 0; i < Hkv; i++) {
+                if (L->k_norm) rms(k + i * D, L->k_norm, D, m->eps, k + i * D);
+                rope(k + i * D, c, s, D);
+            }
+            if (slots) {
+                memcpy(L->k_cache + slots[t] * KVD, k, sizeof(float) * KVD);
+                memcpy(L->v_cache + slots[t] * KVD, v, sizeof(float) * KVD);
+                head_attend(m, L, q, cols[t], lens[t], NULL, NULL, 0, 0, sc, att + t * H * D);
+            } else {
+                const int64_t base = (t * m->layers + l) * steps * KVD;
+                memcpy(lk + base + level * KVD, k, sizeof(float) * KVD);
+                memcpy(lv + base + level * KVD, v, sizeof(float) * KVD);
+                head_attend(m, L, q, cols[t], lens[t], lk + base, lv + base, KVD, level + 1, sc,
+                            att + t * H * D);
+            }
+        }
+        gemm(att, T, H * D, H * D, L->o_w, L->o_b, Hd, x, Hd, 1, nthreads);
+        for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, hin + t * Hd);
+        gemm(hin, T, Hd, Hd, L->gu_w, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            float* g = gu + t * 2 * I;
+            const float* u = g + I;
+            for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        }
+        gemm(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads);
+    }
+    free(hin); free(qkv); free(att); free(gu); free(sc);
+}
+
+/* logits [n, dvocab] of the head's output rows x [n, hidden]; tokens[i * stride] = the target
+   id of each row's argmax (the first on a tie) */
+static void head_pick(const Head* m, const float* x, int64_t n, float* logits, float* normed,
+                      int64_t* tokens, int64_t stride, int nthreads) {
+    const int64_t Hd = m->hidden, V = m->dvocab;
+    const float* in = x;
+    if (m->norm) {
+        for (int64_t i = 0; i < n; i++) rms(x + i * Hd, m->norm, Hd, m->eps, normed + i * Hd);
+        in = normed;
+    }
+    gemm(in, n, Hd, Hd, m->lm_head, NULL, V, logits, V, 0, nthreads);
+    for (int64_t i = 0; i < n; i++) {
+        const float* r = logits + i * V;
+        int64_t best = 0;
+        for (int64_t v = 1; v < V; v++) best = r[v] > r[best] ? v : best;
+        tokens[i * stride] = best + (m->d2t ? m->d2t[best] : 0);
+    }
+}
+
+/* One EAGLE draft round. Catch-up: rows 0..T-1 (request b owns starts[b] .. starts[b+1]-1, the
+   last tokens of its seq_lens[b] committed head entries, read through table[rows[b] * stride
+   + column]). Then for each of the nd requests draft_reqs[i]: `steps` greedy draft tokens from
+   its last row, out_tokens [nd, steps] (target ids). Optional: logits_out [steps, nd, dvocab],
+   hidden_out [T, hidden] (the catch-up's output), prof[0] / prof[1] += wall seconds of the
+   catch-up / the draft loop. Returns 0, -1 for a position past the rotary table, -2 for a
+   token id past the embedding. */
+int loom_eagle_round(const Head* m, int64_t T, const int64_t* ids, const int64_t* pos,
+                     const int64_t* slots, const float* feats, int64_t ldf, int64_t B,
+                     const int64_t* starts, const int64_t* rows, const int64_t* seq_lens,
+                     const int64_t* table, int64_t stride, int64_t nd, const int64_t* draft_reqs,
+                     int64_t steps, int64_t* out_tokens, float* logits_out, float* hidden_out,
+                     int nthreads, double* prof) {
+    const int64_t Hd = m->hidden;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; b++) {
+        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+        if (seq_lens[b] + steps > m->max_pos) return -1;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        if (pos[t] < 0 || pos[t] >= m->max_pos) return -1;
+        if (ids[t] < 0 || ids[t] >= m->vocab) return -2;
+    }
+    double t0 = prof ? head_wall() : 0.;
+    const int64_t** cols = malloc(sizeof(int64_t*) * ((T > nd ? T : nd) + 1));
+    int64_t* lens = malloc(sizeof(int64_t) * ((T > nd ? T : nd) + 1));
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n_tok = starts[b + 1] - starts[b];
+        for (int64_t t = starts[b]; t < starts[b + 1]; t++) {
+            cols[t] = table + rows[b] * stride;
+            lens[t] = seq_lens[b] - n_tok + (t - starts[b]) + 1;
+        }
+    }
+    float* x = malloc(sizeof(float) * (T > 0 ? T : 1) * Hd);
+    head_stack(m, T, ids, pos, feats, ldf, 1, cols, lens, slots, NULL, NULL, 0, steps, x,
+               max_len, nthreads);
+    if (hidden_out) memcpy(hidden_out, x, sizeof(float) * T * Hd);
+    if (prof) { const double t1 = head_wall(); prof[0] += t1 - t0; t0 = t1; }
+    if (nd > 0) {
+        const int64_t KVD = m->kv_heads * m->head_dim;
+        float* cur = malloc(sizeof(float) * nd * Hd);
+        float* nxt = malloc(sizeof(float) * nd * Hd);
+        float* normed = malloc(sizeof(float) * nd * Hd);
+        float* lg = malloc(sizeof(float) * nd * m->dvocab);
+        float* lk = malloc(sizeof(float) * nd * m->layers * steps * KVD);
+        float* lv = malloc(sizeof(float) * nd * m->layers * steps * KVD);
+        int64_t* lids = malloc(sizeof(int64_t) * nd);
+        int64_t* lpos = malloc(sizeof(int64_t) * nd);
+        for (int64_t i = 0; i < nd; i++) {
+            const int64_t b = draft_reqs[i];
+            memcpy(cur + i * Hd, x + (starts[b + 1] - 1) * Hd, sizeof(float) * Hd);
+            cols[i] = table + rows[b] * stride;
+            lens[i] = seq_lens[b];
+        }
+        for (int64_t level = 0; level < steps; level++) {
+            head_pick(m, cur, nd, lg, normed, out_tokens + level, steps, nthreads);
+            if (logits_out) memcpy(logits_out + level * nd * m->dvocab, lg, sizeof(float) * nd * m->dvocab);
+            if (level + 1 == steps) break;
+            for (int64_t i = 0; i < nd; i++) {
+                lids[i] = out_tokens[i * steps + level];
+                lpos[i] = seq_lens[draft_reqs[i]] + level;
+            }
+            head_stack(m, nd, lids, lpos, cur, Hd, 0, cols, lens, NULL, lk, lv, level, steps,
+                       nxt, max_len, nthreads);
+            float* tmp = cur; cur = nxt; nxt = tmp;
+        }
+        free(cur); free(nxt); free(normed); free(lg); free(lk); free(lv); free(lids); free(lpos);
+    }
+    if (prof) prof[1] += head_wall() - t0;
+    free(cols); free(lens); free(x);
+    return 0;
+}
+
+/* Medusa: h [n, hidden] -> for each head i < k: x = h; x += SiLU(W_ij x + b_ij) for j < nl;
+   logits = LM_i x (lm [V, hidden] shared, or lm + i * V * hidden with own_lm); the top-`topk`
+   log-probabilities and ids, out_logp / out_ids [n, k, topk], best first (ties: lower id) */
+void loom_medusa_heads(const float* h, int64_t n, int64_t Hd, int64_t k, int64_t nl,
+                       const float* res_w, const float* res_b, const float* lm, int own_lm,
+                       int64_t V, int64_t topk, float* out_logp, int64_t* out_ids,
+                       int nthreads) {
+    float* x = malloc(sizeof(float) * k * n * Hd); /* [k, n, Hd]: every head's rows */
+    float* y = malloc(sizeof(float) * n * Hd);
+    float* lg = malloc(sizeof(float) * k * n * V);
+    for (int64_t i = 0; i < k; i++) {
+        float* xi = x + i * n * Hd;
+        memcpy(xi, h, sizeof(float) * n * Hd);
+        for (int64_t j = 0; j < nl; j++) {
+            const int64_t at = i * nl + j;
+            gemm(xi, n, Hd, Hd, res_w + at * Hd * Hd, res_b + at * Hd, Hd, y, Hd, 0, nthreads);
+            for (int64_t e = 0; e < n * Hd; e++) xi[e] += y[e] / (1.f + expf(-y[e]));
+        }
+        if (own_lm) gemm(xi, n, Hd, Hd, lm + i * V * Hd, NULL, V, lg + i * n * V, V, 0, nthreads);
+    }
+    /* a shared LM head: one pass over its weights for all k * n rows */
+    if (!own_lm) gemm(x, k * n, Hd, Hd, lm, NULL, V, lg, V, 0, nthreads);
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t r = 0; r < n; r++) {
+            const float* row = lg + (i * n + r) * V;
+            float mx = -INFINITY;
+            for (int64_t v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
+            float sum = 0.f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t v = 0; v < V; v++) sum += expf(row[v] - mx);
+            const float lse = mx + logf(sum);
+            float* lp = out_logp + (r * k + i) * topk;
+            int64_t* id = out_ids + (r * k + i) * topk;
+            int64_t have = 0;
+            for (int64_t v = 0; v < V; v++) {
+                const float val = row[v];
+                if (have == topk && val <= row[id[topk - 1]]) continue;
+                int64_t p = have < topk ? have++ : topk - 1;
+                while (p > 0 && row[id[p - 1]] < val) { id[p] = id[p - 1]; p--; }
+                id[p] = v;
+            }
+            for (int64_t q = 0; q < have; q++) lp[q] = row[id[q]] - lse;
+        }
+    free(x); free(y); free(lg);
+}
+"""
+
+
+class _Head(ctypes.Structure):
+    _fields_ = [
+        *[
+            (n, ctypes.c_int64)
+            for n in (
+                "variant", "hidden", "heads", "kv_heads", "head_dim", "inter", "layers",
+                "max_pos", "vocab", "dvocab", "fc_in",
+            )
+        ],
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        *[
+            (n, ctypes.c_void_p)
+            for n in (
+                "embed", "fc_w", "fc_b", "in_norm", "hidden_norm", "norm", "lm_head", "cos",
+                "sin", "d2t",
+            )
+        ],
+        ("layer", ctypes.POINTER(_Layer)),
+    ]  # fmt: skip
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled heads' library (built once per machine, cached); None without a compiler."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        lib = cpu_kernels.build(SOURCE + EXTRA_C, "loom_heads")
+        if lib is None:
+            return None
+        P, I64 = ctypes.c_void_p, ctypes.c_int64
+        fn = lib.loom_eagle_round
+        fn.restype = ctypes.c_int
+        # head, T, ids, pos, slots, feats, ldf, B, starts, rows, seq_lens, table, stride,
+        # nd, draft_reqs, steps, out_tokens, logits_out, hidden_out, threads, prof
+        fn.argtypes = [P, I64, P, P, P, P, I64, I64, P, P, P, P, I64, I64, P, I64, P, P, P]
+        fn.argtypes += [ctypes.c_int, P]
+        fn = lib.loom_medusa_heads
+        fn.restype = None
+        # h, n, hidden, k, nl, res_w, res_b, lm, own_lm, V, topk, out_logp, out_ids, threads
+        fn.argtypes = [P, I64, I64, I64, I64, P, P, P, ctypes.c_int, I64, I64, P, P]
+        fn.argtypes += [ctypes.c_int]
+        _lib = lib
+        return lib
+
+
+def _f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def eagle_unsupported(head, pool, topk: int) -> str | None:
+    """Why the compiled EAGLE round cannot run this head (None: it can)."""
+    from loom.runtime.layers.activation import SiluAndMul
+    from loom.runtime.layers.rotary import RotaryEmbedding
+    from loom.runtime.models.llama import LlamaMLP
+
+    if topk != 1:
+        return f"speculative_eagle_topk {topk} (trees run eager; chains only)"
+    layers = list(head.layers) if head.variant == "eagle" else [head.midlayer]
+    tensors = [*head.parameters(), *head.buffers(), head.embed_tokens.weight]
+    if head.variant == "eagle":
+        tensors.append(head.target_lm_head.weight)
+    if any(t.device.type != "cpu" for t in tensors):
+        return "the head is not on the CPU"
+    if any(t.is_floating_point() and t.dtype != torch.float32 for t in tensors):
+        return "the head's weights are not float32"
+    if any(b.dtype != torch.float32 for b in pool.k_buffers + pool.v_buffers):
+        return "the head's KV pool is not float32"
+    eps = set()
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        if type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul:
+            return "an MLP other than the SiLU-gated one"
+        if type(a.rotary_emb) is not RotaryEmbedding:
+            return "a rotary embedding other than the neox RotaryEmbedding"
+        if a.num_heads % a.num_kv_heads or a.head_dim % 2:
+            return "heads not a multiple of the KV heads, or an odd head_dim"
+        norms = [layer.post_attention_layernorm] + [
+            n for n in (layer.input_layernorm, getattr(layer, "hidden_norm", None))
+            if n is not None and hasattr(n, "eps")
+        ]  # fmt: skip
+        if a.qk_norm:
+            norms += [a.q_norm, a.k_norm]
+        eps |= {n.eps for n in norms}
+    if head.variant == "eagle3":
+        eps.add(head.norm.eps)
+    if len(eps) != 1:
+        return "RMSNorm epsilons differ inside the head"
+    if getattr(head.config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {head.config.hidden_act!r}"
+    return None
+
+
+class CompiledEagleHead:
+    """The C draft round bound to one head and its KV pool; `build` returns None (logged) where
+    the eager head must run."""
+
+    def __init__(self, lib: ctypes.CDLL, head, pool):
+        self.lib, self.head, self.pool = lib, head, pool
+        self.profile = torch.zeros(2, dtype=torch.float64)  # wall s: catch-up, draft loop
+        self._keep: list[torch.Tensor] = []
+
+        def p(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            t = t.detach()
+            assert _f32(t) or t.dtype == torch.int64, "weights read in place: float32, contiguous"
+            self._keep.append(t)
+            return t.data_ptr()
+
+        eagle3 = head.variant == "eagle3"
+        layers = [head.midlayer] if eagle3 else list(head.layers)
+        structs = (_Layer * len(layers))()
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            ln1 = layer.input_layernorm
+            structs[i] = _Layer(
+                None if eagle3 or not hasattr(ln1, "weight") else p(ln1.weight),
+                p(a.qkv_proj.weight), p(a.qkv_proj.bias),
+                p(a.q_norm.weight) if a.qk_norm else None,
+                p(a.k_norm.weight) if a.qk_norm else None,
+                p(a.o_proj.weight), p(a.o_proj.bias), p(layer.post_attention_layernorm.weight),
+                p(mlp.gate_up_proj.weight), p(mlp.gate_up_proj.bias),
+                p(mlp.down_proj.weight), p(mlp.down_proj.bias),
+                p(pool.k_buffers[i]), p(pool.v_buffers[i]),
+            )  # fmt: skip
+        self._layers = structs
+        a0 = layers[0].self_attn
+        rot = a0.rotary_emb
+        lm = head.lm_head.weight if eagle3 else head.target_lm_head.weight
+        dvocab = head.draft_vocab_size if eagle3 else head.target_lm_head.num_embeddings
+        self._struct = _Head(
+            int(eagle3), head.config.hidden_size, a0.num_heads, a0.num_kv_heads, a0.head_dim,
+            layers[0].mlp.gate_up_proj.weight.shape[0] // 2, len(layers),
+            rot.cos_cache.shape[0], head.embed_tokens.weight.shape[0], dvocab,
+            head.fc.in_features, layers[0].post_attention_layernorm.eps, a0.attn.scaling,
+            p(head.embed_tokens.weight), p(head.fc.weight), p(head.fc.bias),
+            p(head.midlayer.input_layernorm.weight) if eagle3 else None,
+            p(head.midlayer.hidden_norm.weight) if eagle3 else None,
+            p(head.norm.weight) if eagle3 else None, p(lm),
+            p(rot.cos_cache), p(rot.sin_cache), p(head.d2t) if eagle3 else None, structs,
+        )  # fmt: skip
+        self._ptr = ctypes.addressof(self._struct)
+        self.dvocab = dvocab
+
+    @classmethod
+    def build(cls, head, pool, topk: int) -> CompiledEagleHead | None:
+        reason = eagle_unsupported(head, pool, topk)
+        lib = None if reason else load()
+        if reason is None and lib is None:
+            reason = "no C compiler"
+        if reason:
+            logger.info("compiled EAGLE head off: %s; the eager head runs", reason)
+            return None
+        return cls(lib, head, pool)
+
+    def run(
+        self, ids, pos, slots, feats, starts, rows, seq_lens, table, draft_reqs, steps,
+        want_logits: bool = False, want_hidden: bool = False,
+    ):  # fmt: skip
+        """One round: the catch-up over rows `ids` / `pos` / `slots` / `feats` [T, F] (request b:
+        rows starts[b] .. starts[b+1]-1, seq_lens[b] committed entries after it, table row
+        rows[b]), then `steps` greedy drafts for each request index in draft_reqs. Returns
+        (tokens [nd, steps] int64, logits [steps, nd, dvocab] or None, hidden [T, H] or None).
+        Integer arguments: int64 CPU tensors; feats float32 contiguous."""
+        nd = len(draft_reqs)
+        n = ids.numel()
+        b = len(seq_lens)
+        tokens = torch.empty((nd, steps), dtype=torch.int64)
+        logits = torch.empty((steps, nd, self.dvocab)) if want_logits else None
+        hidden = torch.empty((n, self._struct.hidden)) if want_hidden else None
+        meta = torch.tensor([*starts, *rows, *seq_lens, *draft_reqs], dtype=torch.int64)
+        base = meta.data_ptr()
+        rc = self.lib.loom_eagle_round(
+            self._ptr, n, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), feats.data_ptr(),
+            feats.stride(0), b, base, base + 8 * (b + 1), base + 8 * (2 * b + 1),
+            table.data_ptr(), table.stride(0), nd, base + 8 * (3 * b + 1), steps,
+            tokens.data_ptr(), _ptr(logits), _ptr(hidden), torch.get_num_threads(),
+            self.profile.data_ptr(),
+        )  # fmt: skip
+        if rc == -1:
+            raise IndexError("a draft position is past the head's rotary table")
+        if rc == -2:
+            raise IndexError(f"token id {int(ids.max())} is past the vocabulary")
+        return tokens, logits, hidden
+
+
+class CompiledMedusaHeads:
+    """All Medusa heads (residual blocks, LM head, log-softmax, top-k) in one C call."""
+
+    def __init__(self, lib: ctypes.CDLL, heads):
+        self.lib, self.heads = lib, heads
+        lm = heads.target_lm_head.weight if heads.shares_lm_head else heads.lm_weight
+        self._keep = [
+            heads.res_weight.detach().contiguous(), heads.res_bias.detach().contiguous(),
+            lm.detach().contiguous(),
+        ]  # fmt: skip
+        self.vocab = heads.vocab_size if not heads.shares_lm_head else lm.shape[0]
+
+    @classmethod
+    def build(cls, heads) -> CompiledMedusaHeads | None:
+        reason = None
+        lm = heads.target_lm_head.weight if heads.shares_lm_head else heads.lm_weight
+        if any(
+            t.dtype != torch.float32 or t.device.type != "cpu" for t in (*heads.parameters(), lm)
+        ):
+            reason = "the heads are not float32 on the CPU"
+        lib = None if reason else load()
+        if reason is None and lib is None:
+            reason = "no C compiler"
+        if reason:
+            logger.info("compiled Medusa heads off: %s; the eager heads run", reason)
+            return None
+        return cls(lib, heads)
+
+    def run(self, hidden: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [n, H] -> (log-probabilities, ids), each [n, k, topk], best first."""
+        h = hidden.detach().float().contiguous()
+        n, k = h.shape[0], self.heads.num_heads
+        logp = torch.empty((n, k, topk), dtype=torch.float32)
+        ids = torch.empty((n, k, topk), dtype=torch.int64)
+        w, b, lm = self._keep
+        self.lib.loom_medusa_heads(
+            h.data_ptr(), n, h.shape[1], k, self.heads.num_layers, w.data_ptr(), b.data_ptr(),
+            lm.data_ptr(), int(not self.heads.shares_lm_head), self.vocab, topk,
+            logp.data_ptr(), ids.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return logp, ids
