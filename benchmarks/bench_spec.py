@@ -165,7 +165,9 @@ def main() -> None:
         "--ngram-breadth", type=int, default=1, help="--speculative-ngram-max-bfs-breadth (trees)"
     )
     ap.add_argument(
-        "--algorithms", default="NGRAM", help="comma-separated: NGRAM, EAGLE, EAGLE3 (one row each)"
+        "--algorithms",
+        default="NGRAM",
+        help="comma-separated: NGRAM, EAGLE, EAGLE3, MEDUSA (one row each)",
     )
     for name in ("steps", "topk", "draft-tokens"):  # EAGLE / EAGLE3 rows: the tree's shape
         ap.add_argument(f"--eagle-{name}", type=int, default=None)
@@ -201,6 +203,7 @@ def main() -> None:
             run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
             run_once(on, warm, 2)
             draft0 = on.decode.drafter.summary().get("spec_draft_seconds", 0.0)
+            levels0 = on.decode.drafter.summary().get("spec_draft_split_seconds", [0.0, 0.0])
             # alternate which side runs first, so a load change within a round does not
             # always favour the same side
             if rnd % 2:
@@ -217,6 +220,10 @@ def main() -> None:
             # the on side's wall time: target forwards, the drafter's own device work
             # (a model-based head), everything else
             split = (on.bench_model_seconds, st.get("spec_draft_seconds", 0.0) - draft0, w_on)
+            # a compiled EAGLE round's own split: catch-up / draft loop (its num_steps - 1 levels)
+            levels = [
+                b - a for a, b in zip(levels0, st.get("spec_draft_split_seconds", [0.0, 0.0]))
+            ]
         by_pos = [
             a / p if p else 0.0
             for a, p in zip(st["spec_accepted_by_position"], st["spec_proposed_by_position"])
@@ -225,10 +232,21 @@ def main() -> None:
             curves[name if algo == "NGRAM" else f"{algo} {name}"] = by_pos
         head = ""
         if algo != "NGRAM":
+            per = 1e3 / max(1, steps["on"])  # ms per on-side step
             head = (
                 f" | on side: target {split[0]:.2f} s, head {split[1]:.2f} s, "
-                f"outside {split[2] - split[0] - split[1]:.2f} s"
+                f"outside {split[2] - split[0] - split[1]:.2f} s = per step (off "
+                f"{w_off * 1e3 / max(1, steps['off']):.2f} ms) target "
+                f"{split[0] * per:.2f} ms, head {split[1] * per:.2f} ms, outside "
+                f"{(split[2] - split[0] - split[1]) * per:.2f} ms"
             )
+            if levels[1] > 0:
+                n_levels = on.decode.drafter.steps - 1
+                head += (
+                    f" (head: catch-up {levels[0] * per:.2f} ms, draft loop "
+                    f"{levels[1] * per:.2f} ms = {n_levels} levels x "
+                    f"{levels[1] * per / max(1, n_levels):.2f} ms)"
+                )
         print(
             f"{'' if algo == 'NGRAM' else algo + ' '}{name:5s} batch {batch:2d}: tokens/s on/off wall {statistics.median(ratios_wall):.2f}x "
             f"[{min(ratios_wall):.2f}-{max(ratios_wall):.2f}], CPU {statistics.median(ratios_cpu):.2f}x "
