@@ -92,6 +92,46 @@ def test_trie_is_shared_across_requests_and_bounded():
     assert d.propose(recent, NgramState(4), 3) == [3, 4, 5]
 
 
+def test_a_chain_that_runs_out_is_matched_again_from_its_last_tokens():
+    # the trie keeps windows of depth 4 (window 2 + branch 2): "1 2" reaches 3 4, then the
+    # chain's own last tokens "3 4" are matched again (5 6), and once more (7 8)
+    d = _drafter(max_window=2, branch_length=2)
+    assert d.trie.depth == 4
+    d.observe(_req(list(range(1, 11))), NgramState(4))
+    assert d.propose(_req([20, 1, 2]), NgramState(4), 8) == [3, 4, 5, 6, 7, 8]
+    assert d.propose(_req([20, 1, 2]), NgramState(4), 3) == [3, 4, 5]
+    assert d.propose(_req([20, 9, 10]), NgramState(4), 8) == []  # 10: nothing followed it
+
+
+def test_opening_steps_learn_their_own_rates():
+    """The draft riding the prefill and the first drafts after it use server-wide rates of
+    their own: when answers' openings keep being refused, later requests stop drafting
+    there (a plain decode step instead of a verify) but still draft mid-answer; every
+    PROBE_EVERY-th request drafts its opening in full to re-measure."""
+    from loom.runtime.spec import speculator
+    from loom.runtime.spec.speculator import NgramSpeculator
+
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
+    history = [7, 8, 9, 10, 11, 12, 13, 14] * 3
+    drafted = []
+    for _ in range(speculator.PROBE_EVERY - 1):
+        req = _req(history)
+        at_prefill = spec.draft_prefill(req, 8)
+        if at_prefill:
+            spec.on_verified(req, len(at_prefill), 0)  # the opening is refused
+        first = spec.draft(req, 8)
+        if first:
+            spec.on_verified(req, len(first), 0)
+        drafted.append((len(at_prefill), len(first)))
+    assert drafted[0] == (7, 7)  # a fresh server drafts in full
+    assert drafted[-1] == (0, 0), drafted  # refused openings are no longer drafted
+    req = _req(history)
+    assert len(spec.draft_prefill(req, 8)) == 7  # the probe
+    for _ in range(speculator.OPENING_STEPS):
+        spec.draft(req, 8)
+    assert spec.draft(req, 8) == history[:7]  # mid-answer: the request's own rates
+
+
 # --------------------------------------------------------------------------- flags
 @pytest.mark.parametrize(
     "kw, message",

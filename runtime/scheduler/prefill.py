@@ -28,8 +28,16 @@ class PrefillAdder:
         running: list[Req],
         new_token_ratio: float,
         slots_left: int,
+        drafter=None,
+        step_token_cap: int | None = None,
+        decode_size: int | None = None,
     ):
         self.kv = kv
+        # drafts verified by this prefill forward (None: none); see `_draft`
+        self.drafter = drafter
+        self.step_token_cap = step_token_cap
+        # the decode batch these requests join, as large as the queue could make it
+        self.decode_size = len(running) + slots_left if decode_size is None else decode_size
         self.page = kv.page_size
         self.chunked = chunk_size is not None
         self.rem_input = chunk_size if chunk_size is not None else max_prefill_tokens
@@ -63,9 +71,15 @@ class PrefillAdder:
         future = 0 if truncated else min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS) * self.ratio
         if self.can_run and extend + future > self.rem_total:
             return self._undo(req)
-        if self.kv.alloc(req, extend) is None:
+        draft = [] if truncated else self._draft(req, extend)
+        slots = self.kv.alloc(req, extend + len(draft))
+        if slots is None and draft:  # drafts are optional: the prompt alone may still fit
+            draft = req.draft_ids = []
+            req.draft_masks = None
+            slots = self.kv.alloc(req, extend)
+        if slots is None:
             return self._undo(req)
-        req.extend_len = extend
+        req.extend_len = extend + len(draft)
         req.is_chunked = truncated
         self.can_run.append(req)
         self.rem_input -= extend
@@ -73,6 +87,33 @@ class PrefillAdder:
         if not continuing:
             self.slots_left -= 1
         return not truncated
+
+    def _draft(self, req: Req, extend: int) -> list[int]:
+        """Tokens the drafter proposes after `req`'s prompt, fed and verified by this prefill
+        forward (`req.draft_ids`). Only where the decode batch that follows would draft too,
+        not for prompt logprobs or a disaggregated prefill, and within the compiled forward's
+        step limit when the batch is still under it (past it, a few more rows of an eager
+        prefill cost little)."""
+        req.draft_ids, req.draft_masks = [], None
+        req.draft_parents = req.draft_probs = None
+        d = self.drafter
+        if (
+            d is None
+            or req.return_logprob
+            or req.bootstrap_room is not None
+            or not req.samples_at(req.kv_len + extend)
+            or not d.enabled_for(self.decode_size)
+        ):
+            return []
+        room = req.remaining_new_tokens - 1  # also keeps every draft inside the context
+        if self.step_token_cap is not None:
+            fed = extend + sum(r.extend_len for r in self.can_run)
+            if fed <= self.step_token_cap:
+                room = min(room, self.step_token_cap - fed)
+        if room <= 0:
+            return []
+        req.draft_ids = list(d.draft_prefill(req, room))[:room]
+        return req.draft_ids
 
     def _admit(self, req: Req) -> bool:
         """A request row and the cached prefix; at least one token is computed (its logits
@@ -106,6 +147,10 @@ class PrefillManager:
         self.rng = rng
         self.waiting: list[Req] = []
         self.chunked_req: Req | None = None
+        # the scheduler sets these when speculation is on: a `Drafter` whose drafts ride
+        # prefill forwards (`draft_prefill`), and the compiled forward's step limit
+        self.drafter = None
+        self.step_token_cap: int | None = None
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.chunked_req is not None)
@@ -120,7 +165,17 @@ class PrefillManager:
             return None
         slots_left = self.max_running_requests - len(running) - (self.chunked_req is not None)
         adder = PrefillAdder(
-            self.kv, self.chunk_size, self.max_prefill_tokens, running, new_token_ratio, slots_left
+            self.kv,
+            self.chunk_size,
+            self.max_prefill_tokens,
+            running,
+            new_token_ratio,
+            slots_left,
+            self.drafter,
+            self.step_token_cap,
+            len(running)
+            + (self.chunked_req is not None)
+            + min(len(self.waiting), max(0, slots_left)),
         )
         if self.chunked_req is not None:
             adder.add(self.chunked_req, continuing=True)

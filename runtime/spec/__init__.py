@@ -62,6 +62,13 @@ class Drafter(ABC):
         drafts come with `req.draft_masks` (one grammar row after the last real token, then
         one after each node)."""
 
+    def draft_prefill(self, req, room: int) -> list[int]:
+        """A chain (at most `room` tokens) to verify in the forward that prefills `req`: its
+        tokens are fed after the prompt, and that forward samples at each of them as a verify
+        step would (a tree would need the prompt's rows under a tree mask: chains only).
+        Default: none (a head drafter needs the target's hidden states of a forward first)."""
+        return []
+
     def skip(self, reqs: list) -> None:
         """A decode batch too large to draft (`enabled_for` False): the requests in it draft
         nothing this step (one call per batch; the default asks `draft` per request)."""

@@ -9,7 +9,9 @@ continuation, the most recently seen child (match type BFS) or the most frequent
 When the last token is new after a context of 2+ tokens the trie knows (a name, a number in
 a JSON value), the draft continues as the most recently seen other token after that context
 did (a skip-gram: `"name": "Alice` drafts `", "age": ` learnt from `"name": "Bob", "age": `),
-unless an exact match of a longer window exists.
+unless an exact match of a longer window exists. Where a chain runs out (a long match leaves
+few trie levels below it), its own last tokens are matched again from the root, so a copy
+continues past one window (at most MAX_REMATCHES times a draft).
 
 Bounded: at most `capacity` nodes, least recently touched evicted first (an evicted node's
 subtree is cut off with it and ages out of the LRU in turn); a prompt contributes at most its
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 MAX_PROMPT_TOKENS = 2048
 SKIP_MIN_CONTEXT = 2  # tokens of context a skip-gram match needs
 SKIP_SCAN = 32  # siblings a skip-gram match looks at
+MAX_REMATCHES = 2  # times a draft chain that ran out is matched again from its last tokens
 
 
 class _Node:
@@ -96,7 +99,7 @@ class NgramState:
     """A request's place in the trie: its suffix pointers and how many of its tokens the
     trie has seen. Lives on `req.spec_state`."""
 
-    __slots__ = ("pointers", "seen", "rates", "steps", "expected")
+    __slots__ = ("pointers", "seen", "rates", "steps", "expected", "opening")
 
     def __init__(self, num_positions: int):
         self.pointers: list[_Node] = []
@@ -105,6 +108,9 @@ class NgramState:
         self.rates = [1.0] * num_positions
         self.steps = 0
         self.expected = 0.0  # draft tokens the current draft is expected to get accepted
+        # which of the drafter's opening-step rates the draft being verified used (-1: the
+        # request's own; 0: it rides the prefill; k: the k-th draft after it)
+        self.opening = -1
 
 
 class NgramDrafter:
@@ -146,16 +152,41 @@ class NgramDrafter:
         return end == n
 
     def propose(self, req, state: NgramState, max_len: int, after: Sequence[int] = ()) -> list[int]:
+        """The chain from the matched node; where it runs out (the trie keeps windows of
+        `depth` tokens, and a long match leaves few below it), the last tokens drafted so far
+        are matched again from the root, so a copy continues past one window."""
         self.observe(req, state)
         node = self._match(state.pointers, after)
         draft: list[int] = []
-        while node is not None and node.children and len(draft) < max_len:
+        rematches = 0
+        while node is not None and len(draft) < max_len:
+            if not node.children:
+                if not draft or rematches >= MAX_REMATCHES:
+                    break
+                rematches += 1
+                node = self._rematch(req, after, draft)
+                continue
             if self.by_count:
                 node = max(node.children.values(), key=lambda c: (c.count, c.stamp))
             else:
                 node = max(node.children.values(), key=lambda c: c.stamp)
             draft.append(node.token)
         return draft
+
+    def _rematch(self, req, after: Sequence[int], draft: list[int]) -> _Node | None:
+        """The deepest node with a continuation for the last max_window tokens of the
+        request's tokens + `after` + `draft` (None: no window of them has one)."""
+        w = self.max_window
+        tail = list(after) + draft
+        if len(tail) < w:
+            n = req.seq_len
+            tail = req.tokens(max(0, n - (w - len(tail))), n) + tail
+        tail = tail[-w:]
+        for k in range(len(tail), self.min_window - 1, -1):
+            node = self.trie.walk(self.trie.root, tail[len(tail) - k :])
+            if node is not None and node.children:
+                return node
+        return None
 
     def propose_tree(
         self,

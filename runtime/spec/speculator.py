@@ -17,8 +17,15 @@ step for the whole batch: measured on the bundled model (CPU time, decode step =
 1.63 / 2.14 at batch 8 and 2.19 / 2.50 / 3.19 at batch 16; `extra_cost` models that.
 The batch verifies when the gains of all its requests pay b x extra_cost (b tokens per
 decode step), else the step decodes plainly. Every PROBE_EVERY steps a request drafts its
-full length, verified whatever its expected gain, to re-measure. Decode batches of `--speculative-disable-by-batch-size` requests
-or more draft nothing (grammar requests there take the jump-forward path).
+full length, verified whatever its expected gain, to re-measure. Decode batches of
+`--speculative-disable-by-batch-size` requests or more draft nothing (grammar requests there
+take the jump-forward path).
+
+Openings: a request's first draft rides its prefill forward (`draft_prefill`: forced text and
+a chain, fed after the prompt and verified there, a few more rows of a forward that runs
+anyway), so a schema's opening keys cost no step of their own. That draft and the first
+OPENING_STEPS drafts after it are sized by server-wide rates per opening step rather than the
+request's own (an answer's first words are often what no history predicts: a name, a number).
 """
 
 from __future__ import annotations
@@ -44,6 +51,11 @@ def extra_cost(batch_size: int, longest_draft: int) -> float:
 
 RATE_DECAY = 0.3
 PRIOR_DECAY = 0.05
+OPENING_DECAY = 0.5  # one update per request: a fresh server learns its openings fast
+OPENING_STEPS = 2  # drafts after the prefill's that use the opening rates
+# a prefill draft position pays when its chance of acceptance is above this: one more row in
+# a forward that runs anyway (~0.1 decode step) against ~0.3 of a verify step per accepted token
+PREFILL_TOKEN_COST = 0.2
 
 
 class NgramSpeculator(Drafter):
@@ -74,6 +86,11 @@ class NgramSpeculator(Drafter):
         # running average), not from 1.0: a batch that shrinks under the size threshold then
         # drafts what has been paying, instead of full-length drafts for every request in it
         self.prior_rates = [1.0] * self.num_draft
+        # the opening of an answer is not its middle (a copy's first words are a name the
+        # prompt does not hold; a schema's are forced): the draft riding the prefill and the
+        # first OPENING_STEPS drafts after it use server-wide rates of their own, per step
+        self.opening_rates = [[1.0] * self.num_draft for _ in range(1 + OPENING_STEPS)]
+        self.opening_ct = [0] * (1 + OPENING_STEPS)
 
     def enabled_for(self, batch_size: int) -> bool:
         return batch_size < self.disable_batch_size
@@ -90,13 +107,14 @@ class NgramSpeculator(Drafter):
         if state is None:
             state = req.spec_state = NgramState(self.num_draft)
             state.rates = list(self.prior_rates)  # what drafts have earned so far, server-wide
+        state.opening = -1
         if not free_drafts:
             self.stats.skipped += 1
             return []
         self._learn_finished()
         budget = min(room, self.num_draft)
         forced = self._forced(req, budget) if req.grammar is not None else []
-        gains = self._gains(state)[: max(0, budget - len(forced))]
+        gains = self._gains(state, len(req.output_ids))[: max(0, budget - len(forced))]
         if self.breadth[1] > 1 and gains:
             return self._draft_tree(req, state, forced, gains, budget)
         ngram = self.ngram.propose(req, state, len(gains), after=forced)
@@ -106,6 +124,45 @@ class NgramSpeculator(Drafter):
             draft = self._walk_grammar(req, draft)
         req.draft_forced = min(len(forced), len(draft))
         return draft
+
+    def draft_prefill(self, req, room: int) -> list[int]:
+        """Forced text, then the trie's chain, verified by the prefill forward itself: a
+        constrained request gets the schema's opening keys (and a copy its first words)
+        without a verify step of their own. A draft token there costs one more row of a
+        forward that runs anyway, so the chain runs while the server-wide acceptance of
+        prefill drafts at that position stays above PREFILL_TOKEN_COST (a separate rate:
+        the first tokens of an answer are not the middle of one)."""
+        state = req.spec_state
+        if state is None:
+            state = req.spec_state = NgramState(self.num_draft)
+            state.rates = list(self.prior_rates)
+        self._learn_finished()
+        budget = min(room, self.num_draft)
+        if budget <= 0:
+            return []
+        forced = self._forced(req, budget) if req.grammar is not None else []
+        n = len(self._opening_gains(state, 0, PREFILL_TOKEN_COST)[: budget - len(forced)])
+        ngram = self.ngram.propose(req, state, n, after=forced) if n else []
+        draft = forced + ngram
+        if req.grammar is not None and draft:
+            draft = self._walk_grammar(req, draft)
+        req.draft_forced = min(len(forced), len(draft))
+        return draft
+
+    def _opening_gains(self, state: NgramState, step: int, cost: float) -> list[float]:
+        """Gains by the server-wide rates of opening step `step` (every PROBE_EVERY-th
+        request drafts its full length there, to re-measure)."""
+        state.opening = step
+        self.opening_ct[step] += 1
+        if self.opening_ct[step] % PROBE_EVERY == 0:
+            return [float("inf")] * self.num_draft
+        gain, gains = 1.0, []
+        for rate in self.opening_rates[step]:
+            gain *= rate
+            if gain < cost:
+                break
+            gains.append(gain)
+        return gains
 
     def _draft_tree(self, req, state, forced, gains, budget) -> list[int] | DraftTree:
         """Forced text as a chain, the trie's tree below it (as deep as the positions that
@@ -205,9 +262,13 @@ class NgramSpeculator(Drafter):
         req.draft_masks = masks[rows]
         return new_tokens, new_parents
 
-    def _gains(self, state: NgramState) -> list[float]:
+    def _gains(self, state: NgramState, output_len: int) -> list[float]:
         """The chance each draft position is accepted, for the positions worth drafting."""
         state.steps += 1
+        # an opening step: among a request's first drafts, near the answer's start (not the
+        # first drafts of a request that waited in a batch too large to draft)
+        if state.steps <= OPENING_STEPS and output_len <= state.steps * (1 + self.num_draft):
+            return self._opening_gains(state, state.steps, TOKEN_COST)
         if state.steps % PROBE_EVERY == 0:  # verified whatever the batch (worth_verifying)
             return [float("inf")] * self.num_draft
         gain, gains = 1.0, []
@@ -226,8 +287,18 @@ class NgramSpeculator(Drafter):
         forced = req.draft_forced
         self.stats.record(drafted, accepted, forced)
         state = req.spec_state
-        if state is None or accepted < forced:
+        if state is None:
             return
+        opening, state.opening = state.opening, -1
+        if accepted < forced:
+            return
+        if opening >= 0:
+            rates = self.opening_rates[opening]
+            for j in range(min(drafted - forced, accepted - forced + 1, len(rates))):
+                hit = 1.0 if j < accepted - forced else 0.0
+                rates[j] += OPENING_DECAY * (hit - rates[j])
+            if opening == 0:
+                return  # the request's own rates are for its drafts after the opening
         rates, prior = state.rates, self.prior_rates
         for j in range(drafted - forced):
             if j > accepted - forced or j >= len(rates):
