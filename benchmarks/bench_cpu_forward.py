@@ -9,7 +9,11 @@ scheduling, forward, sampling) and its forward alone, per side; the step ratio e
 per round, median and range. The prompts' prefill is timed too (its first step).
 
     python benchmarks/bench_cpu_forward.py [--model bundled] [--batch-sizes 1,2,4,8]
-        [--pp 128] [--tg 32] [--rounds 3]
+        [--pp 128] [--tg 32] [--rounds 3] [--c-max-tokens N]
+
+--c-max-tokens raises (or lowers) the C side's step limit (cpu_forward.MAX_TOKENS) for the
+run, so a prefill of --pp tokens per request can be timed in C against eager: the crossover
+that sets MAX_TOKENS. --pp takes a list (one table row per pp and batch size).
 """
 
 from __future__ import annotations
@@ -85,10 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--model", default="bundled", help=f"one of {common.MODELS}")
     p.add_argument("--batch-sizes", default="1,2,4,8")
-    p.add_argument("--pp", type=int, default=128)
+    p.add_argument("--pp", default="128", help="prompt tokens, a comma-separated list")
     p.add_argument("--tg", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--c-max-tokens", type=int, default=0, help="the C side's step limit")
     args = p.parse_args(argv)
+    pps = [int(x) for x in args.pp.split(",")]
     import torch
 
     from loom.runtime.scheduler.scheduler import Scheduler
@@ -113,18 +119,24 @@ def main(argv: list[str] | None = None) -> None:
         )
         _timed_forward(sched.runner, spent)
         scheds[mode] = sched
-    assert scheds["auto"].runner.cpu_forward is not None, "the C forward does not cover this"
+    fast = scheds["auto"].runner.cpu_forward
+    if args.c_max_tokens and fast is not None:
+        fast.max_tokens = scheds["auto"].decode.step_token_cap = args.c_max_tokens
+    assert fast is not None, "the C forward does not cover this"
+    limit = fast.max_tokens
     vocab = scheds["auto"].vocab_size
     for sched in scheds.values():  # warm-up: torch's first GEMMs, the allocator
-        run_once(sched, spent, [list(range(10, 10 + args.pp))] * max(sizes), 4)
+        run_once(sched, spent, [list(range(10, 10 + max(pps)))] * max(sizes), 4)
     rng = random.Random(0)
+    print(f"C forward step limit: {limit} tokens")
     print(
-        "| B | load | decode step, C (CPU ms) | its forward | decode step, eager | its forward"
-        " | step eager / C | prefill step, C | prefill step, eager |"
+        "| B | pp | load | decode step, C (CPU ms) | its forward | decode step, eager"
+        " | its forward | step eager / C | prefill step, C | prefill step, eager |"
+        " prefill eager / C |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for b in sizes:
-        prompts = [[rng.randrange(10, vocab) for _ in range(args.pp)] for _ in range(b)]
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for b, pp in [(b, pp) for pp in pps for b in sizes]:
+        prompts = [[rng.randrange(10, vocab) for _ in range(pp)] for _ in range(b)]
         res = common.alternate(
             {m: (lambda s=s, p=prompts: run_once(s, spent, p, args.tg)) for m, s in scheds.items()},
             args.rounds,
@@ -135,9 +147,11 @@ def main(argv: list[str] | None = None) -> None:
             return statistics.median(x[k] for x in xs)
 
         print(
-            f"| {b} | {os.getloadavg()[0]:.1f} | {med(c, 0):.2f} | {med(c, 1):.2f} | {med(e, 0):.2f} "
-            f"| {med(e, 1):.2f} | {common.fmt_ratio([x[0] for x in e], [x[0] for x in c])} "
-            f"| {med(c, 2):.1f} | {med(e, 2):.1f} |",
+            f"| {b} | {pp} | {os.getloadavg()[0]:.1f} | {med(c, 0):.2f} | {med(c, 1):.2f} "
+            f"| {med(e, 0):.2f} | {med(e, 1):.2f} "
+            f"| {common.fmt_ratio([x[0] for x in e], [x[0] for x in c])} "
+            f"| {med(c, 2):.1f} | {med(e, 2):.1f} "
+            f"| {common.fmt_ratio([x[2] for x in e], [x[2] for x in c])} |",
             flush=True,
         )
 

@@ -7,8 +7,11 @@ RoPE, the KV store into the pool, paged attention read in place through the req-
 table, causal or under a draft tree's mask, O projection, the SiLU MLP, the final norm and
 the LM head for the rows that need logits), reading the weights in place from the model's
 parameters. It covers the dense Llama family (Llama, Mistral, Qwen2, Qwen3) in float32 with
-one rank; steps of more than `MAX_TOKENS` tokens go to the eager forward, where torch's GEMM
-wins, and so does anything the C code does not cover (`CpuForward.build` says why, once).
+one rank; steps of more than `MAX_TOKENS` tokens go to the eager forward, and so does anything
+the C code does not cover (`CpuForward.build` says why, once). Steps of 2+ tokens read a copy
+of the projection and LM-head weights packed into 16-row panels (`pack`; `PACK_BUDGET` bounds
+its bytes), which the multi-token kernel streams once per step while reusing every loaded
+weight vector across up to 6 tokens; a single token reads the weights in place.
 `--cpu-forward eager` turns it off; the eager modules stay the reference it is tested against.
 """
 
@@ -26,11 +29,13 @@ from loom.runtime.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-# tokens per step up to which the C forward runs. Measured against the eager forward (CPU ms,
-# one thread, bundled model): one request's extend of 32 / 64 / 128 tokens takes 0.73x / 0.94x
-# / 1.32x the eager time (torch's blocked GEMM wins from ~64 rows), a 32-request decode step
-# 0.85x; docs/benchmarks.md "Engine room" has the batch-1 and batch-8 figures
-MAX_TOKENS = 32
+# tokens per step up to which the C forward runs. With the packed multi-token matmul and the
+# blocked causal attention, C took less CPU time than the eager forward at every size measured
+# (one thread, bundled model, load 5-8): one request's extend of 8 / 128 / 1024 / 2048 tokens
+# in ~0.3x / 0.7x / 0.65x / 0.65x of eager's, the prefill step of 64 prompts of 128 tokens
+# (8192) in 0.65x; docs/benchmarks.md "Session 5: multi-token kernel". Past the largest
+# measured step, eager.
+MAX_TOKENS = 8192
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -42,6 +47,7 @@ class _Layer(ctypes.Structure):
         for name in (
             "ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
             "ln2", "gu_w", "gu_b", "down_w", "down_b", "k_cache", "v_cache",
+            "qkv_p", "o_p", "gu_p", "down_p",  # packed panels (pack()); NULL: row-major only
         )
     ]  # fmt: skip
 
@@ -55,6 +61,7 @@ class _Model(ctypes.Structure):
         ("scale", ctypes.c_float),
         *[(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin")],
         ("layer", ctypes.POINTER(_Layer)),
+        ("lm_head_p", _P),
     ]
 
 
@@ -81,15 +88,32 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
         fn.argtypes += [ctypes.c_int, _P, _P]  # threads, prof, hidden_out
         fn.argtypes += [_I64, _P, _P]  # n_aux, aux_layers, aux_out
-        fn = lib.loom_linear_f32
-        fn.restype = None
-        fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
+        for fn in (lib.loom_linear_f32, lib.loom_linear_packed_f32):
+            fn.restype = None
+            fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
         _lib = lib
         return lib
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+PANEL = 16  # output rows per packed panel (the C kernel's PANEL)
+# bytes of packed copies one CpuForward may hold: the bundled model needs 15.7 MB, a
+# Qwen2.5-0.5B-shape f32 model ~2.0 GB (1.4 GB of layer projections + the 0.54 GB LM head);
+# matrices past the budget stay row-major only (their multi-token steps take the slower
+# dot-product tiles)
+PACK_BUDGET = 2 << 30
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """A row-major [N, K] float32 weight as the multi-token kernel reads it: [ceil(N / 16), K,
+    16], panel p holding output rows 16p .. 16p + 15 K-major, rows past N zero."""
+    n, k = w.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    padded[:n] = w.detach()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
 class CpuForward:
@@ -114,6 +138,15 @@ class CpuForward:
             self._keep.append(t)
             return t.data_ptr()
 
+        budget = [PACK_BUDGET]
+
+        def packed(t: torch.Tensor) -> int | None:
+            need = -(-t.shape[0] // PANEL) * PANEL * t.shape[1] * 4
+            if need > budget[0]:
+                return None
+            budget[0] -= need
+            return p(pack(t))
+
         layers = (_Layer * len(inner.layers))()
         for i, layer in enumerate(inner.layers):
             a, mlp = layer.self_attn, layer.mlp
@@ -125,6 +158,8 @@ class CpuForward:
                 p(mlp.gate_up_proj.weight), p(mlp.gate_up_proj.bias),
                 p(mlp.down_proj.weight), p(mlp.down_proj.bias),
                 p(pool.k_buffers[i]), p(pool.v_buffers[i]),
+                packed(a.qkv_proj.weight), packed(a.o_proj.weight),
+                packed(mlp.gate_up_proj.weight), packed(mlp.down_proj.weight),
             )  # fmt: skip
         self._layers = layers
         self._struct = _Model(
@@ -133,8 +168,10 @@ class CpuForward:
             model.lm_head.num_embeddings, len(inner.layers), rot.cos_cache.shape[0],
             inner.layers[0].input_layernorm.eps, attn0.attn.scaling,
             p(inner.embed_tokens.weight), p(inner.norm.weight), p(model.lm_head.weight),
-            p(rot.cos_cache), p(rot.sin_cache), layers,
+            p(rot.cos_cache), p(rot.sin_cache), layers, packed(model.lm_head.weight),
         )  # fmt: skip
+        # bytes held in packed copies (the weights the C path reads a second time)
+        self.packed_bytes = PACK_BUDGET - budget[0]
         self._model_ptr = ctypes.addressof(self._struct)
 
     @classmethod

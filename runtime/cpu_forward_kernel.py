@@ -6,8 +6,12 @@ the K/V store into the pool slots, paged attention reading K/V in place through 
 req-to-token table (causal, or a request's custom tree mask), O projection + residual,
 RMSNorm, the SiLU-gated MLP + residual; then the final RMSNorm and the LM head for the rows
 that need logits only. Weights are read in place from the torch tensors (row-major [out, in],
-float32). The matmuls are register-tiled dot products (4 output rows x 2 tokens) written with
-GCC/clang vector extensions, so -march=native picks the SIMD width.
+float32), and for steps of 2+ tokens from a copy packed into panels of 16 output rows, K-major
+(CpuForward packs it once): a block of up to 6 tokens x 16 outputs sits in 12 accumulators,
+each loaded weight vector feeding up to 6 FMAs and each broadcast x[t][k] 2. A single token
+(decode at batch 1, bound by the weight bytes) takes register-tiled dot products over the
+row-major weights (4 output rows x 1-3 tokens). GCC/clang vector extensions, FMA intrinsics
+where the target has them.
 """
 
 SOURCE = r"""
@@ -17,18 +21,43 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__AVX__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 
 static inline v8 ld(const float* p) { v8 v; memcpy(&v, p, sizeof(v)); return v; }
 static inline float hsum(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+/* c + a * b, one fused multiply-add where the target has it (GCC does not contract the
+   vector expression under -std=c11) */
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__AVX__) && defined(__FMA__)
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return c + a * b;
+#endif
+}
+/* {hsum(a), hsum(b), hsum(c), hsum(d)} */
+static inline v4 hsum4(v8 a, v8 b, v8 c, v8 d) {
+#if defined(__AVX__)
+    const __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b), cd = _mm256_hadd_ps((__m256)c, (__m256)d);
+    const __m256 s = _mm256_hadd_ps(ab, cd); /* a01+a23, b.., c.., d.. | the same of 4..7 */
+    return (v4)_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+#else
+    return (v4){hsum(a), hsum(b), hsum(c), hsum(d)};
+#endif
 }
 
 typedef struct {
     const float *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b;
     const float *ln2, *gu_w, *gu_b, *down_w, *down_b;
     float *k_cache, *v_cache; /* [slots, Hkv, D] */
+    /* the projections packed into panels (pack layout above gemm_packed), or NULL: gemm */
+    const float *qkv_p, *o_p, *gu_p, *down_p;
 } Layer;
 
 typedef struct {
@@ -36,9 +65,13 @@ typedef struct {
     float eps, scale;
     const float *embed, *norm, *lm_head, *cos, *sin; /* cos/sin [max_pos, D] */
     const Layer* layer;
+    const float* lm_head_p; /* the LM head packed, or NULL */
 } Model;
 
-/* y[t, n] (+)= sum_k x[t, k] w[n, k] + b[n] for t < T, n < N; rows of x are ldx apart, of y ldy. */
+/* y[t, n] (+)= sum_k x[t, k] w[n, k] + b[n] for t < T, n < N; rows of x are ldx apart, of y ldy.
+   Tiles of 4 weight rows; each tile runs over the tokens three at a time (12 accumulators: a
+   loaded weight vector feeds 3 FMAs, a token vector 4), then a pair, then one token. The tile's
+   rows (4 K floats) stay in L1 while the tokens pass, so the weights stream from memory once. */
 static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w, const float* b,
                  int64_t N, float* y, int64_t ldy, int accumulate, int nthreads) {
     const int64_t K8 = K & ~(int64_t)7, tiles = (N + 3) / 4;
@@ -47,31 +80,58 @@ static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float*
         const int64_t n0 = tile * 4, nn = N - n0 < 4 ? N - n0 : 4;
         const float* wr[4];
         for (int r = 0; r < 4; r++) wr[r] = w + (n0 + (r < nn ? r : 0)) * K;
+        const float *w0p = wr[0], *w1p = wr[1], *w2p = wr[2], *w3p = wr[3];
+        const v4 bias = b ? (v4){b[n0], b[n0 + (nn > 1)], b[n0 + 2 * (nn > 2)], b[n0 + 3 * (nn > 3)]}
+                          : (v4){0.f, 0.f, 0.f, 0.f};
         int64_t t = 0;
+        for (; t + 3 <= T; t += 3) {
+            const float *x0 = x + t * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx;
+            v8 a00 = {0}, a01 = {0}, a02 = {0}, a10 = {0}, a11 = {0}, a12 = {0};
+            v8 a20 = {0}, a21 = {0}, a22 = {0}, a30 = {0}, a31 = {0}, a32 = {0};
+            for (int64_t k = 0; k < K8; k += 8) {
+                if (t == 0 && !(k & 15)) { /* first token triple: the next tile's rows */
+                    __builtin_prefetch(w0p + k + 4 * K); __builtin_prefetch(w1p + k + 4 * K);
+                    __builtin_prefetch(w2p + k + 4 * K); __builtin_prefetch(w3p + k + 4 * K);
+                }
+                const v8 u = ld(x0 + k), v = ld(x1 + k), z = ld(x2 + k);
+                v8 wv = ld(w0p + k); a00 = fma8(wv, u, a00); a01 = fma8(wv, v, a01); a02 = fma8(wv, z, a02);
+                wv = ld(w1p + k); a10 = fma8(wv, u, a10); a11 = fma8(wv, v, a11); a12 = fma8(wv, z, a12);
+                wv = ld(w2p + k); a20 = fma8(wv, u, a20); a21 = fma8(wv, v, a21); a22 = fma8(wv, z, a22);
+                wv = ld(w3p + k); a30 = fma8(wv, u, a30); a31 = fma8(wv, v, a31); a32 = fma8(wv, z, a32);
+            }
+            v4 s[3] = {hsum4(a00, a10, a20, a30), hsum4(a01, a11, a21, a31), hsum4(a02, a12, a22, a32)};
+            for (int64_t k = K8; k < K; k++)
+                for (int r = 0; r < 4; r++) {
+                    s[0][r] += wr[r][k] * x0[k]; s[1][r] += wr[r][k] * x1[k]; s[2][r] += wr[r][k] * x2[k];
+                }
+            for (int j = 0; j < 3; j++) {
+                float* o = y + (t + j) * ldy + n0;
+                const v4 val = s[j] + bias;
+                for (int r = 0; r < nn; r++) o[r] = accumulate ? o[r] + val[r] : val[r];
+            }
+        }
         for (; t + 2 <= T; t += 2) {
             const float *x0 = x + t * ldx, *x1 = x0 + ldx;
             v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
             for (int64_t k = 0; k < K8; k += 8) {
-                if (t == 0 && !(k & 15)) { /* first token pair: the next tile's rows */
-                    __builtin_prefetch(wr[0] + k + 4 * K); __builtin_prefetch(wr[1] + k + 4 * K);
-                    __builtin_prefetch(wr[2] + k + 4 * K); __builtin_prefetch(wr[3] + k + 4 * K);
+                if (t == 0 && !(k & 15)) {
+                    __builtin_prefetch(w0p + k + 4 * K); __builtin_prefetch(w1p + k + 4 * K);
+                    __builtin_prefetch(w2p + k + 4 * K); __builtin_prefetch(w3p + k + 4 * K);
                 }
                 const v8 u = ld(x0 + k), v = ld(x1 + k);
-                v8 w0 = ld(wr[0] + k); a00 += w0 * u; a01 += w0 * v;
-                v8 w1 = ld(wr[1] + k); a10 += w1 * u; a11 += w1 * v;
-                v8 w2 = ld(wr[2] + k); a20 += w2 * u; a21 += w2 * v;
-                v8 w3 = ld(wr[3] + k); a30 += w3 * u; a31 += w3 * v;
+                v8 wv = ld(w0p + k); a00 = fma8(wv, u, a00); a01 = fma8(wv, v, a01);
+                wv = ld(w1p + k); a10 = fma8(wv, u, a10); a11 = fma8(wv, v, a11);
+                wv = ld(w2p + k); a20 = fma8(wv, u, a20); a21 = fma8(wv, v, a21);
+                wv = ld(w3p + k); a30 = fma8(wv, u, a30); a31 = fma8(wv, v, a31);
             }
-            float s[4][2] = {{hsum(a00), hsum(a01)}, {hsum(a10), hsum(a11)},
-                             {hsum(a20), hsum(a21)}, {hsum(a30), hsum(a31)}};
+            v4 s[2] = {hsum4(a00, a10, a20, a30), hsum4(a01, a11, a21, a31)};
             for (int64_t k = K8; k < K; k++)
-                for (int r = 0; r < 4; r++) { s[r][0] += wr[r][k] * x0[k]; s[r][1] += wr[r][k] * x1[k]; }
-            for (int r = 0; r < nn; r++)
-                for (int j = 0; j < 2; j++) {
-                    float* o = y + (t + j) * ldy + n0 + r;
-                    const float val = s[r][j] + (b ? b[n0 + r] : 0.f);
-                    *o = accumulate ? *o + val : val;
-                }
+                for (int r = 0; r < 4; r++) { s[0][r] += wr[r][k] * x0[k]; s[1][r] += wr[r][k] * x1[k]; }
+            for (int j = 0; j < 2; j++) {
+                float* o = y + (t + j) * ldy + n0;
+                const v4 val = s[j] + bias;
+                for (int r = 0; r < nn; r++) o[r] = accumulate ? o[r] + val[r] : val[r];
+            }
         }
         for (; t < T; t++) {
             const float* x0 = x + t * ldx;
@@ -79,28 +139,27 @@ static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float*
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
             int64_t k = 0;
             for (; k + 16 <= K8; k += 16) {
-                /* the next tile's rows: 4K floats on */
-                __builtin_prefetch(wr[0] + k + 4 * K); __builtin_prefetch(wr[1] + k + 4 * K);
-                __builtin_prefetch(wr[2] + k + 4 * K); __builtin_prefetch(wr[3] + k + 4 * K);
+                if (t == 0) { /* the next tile's rows: 4K floats on */
+                    __builtin_prefetch(w0p + k + 4 * K); __builtin_prefetch(w1p + k + 4 * K);
+                    __builtin_prefetch(w2p + k + 4 * K); __builtin_prefetch(w3p + k + 4 * K);
+                }
                 const v8 u = ld(x0 + k), v = ld(x0 + k + 8);
-                a0 += ld(wr[0] + k) * u; a1 += ld(wr[1] + k) * u;
-                a2 += ld(wr[2] + k) * u; a3 += ld(wr[3] + k) * u;
-                b0 += ld(wr[0] + k + 8) * v; b1 += ld(wr[1] + k + 8) * v;
-                b2 += ld(wr[2] + k + 8) * v; b3 += ld(wr[3] + k + 8) * v;
+                a0 = fma8(ld(w0p + k), u, a0); a1 = fma8(ld(w1p + k), u, a1);
+                a2 = fma8(ld(w2p + k), u, a2); a3 = fma8(ld(w3p + k), u, a3);
+                b0 = fma8(ld(w0p + k + 8), v, b0); b1 = fma8(ld(w1p + k + 8), v, b1);
+                b2 = fma8(ld(w2p + k + 8), v, b2); b3 = fma8(ld(w3p + k + 8), v, b3);
             }
             for (; k < K8; k += 8) {
                 const v8 u = ld(x0 + k);
-                a0 += ld(wr[0] + k) * u; a1 += ld(wr[1] + k) * u;
-                a2 += ld(wr[2] + k) * u; a3 += ld(wr[3] + k) * u;
+                a0 = fma8(ld(w0p + k), u, a0); a1 = fma8(ld(w1p + k), u, a1);
+                a2 = fma8(ld(w2p + k), u, a2); a3 = fma8(ld(w3p + k), u, a3);
             }
-            float s[4] = {hsum(a0 + b0), hsum(a1 + b1), hsum(a2 + b2), hsum(a3 + b3)};
+            v4 s = hsum4(a0 + b0, a1 + b1, a2 + b2, a3 + b3);
             for (int64_t k = K8; k < K; k++)
                 for (int r = 0; r < 4; r++) s[r] += wr[r][k] * x0[k];
-            for (int r = 0; r < nn; r++) {
-                float* o = y + t * ldy + n0 + r;
-                const float val = s[r] + (b ? b[n0 + r] : 0.f);
-                *o = accumulate ? *o + val : val;
-            }
+            float* o = y + t * ldy + n0;
+            const v4 val = s + bias;
+            for (int r = 0; r < nn; r++) o[r] = accumulate ? o[r] + val[r] : val[r];
         }
     }
 }
@@ -109,6 +168,93 @@ static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float*
 void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const float* b,
                      int64_t N, float* y, int nthreads) {
     gemm(x, T, K, K, w, b, N, y, N, 0, nthreads);
+}
+
+/* Weights packed for the multi-token kernel: [ceil(N / 16), K, 16], panel p holding output rows
+   16p .. 16p + 15 K-major (rows past N are zero), so the 16 outputs of one k are two vectors. */
+#define PANEL 16
+
+/* MT tokens x 16 outputs of one panel: 2 * MT accumulators; per k two weight vectors, each
+   token's x[t][k] broadcast once and fed to 2 FMAs (MT <= 6: 12 accumulators + 2 weights +
+   1 broadcast of the 16 vector registers AVX2 has). */
+static inline __attribute__((always_inline)) void panel_block(
+    const float* x, int64_t ldx, int64_t K, const float* wp, const float* b, int64_t nn,
+    float* y, int64_t ldy, int accumulate, const int MT) {
+    v8 acc[6][2];
+    #pragma GCC unroll 6
+    for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = (v8){0};
+    for (int64_t k = 0; k < K; k++) {
+        const v8 w0 = ld(wp + k * PANEL), w1 = ld(wp + k * PANEL + 8);
+        #pragma GCC unroll 6
+        for (int t = 0; t < MT; t++) {
+            const float xv = x[t * ldx + k];
+            const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+            acc[t][0] = fma8(w0, xb, acc[t][0]);
+            acc[t][1] = fma8(w1, xb, acc[t][1]);
+        }
+    }
+    #pragma GCC unroll 6
+    for (int t = 0; t < MT; t++) {
+        float* o = y + t * ldy;
+        if (nn == PANEL && !accumulate && !b) {
+            memcpy(o, &acc[t][0], 32); memcpy(o + 8, &acc[t][1], 32);
+            continue;
+        }
+        float s[PANEL];
+        memcpy(s, &acc[t][0], 32); memcpy(s + 8, &acc[t][1], 32);
+        for (int64_t r = 0; r < nn; r++) {
+            const float val = s[r] + (b ? b[r] : 0.f);
+            o[r] = accumulate ? o[r] + val : val;
+        }
+    }
+}
+
+/* gemm's contract with the weights packed (wp as above), panels ldp floats apart (K * PANEL,
+   or more where only the first K of each panel's rows are used) */
+static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp,
+                           int64_t ldp, const float* b, int64_t N, float* y, int64_t ldy,
+                           int accumulate, int nthreads) {
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
+        const float* w = wp + p * ldp;
+        const float* bb = b ? b + n0 : NULL;
+        int64_t t = 0;
+        for (; t + 6 <= T; t += 6)
+            panel_block(x + t * ldx, ldx, K, w, bb, nn, y + t * ldy + n0, ldy, accumulate, 6);
+        const float* xt = x + t * ldx;
+        float* yt = y + t * ldy + n0;
+        switch (T - t) {
+            case 5: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 5); break;
+            case 4: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 4); break;
+            case 3: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 3); break;
+            case 2: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 2); break;
+            case 1: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 1); break;
+            default: break;
+        }
+    }
+}
+
+/* the matmul for steps of 2+ tokens, the weights packed as above */
+static void gemm_packed(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp,
+                        const float* b, int64_t N, float* y, int64_t ldy, int accumulate,
+                        int nthreads) {
+    gemm_packed_ld(x, T, K, ldx, wp, K * PANEL, b, N, y, ldy, accumulate, nthreads);
+}
+
+void loom_linear_packed_f32(const float* x, int64_t T, int64_t K, const float* wp,
+                            const float* b, int64_t N, float* y, int nthreads) {
+    gemm_packed(x, T, K, K, wp, b, N, y, N, 0, nthreads);
+}
+
+/* The forward's matmul: a single token reads the row-major weights (a dot product per output:
+   one pass over the bytes, which bound it), two or more the packed panels where there are any. */
+static inline void mm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w,
+                      const float* wp, const float* b, int64_t N, float* y, int64_t ldy,
+                      int accumulate, int nthreads) {
+    if (wp && T >= 2) gemm_packed(x, T, K, ldx, wp, b, N, y, ldy, accumulate, nthreads);
+    else gemm(x, T, K, ldx, w, b, N, y, ldy, accumulate, nthreads);
 }
 
 static inline double cpu_seconds(void) {
@@ -138,6 +284,78 @@ static void rope(float* x, const float* c, const float* s, int64_t D) {
         x[i] = a * c[i] - b * s[i];
         x[i + half] = b * c[i + half] + a * s[i + half];
     }
+}
+
+/* exp(x) for x <= 0 (a score minus its row max) in arithmetic that vectorizes (libm's expf
+   does not without -ffast-math): 2^n e^r, |r| <= ln2 / 2, a degree-6 Taylor polynomial
+   (relative error ~2e-7); 0 below -87 */
+static inline float exp_neg(float x) {
+    const float n = __builtin_rintf(x * 1.44269504f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t e = ((int32_t)(n < -126.f ? -126.f : n) + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+/* Causal attention of one request's n query tokens (n >= BLOCK_ATTN_MIN, no custom mask)
+   for kv head kh, as two matmuls on the packed kernel: its S K rows gathered into panels
+   (keys as the output rows), scores = q K^T per query head of the group, the causal softmax,
+   then out = P V with V's rows gathered as panels of 16 head dims. Each loaded K / V vector
+   feeds up to 6 query rows, where the per-token loop reads the rows once per token. Queries
+   go in chunks of ATTN_CHUNK rows, each against the keys its last row may see (the causal
+   triangle's upper half is skipped, and a chunk's scores stay in cache). */
+#define BLOCK_ATTN_MIN 8
+#define ATTN_CHUNK 64
+static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
+                            const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
+                            int64_t kh, int64_t G, int64_t D, float scale, float* out,
+                            int64_t ldo, int nthreads) {
+    const int64_t Sp = (S + PANEL - 1) / PANEL * PANEL, Dp = (D + PANEL - 1) / PANEL * PANEL;
+    float* kp = calloc((size_t)(Sp * D), sizeof(float)); /* [Sp / 16, D, 16] */
+    float* vp = calloc((size_t)(Dp * S), sizeof(float)); /* [Dp / 16, S, 16] */
+    float* sc = malloc(sizeof(float) * (n < ATTN_CHUNK ? n : ATTN_CHUNK) * S);
+    for (int64_t c = 0; c < S; c++) {
+        const float* kr = kc + (cols[c] * Hkv + kh) * D;
+        const float* vr = vc + (cols[c] * Hkv + kh) * D;
+        float* kd = kp + (c / PANEL) * D * PANEL + c % PANEL;
+        for (int64_t d = 0; d < D; d++) kd[d * PANEL] = kr[d];
+        for (int64_t d = 0; d < D; d++) vp[(d / PANEL) * S * PANEL + c * PANEL + d % PANEL] = vr[d];
+    }
+    for (int64_t gj = 0; gj < G * ((n + ATTN_CHUNK - 1) / ATTN_CHUNK); gj++) {
+        const int64_t g = gj % G, j0 = gj / G * ATTN_CHUNK;
+        const int64_t rows = n - j0 < ATTN_CHUNK ? n - j0 : ATTN_CHUNK, keys = S - n + j0 + rows;
+        const float* q = qkv + j0 * QKV + (kh * G + g) * D;
+        gemm_packed(q, rows, D, QKV, kp, NULL, keys, sc, keys, 0, nthreads);
+        for (int64_t j = 0; j < rows; j++) {
+            float* row = sc + j * keys;
+            const int64_t len = S - n + j0 + j + 1;
+            float mx = -INFINITY;
+            #pragma omp simd reduction(max:mx)
+            for (int64_t c = 0; c < len; c++) mx = row[c] > mx ? row[c] : mx;
+            float sum = 0.f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t c = 0; c < len; c++) {
+                const float e = exp_neg((row[c] - mx) * scale);
+                row[c] = e;
+                sum += e;
+            }
+            const float inv = 1.f / sum;
+            #pragma omp simd
+            for (int64_t c = 0; c < len; c++) row[c] *= inv;
+            for (int64_t c = len; c < keys; c++) row[c] = 0.f;
+        }
+        gemm_packed_ld(sc, rows, keys, keys, vp, S * PANEL, NULL, D,
+                       out + j0 * ldo + (kh * G + g) * D, ldo, 0, nthreads);
+    }
+    free(kp); free(vp); free(sc);
 }
 
 /* One step. Requests b < B own tokens starts[b] .. starts[b+1]-1 (the last extend tokens of a
@@ -177,7 +395,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     for (int64_t l = 0; l < m->layers; l++) {
         const Layer* L = m->layer + l;
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln1, Hd, m->eps, h + t * Hd);
-        TIMED(0, gemm(h, T, Hd, Hd, L->qkv_w, L->qkv_b, QKV, qkv, QKV, 0, nthreads));
+        TIMED(0, mm(h, T, Hd, Hd, L->qkv_w, L->qkv_p, L->qkv_b, QKV, qkv, QKV, 0, nthreads));
         for (int64_t t = 0; t < T; t++) {
             float* q = qkv + t * QKV;
             float* k = q + H * D;
@@ -195,6 +413,13 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             memcpy(L->v_cache + slots[t] * Hkv * D, v, sizeof(float) * Hkv * D);
         }
         const double att0 = prof ? cpu_seconds() : 0.;
+        for (int64_t b = 0; b < B; b++) /* long causal extends: the blocked path */
+            if (starts[b + 1] - starts[b] >= BLOCK_ATTN_MIN && mask_offs[b] < 0)
+                for (int64_t kh = 0; kh < Hkv; kh++)
+                    block_attention(qkv + starts[b] * QKV, QKV, starts[b + 1] - starts[b],
+                                    seq_lens[b], table + rows[b] * stride, L->k_cache,
+                                    L->v_cache, Hkv, kh, G, D, m->scale, att + starts[b] * H * D,
+                                    H * D, nthreads);
         #pragma omp parallel num_threads(attn_threads) if(attn_threads > 1)
         {
             float* sc = malloc(sizeof(float) * G * max_len);
@@ -204,6 +429,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 const int64_t t = w / Hkv, kh = w % Hkv, b = tok_req[t];
                 const int64_t S = seq_lens[b], j = t - starts[b];
                 const int64_t n_tok = starts[b + 1] - starts[b];
+                if (n_tok >= BLOCK_ATTN_MIN && mask_offs[b] < 0) continue; /* done above */
                 const uint8_t* mrow = mask_offs[b] >= 0 ? masks + mask_offs[b] + j * S : NULL;
                 const int64_t len = mrow ? S : S - n_tok + j + 1;
                 const int64_t* cols = table + rows[b] * stride;
@@ -251,15 +477,19 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             free(acc);
         }
         if (prof) prof[1] += cpu_seconds() - att0;
-        TIMED(0, gemm(att, T, H * D, H * D, L->o_w, L->o_b, Hd, x, Hd, 1, nthreads));
+        TIMED(0, mm(att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads));
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, h + t * Hd);
-        TIMED(0, gemm(h, T, Hd, Hd, L->gu_w, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads));
+        TIMED(0, mm(h, T, Hd, Hd, L->gu_w, L->gu_p, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads));
         for (int64_t t = 0; t < T; t++) {
             float* g = gu + t * 2 * I;
             const float* u = g + I;
-            for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+            #pragma omp simd
+            for (int64_t i = 0; i < I; i++) { /* silu(g) = g sigmoid(g), e = exp(-|g|) */
+                const float e = exp_neg(-fabsf(g[i])), sig = (g[i] >= 0.f ? 1.f : e) / (1.f + e);
+                g[i] = g[i] * sig * u[i];
+            }
         }
-        TIMED(0, gemm(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads));
+        TIMED(0, mm(gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, x, Hd, 1, nthreads));
         /* an EAGLE-3 drafter's aux features: the residual stream after layer l (the eager
            model's hidden + residual), [n_aux, T, Hd] in capture_layers order */
         for (int64_t a = 0; a < n_aux; a++)
@@ -269,7 +499,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     if (hidden_out)
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, m->norm, Hd, m->eps, hidden_out + t * Hd);
     for (int64_t r = 0; r < N; r++) rms(x + logit_rows[r] * Hd, m->norm, Hd, m->eps, h + r * Hd);
-    TIMED(0, gemm(h, N, Hd, Hd, m->lm_head, NULL, m->vocab, logits, m->vocab, 0, nthreads));
+    TIMED(0, mm(h, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab, logits, m->vocab, 0, nthreads));
     free(tok_req); free(x); free(h); free(qkv); free(att); free(gu);
     return 0;
 }

@@ -10,6 +10,7 @@ import torch
 
 from loom.runtime import cpu_forward
 from loom.runtime.attention.base import create_attention_backend
+from loom.runtime.cpu_forward import _ptr
 from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
 from loom.runtime.model_runner import ModelRunner, tree_mask
 from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
@@ -93,6 +94,9 @@ def test_logits_and_kv_match_eager_on_every_kind_of_step(tiny_model_dir, family)
     st = _Steps(runner, 4, seed=len(family))
     _compare(runner, st.batch([0, 1, 2], [5, 1, 9], ForwardMode.EXTEND))  # ragged prompts
     _compare(runner, st.batch([0, 1, 2, 3], [3, 2, 1, 4], ForwardMode.EXTEND))  # after prefixes
+    # long extends after prefixes take the blocked attention (>= 8 tokens; 70 > one 64-row
+    # query chunk) beside per-token ones
+    _compare(runner, st.batch([0, 1, 2, 3], [1, 12, 70, 2], ForwardMode.EXTEND))
     for _ in range(2):
         _compare(runner, st.batch([0, 1, 2, 3], [1] * 4, ForwardMode.DECODE, all_logits=False))
     # draft-tree verify rows beside a causal chain: the mask layout of ModelRunner.tree_mask
@@ -130,11 +134,19 @@ def _generate(sched, prompts, n=10):
 
 
 def test_bundled_greedy_batch_equals_eager(bundled_pair):
-    """A ragged batch whose short prompts go through C and whose long one runs eager (more
-    than MAX_TOKENS tokens), then decodes in C; the same greedy tokens as eager throughout."""
-    assert bundled_pair["auto"].runner.cpu_forward is not None
+    """A ragged batch (a 40-token prompt through the blocked attention) prefilled and decoded
+    in C, then with a step limit below the prefill so it runs eager and decodes in C; the same
+    greedy tokens as eager throughout."""
+    fast = bundled_pair["auto"].runner.cpu_forward
+    assert fast is not None
     prompts = [[5, 6, 7], [9] * 40, [11, 12, 13, 14, 15, 16]]
-    assert _generate(bundled_pair["eager"], prompts) == _generate(bundled_pair["auto"], prompts)
+    want = _generate(bundled_pair["eager"], prompts)
+    assert _generate(bundled_pair["auto"], prompts) == want
+    fast.max_tokens = 32
+    try:
+        assert _generate(bundled_pair["auto"], prompts) == want
+    finally:
+        fast.max_tokens = cpu_forward.MAX_TOKENS
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -199,7 +211,8 @@ def test_flag_and_backend_choose_eager(tiny_model_dir):
 def test_large_steps_and_eagle_capture_fall_back_and_bad_input_is_an_error(tiny_model_dir):
     runner = _runner(tiny_model_dir("llama"))
     st = _Steps(runner, 2, seed=1)
-    big = st.batch([0], [cpu_forward.MAX_TOKENS + 1], ForwardMode.EXTEND)
+    runner.cpu_forward.max_tokens = 16
+    big = st.batch([0], [17], ForwardMode.EXTEND)
     assert not runner.cpu_forward.covers(big)
     small = st.batch([1], [2], ForwardMode.EXTEND)
     runner.model.model.capture_layers = (0, 2)  # a layer the model lacks: eager (and its error)
@@ -220,27 +233,25 @@ def test_large_steps_and_eagle_capture_fall_back_and_bad_input_is_an_error(tiny_
         runner.cpu_forward(small)
 
 
-@pytest.mark.parametrize("t,k,n", [(1, 256, 4032), (3, 20, 7), (2, 688, 256), (5, 64, 9)])
-def test_matmul_kernel_matches_linear(t, k, n):
-    """The register-tiled matmul every projection uses, on odd shapes (K not a multiple of
-    the SIMD width, N not of the 4-row tile, odd token counts), with and without bias."""
-    g = torch.Generator().manual_seed(t * k + n)
+@pytest.mark.parametrize("k,n", [(256, 1000), (20, 7), (688, 256), (45, 37), (1, 17)])
+def test_matmul_kernels_match_linear(k, n):
+    """Both matmuls every projection uses, on odd shapes (K not a multiple of the SIMD width,
+    N not of the 4-row tile or the 16-row panel) at every token count 1..70 (every split into
+    6-token blocks and their remainders), with and without bias: the row-major dot-product
+    tiles, and the packed panels with the weights as cpu_forward.pack lays them out."""
+    g = torch.Generator().manual_seed(k * n)
     x, w, b = (
-        torch.randn(t, k, generator=g),
+        torch.randn(70, k, generator=g),
         torch.randn(n, k, generator=g),
         torch.randn(n, generator=g),
     )
-    fn = cpu_forward.load().loom_linear_f32
-    for bias in (None, b):
-        y = torch.empty(t, n)
-        fn(
-            x.data_ptr(),
-            t,
-            k,
-            w.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            n,
-            y.data_ptr(),
-            2,
-        )
-        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), rtol=1e-4, atol=1e-4)
+    lib, wp = cpu_forward.load(), cpu_forward.pack(w)
+    assert wp.shape == (-(-n // 16), k, 16) and torch.equal(wp[0, :, : min(n, 16)], w[:16].T)
+    refs = {bias is None: torch.nn.functional.linear(x, w, bias) for bias in (None, b)}
+    for t in range(1, 71):
+        for fn, weights in ((lib.loom_linear_f32, w), (lib.loom_linear_packed_f32, wp)):
+            for bias in (None, b) if t in (1, 2, 3, 7, 13, 70) else (b,):
+                y = torch.full((t, n), float("nan"))
+                threads = 2 if t == 70 else 1  # the OpenMP split over tiles / panels
+                fn(x.data_ptr(), t, k, weights.data_ptr(), _ptr(bias), n, y.data_ptr(), threads)
+                torch.testing.assert_close(y, refs[bias is None][:t], rtol=1e-4, atol=1e-4)
