@@ -38,7 +38,7 @@ def _random_head(target, variant: str, **overrides):
             p.data.copy_(torch.randn(p.shape, generator=g) * 0.5 / p.shape[1] ** 0.5)
         else:
             p.data.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-    if variant == "eagle3":
+    if hasattr(head, "d2t"):  # a reduced draft vocabulary
         n = head.draft_vocab_size
         head.d2t.copy_(torch.arange(0, 2 * n, 2) - torch.arange(n))  # draft id i -> target 2i
     return head
@@ -54,9 +54,10 @@ PREFIX, NEW, ROWS = [6, 9], [3, 1], [2, 0]
     [
         ("eagle", {}),
         ("eagle", {"num_hidden_layers": 2, "fc_bias": True}),
+        ("eagle", {"draft_vocab_size": 150}),
         ("eagle3", {"draft_vocab_size": 150}),
     ],
-    ids=["eagle", "eagle-2-layers-fc-bias", "eagle3-reduced-vocab"],
+    ids=["eagle", "eagle-2-layers-fc-bias", "eagle-reduced-vocab", "eagle3-reduced-vocab"],
 )
 def test_compiled_round_matches_the_eager_head(target, variant, overrides):
     head = _random_head(target, variant, **overrides)
@@ -133,19 +134,58 @@ def test_compiled_eagle_head_covers_chains_only(target):
     assert CompiledEagleHead.build(head, bf16, topk=1) is None
 
 
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "draft-vocab"])
 @pytest.mark.parametrize("own", [False, True], ids=["shared-lm-head", "own-lm-heads"])
-def test_compiled_medusa_heads_match_the_eager_heads(target, own):
+def test_compiled_medusa_heads_match_the_eager_heads(target, own, reduced):
     heads = build_medusa_heads(3, 2, target, own, torch.float32, "cpu")
     g = torch.Generator().manual_seed(0)
     for p in heads.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.5 / p.shape[-1] ** 0.5)
+    if reduced:  # a sorted subset of the target's ids
+        heads.draft_ids = torch.randperm(heads.vocab_size, generator=g)[:60].sort().values
     compiled = CompiledMedusaHeads.build(heads)
     assert compiled is not None
     h = torch.randn(5, target.config.hidden_size, generator=g)
-    logp, ids = compiled.run(h, 4)  # [n, k, 4]
-    ref_logp, ref_ids = heads(h).log_softmax(-1).topk(4, dim=-1)  # [k, n, 4]
+    logp, ids = compiled.run(h, 4)  # [n, k, 4], target ids
+    ref_logp, ref_ids = heads.draft_logits(h).log_softmax(-1).topk(4, dim=-1)  # [k, n, 4]
+    if reduced:
+        ref_ids = heads.draft_ids[ref_ids]
+        assert set(ids.flatten().tolist()) <= set(heads.draft_ids.tolist())
     assert ids.tolist() == ref_ids.transpose(0, 1).tolist()
     torch.testing.assert_close(logp, ref_logp.transpose(0, 1), atol=1e-4, rtol=1e-4)
+
+
+def test_draft_vocabularies_round_trip_and_are_checked(target, tmp_path):
+    """EAGLE-1 and Medusa folders carry a reduced draft vocabulary as config
+    draft_vocab_size + a d2t tensor; one without the other is refused by name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from loom.runtime.spec.eagle import load_eagle_head, save_eagle_head
+    from loom.runtime.spec.medusa import load_medusa_heads, save_medusa_heads
+
+    head = _random_head(target, "eagle", draft_vocab_size=150)
+    save_eagle_head(head, tmp_path / "e")
+    back = load_eagle_head(tmp_path / "e", target, torch.float32, "cpu")
+    assert back.reduced and torch.equal(back.d2t, head.d2t)
+    assert back.to_target_ids(torch.tensor([0, 3])).tolist() == [0, 6]
+    tensors = load_file(tmp_path / "e" / "model.safetensors")
+    del tensors["d2t"]
+    save_file(tensors, tmp_path / "e" / "model.safetensors")
+    with pytest.raises(ValueError, match="d2t"):
+        load_eagle_head(tmp_path / "e", target, torch.float32, "cpu")
+
+    heads = build_medusa_heads(2, 1, target, False, torch.float32, "cpu")
+    heads.draft_ids = torch.arange(0, 200, 2)
+    save_medusa_heads(heads, tmp_path / "m")
+    back = load_medusa_heads(tmp_path / "m", target, torch.float32, "cpu")
+    assert torch.equal(back.draft_ids, heads.draft_ids)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    del cfg["draft_vocab_size"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        load_medusa_heads(tmp_path / "m", target, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("algo", ["EAGLE3", "MEDUSA"])

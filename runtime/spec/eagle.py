@@ -80,6 +80,17 @@ class EagleHead(nn.Module):
             )
             self.layers[0].input_layernorm = nn.Identity()
             self.draft_vocab_size = target.config.vocab_size
+            reduced = getattr(config, "draft_vocab_size", None)
+            if reduced is not None and reduced != self.draft_vocab_size:
+                # drafting over a reduced vocabulary: the rows `i + d2t[i]` of the target's
+                # LM head (loom's extension of EAGLE-1 with EAGLE-3's d2t convention)
+                if not 0 < reduced < self.draft_vocab_size:
+                    raise ValueError(
+                        f"draft_vocab_size: {reduced} must be below the target's vocabulary "
+                        f"{self.draft_vocab_size}"
+                    )
+                self.draft_vocab_size = reduced
+                self.register_buffer("d2t", torch.zeros(reduced, dtype=torch.int64))
         else:
             eagle_cfg = getattr(config, "eagle_config", None) or {}
             n_target = target.config.num_hidden_layers
@@ -132,14 +143,30 @@ class EagleHead(nn.Module):
         x, residual = mid.post_attention_layernorm(x, residual)
         return mid.mlp(x) + residual
 
+    @property
+    def reduced(self) -> bool:
+        """Whether an EAGLE-1 head drafts over a subset of the target's vocabulary."""
+        return self.variant == "eagle" and hasattr(self, "d2t")
+
+    def draft_lm_weight(self) -> torch.Tensor:
+        """An EAGLE-1 head's LM-head rows: the target's, or the draft vocabulary's subset."""
+        weight = self.target_lm_head.weight[: self.target_lm_head.num_embeddings]
+        if self.reduced:
+            weight = weight[
+                self.to_target_ids(torch.arange(self.draft_vocab_size, device=weight.device))
+            ]
+        return weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary."""
         if self.variant == "eagle":
+            if self.reduced:
+                return torch.nn.functional.linear(hidden, self.draft_lm_weight()).float()
             return self.target_lm_head.compute_logits(hidden).float()
         return self.lm_head(self.norm(hidden)).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        if self.variant == "eagle":
+        if self.variant == "eagle" and not self.reduced:
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
 
@@ -198,6 +225,8 @@ class EagleHead(nn.Module):
                 loader(param, t.to(param.dtype), shard)
             loaded.add(target)
         missing = set(params) - loaded
+        if "d2t" in buffers and "d2t" not in loaded:
+            missing.add("d2t (the draft vocabulary of draft_vocab_size)")
         if missing:
             raise ValueError(f"draft checkpoint is missing tensors: {sorted(missing)[:8]}")
 

@@ -444,8 +444,9 @@ class CompiledEagleHead:
         self._layers = structs
         a0 = layers[0].self_attn
         rot = a0.rotary_emb
-        lm = head.lm_head.weight if eagle3 else head.target_lm_head.weight
-        dvocab = head.draft_vocab_size if eagle3 else head.target_lm_head.num_embeddings
+        # EAGLE-1 over a reduced vocabulary: a contiguous copy of the target's subset rows
+        lm = head.lm_head.weight if eagle3 else head.draft_lm_weight().contiguous()
+        dvocab = head.draft_vocab_size
         self._struct = _Head(
             int(eagle3), head.config.hidden_size, a0.num_heads, a0.num_kv_heads, a0.head_dim,
             layers[0].mlp.gate_up_proj.weight.shape[0] // 2, len(layers),
@@ -455,7 +456,8 @@ class CompiledEagleHead:
             p(head.midlayer.input_layernorm.weight) if eagle3 else None,
             p(head.midlayer.hidden_norm.weight) if eagle3 else None,
             p(head.norm.weight) if eagle3 else None, p(lm),
-            p(rot.cos_cache), p(rot.sin_cache), p(head.d2t) if eagle3 else None, structs,
+            p(rot.cos_cache), p(rot.sin_cache), p(head.d2t) if hasattr(head, "d2t") else None,
+            structs,
         )  # fmt: skip
         self._ptr = ctypes.addressof(self._struct)
         self.dvocab = dvocab
@@ -507,17 +509,18 @@ class CompiledMedusaHeads:
 
     def __init__(self, lib: ctypes.CDLL, heads):
         self.lib, self.heads = lib, heads
-        lm = heads.target_lm_head.weight if heads.shares_lm_head else heads.lm_weight
+        lm = heads.lm_rows()  # the draft vocabulary's rows (a copy when it is reduced)
         self._keep = [
             heads.res_weight.detach().contiguous(), heads.res_bias.detach().contiguous(),
             lm.detach().contiguous(),
         ]  # fmt: skip
-        self.vocab = heads.vocab_size if not heads.shares_lm_head else lm.shape[0]
+        self.vocab = lm.shape[-2]
+        self.draft_ids = heads.draft_ids
 
     @classmethod
     def build(cls, heads) -> CompiledMedusaHeads | None:
         reason = None
-        lm = heads.target_lm_head.weight if heads.shares_lm_head else heads.lm_weight
+        lm = heads.target_lm_head.weight
         if any(
             t.dtype != torch.float32 or t.device.type != "cpu" for t in (*heads.parameters(), lm)
         ):
@@ -531,7 +534,8 @@ class CompiledMedusaHeads:
         return cls(lib, heads)
 
     def run(self, hidden: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [n, H] -> (log-probabilities, ids), each [n, k, topk], best first."""
+        """hidden [n, H] -> (log-probabilities, target ids), each [n, k, topk], best first
+        (over the heads' draft vocabulary)."""
         h = hidden.detach().float().contiguous()
         n, k = h.shape[0], self.heads.num_heads
         logp = torch.empty((n, k, topk), dtype=torch.float32)
@@ -542,4 +546,4 @@ class CompiledMedusaHeads:
             lm.data_ptr(), int(not self.heads.shares_lm_head), self.vocab, topk,
             logp.data_ptr(), ids.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        return logp, ids
+        return logp, ids if self.draft_ids is None else self.draft_ids[ids]

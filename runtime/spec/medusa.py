@@ -46,6 +46,10 @@ class MedusaHeads(nn.Module):
         self.res_bias = nn.Parameter(torch.zeros(num_heads, num_layers, h))
         self.lm_weight = nn.Parameter(torch.zeros(num_heads, v, h)) if own_lm_head else None
         object.__setattr__(self, "target_lm_head", target.lm_head)  # not a parameter of ours
+        # serving only: the target ids the drafter ranks (None: the whole vocabulary); a
+        # folder sets it with config `draft_vocab_size` and a `d2t` tensor (EAGLE-3's
+        # convention: draft id i is target id i + d2t[i])
+        self.draft_ids: torch.Tensor | None = None
 
     @property
     def shares_lm_head(self) -> bool:
@@ -59,6 +63,18 @@ class MedusaHeads(nn.Module):
             w, b = self.res_weight[:, j], self.res_bias[:, j]
             x = x + F.silu(torch.baddbmm(b[:, None, :], x, w.transpose(1, 2)))
         return x.reshape(self.num_heads, *shape)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] -> float32 logits [k, ..., Vd] over the draft vocabulary (`draft_ids`)."""
+        logits = self(h)
+        return logits if self.draft_ids is None else logits.index_select(-1, self.draft_ids)
+
+    def lm_rows(self) -> torch.Tensor:
+        """The LM-head rows the drafter ranks: [Vd, H] shared, or [k, Vd, H] per head."""
+        if self.lm_weight is None:
+            w = self.target_lm_head.weight[: self.vocab_size]
+            return w if self.draft_ids is None else w[self.draft_ids]
+        return self.lm_weight if self.draft_ids is None else self.lm_weight[:, self.draft_ids]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] -> float32 logits [k, ..., V]: head i's prediction of token t+2+i."""
@@ -180,6 +196,18 @@ def load_medusa_heads(path: str | Path, target, dtype, device) -> MedusaHeads:
             f"{target.config.hidden_size}"
         )
     heads = build_medusa_heads(k, n, target, bool(lm_names), dtype, device)
+    d2t = tensors.pop("d2t", None)
+    size = cfg.get("draft_vocab_size")
+    if (d2t is None) != (size is None) or (d2t is not None and tuple(d2t.shape) != (size,)):
+        raise ValueError(
+            "medusa checkpoint: draft_vocab_size in config.json and a d2t tensor of that "
+            "length come together"
+        )
+    if d2t is not None:
+        ids = torch.arange(size) + d2t.long()
+        if not (0 <= int(ids.min()) and int(ids.max()) < heads.vocab_size):
+            raise ValueError("medusa checkpoint: d2t maps outside the target's vocabulary")
+        heads.draft_ids = ids.to(device)
     heads.load_tensors(tensors)
     for p in heads.parameters():
         p.requires_grad_(False)
@@ -201,6 +229,11 @@ def save_medusa_heads(heads: MedusaHeads, folder: str | Path, extra: dict | None
         "medusa_shared_lm_head": heads.shares_lm_head,
         **(extra or {}),
     }
+    tensors = heads.checkpoint_tensors()
+    if heads.draft_ids is not None:
+        cfg["draft_vocab_size"] = len(heads.draft_ids)
+        d = heads.draft_ids.cpu()
+        tensors["d2t"] = d - torch.arange(len(d))
     (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    save_file(heads.checkpoint_tensors(), str(folder / "model.safetensors"))
+    save_file(tensors, str(folder / "model.safetensors"))
     (folder / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the package ships it

@@ -182,7 +182,10 @@ class MedusaSpeculator(HeadDrafter):
         if self.compiled is not None:
             logp, ids = self.compiled.run(hidden, self.topk)  # [b, k, K]
         else:
-            logp, ids = self.heads(hidden).log_softmax(-1).topk(self.topk, dim=-1)  # [k, b, K]
+            logits = self.heads.draft_logits(hidden)  # [k, b, Vd]
+            logp, ids = logits.log_softmax(-1).topk(self.topk, dim=-1)  # [k, b, K]
+            if self.heads.draft_ids is not None:
+                ids = self.heads.draft_ids[ids]
             logp, ids = logp.transpose(0, 1), ids.transpose(0, 1)
         logp_l = logp.tolist()
         ids_l = ids.tolist()
