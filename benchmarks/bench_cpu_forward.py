@@ -117,9 +117,10 @@ def main(argv: list[str] | None = None) -> None:
                 log_level="warning",
             )
         )
+        if mode == "auto":
+            fast = sched.runner.cpu_forward  # before _timed_forward wraps it
         _timed_forward(sched.runner, spent)
         scheds[mode] = sched
-    fast = scheds["auto"].runner.cpu_forward
     if args.c_max_tokens and fast is not None:
         fast.max_tokens = scheds["auto"].decode.step_token_cap = args.c_max_tokens
     assert fast is not None, "the C forward does not cover this"
