@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -97,6 +98,9 @@ class ModelInput:
     input_logprob_targets: list[list[int] | None]
     # per request: the draft tree's parents (`loom.runtime.spec.DraftTree`), None for a chain
     draft_parents: list[list[int] | None] | None = None
+    # `seq_lens` as an int64 tensor, when the scheduler built it with the other index vectors
+    # (None: the runner makes it)
+    seq_lens_tensor: torch.Tensor | None = None
 
 
 @dataclass
@@ -118,6 +122,15 @@ class ForwardOutput:
     # per request with a draft: the accepted draft nodes, in order (a chain: 0 .. k-1; a
     # tree: its accepted root path). Fed row 0 is the last real token, fed row 1 + j node j.
     accepted_nodes: list[list[int]] | None = None
+
+
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
+
+
+def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor from a (nested) Python list, through numpy: ~3x faster than torch.tensor
+    for the short lists a step builds (1.5 against 4.5 us for 2 ints, 6 against 14 for 128)."""
+    return torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
 
 
 _current: ForwardBatch | None = None

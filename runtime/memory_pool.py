@@ -127,8 +127,8 @@ class PagedAllocator:
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Fresh page-aligned slots for `num_tokens` tokens (page size 1: any slots)."""
         pages = self._take_pages(-(-num_tokens // self.page_size))
-        if pages is None:
-            return None
+        if pages is None or self.page_size == 1:  # page size 1: a page is its one slot
+            return pages
         offsets = torch.arange(self.page_size, dtype=torch.int64)
         slots = (pages[:, None] * self.page_size + offsets).flatten()
         return slots[:num_tokens]

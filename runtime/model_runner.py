@@ -9,7 +9,13 @@ import time
 import torch
 
 from loom.runtime.attention.base import create_attention_backend
-from loom.runtime.forward_batch import ForwardBatch, ForwardOutput, ModelInput, forward_context
+from loom.runtime.forward_batch import (
+    ForwardBatch,
+    ForwardOutput,
+    ModelInput,
+    forward_context,
+    host_tensor,
+)
 from loom.runtime.graph_runner import create_graph_runner
 from loom.runtime.memory_pool import (
     PagedAllocator,
@@ -42,6 +48,8 @@ class ModelRunner:
         # decode steps replayed from CUDA graphs (None: eager; always None on the CPU)
         self.graph_runner = create_graph_runner(self)
         self.last_model_seconds = 0.0
+        self._on_cpu = torch.device(self.device).type == "cpu"
+        self._aranges: dict[int, torch.Tensor] = {}
         # called as spec_hook(inp, batch, out) after each step's sampling (a model-based
         # drafter reads the target's captured hidden states here and drafts the next step)
         self.spec_hook = None
@@ -103,27 +111,33 @@ class ModelRunner:
     def forward(self, inp: ModelInput) -> ForwardOutput:
         """Run the model on one step's tokens, then sample (and verify drafts) on this device.
         Returns token ids and logprobs per request; logits never leave the runner."""
-        dev = self.device
         sample_rows, lp_rows, lp_targets = _logits_rows(inp)
+        seq_lens = inp.seq_lens_tensor
+        if seq_lens is None:
+            seq_lens = host_tensor(inp.seq_lens, torch.int64)
+        if not lp_rows and len(sample_rows) == inp.input_ids.numel():
+            # every fed token is sampled (a decode or verify step): rows 0 .. T-1, in order
+            logits_indices = self._arange(len(sample_rows))
+        else:
+            logits_indices = host_tensor(sample_rows + lp_rows, torch.int64)
+        to_dev = self._to_device
         batch = ForwardBatch(
             mode=inp.mode,
-            input_ids=inp.input_ids.to(dev, non_blocking=True),
-            positions=inp.positions.to(dev, non_blocking=True),
-            out_cache_loc=inp.out_cache_loc.to(dev, non_blocking=True),
-            req_pool_indices=inp.req_pool_indices.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int64).to(dev, non_blocking=True),
+            input_ids=to_dev(inp.input_ids),
+            positions=to_dev(inp.positions),
+            out_cache_loc=to_dev(inp.out_cache_loc),
+            req_pool_indices=to_dev(inp.req_pool_indices),
+            seq_lens=to_dev(seq_lens),
             seq_lens_cpu=inp.seq_lens,
             prefix_lens_cpu=inp.prefix_lens,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
-            logits_indices=torch.tensor(sample_rows + lp_rows, dtype=torch.int64).to(
-                dev, non_blocking=True
-            ),
+            logits_indices=to_dev(logits_indices),
         )
         if inp.draft_parents is not None and any(p is not None for p in inp.draft_parents):
             batch.custom_masks = [
-                None if par is None else tree_mask(prefix, par, dev)
+                None if par is None else tree_mask(prefix, par, self.device)
                 for prefix, par in zip(inp.prefix_lens, inp.draft_parents)
             ]
         graphed = self.graph_runner is not None and self.graph_runner.can_run(batch)
@@ -146,6 +160,18 @@ class ModelRunner:
         if self.spec_hook is not None:
             self.spec_hook(inp, batch, out)
         return out
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self._on_cpu else t.to(self.device, non_blocking=True)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """arange(n) on the host, kept across steps (read-only: nothing writes logits_indices)."""
+        t = self._aranges.get(n)
+        if t is None:
+            t = torch.arange(n, dtype=torch.int64)
+            if n <= 4096:
+                self._aranges[n] = t
+        return t
 
     def _sample(
         self, inp: ModelInput, logits: torch.Tensor, n_sample: int, lp_targets: list[int]

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from loom.runtime.forward_batch import host_tensor
 from loom.runtime.req import Req
 
 _M1 = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -106,9 +107,11 @@ class SamplingInfo:
                 rows.append((r, paths[-1], -1))
         ps = [r.sampling_params for r, _, _ in rows]
         greedy = [p.is_greedy for p in ps]
-        temps = [1.0 if g else p.temperature for p, g in zip(ps, greedy)]
-        top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in ps]
         dev = torch.device(device)
+        temps, top_ps, min_ps, top_ks, seeds, greedy_t = _row_params(
+            rows, ps, greedy, vocab_size, dev, shared=not trees
+        )
+        steps = host_tensor([r.seq_len + len(path) for r, path, _ in rows], torch.int64)
         f32 = dict(dtype=torch.float32, device=dev)
         i64 = dict(dtype=torch.int64, device=dev)
         logit_bias = None
@@ -132,13 +135,13 @@ class SamplingInfo:
         if any(x >= 0 for _, _, x in rows):
             draft_tokens = torch.tensor([x for _, _, x in rows], **i64)
         return cls(
-            temperatures=torch.tensor(temps, **f32)[:, None],
-            top_ps=torch.tensor([p.top_p for p in ps], **f32),
-            top_ks=torch.tensor(top_ks, **i64),
-            min_ps=torch.tensor([p.min_p for p in ps], **f32),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=dev),
-            seeds=torch.tensor([r.seed for r, _, _ in rows], **i64),
-            steps=torch.tensor([r.seq_len + len(path) for r, path, _ in rows], **i64),
+            temperatures=temps,
+            top_ps=top_ps,
+            top_ks=top_ks,
+            min_ps=min_ps,
+            greedy=greedy_t,
+            seeds=seeds,
+            steps=steps if dev.type == "cpu" else steps.to(dev, non_blocking=True),
             need_top_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in ps),
             need_min_p=any(p.min_p > 0 for p in ps),
             all_greedy=all(greedy),
@@ -161,6 +164,37 @@ class SamplingInfo:
             return x
 
         return SamplingInfo(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+
+# The last step's per-row parameter tensors, keyed by the values they hold: consecutive decode
+# steps of the same requests reuse them instead of building eleven small tensors a step.
+_ROW_PARAMS: tuple | None = None
+
+
+def _row_params(rows, ps, greedy: list[bool], vocab_size: int, dev, shared: bool) -> tuple:
+    """(temperatures [N, 1], top_ps, min_ps, top_ks, seeds, greedy) for the rows. With
+    `shared`, the tensors may be the ones an earlier call with the same values returned, so
+    they are read-only (the sampler never writes them); a draft tree's info gets its own."""
+    global _ROW_PARAMS
+    values = tuple(
+        (1.0 if g else p.temperature, p.top_p, p.min_p,
+         vocab_size if p.top_k < 0 else min(p.top_k, vocab_size), r.seed, g)
+        for (r, _, _), p, g in zip(rows, ps, greedy)
+    )  # fmt: skip
+    key = (dev, values)
+    memo = _ROW_PARAMS  # one read: another thread may replace it meanwhile
+    if shared and memo is not None and memo[0] == key:
+        return memo[1]
+    n = len(values)
+    floats = host_tensor([v[:3] for v in values], torch.float32).reshape(n, 3)
+    ints = host_tensor([v[3:5] for v in values], torch.int64).reshape(n, 2)
+    flags = host_tensor(greedy, torch.bool)
+    if dev.type != "cpu":
+        floats, ints, flags = (t.to(dev, non_blocking=True) for t in (floats, ints, flags))
+    out = (floats[:, 0:1], floats[:, 1], floats[:, 2], ints[:, 0], ints[:, 1], flags)
+    if shared:
+        _ROW_PARAMS = (key, out)
+    return out
 
 
 def _penalty_tensors(rows: list[tuple[Req, list[int], int]], vocab_size: int, dev):
@@ -255,7 +289,7 @@ def sample_verify_trees(
     Tree rows are verified by `verify_trees`. Noise is counter-based (seed, position), so a
     request's output is reproducible."""
     apply_penalties(logits, info)
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     drafts = info.draft_tokens
     if info.all_greedy:
         tree_out = verify_trees(None, greedy_ids, info) if info.trees else None
@@ -391,7 +425,17 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """A categorical sample per row: the exponential race argmax p / Exp(1)."""
-    return (probs / -torch.log(noise)).argmax(dim=-1)
+    return argmax_rows(probs / -torch.log(noise))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1). On the CPU through numpy, ~7x faster than torch's reduction for a
+    [64, 4032] float32 block on one core; both return the first index of the maximum (and of
+    the first NaN), so the ids are the same."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0]:
+        rows = (x.detach() if x.requires_grad else x).contiguous().numpy()
+        return torch.from_numpy(np.argmax(rows, axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_num: int):

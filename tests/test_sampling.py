@@ -186,3 +186,41 @@ def test_top_filters_without_a_full_sort_match_the_full_sort(monkeypatch):
         monkeypatch.setattr(sampler, "TOP_CANDIDATES", 64)
         torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
         assert ((got > 0).sum(-1) < vocab).all()  # every row really was filtered
+
+
+def test_argmax_rows_matches_torch_argmax_on_ties_nan_and_strided_rows():
+    """The CPU greedy pick goes through numpy: the same ids as torch.argmax, the first index
+    of the maximum on a tie and of the first NaN, for contiguous and strided logits."""
+    from loom.runtime.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 50, generator=g)
+    x[1, 7] = x[1, 30] = 100.0  # a tie: the first wins
+    x[2, 5] = x[2, 9] = float("nan")  # NaN counts as the maximum
+    x[3] = float("-inf")  # a fully masked row
+    x[4, 49] = float("inf")
+    for t in (x, x[:, ::2], torch.randn(50, 6, generator=g).t()):
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=-1))
+
+
+def test_row_parameter_tensors_are_shared_only_for_equal_values():
+    """Consecutive steps with the same rows reuse the parameter tensors (the decode fast
+    path); other values, or a draft tree's info (its own, writable), get new ones."""
+    from loom.runtime.req import Req
+    from loom.runtime.sampling_params import make_sampling_params
+
+    def reqs(temp, seed=0):
+        return [Req("r", [1, 2], make_sampling_params({"temperature": temp, "top_k": 3}), seed)]
+
+    a = SamplingInfo.from_reqs(reqs(0.5), 8)
+    b = SamplingInfo.from_reqs(reqs(0.5), 8)
+    assert a.temperatures is b.temperatures and a.seeds is b.seeds
+    c = SamplingInfo.from_reqs(reqs(0.7), 8)
+    assert float(c.temperatures[0, 0]) == pytest.approx(0.7) and int(c.top_ks[0]) == 3
+    d = SamplingInfo.from_reqs(reqs(0.7, seed=5), 8)
+    assert int(d.seeds[0]) == 5 and int(c.seeds[0]) == 0
+    tree = SamplingInfo.from_reqs(reqs(0.7, seed=5), 8, drafts=[[4, 5]], parents=[[-1, -1]])
+    tree.greedy[:] = True
+    again = SamplingInfo.from_reqs(reqs(0.7, seed=5), 8)
+    assert not bool(again.greedy.any()) and int(again.steps[0]) == 2

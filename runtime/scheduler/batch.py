@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.runtime.forward_batch import ForwardMode, ModelInput
+from loom.runtime.forward_batch import ForwardMode, ModelInput, host_tensor
 from loom.runtime.req import Req
 from loom.runtime.sampler import SamplingInfo
 from loom.runtime.spec import tree_depths
@@ -76,15 +76,22 @@ class ScheduleBatch:
                 draft_probs=[r.draft_probs for r in sampling_reqs],
             )
             _fill_grammar_mask(sampling_reqs, sampling, vocab_size)
+        # the step's index vectors as views of one host tensor (one allocation per step)
+        t, b = len(ids), len(self.reqs)
+        rows = [r.req_pool_idx for r in self.reqs]
+        index = host_tensor(ids + positions + rows + seq_lens, torch.int64)
+        ids_t, positions_t = index[:t], index[t : 2 * t]
+        rows_t, seq_lens_t = index[2 * t : 2 * t + b], index[2 * t + b :]
         self.model_input = ModelInput(
             mode=self.mode,
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
+            input_ids=ids_t,
+            positions=positions_t,
             out_cache_loc=self.out_cache_loc
             if self.out_cache_loc is not None
             else torch.cat([r.new_slots for r in self.reqs]),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64),
+            req_pool_indices=rows_t,
             seq_lens=seq_lens,
+            seq_lens_tensor=seq_lens_t,
             prefix_lens=prefix_lens,
             sample_counts=counts,
             draft_ids=drafts,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from loom.runtime.forward_batch import host_tensor
 from loom.runtime.req import Req
 
 
@@ -105,12 +106,16 @@ class KVManager:
         """One slot per request for position kv_len (the caller checked `pages_short`), in
         one vectorized step; returns the slots in request order."""
         table = self.req_to_token_pool.req_to_token
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        pos = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        b = len(reqs)
+        index = host_tensor([r.req_pool_idx for r in reqs] + [r.kv_len for r in reqs], torch.int64)
+        rows, pos = index[:b], index[b:]
         last = table[rows, (pos - 1).clamp(min=0)].cpu() if self.page_size > 1 else None
         slots = self.allocator.alloc_decode(pos, last)
         assert slots is not None, "alloc_decode after pages_short said it fits"
-        table[rows.to(table.device), pos.to(table.device)] = slots.to(table.device)
+        if table.device.type == "cpu":
+            table[rows, pos] = slots
+        else:
+            table[rows.to(table.device), pos.to(table.device)] = slots.to(table.device)
         return slots
 
     def truncate(self, req: Req, new_len: int, written_end: int) -> None:

@@ -1,0 +1,203 @@
+"""A decode step's CPU time around the model forward: scheduling, batch building, sampling,
+result processing and output messages, in one in-process scheduler on one thread.
+
+Per batch size B, B requests of --pp random prompt tokens generate --tg tokens (greedy unless
+--temperature, ignore_eos, streamed so every step makes B outputs, radix cache off). Figures
+are this thread's CPU time (so the other processes' load inflates them less than wall time),
+the median over the full-batch decode steps: the whole step, the model forward (the compiled
+C forward or the eager modules), and the parts around it: `schedule` (decode batch and its KV
+slots), `build` (the step's index tensors and sampling parameters), `runner` (the runner's
+own work besides the forward and sampling), `sample`, `process` (tokens into requests, stop
+checks) and `drain` (the output messages).
+
+    python benchmarks/bench_step_overhead.py [--batch-sizes 1,8,64] [--pp 128] [--tg 32]
+        [--rounds 3] [--temperature 0] [--base-tree DIR]
+
+--base-tree DIR compares against another copy of the source tree laid out like this one (for
+example `git archive HEAD~1 | tar -x -C DIR`): each round runs both trees, alternating, each
+in a fresh subprocess, and the table gives both sides and the per-round ratio base / this
+tree of the time outside the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+PARTS = ("schedule", "build", "runner", "model", "sample", "process", "drain")
+
+
+def _wrap(obj, name: str, key: str, spent: dict) -> None:
+    fn = getattr(obj, name)
+
+    def timed(*a, **kw):
+        t = time.thread_time()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent[key] += time.thread_time() - t
+
+    setattr(obj, name, timed)
+
+
+def measure(sizes: list[int], pp: int, tg: int, temperature: float) -> dict:
+    """{B: {part: median CPU ms}} for this process's loom."""
+    import torch
+
+    from loom.runtime.io_struct import TokenizedGenerateReq
+    from loom.runtime.sampling_params import make_sampling_params
+    from loom.runtime.scheduler.batch import ScheduleBatch
+    from loom.runtime.scheduler.scheduler import Scheduler
+    from loom.runtime.server_args import ServerArgs
+
+    torch.set_num_threads(1)
+    _, path = common.resolve_model("bundled")
+    sched = Scheduler(
+        ServerArgs(
+            model_path=path,
+            cpu_threads=1,
+            max_running_requests=max(sizes),
+            disable_radix_cache=True,
+            log_level="warning",
+        )
+    )
+    spent = dict.fromkeys(PARTS, 0.0)
+    runner = sched.runner
+    _wrap(sched.decode, "schedule", "schedule", spent)
+    _wrap(ScheduleBatch, "build_input", "build", spent)
+    _wrap(runner, "forward", "runner", spent)
+    _wrap(runner, "_sample", "sample", spent)
+    _wrap(runner.model, "forward", "model", spent)
+    if runner.cpu_forward is not None:
+        compiled = runner.cpu_forward
+
+        class Timed:
+            covers = compiled.covers
+
+            def __call__(self, batch):
+                t = time.thread_time()
+                out = compiled(batch)
+                spent["model"] += time.thread_time() - t
+                return out
+
+        runner.cpu_forward = Timed()
+    _wrap(sched.output, "process", "process", spent)
+    _wrap(sched.output, "drain", "drain", spent)
+    vocab = sched.vocab_size
+    rng = random.Random(0)
+    params = make_sampling_params(
+        {"max_new_tokens": tg, "temperature": temperature, "ignore_eos": True}
+    )
+
+    def run(b: int) -> list[dict]:
+        for i in range(b):
+            ids = [rng.randrange(10, vocab) for _ in range(pp)]
+            sched.add_request(
+                TokenizedGenerateReq(
+                    rid=f"r{i}", input_ids=ids, sampling_params=params, seed=i, stream=True
+                )
+            )
+        steps = []
+        while not sched.is_idle:
+            for k in spent:
+                spent[k] = 0.0
+            t = time.thread_time()
+            sched.step()
+            step = time.thread_time() - t
+            if len(sched.decode.running) == b and spent["model"]:
+                steps.append({"step": step, **spent})
+        return steps[1:]  # the first full-batch step follows the prefill
+
+    run(max(sizes))  # warm-up: first GEMMs, the allocator
+    out = {}
+    for b in sizes:
+        steps = run(b)
+        med = {k: statistics.median(s[k] for s in steps) * 1e3 for k in ("step", *PARTS)}
+        med["runner"] -= med["model"] + med["sample"]
+        med["outside"] = med["step"] - med["model"]
+        out[b] = med
+    return out
+
+
+def _shim(tree: Path, into: Path) -> Path:
+    """A folder that imports `loom` from `tree` (the setuptools package-dir layout)."""
+    pkg = into / "loom"
+    pkg.mkdir(parents=True)
+    for item in (tree / "lang").iterdir():
+        (pkg / item.name).symlink_to(item)
+    for sub in ("runtime", "grammar", "radix", "kernels"):
+        (pkg / sub).symlink_to(tree / sub)
+    return into
+
+
+def _run_tree(args, pythonpath: str | None) -> dict:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, __file__, "--worker", "--batch-sizes", args.batch_sizes]
+    cmd += ["--pp", str(args.pp), "--tg", str(args.tg), "--temperature", str(args.temperature)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return {int(k): v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--batch-sizes", default="1,8,64")
+    p.add_argument("--pp", type=int, default=128)
+    p.add_argument("--tg", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--base-tree", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if args.worker:
+        print(json.dumps(measure(sizes, args.pp, args.tg, args.temperature)))
+        return
+    print(
+        common.header(f"decode step around the forward (bundled, 1 thread, T={args.temperature})")
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"this tree": None}
+        if args.base_tree:
+            sides = {"base": str(_shim(Path(args.base_tree).resolve(), Path(tmp))), **sides}
+        runs = {name: (lambda pp=pp: _run_tree(args, pp)) for name, pp in sides.items()}
+        res = common.alternate(runs, args.rounds)
+    cols = ("step", "model", "outside", *[k for k in PARTS if k != "model"])
+    print(f"| B | side | load | {' | '.join(cols)} |")
+    print("|---|---|---|" + "---|" * len(cols))
+    load = os.getloadavg()[0]
+    for b in sizes:
+        for name, rounds in res.items():
+            med = {k: statistics.median(r[b][k] for r in rounds) for k in cols}
+            print(
+                f"| {b} | {name} | {load:.1f} | " + " | ".join(f"{med[k]:.3f}" for k in cols) + " |"
+            )
+    if args.base_tree:
+        print()
+        print("| B | outside the forward, base / this tree | whole step, base / this tree |")
+        print("|---|---|---|")
+        for b in sizes:
+            base, new = res["base"], res["this tree"]
+            print(
+                f"| {b} | {common.fmt_ratio([r[b]['outside'] for r in base], [r[b]['outside'] for r in new])} "
+                f"| {common.fmt_ratio([r[b]['step'] for r in base], [r[b]['step'] for r in new])} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
