@@ -4,7 +4,8 @@ decode step time goes.
 For each model and batch size B, B sequences of --pp random prompt tokens generate --tg tokens
 each (llama.cpp's llama-batched-bench workload, as bench_offline --batched runs it). The sides
 alternate every round: loom as it starts by default (the cpu_paged attention backend, and steps
-of up to 32 tokens through the compiled C forward of runtime/cpu_forward.py), loom with
+of up to cpu_forward.MAX_TOKENS tokens, prefill included, through the compiled C forward of
+runtime/cpu_forward.py), loom with
 --cpu-forward eager (the torch modules, cpu_paged), loom with the torch reference backend
 (eager, the per-step gather cpu_paged replaces), and llama-batched-bench -fa off
 (llama.cpp's fastest CPU setting here), through benchmarks/peers/llamacpp.py (which builds
@@ -45,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import common  # noqa: E402
 from bench_offline import LoomSide  # noqa: E402
 
-# loom's sides: the default ("cpu_paged": steps of <= 32 tokens through the compiled C forward
-# of runtime/cpu_forward.py, the rest eager with the cpu_paged backend), the same with
-# --cpu-forward eager (the torch modules), and the torch reference backend (eager)
+# loom's sides: the default ("cpu_paged": steps of <= cpu_forward.MAX_TOKENS tokens through
+# the compiled C forward of runtime/cpu_forward.py, the rest eager with the cpu_paged backend),
+# the same with --cpu-forward eager (the torch modules), and the torch reference backend (eager)
 SIDES = {
     "cpu_paged": {"attention_backend": "cpu_paged"},
     "eager": {"attention_backend": "cpu_paged", "cpu_forward": "eager"},

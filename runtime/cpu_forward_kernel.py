@@ -451,8 +451,9 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 }
                 for (int64_t g = 0; g < G; g++) {
                     float sum = 0.f;
+                    #pragma omp simd reduction(+:sum)
                     for (int64_t c = 0; c < len; c++) {
-                        const float e = sc[g * len + c] == -INFINITY ? 0.f : expf(sc[g * len + c] - mx[g]);
+                        const float e = sc[g * len + c] == -INFINITY ? 0.f : exp_neg(sc[g * len + c] - mx[g]);
                         sc[g * len + c] = e;
                         sum += e;
                     }
