@@ -214,6 +214,15 @@ static inline __attribute__((always_inline)) void panel_block(
 static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp,
                            int64_t ldp, const float* b, int64_t N, float* y, int64_t ldy,
                            int accumulate, int nthreads) {
+    /* tokens in blocks of ~128 KB of x, so that every panel re-reads them from L2 (a prefill of
+       thousands of rows would stream x from memory once per panel) */
+    const int64_t TB = K < 32768 / 12 ? 32768 / K / 6 * 6 : 12;
+    if (T > TB) {
+        for (int64_t t0 = 0; t0 < T; t0 += TB)
+            gemm_packed_ld(x + t0 * ldx, T - t0 < TB ? T - t0 : TB, K, ldx, wp, ldp, b, N,
+                           y + t0 * ldy, ldy, accumulate, nthreads);
+        return;
+    }
     const int64_t panels = (N + PANEL - 1) / PANEL;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1)
     for (int64_t p = 0; p < panels; p++) {
