@@ -312,6 +312,37 @@ def llama(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
+def test_drafts_ride_the_prefill_forward(llama):
+    """A constrained request's forced opening (and the trie's chain after it) is fed and
+    verified by its prefill forward: the prefill step yields several tokens, the same
+    greedy tokens as speculation off; no prefill drafts for prompt logprobs, nor when the
+    decode batch would be too large to draft."""
+    params = {**greedy(40), "ignore_eos": False, **CONSTRAINTS[0]}
+    sched = make_scheduler(llama, disable_jump_forward=True, **SPEC)
+    assert sched.prefill.drafter is sched.decode.drafter
+    ids = [5, 6, 7]
+    plain, _ = _generate(llama, [(ids, params)], 1, False)
+    submit(sched, "p0", ids, params, stream=True)
+    submit(sched, "lp", ids, greedy(4), return_logprob=True, stream=True)
+    first = {}
+    while len(first) < 2:  # each one's first output: its prefill step's (the grammar compiles)
+        for o in sched.step():
+            first.setdefault(o.rid, o.new_ids)
+    assert len(first["p0"]) > 1 and len(first["lp"]) == 1, first
+    res = run_all(sched)
+    assert first["p0"] + res["p0"].ids == plain["p0"].ids
+    if res["p0"].finish_reason["type"] == "stop":
+        _validate(params, sched.tokenizer.decode(plain["p0"].ids))
+    st = sched.get_state()
+    assert st["spec_forced_accepted"] >= len(first["p0"]) - 1, st
+
+    big = make_scheduler(llama, speculative_algorithm="NGRAM",
+                         speculative_disable_by_batch_size=2)  # fmt: skip
+    submit(big, "a", ids, greedy(4), stream=True)
+    submit(big, "b", ids, greedy(4), stream=True)
+    assert [len(o.new_ids) for o in big.step()] == [1, 1]
+
+
 def test_sampled_constrained_outputs_validate_and_forced_text_is_accepted(llama):
     jobs = [
         ([5, 6, 7], {"temperature": 1.0, "max_new_tokens": 96, **c})

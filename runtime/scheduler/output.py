@@ -79,12 +79,12 @@ class OutputProcessor:
                 continue
             if batch.is_decode:
                 req.note_decode_step(st["steps"], len(batch))
-                if req.draft_ids:
-                    req.spec_verify_ct += 1
             elif not req.prompt_counted and req.kv_len == req.seq_len:
                 req.prompt_counted = True
                 st["prompt_tokens"] += len(req.origin_input_ids)
                 st["cached_tokens"] += req.cached_tokens
+            if req.draft_ids:  # a verify (a prefill forward may carry drafts too)
+                req.spec_verify_ct += 1
             self._add_input_logprobs(req, inp.input_logprob_targets[i], out, i)
             if not batch.is_decode and req.is_chunked:
                 self.kv.cache_unfinished(req)
@@ -111,8 +111,11 @@ class OutputProcessor:
                     break  # the rest of a verified chunk comes after the stop: dropped
             if tokens:
                 # KV is valid for the fed tokens that match the sequence: every appended
-                # token but the last was an accepted draft token (or the step's last input)
-                req.kv_len = min(written_end, req.seq_len - 1)
+                # token but the last was an accepted draft token (or the step's last input);
+                # a stop on an accepted draft token (the rest dropped) was fed too, so its
+                # KV is written and the request needs no finishing step
+                on_draft = j < len(tokens) - 1
+                req.kv_len = min(written_end, req.seq_len - (0 if on_draft else 1))
             if req.kv_len < written_end:
                 self.kv.truncate(req, req.kv_len, written_end)
             if req.draft_ids:

@@ -72,6 +72,8 @@ class Scheduler:
             self.kv, args.schedule_conservativeness, self.context_len, drafter
         )
         self.decode.step_token_cap = _fast_step_tokens(self.runner)
+        # a drafter's first draft rides the prefill forward (PrefillAdder._draft)
+        self.prefill.drafter, self.prefill.step_token_cap = drafter, self.decode.step_token_cap
         self.output = OutputProcessor(
             self.kv,
             self.tokenizer,
@@ -139,7 +141,7 @@ class Scheduler:
 
     def set_drafter(self, drafter) -> None:
         """Replace the drafter (tests drive a scripted one)."""
-        self.decode.drafter = self.output.drafter = drafter
+        self.decode.drafter = self.output.drafter = self.prefill.drafter = drafter
 
     @property
     def running(self) -> list[Req]:
