@@ -16,7 +16,8 @@ checks) and `drain` (the output messages).
 --base-tree DIR compares against another copy of the source tree laid out like this one (for
 example `git archive HEAD~1 | tar -x -C DIR`): each round runs both trees, alternating, each
 in a fresh subprocess, and the table gives both sides and the per-round ratio base / this
-tree of the time outside the forward.
+tree of the time outside the forward. --tree DIR measures that copy instead of the installed
+loom (so that others' uncommitted edits in a shared checkout stay out of both sides).
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--base-tree", default=None)
+    p.add_argument("--tree", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -173,8 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"this tree": None}
+        if args.tree:
+            sides["this tree"] = str(_shim(Path(args.tree).resolve(), Path(tmp) / "tree"))
         if args.base_tree:
-            sides = {"base": str(_shim(Path(args.base_tree).resolve(), Path(tmp))), **sides}
+            base = _shim(Path(args.base_tree).resolve(), Path(tmp) / "base")
+            sides = {"base": str(base), **sides}
         runs = {name: (lambda pp=pp: _run_tree(args, pp)) for name, pp in sides.items()}
         res = common.alternate(runs, args.rounds)
     cols = ("step", "model", "outside", *[k for k in PARTS if k != "model"])

@@ -291,6 +291,14 @@ def _assemble(inp: ModelInput, sampled, accepted, trees, chosen, top_v, top_i) -
     sample when every draft token was accepted); a tree's accepted root path, then the token
     sampled after it. Greedy, this is exactly plain decoding."""
     n = len(inp.sample_counts)
+    if accepted is None and trees is None and not chosen:
+        # no drafts and no logprobs (a plain decode or prefill step): one token per sampling
+        # request, the rows in request order
+        tokens = iter(sampled)
+        return ForwardOutput([[next(tokens)] if c else [] for c in inp.sample_counts],
+                             [[] for _ in range(n)], [[] for _ in range(n)],
+                             [[] for _ in range(n)], [[] for _ in range(n)],
+                             accepted_nodes=[[] for _ in range(n)])  # fmt: skip
     out = ForwardOutput([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)],
                         [[] for _ in range(n)], [[] for _ in range(n)],
                         accepted_nodes=[[] for _ in range(n)])  # fmt: skip

@@ -95,6 +95,9 @@ class SamplingInfo:
         # per row: (request, the draft tokens before it on its path, the token it verifies)
         rows: list[tuple[Req, list[int], int]] = []
         trees = []
+        if not any(drafts) and all(p is None for p in parents):  # one row per request
+            rows = [(r, [], -1) for r in reqs]
+            drafts = parents = ()
         for i, (r, d, par) in enumerate(zip(reqs, drafts, parents)):
             if par is None:
                 rows.extend((r, d[:j], d[j] if j < len(d) else -1) for j in range(1 + len(d)))
@@ -433,8 +436,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     [64, 4032] float32 block on one core; both return the first index of the maximum (and of
     the first NaN), so the ids are the same."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0]:
-        rows = (x.detach() if x.requires_grad else x).contiguous().numpy()
-        return torch.from_numpy(np.argmax(rows, axis=-1).astype(np.int64, copy=False))
+        ids = (x.detach() if x.requires_grad else x).contiguous().numpy().argmax(axis=-1)
+        return torch.from_numpy(ids if ids.dtype == np.int64 else ids.astype(np.int64))
     return x.argmax(dim=-1)
 
 
