@@ -14,6 +14,10 @@ per round, median and range. The prompts' prefill is timed too (its first step).
 --c-max-tokens raises (or lowers) the C side's step limit (cpu_forward.MAX_TOKENS) for the
 run, so a prefill of --pp tokens per request can be timed in C against eager: the crossover
 that sets MAX_TOKENS. --pp takes a list (one table row per pp and batch size).
+
+--matmul 1,2,8,64 times the matmuls alone instead (one thread, the bundled model's shapes: the
+QKV, gate/up, down and LM-head matrices): the row-major dot-product tiles, the packed panels,
+torch's F.linear, in GMAC/s (best of 5 rounds of 20 calls, CPU time).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -83,6 +88,46 @@ def run_once(sched, spent: dict, prompts: list[list[int]], tg: int) -> tuple[flo
     )
 
 
+def matmul_table(tokens: list[int]) -> None:
+    """GMAC/s of cpu_forward's two matmuls and torch's F.linear on the bundled shapes."""
+    import torch
+    import torch.nn.functional as F
+
+    from loom.runtime import cpu_forward
+
+    lib = cpu_forward.load()
+    shapes = {"qkv": (512, 256), "gate/up": (1376, 256), "down": (256, 688), "lm head": (4032, 256)}
+    print(
+        "| T | matrix (N x K) | dot tiles GMAC/s | packed GMAC/s | torch GMAC/s | packed / torch |"
+    )
+    print("|---|---|---|---|---|---|")
+    for t in tokens:
+        for name, (n, k) in shapes.items():
+            x, w = torch.randn(t, k), torch.randn(n, k)
+            wp, y = cpu_forward.pack(w), torch.empty(t, n)
+            args = (x.data_ptr(), t, k)
+            runs = {
+                "dot": partial(lib.loom_linear_f32, *args, w.data_ptr(), None, n, y.data_ptr(), 1),
+                "packed": partial(
+                    lib.loom_linear_packed_f32, *args, wp.data_ptr(), None, n, y.data_ptr(), 1
+                ),
+                "torch": partial(F.linear, x, w),
+            }
+            best = dict.fromkeys(runs, float("inf"))
+            for _ in range(5):
+                for side, fn in runs.items():
+                    t0 = time.thread_time()
+                    for _ in range(20):
+                        fn()
+                    best[side] = min(best[side], (time.thread_time() - t0) / 20)
+            g = {side: t * n * k / sec / 1e9 for side, sec in best.items()}
+            print(
+                f"| {t} | {name} ({n} x {k}) | {g['dot']:.1f} | {g['packed']:.1f} "
+                f"| {g['torch']:.1f} | {g['packed'] / g['torch']:.2f}x |",
+                flush=True,
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -93,7 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tg", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--c-max-tokens", type=int, default=0, help="the C side's step limit")
+    p.add_argument("--matmul", default="", help="token counts: time the matmuls alone")
     args = p.parse_args(argv)
+    if args.matmul:
+        import torch
+
+        torch.set_num_threads(1)
+        print(common.header("cpu_forward matmuls vs F.linear (bundled shapes, 1 thread)"))
+        matmul_table([int(t) for t in args.matmul.split(",")])
+        return
     pps = [int(x) for x in args.pp.split(",")]
     import torch
 
