@@ -12,9 +12,11 @@ Adaptive length: each request keeps a running acceptance rate per draft position
 draft reached it); the chance position j is accepted is the product of the rates up to j.
 A request drafts the positions whose chance is at least TOKEN_COST, and its expected gain
 is the sum of those chances (+1 per forced token). A verify step costs more than a decode
-step for the whole batch: measured on the bundled model (CPU time, decode step = 1), 1 / 3 /
-7 draft tokens cost 1.30 / 1.53 / 1.66 at batch 1, 1.33 / 1.56 / 1.78 at batch 4, 1.55 /
-1.63 / 2.14 at batch 8 and 2.19 / 2.50 / 3.19 at batch 16; `extra_cost` models that.
+step for the whole batch: measured on the bundled model with the compiled CPU forward
+(process CPU time of whole steps, decode step = 1, session 5), 3 / 7 draft tokens cost
+1.65 / 2.14 at batch 1, 1.73 / 2.24 at batch 2, 2.54 / 3.41 at batch 4, 3.47 / 4.83 at
+batch 6 and 3.11 / 4.27 at batch 8 (a verify's rows cost like prefill rows, a decode
+step's extra requests almost nothing); `extra_cost` models that.
 The batch verifies when the gains of all its requests pay b x extra_cost (b tokens per
 decode step), else the step decodes plainly. Every PROBE_EVERY steps a request drafts its
 full length, verified whatever its expected gain, to re-measure. Decode batches of
@@ -44,9 +46,10 @@ FORCED_CACHE = 4096  # forced texts whose token ids are remembered
 
 
 def extra_cost(batch_size: int, longest_draft: int) -> float:
-    """A verify step's cost beyond a decode step's, in decode steps (fit to the table above
-    up to batch 8)."""
-    return 0.25 + 0.05 * batch_size + 0.05 * longest_draft
+    """A verify step's cost beyond a decode step's, in decode steps (least-squares fit to the
+    table above, batch 1-8 x 3 and 7 drafts, within ~20%)."""
+    b, d = batch_size, longest_draft
+    return 0.14 + 0.167 * b + 0.092 * d + 0.03 * b * d
 
 
 RATE_DECAY = 0.3
