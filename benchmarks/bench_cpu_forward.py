@@ -1,7 +1,8 @@
 """The compiled CPU forward (runtime/cpu_forward.py) against the eager forward, in one process.
 
 Two in-process schedulers on the same model, one thread each: `--cpu-forward auto` (the
-default: steps of <= 32 tokens in one C call) and `--cpu-forward eager` (the torch modules).
+default: steps of <= cpu_forward.MAX_TOKENS tokens, prefill included, in one C call) and
+`--cpu-forward eager` (the torch modules).
 Per batch size B and round, each runs B requests of --pp random prompt tokens generating --tg
 tokens (greedy), the two sides alternating (radix cache off, so every round prefills). Figures are CPU time of this thread (so the other
 processes' load inflates them less than wall time): the median decode step (whole step:
