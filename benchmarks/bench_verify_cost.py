@@ -1,0 +1,100 @@
+"""What a verify step costs against a decode step, by batch size and draft length (the table
+`runtime/spec/speculator.extra_cost` is fit to).
+
+Bundled model, in-process schedulers, greedy, ~100-token prompts. The off side decodes; the
+on side runs a drafter that proposes a fixed token (never accepted, so every step verifies
+the same number of drafts and the sequence grows by one token, like the decode side). Per
+(batch, drafts): the median process CPU time of 12 whole steps (scheduling, drafting, the
+forward, sampling, result processing), rounds alternating over all cells; prints ms and the
+ratio to the decode step of the same batch.
+
+    python benchmarks/bench_verify_cost.py [--rounds 3] [--batches 1,2,4,6,8] [--drafts 3,7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from loom.runtime.io_struct import TokenizedGenerateReq
+from loom.runtime.sampling_params import make_sampling_params
+from loom.runtime.scheduler.scheduler import Scheduler
+from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
+from loom.runtime.spec import Drafter
+
+
+class FixedDrafter(Drafter):
+    """Drafts `n` copies of one token every step (verified whatever its expected gain)."""
+
+    def __init__(self, n: int, token: int = 7):
+        self.n, self.token = n, token
+
+    def draft(self, req, room: int, free_drafts: bool = True) -> list[int]:
+        return [self.token] * min(self.n, room) if free_drafts else []
+
+
+def step_ms(sched: Scheduler, batch: int, steps: int = 12) -> float:
+    """Median CPU ms of `steps` steps once `batch` requests are decoding."""
+    tok = sched.tokenizer
+    text = "the quick brown fox jumps over the lazy dog " * 10
+    params = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
+    for i in range(batch):
+        sched.add_request(
+            TokenizedGenerateReq(
+                rid=f"q{i}",
+                input_ids=tok.encode(f"Request {i}: {text}"),
+                sampling_params=make_sampling_params(params),
+                seed=0,
+            )
+        )
+    while sched.prefill.waiting or sched.prefill.chunked_req is not None:
+        sched.step()
+    for _ in range(2):
+        sched.step()
+    times = []
+    for _ in range(steps):
+        t = time.process_time()
+        sched.step()
+        times.append(time.process_time() - t)
+    sched.abort("")
+    while not sched.is_idle:
+        sched.step()
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batches", default="1,2,4,6,8")
+    ap.add_argument("--drafts", default="3,7")
+    args = ap.parse_args()
+    torch.set_num_threads(ServerArgs().effective_cpu_threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    drafts = [int(d) for d in args.drafts.split(",")]
+    make = lambda: Scheduler(ServerArgs(model_path=BUNDLED_MODEL_PATH, dtype="float32"))  # noqa: E731
+    off, on = make(), make()
+    print(f"bundled model, torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}")
+    ms: dict[tuple[int, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for b in batches:
+            for d in [0, *drafts]:
+                if d:
+                    on.set_drafter(FixedDrafter(d))
+                ms.setdefault((b, d), []).append(step_ms(on if d else off, b))
+    for b in batches:
+        decode = statistics.median(ms[(b, 0)])
+        cells = " | ".join(
+            f"{d} drafts {statistics.median(ms[(b, d)]):.2f} ms = "
+            f"{statistics.median(ms[(b, d)]) / decode:.2f}x"
+            for d in drafts
+        )
+        print(f"batch {b}: decode {decode:.2f} ms | {cells}")
+    print(f"loadavg {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
