@@ -13,6 +13,11 @@ checks) and `drain` (the output messages).
     python benchmarks/bench_step_overhead.py [--batch-sizes 1,8,64] [--pp 128] [--tg 32]
         [--rounds 3] [--temperature 0] [--base-tree DIR]
 
+--engine adds, per side, a streamed run through a whole Engine (the same B requests): the CPU
+milliseconds per decode token-step (tg steps, prefill included) of the caller's process
+(tokenizer manager, the Engine's stream), the detokenizer and the scheduler, from the
+processes' own CPU counters.
+
 --base-tree DIR compares against another copy of the source tree laid out like this one (for
 example `git archive HEAD~1 | tar -x -C DIR`): each round runs both trees, alternating, each
 in a fresh subprocess, and the table gives both sides and the per-round ratio base / this
@@ -132,6 +137,42 @@ def measure(sizes: list[int], pp: int, tg: int, temperature: float) -> dict:
     return out
 
 
+def measure_engine(sizes: list[int], pp: int, tg: int, temperature: float) -> dict:
+    """{B: {process: CPU ms per step}} of a streamed generation through an Engine."""
+    import psutil
+
+    import loom
+
+    _, path = common.resolve_model("bundled")
+    engine = loom.Engine(
+        path, max_running_requests=max(sizes), random_seed=0, cpu_threads=1, log_level="warning"
+    )
+    try:
+        engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 4})
+        procs = {"caller": psutil.Process()}
+        for proc in engine._procs:  # multiprocessing names them
+            for role in ("scheduler", "detokenizer"):
+                if role in proc.name:
+                    procs[role] = psutil.Process(proc.pid)
+
+        def cpu() -> dict:
+            return {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
+
+        rng = random.Random(1)
+        params = {"max_new_tokens": tg, "temperature": temperature, "ignore_eos": True}
+        out = {}
+        for b in sizes:
+            prompts = [[rng.randrange(10, 4000) for _ in range(pp)] for _ in range(b)]
+            before = cpu()
+            for _ in engine.generate(input_ids=prompts, sampling_params=params, stream=True):
+                pass
+            after = cpu()
+            out[b] = {k: (after[k] - before[k]) * 1e3 / tg for k in procs}
+        return out
+    finally:
+        engine.shutdown()
+
+
 def _shim(tree: Path, into: Path) -> Path:
     """A folder that imports `loom` from `tree` (the setuptools package-dir layout)."""
     pkg = into / "loom"
@@ -149,6 +190,7 @@ def _run_tree(args, pythonpath: str | None) -> dict:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, __file__, "--worker", "--batch-sizes", args.batch_sizes]
     cmd += ["--pp", str(args.pp), "--tg", str(args.tg), "--temperature", str(args.temperature)]
+    cmd += ["--engine"] if args.engine else []
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return {int(k): v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
 
@@ -164,11 +206,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--base-tree", default=None)
     p.add_argument("--tree", default=None)
+    p.add_argument("--engine", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.worker:
-        print(json.dumps(measure(sizes, args.pp, args.tg, args.temperature)))
+        res = measure(sizes, args.pp, args.tg, args.temperature)
+        if args.engine:
+            for b, parts in measure_engine(sizes, args.pp, args.tg, args.temperature).items():
+                res[b].update({f"engine {k}": v for k, v in parts.items()})
+        print(json.dumps(res))
         return
     print(
         common.header(f"decode step around the forward (bundled, 1 thread, T={args.temperature})")
@@ -192,6 +239,15 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"| {b} | {name} | {load:.1f} | " + " | ".join(f"{med[k]:.3f}" for k in cols) + " |"
             )
+    if args.engine:
+        procs = ("caller", "detokenizer", "scheduler")
+        print()
+        print("| B | side | engine CPU ms per step: " + " | ".join(procs) + " |")
+        print("|---|---|" + "---|" * len(procs))
+        for b in sizes:
+            for name, rounds in res.items():
+                med = [statistics.median(r[b][f"engine {k}"] for r in rounds) for k in procs]
+                print(f"| {b} | {name} | " + " | ".join(f"{m:.2f}" for m in med) + " |")
     if args.base_tree:
         print()
         print("| B | outside the forward, base / this tree | whole step, base / this tree |")
