@@ -10,7 +10,10 @@ from __future__ import annotations
 import loom as sgl
 
 PREFIX = "Paris is the capital of France. Berlin is the capital of Germany.\n" * 4
-BRANCH_TOKENS = 12
+# Each branch is sent by its own thread: on a loaded machine the last one can reach the
+# scheduler tens of ms after the first, which must still be decoding then (12 tokens, ~50 ms
+# on the bundled model, left too little room), so each branch decodes 48.
+BRANCH_TOKENS = 48
 
 
 @sgl.function

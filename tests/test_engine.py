@@ -40,7 +40,8 @@ def test_generate_single_and_batch_shapes(engine):
 
 
 def test_n_greater_than_one(engine):
-    outs = engine.generate("once upon", {"max_new_tokens": 8, "n": 3, "temperature": 1.0})
+    sampled = {"max_new_tokens": 8, "n": 3, "temperature": 1.0, "ignore_eos": True}
+    outs = engine.generate("once upon", sampled)
     assert isinstance(outs, list) and len(outs) == 3
     assert len({o["meta_info"]["id"] for o in outs}) == 3
     assert len({tuple(o["output_ids"]) for o in outs}) > 1
@@ -81,7 +82,7 @@ def test_async_generate_and_stream(engine):
 def test_logprobs_shape(engine):
     out = engine.generate(
         "hello there",
-        {"max_new_tokens": 3},
+        {"max_new_tokens": 3, "ignore_eos": True},  # 3 output logprobs whatever is sampled
         return_logprob=True,
         logprob_start_len=0,
         top_logprobs_num=2,

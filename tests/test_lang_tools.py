@@ -95,7 +95,8 @@ def check_tool_loop(backend) -> None:
         reply = state.text().rpartition("<|im_start|>assistant")[2]
         assert reply.count("\nObservation: ") == len(calls)
     # every call made is valid and every state without one was cut by max_tokens (checked
-    # above); at temperature 1 a random model's free text before the call runs past
-    # max_tokens in some rounds (3 of 8 in one CI run), so this only checks that the loop
-    # is not mostly cut off
-    assert made >= 4 and cut <= 4, (made, cut)
+    # above). How many rounds a random model's free text at temperature 1 runs past
+    # max_tokens is a draw (3 of 8 in one CI run; an aggregate bound such as "at most 4 of
+    # 8" fails a few runs in a hundred), so the only aggregate asked is that the loop ran:
+    # some call was made and its observation fed back (all 8 cut is ~1e-3 at 40% each)
+    assert made >= 1 and cut < len(states), (made, cut)

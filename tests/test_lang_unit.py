@@ -344,7 +344,10 @@ def test_fork_gather_and_concat():
 
 
 def test_fork_branches_run_concurrently():
-    be = FakeBackend(reply=lambda p, sp: "y", delay=0.3)
+    # every branch's reply waits until all 6 are in flight: run one after another, the first
+    # would wait alone and the barrier break (no wall-clock bound, so load cannot fail it)
+    gate = threading.Barrier(6, timeout=30)
+    be = FakeBackend(reply=lambda p, sp: (gate.wait(), "y")[1])
 
     @sgl.function
     def prog(s):
@@ -353,10 +356,10 @@ def test_fork_branches_run_concurrently():
         forks += sgl.gen("v")
         forks.join()
 
-    t0 = time.monotonic()
     state = prog.run(backend=be)
-    assert state["v"] == ["y"] * 6
-    assert time.monotonic() - t0 < 6 * 0.3  # one cache request + branches in parallel
+    assert state["v"] == ["y"] * 6 and not gate.broken
+    # one cache request (prefill-only), then the branches
+    assert [r["sampling_params"]["max_new_tokens"] for r in be.requests][0] == 0
 
 
 # ---------------------------------------------------------------------- batch / stream / async

@@ -208,48 +208,65 @@ def test_stream_interval_sends_every_k_tokens(server):
     assert all(g >= 4 for g in grown), lengths
 
 
-# --------------------------------------------------------------------------- API key
-def test_api_key_stays_off_command_lines_and_is_checked(tiny_model_dir):
-    key = "s3cret-key-for-the-test"
-    with Runtime(tiny_model_dir("llama"), max_total_tokens=1024, api_key=key) as rt:
-        tree = [psutil.Process(rt.pid), *psutil.Process(rt.pid).children(recursive=True)]
-        assert len(tree) >= 3  # the server, its fork server and children
-        for proc in tree:
-            assert key not in " ".join(proc.cmdline()), proc.cmdline()
-        body = {"input_ids": [1, 2], "sampling_params": gen(1)}
-        url = rt.url + "/generate"
-        assert requests.post(url, json=body, timeout=60).status_code == 401
-        for wrong in (key[:-1], key + "x", ""):
-            headers = {"Authorization": f"Bearer {wrong}"}
-            assert requests.post(url, json=body, headers=headers, timeout=60).status_code == 401
-        headers = {"Authorization": f"Bearer {key}"}
-        assert requests.post(url, json=body, headers=headers, timeout=60).status_code == 200
-        assert rt.generate("hi", gen(1))["meta_info"]["completion_tokens"] == 1
+# --------------------------------------------------------------------------- API key, incremental
+KEY = "s3cret-key-for-the-test"
 
 
-def test_incremental_streaming_output(tiny_model_dir):
-    body = {"input_ids": [1, 2, 3], "sampling_params": gen(40), "stream": True}
+@pytest.fixture(scope="module")
+def keyed(tiny_model_dir):
+    """One more server for the server-wide flags the module server does not set: an API key
+    and --incremental-streaming-output (one launch serves both tests)."""
+    with Runtime(
+        tiny_model_dir("llama"),
+        max_total_tokens=1024,
+        api_key=KEY,
+        incremental_streaming_output=True,
+    ) as rt:
+        yield rt
 
-    def chunks(url):
+
+def test_api_key_stays_off_command_lines_and_is_checked(keyed):
+    rt = keyed
+    tree = [psutil.Process(rt.pid), *psutil.Process(rt.pid).children(recursive=True)]
+    assert len(tree) >= 3  # the server, its fork server and children
+    for proc in tree:
+        assert KEY not in " ".join(proc.cmdline()), proc.cmdline()
+    body = {"input_ids": [1, 2], "sampling_params": gen(1)}
+    url = rt.url + "/generate"
+    assert requests.post(url, json=body, timeout=60).status_code == 401
+    for wrong in (KEY[:-1], KEY + "x", ""):
+        headers = {"Authorization": f"Bearer {wrong}"}
+        assert requests.post(url, json=body, headers=headers, timeout=60).status_code == 401
+    headers = {"Authorization": f"Bearer {KEY}"}
+    assert requests.post(url, json=body, headers=headers, timeout=60).status_code == 200
+    assert rt.generate("hi", gen(1))["meta_info"]["completion_tokens"] == 1
+
+
+def test_incremental_streaming_output(keyed):
+    body = {"input_ids": [1, 2, 3], "sampling_params": gen(40)}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = keyed.url + "/generate"
+
+    def chunks():
         out = []
-        with requests.post(url + "/generate", json=body, stream=True, timeout=60) as r:
+        stream = {**body, "stream": True}
+        with requests.post(url, json=stream, headers=headers, stream=True, timeout=60) as r:
+            assert r.status_code == 200, r.text
             for line in r.iter_lines():
                 if line.startswith(b"data: {"):
                     out.append(json.loads(line[6:]))
         return out
 
-    with Runtime(tiny_model_dir("llama"), max_total_tokens=1024) as rt:
-        cumulative = chunks(rt.url)
-    with Runtime(
-        tiny_model_dir("llama"), max_total_tokens=1024, incremental_streaming_output=True
-    ) as rt:
-        # Several steps' outputs can reach the TokenizerManager together (6 tokens once came
-        # as one chunk on an idle machine), so a stream of one chunk is asked for again.
-        runs = [chunks(rt.url)]
-        while len(runs[-1]) == 1 and len(runs) < 4:
-            runs.append(chunks(rt.url))
+    # the whole (greedy) answer: a non-streamed request returns it all, whatever the flag
+    whole = requests.post(url, json=body, headers=headers, timeout=60).json()
+    assert len(whole["output_ids"]) == 40
+    # Several steps' outputs can reach the TokenizerManager together (6 tokens once came
+    # as one chunk on an idle machine), so a stream of one chunk is asked for again.
+    runs = [chunks()]
+    while len(runs[-1]) == 1 and len(runs) < 4:
+        runs.append(chunks())
     for incremental in runs:
-        assert "".join(c["text"] for c in incremental) == cumulative[-1]["text"]
-        assert sum((c["output_ids"] for c in incremental), []) == cumulative[-1]["output_ids"]
+        assert "".join(c["text"] for c in incremental) == whole["text"]
+        assert sum((c["output_ids"] for c in incremental), []) == whole["output_ids"]
         assert all(c["output_ids"] for c in incremental)
     assert len(runs[-1]) > 1, [len(r) for r in runs]

@@ -173,16 +173,14 @@ def test_tp2_dense_odd_heads_matches_one_rank(tmp_path_factory):
 
 def test_tp4_replicated_kv_heads_and_a_killed_rank(tiny_model_dir):
     """llama with one KV head over 4 ranks (the KV head is replicated); then SIGKILL rank 3:
-    the server exits 1 within 10 s and says which rank died."""
+    the server exits 1 and says which rank died."""
     path = tiny_model_dir("llama-mqa")
     rt = _server(path, tp_size=4)
     try:
         _check_same_as_one_rank(rt.url, path)
         pid = server_info(rt.url)["process_pids"]["scheduler-rank3"]
         os.kill(pid, signal.SIGKILL)
-        start = time.monotonic()
-        assert rt.process.wait(10) == 1
-        assert time.monotonic() - start < 10
+        assert rt.process.wait(60) == 1  # event-driven; the bound only catches a hang
         log = Path(rt.log_path).read_text()
         assert "the scheduler-rank3 process died" in log, log[-3000:]
     finally:

@@ -104,6 +104,7 @@ def test_pd_streaming_and_openai_through_the_router(pd, reference, model):
         "model": model,
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 4,
+        "ignore_eos": True,  # sampled at the default temperature: EOS must not end it early
         "stream": True,
         "stream_options": {"include_usage": True},
     }

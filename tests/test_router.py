@@ -159,16 +159,19 @@ def test_greedy_outputs_identical_to_one_server(workers, router):
 
 def test_streams_pass_through(workers, router):
     a, _ = workers
-    # 64 tokens: a server that decodes faster than its stream is read merges steps into one
-    # chunk (the compiled CPU forward decodes 8 cached-prompt tokens in a few ms)
+    # How many chunks a stream has is timing (a server that decodes faster than its stream
+    # is read merges steps into one chunk), so it is not asserted: every chunk the worker
+    # sent arrives as its own event, cumulative, and the last one is the whole answer.
     params = {**GREEDY, "max_new_tokens": 64}
     body = {"text": "The quick brown fox", "sampling_params": params, "stream": True}
     with router.post("/generate", body, stream=True) as res:
         assert res.headers["content-type"].startswith("text/event-stream")
         events = sse_events(res.iter_lines())
     want = direct(a, "/generate", {**body, "stream": False}).json()
-    assert events[-1] == "[DONE]" and len(events) > 2
-    assert events[-2]["text"] == want["text"]
+    assert events[-1] == "[DONE]" and len(events) >= 2
+    ids = [e["output_ids"] for e in events[:-1]]
+    assert all(y[: len(x)] == x for x, y in zip(ids, ids[1:])), ids
+    assert events[-2]["text"] == want["text"] and ids[-1] == want["output_ids"]
     chat = {
         "model": a.served_model_name,
         "messages": [{"role": "user", "content": "Hi"}],
@@ -231,12 +234,16 @@ def test_client_disconnect_aborts_on_the_worker(workers, router):
     def running() -> int:
         return sum(server_info(w.url)["num_running_reqs"] for w in workers)
 
+    # each left request generated fewer than its 900 tokens: aborted, not run to the end (how
+    # many fewer is decode speed against disconnect latency, which load changes)
     before = generated()
     body = {"text": "bye", "sampling_params": long, "stream": True}
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", router.url + "/generate", json=body) as r:
             lines = r.iter_lines()
             assert any(next(lines).startswith("data: ") for _ in range(3))
+    after_stream = generated()
+    assert after_stream - before < 900
     payload = json.dumps({"text": "wait", "sampling_params": long}).encode()
     sock = socket.create_connection(("127.0.0.1", router.port))
     sock.sendall(
@@ -249,7 +256,7 @@ def test_client_disconnect_aborts_on_the_worker(workers, router):
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.02)
     sock.close()
-    assert generated() - before < 600  # both stopped long before 2 x 900 tokens
+    assert generated() - after_stream < 900
     assert all(w["in_flight"] == 0 for w in router.get("/list_workers").json()["workers"])
 
 

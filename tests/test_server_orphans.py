@@ -16,7 +16,7 @@ import psutil
 from loom.runtime.server.runtime_client import Runtime
 
 
-def wait_gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:
+def wait_gone(procs: list[psutil.Process], timeout: float = 30.0) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -47,9 +47,10 @@ ENGINE_SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         engine = loom.Engine(sys.argv[1], max_total_tokens=1024)
         if sys.argv[2] == "shutdown":
+            kids = psutil.Process().children(recursive=True)
             engine.shutdown()
-            time.sleep(0.5)
-            kids = [p for p in psutil.Process().children(recursive=True) if p.is_running()]
+            # a child may take a moment to exit on a loaded machine: wait (and reap) first
+            _, kids = psutil.wait_procs(kids, timeout=30)
             print("CHILDREN", len(kids), [p.cmdline()[:3] for p in kids], flush=True)
         else:
             print("READY", flush=True)

@@ -159,10 +159,8 @@ def test_128_concurrent_streams(server):
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             return await asyncio.gather(*(one(client, i) for i in range(128)))
 
-    start = time.monotonic()
-    reasons = asyncio.run(main())
+    reasons = asyncio.run(main())  # each client's own timeout (120 s) bounds a hang
     assert reasons == ["length"] * 128, reasons
-    assert time.monotonic() - start < 120
     wait_idle_and_intact(server.url)
 
 
@@ -240,10 +238,10 @@ def schemathesis_given(operation):
 def test_sigterm_shuts_down_cleanly(server):
     pids = server_info(server.url)["process_pids"]
     assert set(pids) == {"scheduler", "detokenizer"}
-    start = time.monotonic()
-    code = server.shutdown()
+    # a clean exit, not the SIGKILL that shutdown() sends after its timeout (-9); the timeout
+    # is generous so that a loaded machine's slow teardown is not mistaken for a hang
+    code = server.shutdown(timeout=60)
     assert code == 0, server.log_tail()
-    assert time.monotonic() - start < 20
     deadline = time.monotonic() + 10
     while any(pid_alive(p) for p in pids.values()):
         assert time.monotonic() < deadline, "orphaned runtime processes"
@@ -256,6 +254,11 @@ def test_runtime_reports_a_failed_start(tmp_path):
     assert "no-such-model" in str(e.value)
 
 
+# Child death is event-driven (the sentinel fd wakes the loop at once); the bound only says
+# "it does exit", with room for a loaded machine's teardown (10 s once was tight at load 8).
+EXIT_S = 30
+
+
 @pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
 def test_dead_child_process_stops_the_server(tiny_model_dir, victim):
     rt = Runtime(tiny_model_dir("llama"), max_total_tokens=1024)
@@ -266,7 +269,7 @@ def test_dead_child_process_stops_the_server(tiny_model_dir, victim):
         os.kill(pids[victim], signal.SIGKILL)
         killed = time.monotonic()
         statuses = []
-        while rt.process.poll() is None and time.monotonic() - killed < 10:
+        while rt.process.poll() is None and time.monotonic() - killed < EXIT_S:
             try:
                 statuses.append(requests.get(rt.url + "/health", timeout=2).status_code)
                 statuses.append(pending.post(rt.url + "/generate", json=body).status_code)
@@ -274,13 +277,13 @@ def test_dead_child_process_stops_the_server(tiny_model_dir, victim):
                 pass
             time.sleep(0.2)
         try:
-            rt.process.wait(max(0.1, 10 - (time.monotonic() - killed)))
+            rt.process.wait(max(0.1, EXIT_S - (time.monotonic() - killed)))
         except subprocess.TimeoutExpired:
             pass
         took = time.monotonic() - killed
         assert rt.process.returncode == 1, (took, statuses, rt.log_tail())
         print(f"{victim} killed -> server exited in {took:.2f}s (load {os.getloadavg()[0]:.1f})")
-        assert took <= 10
+        assert took <= EXIT_S
         if 503 in statuses:  # once noticed, never healthy again
             assert 200 not in statuses[statuses.index(503) :], statuses
         others = [p for name, p in pids.items() if name != victim]
