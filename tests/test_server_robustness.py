@@ -242,6 +242,7 @@ def test_sigterm_shuts_down_cleanly(server):
     # is generous so that a loaded machine's slow teardown is not mistaken for a hang
     code = server.shutdown(timeout=60)
     assert code == 0, server.log_tail()
+    assert not os.path.exists(server.log_path)  # a clean exit leaves no log behind
     deadline = time.monotonic() + 10
     while any(pid_alive(p) for p in pids.values()):
         assert time.monotonic() < deadline, "orphaned runtime processes"

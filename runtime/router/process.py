@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -60,7 +62,13 @@ class RouterProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
+            # uvicorn re-raises the SIGTERM it handled: -15 is a clean exit too; a router
+            # that failed (or was killed) keeps its log
+            if self.process.returncode in (0, -signal.SIGTERM):
+                with contextlib.suppress(OSError):
+                    os.unlink(self._log.name)
 
     def __enter__(self) -> RouterProcess:
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -63,9 +64,18 @@ def wait_for_health(url: str, process: subprocess.Popen, timeout: float) -> str:
 
 class Runtime:
     """`Runtime(model_path=None, **server_args)`: start a server on a free port and wait
-    until /health answers. `.url`, `.generate(...)`, `.shutdown()`; a context manager."""
+    until /health answers. `.url`, `.generate(...)`, `.shutdown()`; a context manager.
+    The server's output goes to `.log_path`, which a clean shutdown (exit code 0) deletes
+    unless `keep_log`; a server that failed keeps its log for whoever investigates."""
 
-    def __init__(self, model_path: str | None = None, timeout: float = 600.0, **kwargs: Any):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        timeout: float = 600.0,
+        keep_log: bool = False,
+        **kwargs: Any,
+    ):
+        self.keep_log = keep_log
         kwargs.setdefault("port", free_port(kwargs.get("host", "127.0.0.1")))
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         self.url = f"http://{self.server_args.host}:{self.server_args.port}"
@@ -146,7 +156,11 @@ class Runtime:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
+            if proc.returncode == 0 and not self.keep_log:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.log_path)
         return proc.returncode
 
     def __enter__(self) -> Runtime:
