@@ -5,10 +5,11 @@ arrive as drafts), free text that copies from its prompt (few-shot fact blocks w
 repeats the prompt's sentences), and free chat (stories, greetings, tool traces). Each runs at
 batch 1 (requests one after another) and batch 16 (all at once), speculation off (the default
 runtime: jump-forward on) and on, in one process, each round on fresh schedulers with the
-side that runs first alternating; the ratio is tokens/s on / off per round, median and range
-printed, wall time and process CPU time (the
-second is steadier on a shared machine), and the scheduler steps each side took (the work
-itself, independent of the load). Prints accepted tokens per verify and acceptance by
+side that runs first alternating, the jobs repeated (fresh schedulers again) until the off side
+ran --min-seconds (2 s: a batch-1 row's jobs take ~0.3 s); the ratio is tokens/s on / off per
+round, median and range printed, wall time and process CPU time (the second is steadier on a
+shared machine), and the scheduler steps each side took per repeat (the work itself,
+independent of the load). Prints accepted tokens per verify and acceptance by
 draft position, and writes docs/img/spec_acceptance.png.
 
     python benchmarks/bench_spec.py [--rounds 5] [--no-plot] [--ngram-breadth 4]
@@ -172,6 +173,12 @@ def main() -> None:
     for name in ("steps", "topk", "draft-tokens"):  # EAGLE / EAGLE3 rows: the tree's shape
         ap.add_argument(f"--eagle-{name}", type=int, default=None)
     ap.add_argument("--plot-path", default="docs/img/spec_acceptance.png")
+    ap.add_argument(
+        "--min-seconds",
+        type=float,
+        default=2.0,
+        help="a round repeats the jobs (fresh schedulers) until the off side ran this long",
+    )
     args = ap.parse_args()
     eagle = {
         "speculative_num_steps": args.eagle_steps,
@@ -199,26 +206,35 @@ def main() -> None:
         ratios_wall, ratios_cpu, st = [], [], {}
         steps = {}
         for rnd in range(args.rounds):
-            off, on = make(False), make(True, args.ngram_breadth, algo, eagle)
-            run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
-            run_once(on, warm, 2)
-            draft0 = on.decode.drafter.summary().get("spec_draft_seconds", 0.0)
-            levels0 = on.decode.drafter.summary().get("spec_draft_split_seconds", [0.0, 0.0])
-            # alternate which side runs first, so a load change within a round does not
-            # always favour the same side
-            if rnd % 2:
-                n_on, w_on, c_on = run_once(on, jobs, batch)
-                n_off, w_off, c_off = run_once(off, jobs, batch)
-            else:
-                n_off, w_off, c_off = run_once(off, jobs, batch)
-                n_on, w_on, c_on = run_once(on, jobs, batch)
-            assert n_on == n_off, (name, n_on, n_off)
-            ratios_wall.append(w_off / w_on)
-            ratios_cpu.append(c_off / c_on)
+            # each side runs the jobs `reps` times a round (fresh schedulers each time, so a
+            # repeat's trie never holds the same jobs' answers): at least --min-seconds of the
+            # off side's wall time, so one round is not one ~0.3 s sample; same work both sides
+            tot = {"w_on": 0.0, "w_off": 0.0, "c_on": 0.0, "c_off": 0.0}
+            reps = 0
+            while reps == 0 or tot["w_off"] < args.min_seconds:
+                off, on = make(False), make(True, args.ngram_breadth, algo, eagle)
+                run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
+                run_once(on, warm, 2)
+                draft0 = on.decode.drafter.summary().get("spec_draft_seconds", 0.0)
+                levels0 = on.decode.drafter.summary().get("spec_draft_split_seconds", [0.0, 0.0])
+                # alternate which side runs first, so a load change within a round does not
+                # always favour the same side
+                if (rnd + reps) % 2:
+                    n_on, w_on, c_on = run_once(on, jobs, batch)
+                    n_off, w_off, c_off = run_once(off, jobs, batch)
+                else:
+                    n_off, w_off, c_off = run_once(off, jobs, batch)
+                    n_on, w_on, c_on = run_once(on, jobs, batch)
+                assert n_on == n_off, (name, n_on, n_off)
+                for k, v in (("w_on", w_on), ("w_off", w_off), ("c_on", c_on), ("c_off", c_off)):
+                    tot[k] += v
+                reps += 1
+            ratios_wall.append(tot["w_off"] / tot["w_on"])
+            ratios_cpu.append(tot["c_off"] / tot["c_on"])
             st = on.get_state()
             steps = {"off": off.bench_steps, "on": on.bench_steps}
-            # the on side's wall time: target forwards, the drafter's own device work
-            # (a model-based head), everything else
+            # the on side's wall time (its last repeat): target forwards, the drafter's own
+            # device work (a model-based head), everything else
             split = (on.bench_model_seconds, st.get("spec_draft_seconds", 0.0) - draft0, w_on)
             # a compiled EAGLE round's own split: catch-up / draft loop (its num_steps - 1 levels)
             levels = [
@@ -254,6 +270,7 @@ def main() -> None:
             f"{st['spec_accept_length']:.2f} tokens/verify over {st['spec_verify_ct']} verifies, "
             f"forced {st.get('spec_forced_accepted', 0)}/{st.get('spec_forced_proposed', 0)}, "
             f"no-draft request-steps {st.get('spec_skipped', 0)}, steps off/on {steps['off']}/{steps['on']} "
+            f"(x{reps} a round) "
             f"| acceptance by position "
             f"[{' '.join(f'{r:.2f}' for r in by_pos)}]{head} | loadavg "
             f"{os.getloadavg()[0]:.1f}",
