@@ -25,7 +25,7 @@ from loom.runtime.memory_pool import (
 )
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
-from loom.runtime.sampler import sample_verify_trees, token_logprobs
+from loom.runtime.sampler import greedy_ids, sample_verify_trees, token_logprobs
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -176,6 +176,15 @@ class ModelRunner:
     def _sample(
         self, inp: ModelInput, logits: torch.Tensor, n_sample: int, lp_targets: list[int]
     ) -> ForwardOutput:
+        info = inp.sampling
+        if (
+            n_sample
+            and not lp_targets
+            and info.plain_greedy
+            and info.vocab_mask is None
+            and inp.logprob_top_nums.count(None) == len(inp.logprob_top_nums)
+        ):  # greedy, nothing to verify, mask or score: argmax straight from the logits
+            return _assemble(inp, greedy_ids(logits[:n_sample]), None, None, [], None, None)
         counts = [c for c in inp.sample_counts if c]
         # rows whose logprobs were asked for: sampled rows of such requests, then prompt rows
         want = [n is not None for n, c in zip(inp.logprob_top_nums, inp.sample_counts) if c]
@@ -189,7 +198,7 @@ class ModelRunner:
         sampled_t = None
         trees = None
         if n_sample:
-            info = inp.sampling.to(logits.device)
+            info = info.to(logits.device)
             sampled_t, accepted_t, trees = sample_verify_trees(logits[:n_sample], info)
             if accepted_t is not None:  # accepted rows carry the draft token
                 sampled_t = torch.where(accepted_t, info.draft_tokens, sampled_t)

@@ -75,6 +75,9 @@ class SamplingInfo:
     # tree drafts: per tree (its root row, node tokens, node parents, node draft probs or None);
     # row root + 1 + i holds the state after node i's path (see `verify_trees`)
     trees: list[tuple[int, list[int], list[int], Any]] | None = None
+    # every row greedy with nothing but the logits to read: no bias, penalty, banned token,
+    # draft or tree (a grammar's vocab_mask, filled later, is checked apart)
+    plain_greedy: bool = False
 
     @classmethod
     def from_reqs(
@@ -137,6 +140,16 @@ class SamplingInfo:
         draft_tokens = None
         if any(x >= 0 for _, _, x in rows):
             draft_tokens = torch.tensor([x for _, _, x in rows], **i64)
+        all_greedy = all(greedy)
+        penalty = _penalty_tensors(rows, vocab_size, dev)
+        plain = (
+            all_greedy
+            and logit_bias is None
+            and penalty is None
+            and banned is None
+            and draft_tokens is None
+            and not trees
+        )
         return cls(
             temperatures=temps,
             top_ps=top_ps,
@@ -147,12 +160,13 @@ class SamplingInfo:
             steps=steps if dev.type == "cpu" else steps.to(dev, non_blocking=True),
             need_top_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in ps),
             need_min_p=any(p.min_p > 0 for p in ps),
-            all_greedy=all(greedy),
+            all_greedy=all_greedy,
             logit_bias=logit_bias,
-            penalty=_penalty_tensors(rows, vocab_size, dev),
+            penalty=penalty,
             banned=banned,
             draft_tokens=draft_tokens,
             trees=trees or None,
+            plain_greedy=plain,
         )
 
     def to(self, device: torch.device | str) -> SamplingInfo:
@@ -439,6 +453,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         ids = (x.detach() if x.requires_grad else x).contiguous().numpy().argmax(axis=-1)
         return torch.from_numpy(ids if ids.dtype == np.int64 else ids.astype(np.int64))
     return x.argmax(dim=-1)
+
+
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax as Python ints (`argmax_rows(logits).tolist()`): on the CPU straight
+    from the float32 buffer through numpy, no torch tensor built for the ids."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        x = logits.detach() if logits.requires_grad else logits
+        return x.contiguous().numpy().argmax(axis=-1).tolist()
+    return argmax_rows(logits).tolist()
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_num: int):

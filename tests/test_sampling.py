@@ -224,3 +224,36 @@ def test_row_parameter_tensors_are_shared_only_for_equal_values():
     tree.greedy[:] = True
     again = SamplingInfo.from_reqs(reqs(0.7, seed=5), 8)
     assert not bool(again.greedy.any()) and int(again.steps[0]) == 2
+
+
+def test_plain_greedy_fast_path_picks_what_the_full_sampler_picks():
+    """`plain_greedy` is set only when the logits alone decide (greedy, no bias, penalty,
+    min_new_tokens ban or draft); the runner's fast path (`greedy_ids`) then gives the full
+    sampler's ids, ties, NaN and -inf rows included."""
+    from loom.runtime.req import Req
+    from loom.runtime.sampler import greedy_ids
+    from loom.runtime.sampling_params import make_sampling_params
+
+    def info(params: dict, n: int = 3, **kw):
+        reqs = [
+            Req(f"r{i}", [1, 2], make_sampling_params(params), i, eos_token_ids=frozenset({EOS}))
+            for i in range(n)
+        ]
+        return SamplingInfo.from_reqs(reqs, 50, **kw)
+
+    plain = info({"temperature": 0})
+    assert plain.plain_greedy
+    assert not info({"temperature": 0.7}).plain_greedy
+    assert not info({"temperature": 0, "logit_bias": {"3": 1.0}}).plain_greedy
+    assert not info({"temperature": 0, "repetition_penalty": 1.2}).plain_greedy
+    assert not info({"temperature": 0, "min_new_tokens": 2}).plain_greedy
+    assert not info({"temperature": 0}, n=1, drafts=[[4, 5]]).plain_greedy
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50, generator=g)
+    x[0, 7] = x[0, 30] = 100.0  # a tie: the first wins
+    x[1, 5] = x[1, 9] = float("nan")
+    x[2] = float("-inf")
+    for t in (x, torch.randn(50, 3, generator=g).t()):
+        want = sample(t.clone(), plain).tolist()
+        got = greedy_ids(t)
+        assert got == want and all(type(i) is int for i in got)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
 
@@ -103,3 +104,24 @@ def test_invalid_prompts_finish_with_an_error(model):
     for rid, field in (("empty", "empty"), ("long", "context length"), ("badid", "token ids")):
         assert res[rid].finish_reason["type"] == "abort"
         assert field in res[rid].finish_reason["message"]
+
+
+def test_decode_slots_land_in_the_request_rows(model):
+    """The CPU decode allocation (page size 1: numpy writes into req_to_token) gives each
+    request a fresh slot at position kv_len of its own row, as the generic path does."""
+    sched = make_scheduler(model)
+    for i, n in enumerate((5, 9, 3)):
+        submit(sched, f"r{i}", list(range(3, 3 + n)), greedy(8))
+    sched.step()  # the prefill
+    kv, reqs = sched.kv, list(sched.decode.running)
+    table = kv.req_to_token_pool.req_to_token
+    before, free = table.clone(), kv.available()
+    for batch in (reqs[:1], reqs):
+        slots = kv.alloc_decode(batch).tolist()
+        assert len(set(slots)) == len(batch) and kv.available() == free - len(batch)
+        for r, s in zip(batch, slots):
+            assert int(table[r.req_pool_idx, r.kv_len]) == s
+            before[r.req_pool_idx, r.kv_len] = s
+            r.kv_len += 1  # as a forward writing that position would leave it
+        free -= len(batch)
+    assert torch.equal(table, before)  # nothing else written
