@@ -17,11 +17,19 @@ thread so that the other processes' load does not inflate it: per full-batch dec
 whole step (scheduling, sampling and the forward), the model forward alone, its attention
 calls and its matmuls (every F.linear, the LM head included; in the compiled forward its own
 CPU-time counters of the same parts); "other" = forward - attention - matmuls: norms, RoPE,
-elementwise ops and the Python module calls between them.
+elementwise ops and the Python module calls between them. The same parts are summed over the
+prefill's steps. Each row that misses one of #19's targets (decode >= 0.6x at batch 1, >= 1.2x
+at 32 and 64, prefill >= 1.0x) gets a "missed:" line with the split that explains it: wall
+time per step (or per prefill) on both sides, and the matmuls' rate (GB/s of the f32 weights a
+decode step streams; GFLOP/s over the prefill) beside the rate llama.cpp's whole step implies.
 
     python benchmarks/bench_engine_room.py [--models bundled,qwen0.5b-f32]
         [--batch-sizes 1,8,32,64] [--pp 128] [--tg 32] [--rounds 3] [--threads 1]
-        [--offline [--num-requests 64]] [--kv-cache-dtype auto|bf16] [--json out.json]
+        [--sides cpu_paged,eager,torch] [--offline [--num-requests 64]]
+        [--kv-cache-dtype auto|bf16] [--json out.json]
+
+--sides picks loom's sides (the eager and torch-backend ones are for comparison only; on the
+0.5B-shape model each costs as much as the default side, so its table runs `--sides cpu_paged`).
 
 --offline adds bench_offline's request set (prompts of 10..400 tokens, 8..128 new tokens, all
 sent at once): loom against llama-server (-fa --offline-fa, default auto), alternating;
@@ -92,11 +100,15 @@ def step_split(
 ) -> dict:
     """Median CPU milliseconds (this thread's CPU time, so other processes' load does not
     count) per decode step of the whole batch: step, forward, attention, matmuls (F.linear),
-    other (= forward - attention - matmuls)."""
+    other (= forward - attention - matmuls); the same parts summed over the prefill (every
+    extend step: prefill_ms, prefill_forward_ms, ...); and the matmul weights' float32 bytes
+    (weight_mb: what a decode step streams, LM head included) and parameters, so that the
+    matmul times convert to GB/s (decode) and GFLOP/s (prefill)."""
     import torch
     import torch.nn.functional as F
 
     from loom.runtime.io_struct import TokenizedGenerateReq
+    from loom.runtime.layers.linear import LinearBase
     from loom.runtime.sampling_params import make_sampling_params
     from loom.runtime.scheduler.scheduler import Scheduler
     from loom.runtime.server_args import ServerArgs
@@ -125,10 +137,11 @@ def step_split(
 
     model.forward = timing("forward", model.forward)
     backend.forward_decode = timing("attention", backend.forward_decode)
+    backend.forward_extend = timing("attention", backend.forward_extend)
     runner_forward = runner.forward
 
-    def forward(inp):  # the decode batch size (0: an extend step)
-        spent["rows"] = len(inp.seq_lens) if inp.mode.is_decode else 0
+    def forward(inp):  # the decode batch size (-1: an extend step)
+        spent["rows"] = len(inp.seq_lens) if inp.mode.is_decode else -1
         return runner_forward(inp)
 
     runner.forward = forward
@@ -155,7 +168,7 @@ def step_split(
         sched.add_request(
             TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling_params=params, seed=0)
         )
-    steps = []
+    steps, prefill = [], [0.0] * 4
     F.linear = timing("matmul", linear)
     try:
         while not sched.is_idle:
@@ -164,8 +177,11 @@ def step_split(
             t = time.thread_time()
             sched.step()
             step = time.thread_time() - t
+            parts = (step, spent["forward"], spent["attention"], spent["matmul"])
             if spent["rows"] == len(prompts):
-                steps.append((step, spent["forward"], spent["attention"], spent["matmul"]))
+                steps.append(parts)
+            elif spent["rows"] == -1:
+                prefill = [a + b for a, b in zip(prefill, parts, strict=True)]
     finally:
         F.linear = linear
 
@@ -174,16 +190,31 @@ def step_split(
 
     split = {"step_ms": ms(0), "forward_ms": ms(1), "attention_ms": ms(2), "matmul_ms": ms(3)}
     split["other_ms"] = split["forward_ms"] - split["attention_ms"] - split["matmul_ms"]
+    for key, v in zip(("", "_forward", "_attention", "_matmul"), prefill, strict=True):
+        split[f"prefill{key}_ms"] = v * 1e3
+    split["prefill_other_ms"] = (
+        split["prefill_forward_ms"] - split["prefill_attention_ms"] - split["prefill_matmul_ms"]
+    )
+    weights = [m.weight for m in model.modules() if isinstance(m, LinearBase)]
+    split["matmul_params"] = sum(w.numel() for w in weights) + model.lm_head.weight.numel()
+    split["weight_mb"] = split["matmul_params"] * 4 / 1e6
     return split
+
+
+# #19's targets, loom / llama.cpp: decode at these batch sizes, prefill at every one
+DECODE_TARGET = {1: 0.6, 32: 1.2, 64: 1.2}
+PREFILL_TARGET = 1.0
 
 
 def measure(args, label: str, path: str, llamacpp) -> dict:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     kv = args.kv_cache_dtype
-    sides = {name: BackendSide(path, max(sizes), args.threads, name, kv) for name in BACKENDS}
+    names = [n for n in BACKENDS if n in args.sides.split(",")]
+    sides = {name: BackendSide(path, max(sizes), args.threads, name, kv) for name in names}
     rows = []
     try:
         for b in sizes:
+            started = time.perf_counter()
             prompts = prompts_for(path, b, args.pp, args.seed)
             runs = {
                 name: (lambda s=side, p=prompts: s.run_timed(p, args.tg))
@@ -193,13 +224,14 @@ def measure(args, label: str, path: str, llamacpp) -> dict:
                 label, args.threads, "off", b, args.pp, args.tg
             )
             t = common.alternate(runs, args.rounds)
-            row = {"B": b, "load": os.getloadavg()[0]}
-            for name in BACKENDS:  # tok/s per round, as llama-batched-bench counts them
+            row = {"B": b, "pp": args.pp, "tg": args.tg, "load": os.getloadavg()[0]}
+            for name in names:  # tok/s per round, as llama-batched-bench counts them
                 row[f"{name}_prefill"] = [b * args.pp / f for f, _ in t[name]]
                 row[f"{name}_decode"] = [b * (args.tg - 1) / (tot - f) for f, tot in t[name]]
             row["llama_prefill"] = [x[0] for x in t["llama.cpp"]]
             row["llama_decode"] = [x[1] for x in t["llama.cpp"]]
             row["split"] = step_split(path, prompts, args.tg, args.threads, kv)
+            row["seconds"] = time.perf_counter() - started
             rows.append(row)
             print(format_row(row), flush=True)
     finally:
@@ -213,6 +245,48 @@ def measure(args, label: str, path: str, llamacpp) -> dict:
         "kv": kv,
         "rows": rows,
     }
+
+
+def misses(row: dict) -> list[str]:
+    """One line per #19 target this row misses (default side against llama.cpp, medians),
+    with the measured figures that explain it: wall time per step or per prefill on both
+    sides, loom's CPU split, and the matmuls' rate (GB/s of f32 weights streamed per decode
+    step; GFLOP/s over the prefill, 2 x parameters x tokens) beside the rate llama.cpp's whole
+    step or prefill implies for the same weights."""
+    if "cpu_paged_decode" not in row:
+        return []
+    b, sp, out = row["B"], row["split"], []
+    med = statistics.median
+    dec = med(x / y for x, y in zip(row["cpu_paged_decode"], row["llama_decode"], strict=True))
+    if b in DECODE_TARGET and dec < DECODE_TARGET[b]:
+        loom_ms = b / med(row["cpu_paged_decode"]) * 1e3
+        llama_ms = b / med(row["llama_decode"]) * 1e3
+        out.append(
+            f"B={b} decode {dec:.2f}x < {DECODE_TARGET[b]}x: a step takes {loom_ms:.2f} ms wall "
+            f"(llama.cpp {llama_ms:.2f}; the target needs <= {llama_ms / DECODE_TARGET[b]:.2f}); "
+            f"loom's CPU {sp['step_ms']:.2f} ms = forward {sp['forward_ms']:.2f} (matmuls "
+            f"{sp['matmul_ms']:.2f}, attention {sp['attention_ms']:.2f}, other "
+            f"{sp['other_ms']:.2f}) + {sp['step_ms'] - sp['forward_ms']:.2f} around it; the "
+            f"matmuls stream {sp['weight_mb']:.0f} MB of f32 weights at "
+            f"{sp['weight_mb'] / sp['matmul_ms']:.1f} GB/s, llama.cpp's whole step at "
+            f"{sp['weight_mb'] / llama_ms:.1f} GB/s"
+        )
+    pre = med(x / y for x, y in zip(row["cpu_paged_prefill"], row["llama_prefill"], strict=True))
+    if pre < PREFILL_TARGET:
+        tokens = b * row["pp"]
+        gflop = 2 * sp["matmul_params"] * tokens / 1e9
+        loom_s = tokens / med(row["cpu_paged_prefill"])
+        llama_s = tokens / med(row["llama_prefill"])
+        out.append(
+            f"B={b} prefill {pre:.2f}x < {PREFILL_TARGET}x: {tokens} tokens in {loom_s * 1e3:.0f} "
+            f"ms wall (llama.cpp {llama_s * 1e3:.0f}); loom's CPU {sp['prefill_ms']:.0f} ms = "
+            f"forward {sp['prefill_forward_ms']:.0f} (matmuls {sp['prefill_matmul_ms']:.0f}, "
+            f"attention {sp['prefill_attention_ms']:.0f}, other {sp['prefill_other_ms']:.0f}) + "
+            f"{sp['prefill_ms'] - sp['prefill_forward_ms']:.0f} around it; the matmuls run "
+            f"{gflop:.1f} GFLOP at {gflop / sp['prefill_matmul_ms'] * 1e3:.1f} GFLOP/s, "
+            f"llama.cpp's whole prefill at {gflop / llama_s:.1f}"
+        )
+    return out
 
 
 def offline(args, label: str, path: str, llamacpp) -> dict:
@@ -254,22 +328,36 @@ def offline(args, label: str, path: str, llamacpp) -> dict:
 
 def format_row(row: dict) -> str:
     sp = row["split"]
-    parts = [f"B={row['B']:3} (load {row['load']:.1f})"]
+    parts = [f"B={row['B']:3} (load {row['load']:.1f}, {row['seconds']:.0f} s)"]
+    names = [n for n in BACKENDS if f"{n}_decode" in row]
     for what in ("decode", "prefill"):
-        for name in BACKENDS:
+        for name in names:
             parts.append(
                 f"{what} {name} / llama.cpp "
                 f"{common.fmt_ratio(row[f'{name}_{what}'], row[f'llama_{what}'])}"
             )
-    parts.append(
-        f"loom {statistics.median(row['cpu_paged_decode']):.0f} vs llama.cpp "
-        f"{statistics.median(row['llama_decode']):.0f} decode tok/s"
-    )
+    if "cpu_paged_decode" in row:
+        parts.append(
+            f"loom {statistics.median(row['cpu_paged_decode']):.0f} vs llama.cpp "
+            f"{statistics.median(row['llama_decode']):.0f} decode tok/s; prefill "
+            f"{statistics.median(row['cpu_paged_prefill']):.0f} vs "
+            f"{statistics.median(row['llama_prefill']):.0f} tok/s"
+        )
     parts.append(
         "cpu_paged decode step {step_ms:.2f} CPU ms: forward {forward_ms:.2f} (attention "
-        "{attention_ms:.2f}, matmuls {matmul_ms:.2f}, other {other_ms:.2f})".format(**sp)
+        "{attention_ms:.2f}, matmuls {matmul_ms:.2f}, other {other_ms:.2f}); prefill "
+        "{prefill_ms:.0f} CPU ms: forward {prefill_forward_ms:.0f} (attention "
+        "{prefill_attention_ms:.0f}, matmuls {prefill_matmul_ms:.0f}, other "
+        "{prefill_other_ms:.0f})".format(**sp)
     )
+    parts += [f"missed: {m}" for m in misses(row)]
     return "\n    ".join(parts)
+
+
+def _ratio(row: dict, name: str, what: str) -> str:
+    if f"{name}_{what}" not in row:
+        return "not run"
+    return common.fmt_ratio(row[f"{name}_{what}"], row[f"llama_{what}"])
 
 
 def markdown(results: list[dict]) -> str:
@@ -283,22 +371,36 @@ def markdown(results: list[dict]) -> str:
                 "",
                 "| B | load | decode, default | decode, --cpu-forward eager | decode, torch backend"
                 " | prefill, default | loom decode tok/s | llama.cpp decode tok/s | loom CPU ms per"
-                " decode step: step: forward (attention / matmuls / other) |",
-                "|---|---|---|---|---|---|---|---|---|",
+                " decode step: step: forward (attention / matmuls / other) | loom CPU ms in the"
+                " prefill: all: forward (attention / matmuls / other) |",
+                "|---|---|---|---|---|---|---|---|---|---|",
             ]
+        why = []
         for row in res.get("rows", []):
             sp = row["split"]
+            loom_tps = (
+                f"{statistics.median(row['cpu_paged_decode']):.0f}"
+                if "cpu_paged_decode" in row
+                else "-"
+            )
             lines.append(
                 f"| {row['B']} | {row['load']:.1f} "
-                f"| {common.fmt_ratio(row['cpu_paged_decode'], row['llama_decode'])} "
-                f"| {common.fmt_ratio(row['eager_decode'], row['llama_decode'])} "
-                f"| {common.fmt_ratio(row['torch_decode'], row['llama_decode'])} "
-                f"| {common.fmt_ratio(row['cpu_paged_prefill'], row['llama_prefill'])} "
-                f"| {statistics.median(row['cpu_paged_decode']):.0f} "
+                f"| {_ratio(row, 'cpu_paged', 'decode')} "
+                f"| {_ratio(row, 'eager', 'decode')} "
+                f"| {_ratio(row, 'torch', 'decode')} "
+                f"| {_ratio(row, 'cpu_paged', 'prefill')} "
+                f"| {loom_tps} "
                 f"| {statistics.median(row['llama_decode']):.0f} "
                 f"| {sp['step_ms']:.2f}: {sp['forward_ms']:.2f} ({sp['attention_ms']:.2f} / "
-                f"{sp['matmul_ms']:.2f} / {sp['other_ms']:.2f}) |"
+                f"{sp['matmul_ms']:.2f} / {sp['other_ms']:.2f}) "
+                f"| {sp['prefill_ms']:.0f}: {sp['prefill_forward_ms']:.0f} "
+                f"({sp['prefill_attention_ms']:.0f} / {sp['prefill_matmul_ms']:.0f} / "
+                f"{sp['prefill_other_ms']:.0f}) |"
             )
+            why += misses(row)
+        if why:
+            lines += ["", "Targets missed (medians), with the measured split:", ""]
+            lines += [f"- {m}" for m in why]
         if "offline" in res:
             off = res["offline"]
             lines += [
@@ -323,6 +425,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="threads for loom and llama.cpp")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sides",
+        default=",".join(BACKENDS),
+        help=f"loom's sides beside llama.cpp, from {BACKENDS} (cpu_paged: the default)",
+    )
     p.add_argument("--offline", action="store_true", help="also bench_offline's request set")
     p.add_argument("--num-requests", type=int, default=64, help="offline: requests")
     p.add_argument("--offline-fa", default="auto", choices=["auto", "off"], help="offline: -fa")

@@ -69,9 +69,14 @@ def header(title: str) -> str:
     """One line naming the machine, the software and the load, printed before every table."""
     import torch
 
+    import loom
+
+    # a copy of the tree on PYTHONPATH (git archive + a package-dir shim) is not this checkout
+    where = Path(loom.__file__).resolve().parent.parent
+    source = "" if where == REPO else f" (loom imported from {where}, not this checkout)"
     return (
         f"{title}: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
-        f"commit {commit()}, {loadavg()}"
+        f"commit {commit()}{source}, {loadavg()}"
     )
 
 
