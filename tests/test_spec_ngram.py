@@ -79,6 +79,22 @@ def test_a_new_token_after_a_seen_context_drafts_what_followed_another():
     assert _drafter().propose(_req([3, 50, 7, 3, 60]), NgramState(4), 1) == []
 
 
+def test_what_a_model_generated_comes_before_newer_prompt_text():
+    # an earlier answer (generated) went "1 2 3 8"; the newest prompt has "1 2 3 7": the
+    # answer's continuation is drafted, though the prompt's is the more recent
+    d = _drafter()
+    done = _req([40, 41])
+    done.output_ids = [1, 2, 3, 8, 9]
+    d.observe(done, NgramState(4))
+    assert d.propose(_req([1, 2, 3, 7, 5, 1, 2, 3]), NgramState(4), 2) == [8, 9]
+    # without a generated continuation, recency decides as before
+    assert _drafter().propose(_req([1, 2, 3, 7, 5, 1, 2, 3, 6, 5, 1, 2, 3]), NgramState(4), 1) == [6]
+    # skip-gram: a new token after "1 2 3" continues as a generated sibling did (8 9), even
+    # where prompt text offers one at a longer context (4 1 2 3 -> 7 5)
+    d.observe(_req([4, 1, 2, 3, 7, 5]), NgramState(4))
+    assert d.propose(_req([4, 1, 2, 3, 60]), NgramState(4), 1) == [9]
+
+
 def test_trie_is_shared_across_requests_and_bounded():
     d = _drafter(capacity=2048)
     first = _req([30, 31, 32, 33, 34, 35, 36])

@@ -31,12 +31,13 @@ MAX_REMATCHES = 2  # times a draft chain that ran out is matched again from its 
 
 
 class _Node:
-    __slots__ = ("children", "count", "stamp", "parent", "token", "depth")
+    __slots__ = ("children", "count", "stamp", "ostamp", "parent", "token", "depth")
 
     def __init__(self, parent: _Node | None, token: int, depth: int):
         self.children: dict[int, _Node] = {}
         self.count = 0
         self.stamp = 0
+        self.ostamp = 0  # the clock when last seen as a generated token (0: prompts only)
         self.parent = parent
         self.token = token
         self.depth = depth
@@ -53,20 +54,21 @@ class NgramTrie:
     def __len__(self) -> int:
         return len(self.lru)
 
-    def extend(self, pointers: list[_Node], token: int) -> list[_Node]:
+    def extend(self, pointers: list[_Node], token: int, generated: bool = False) -> list[_Node]:
         """Append `token` after every suffix in `pointers` (ascending depth); returns the new
-        suffix pointers (ascending depth, the full-length window left out)."""
+        suffix pointers (ascending depth, the full-length window left out). `generated`: the
+        token is a model output (not prompt text)."""
         self.clock += 1
-        out = [self._child(self.root, token)]
+        out = [self._child(self.root, token, generated)]
         for node in pointers:
-            child = self._child(node, token)
+            child = self._child(node, token, generated)
             if child.depth < self.depth:
                 out.append(child)
         if len(self.lru) > self.capacity:
             self._evict(len(self.lru) - self.capacity)
         return out
 
-    def _child(self, node: _Node, token: int) -> _Node:
+    def _child(self, node: _Node, token: int, generated: bool = False) -> _Node:
         child = node.children.get(token)
         if child is None:
             child = _Node(node, token, node.depth + 1)
@@ -76,6 +78,8 @@ class NgramTrie:
             self.lru.move_to_end(child)
         child.count += 1
         child.stamp = self.clock
+        if generated:
+            child.ostamp = self.clock
         return child
 
     def _evict(self, n: int) -> None:
@@ -93,6 +97,14 @@ class NgramTrie:
                 return None
             node = node.children.get(t)
         return node
+
+
+def _recency(node: _Node) -> tuple[int, int]:
+    """BFS order among a node's children: what a model generated there most recently first,
+    then what was seen there most recently (prompt text). A model's answers follow its own
+    earlier answers' shape (`\nQ: What's the capital city of`) over the prompt's, which
+    the newest request's prompt would otherwise win by recency alone."""
+    return (node.ostamp, node.stamp)
 
 
 class NgramState:
@@ -145,8 +157,9 @@ class NgramDrafter:
         end = min(n, state.seen + limit)
         if state.seen < end:
             pointers = state.pointers
-            for t in req.tokens(state.seen, end):
-                pointers = self.trie.extend(pointers, t)
+            n_prompt = len(req.origin_input_ids)
+            for i, t in enumerate(req.tokens(state.seen, end), state.seen):
+                pointers = self.trie.extend(pointers, t, i >= n_prompt)
             state.pointers = pointers
             state.seen = end
         return end == n
@@ -169,7 +182,7 @@ class NgramDrafter:
             if self.by_count:
                 node = max(node.children.values(), key=lambda c: (c.count, c.stamp))
             else:
-                node = max(node.children.values(), key=lambda c: c.stamp)
+                node = max(node.children.values(), key=_recency)
             draft.append(node.token)
         return draft
 
@@ -219,7 +232,7 @@ class NgramDrafter:
                 return
             kids = list(node.children.values())
             total = sum(c.count for c in kids)
-            rank = (lambda c: (c.count, c.stamp)) if self.by_count else (lambda c: c.stamp)
+            rank = (lambda c: (c.count, c.stamp)) if self.by_count else _recency
             kids.sort(key=rank, reverse=True)
             for c in kids[: max(lo, hi >> depth)]:
                 tie += 1
@@ -258,17 +271,22 @@ class NgramDrafter:
         (its children are the draft), or the exact match's (None: no sibling found)."""
         exact_node = pointers[exact - 1] if 0 < exact <= len(pointers) else None
         lo = max(exact, SKIP_MIN_CONTEXT - 1)
-        for i in range(min(len(pointers), self.max_window) - 1, lo, -1):
-            mine = pointers[i]  # the suffix of i + 1 tokens; its parent: the i before the last
-            context = mine.parent
-            if context is None or mine.children:
-                continue  # evicted, or not new here (the exact match covers it)
-            best = None
-            for n, sib in enumerate(context.children.values()):
-                if n >= SKIP_SCAN:
-                    break
-                if sib is not mine and sib.children and (best is None or sib.stamp > best.stamp):
-                    best = sib
-            if best is not None:
-                return best
+        # first a sibling a model generated (any context length, longest first: an answer's
+        # `<city>\nQ:` follows the earlier answers', not the prompt's `The capital of`), then any
+        for generated in (True, False):
+            for i in range(min(len(pointers), self.max_window) - 1, lo, -1):
+                mine = pointers[i]  # the suffix of i + 1 tokens; its parent: the i before the last
+                context = mine.parent
+                if context is None or mine.children:
+                    continue  # evicted, or not new here (the exact match covers it)
+                best = None
+                for n, sib in enumerate(context.children.values()):
+                    if n >= SKIP_SCAN:
+                        break
+                    if sib is mine or not sib.children or (generated and not sib.ostamp):
+                        continue
+                    if best is None or _recency(sib) > _recency(best):
+                        best = sib
+                if best is not None:
+                    return best
         return exact_node
