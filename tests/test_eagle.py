@@ -354,6 +354,9 @@ def test_greedy_identical_with_eagle_heads_on_tiny_model(llama, heads, radix_off
             assert spec[f"p{i}"].finish_reason == plain[f"p{i}"].finish_reason
         state = sched.get_state()
         assert state["spec_verify_ct"] > 0
+        # constrained requests drafted from both sources (the n-gram speculator's chain
+        # where its expected accepted length was the larger), outputs unchanged
+        assert state["spec_constrained_ngram"] > 0 and state["spec_constrained_head"] > 0, state
         if shape == "tree":  # trees were verified, deeper than one level
             assert sum(state["spec_proposed_by_position"][1:]) > 0, state
 

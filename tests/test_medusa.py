@@ -191,6 +191,8 @@ def test_greedy_identical_with_medusa_trees(llama, medusa_dir, radix_off):
     state = sched.get_state()
     assert state["spec_verify_ct"] > 0 and 1.0 < state["spec_accept_length"], state
     assert sum(state["spec_accepted_by_position"]) < sum(state["spec_proposed_by_position"])
+    if not radix_off:  # every step drafts: constrained requests drafted from both sources
+        assert state["spec_constrained_ngram"] > 0 and state["spec_constrained_head"] > 0, state
 
 
 # --------------------------------------------------------------------------- distribution

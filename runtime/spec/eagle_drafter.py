@@ -31,6 +31,7 @@ import torch
 
 from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
 from loom.runtime.spec import DraftTree, HeadDrafter
+from loom.runtime.spec.eagle_lookup import ConstrainedLookup
 from loom.runtime.spec.eagle_tree import TreeAttention, graft_forced, grow_trees
 from loom.runtime.spec.stats import AcceptanceStats
 
@@ -103,7 +104,10 @@ class EagleSpeculator(HeadDrafter):
         rows = runner.req_to_token_pool.size
         # per request row: (the request length the draft is for, (tokens, parents))
         self.pending: list[tuple[int, tuple[list[int], list[int]]] | None] = [None] * rows
-        self.stats = AcceptanceStats(self.steps)  # positions = tree depths (a graft: clamped)
+        # constrained requests: the head's draft or the n-gram speculator's, by expected gain
+        self.lookup = ConstrainedLookup(args, tokenizer, vocab_size, eos_token_ids, self.steps)
+        # positions = tree depths (a graft: clamped), or an n-gram chain's
+        self.stats = AcceptanceStats(max(self.steps, self.lookup.ngram.num_draft))
         self.draft_seconds = 0.0  # head time (catch-up + loop), for the benchmark's split
         # the whole round (catch-up + chain loop) as one C call where it covers the head
         # (runtime/spec/head_kernel.py); with --cpu-forward eager, or for trees, the eager head
@@ -132,27 +136,57 @@ class EagleSpeculator(HeadDrafter):
         pending = self.pending[row] if row is not None else None
         if row is not None:
             self.pending[row] = None
+        req.draft_forced = 0
+        req.draft_source = None
         if not free_drafts:
             self.stats.skipped += 1
             return []
         fresh = pending is not None and pending[0] == req.seq_len
         tokens, parents = pending[1] if fresh else ([], [])
         budget = max(0, min(room, self.num_nodes))
-        req.draft_forced = 0
+        if req.grammar is None:
+            tokens, parents = tokens[:budget], parents[:budget]  # parents come first
+            if self.topk == 1:  # a chain: the chain verify path
+                return tokens
+            return DraftTree(tokens, parents) if tokens else []
+        # constrained: the n-gram speculator's draft (walked by the grammar) or the head's
+        ngram, ngram_expected = self.lookup.ngram_draft(req, room)
+        ngram_forced = req.draft_forced
         rules = self._ngram_rules()
-        forced = rules._forced(self, req, min(budget, self.steps)) if req.grammar else []
+        forced = rules._forced(self, req, min(budget, self.steps))
         if forced:  # forced text leads; the head's subtree follows where it agrees with it
             tokens, parents = graft_forced(tokens, parents, forced)
-        tokens, parents = tokens[:budget], parents[:budget]  # parents come first
+        tokens, parents = tokens[:budget], parents[:budget]
+        if ngram and ngram_expected >= self.lookup.head_expected(len(forced), tokens, parents):
+            self.lookup.chosen["ngram"] += 1
+            req.draft_source, req.draft_forced = "ngram", ngram_forced
+            if self.topk == 1:
+                return ngram
+            return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
+        self.lookup.chosen["head"] += 1
+        req.draft_source = "head"
         if self.topk == 1:  # a chain: the chain verify path
-            if req.grammar is not None and tokens:
+            if tokens:
                 tokens = rules._walk_grammar(self, req, tokens)
             req.draft_forced = min(len(forced), len(tokens))
             return tokens
-        if req.grammar is not None and tokens:  # pruned before verification
+        if tokens:  # pruned before verification
             tokens, parents = rules._walk_grammar_tree(self, req, tokens, parents)
         req.draft_forced = min(len(forced), len(tokens))
         return DraftTree(tokens, parents) if tokens else []
+
+    def draft_prefill(self, req, room: int) -> list[int]:
+        """A constrained request's prefill verifies the n-gram speculator's chain (forced
+        keys, the trie's values); a free one drafts nothing there (the head needs the
+        prefill's features first)."""
+        return self.lookup.draft_prefill(req, room)
+
+    def on_verified(self, req, drafted: int, accepted: int) -> None:
+        super().on_verified(req, drafted, accepted)
+        self.lookup.on_verified(req, drafted, accepted)
+
+    def on_finished(self, req) -> None:
+        self.lookup.on_finished(req)
 
     # ------------------------------------------------------------ runner side
     def _after_step(self, inp, batch, out) -> None:
@@ -173,7 +207,7 @@ class EagleSpeculator(HeadDrafter):
         self.draft_seconds += time.perf_counter() - t0
 
     def summary(self) -> dict:
-        out = super().summary()
+        out = {**super().summary(), **self.lookup.summary()}
         if self.compiled is not None:  # the C round's own wall split: catch-up / draft loop
             catch_up, loop = self.compiled.profile.tolist()
             out["spec_draft_split_seconds"] = [round(catch_up, 4), round(loop, 4)]

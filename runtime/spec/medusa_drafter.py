@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from loom.runtime.spec import DraftTree, HeadDrafter
+from loom.runtime.spec.eagle_lookup import ConstrainedLookup
 from loom.runtime.spec.stats import AcceptanceStats
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,11 @@ class MedusaSpeculator(HeadDrafter):
         inner.captured = None
         self.inner = inner
         self.pending: list[tuple | None] = [None] * runner.req_to_token_pool.size
-        self.stats = AcceptanceStats(self.heads.num_heads)
+        # constrained requests: the heads' draft or the n-gram speculator's, by expected gain
+        self.lookup = ConstrainedLookup(
+            args, tokenizer, vocab_size, eos_token_ids, self.heads.num_heads
+        )
+        self.stats = AcceptanceStats(max(self.heads.num_heads, self.lookup.ngram.num_draft))
         self.draft_seconds = 0.0  # head time, for the benchmark's step split
         # all heads, log-softmax and top-k as one C call (runtime/spec/head_kernel.py); with
         # --cpu-forward eager, the eager heads
@@ -130,6 +135,7 @@ class MedusaSpeculator(HeadDrafter):
         if row is not None:
             self.pending[row] = None
         req.draft_forced = 0
+        req.draft_source = None
         if not free_drafts:
             self.stats.skipped += 1
             return []
@@ -137,15 +143,40 @@ class MedusaSpeculator(HeadDrafter):
             return []
         _, ids, logps = pending
         budget = min(room, self.num_nodes)
+        ngram, ngram_expected, ngram_forced = [], 0.0, 0
+        if req.grammar is not None:  # the n-gram speculator's draft, walked by the grammar
+            ngram, ngram_expected = self.lookup.ngram_draft(req, room)
+            ngram_forced = req.draft_forced
         forced = self._forced(req, budget) if req.grammar is not None else []
         f = len(forced)
         tokens, parents = best_first_tree(ids[f:], logps[f:], budget - f)
         tokens = forced + tokens
         parents = [i - 1 for i in range(f)] + [f - 1 if p < 0 else f + p for p in parents]
-        if req.grammar is not None and tokens:
-            tokens, parents = self._ngram_rules()._walk_grammar_tree(self, req, tokens, parents)
+        if req.grammar is not None:
+            if ngram and ngram_expected >= self.lookup.head_expected(f, tokens, parents):
+                self.lookup.chosen["ngram"] += 1
+                req.draft_source, req.draft_forced = "ngram", ngram_forced
+                return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
+            self.lookup.chosen["head"] += 1
+            req.draft_source = "head"
+            if tokens:
+                tokens, parents = self._ngram_rules()._walk_grammar_tree(self, req, tokens, parents)
         req.draft_forced = min(f, len(tokens))
         return DraftTree(tokens, parents) if tokens else []
+
+    def draft_prefill(self, req, room: int) -> list[int]:
+        """A constrained request's prefill verifies the n-gram speculator's chain."""
+        return self.lookup.draft_prefill(req, room)
+
+    def on_verified(self, req, drafted: int, accepted: int) -> None:
+        super().on_verified(req, drafted, accepted)
+        self.lookup.on_verified(req, drafted, accepted)
+
+    def on_finished(self, req) -> None:
+        self.lookup.on_finished(req)
+
+    def summary(self) -> dict:
+        return {**super().summary(), **self.lookup.summary()}
 
     def _forced(self, req, budget: int) -> list[int]:
         """The grammar's forced text (what jump-forward would emit) as token ids."""
