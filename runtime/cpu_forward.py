@@ -8,10 +8,11 @@ table, causal or under a draft tree's mask, O projection, the SiLU MLP, the fina
 the LM head for the rows that need logits), reading the weights in place from the model's
 parameters. It covers the dense Llama family (Llama, Mistral, Qwen2, Qwen3) in float32 with
 one rank; steps of more than `MAX_TOKENS` tokens go to the eager forward, and so does anything
-the C code does not cover (`CpuForward.build` says why, once). Steps of 2+ tokens read a copy
-of the projection and LM-head weights packed into 16-row panels (`pack`; `PACK_BUDGET` bounds
-its bytes), which the multi-token kernel streams once per step while reusing every loaded
-weight vector across up to 6 tokens; a single token reads the weights in place.
+the C code does not cover (`CpuForward.build` says why, once). Every step reads a copy of the
+projection and LM-head weights packed into 16-row panels (`pack`; `PACK_BUDGET` bounds its
+bytes): one sequential stream a panel, the only copy a decode step touches (the row-major
+parameters stay for the eager path), so 15.7 MB of the bundled model stays in L3 where two
+copies did not; every loaded weight vector serves up to 16 tokens (6 without AVX-512).
 `--cpu-forward eager` turns it off; the eager modules stay the reference it is tested against.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 
 import torch
 
@@ -47,7 +47,7 @@ class _Layer(ctypes.Structure):
         for name in (
             "ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
             "ln2", "gu_w", "gu_b", "down_w", "down_b", "k_cache", "v_cache",
-            "qkv_p", "o_p", "gu_p", "down_p",  # packed panels (pack()); NULL: row-major only
+            "qkv_p", "o_p", "gu_p", "down_p",  # packed panels (pack()); NULL: row-major tiles
         )
     ]  # fmt: skip
 
@@ -65,34 +65,32 @@ class _Model(ctypes.Structure):
     ]
 
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+# Instruction-set variants of the library. "native": -march=native as the build machine's
+# cpuid reports it (AVX-512F where present: one zmm per 16-output panel, 16-token passes);
+# "avx2": the same with AVX-512 off (two ymm per panel, 6-token passes), the path of CPUs
+# without it, built here so that tests exercise both.
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled forward library (cpu_kernels.build: once per machine, cached); None
-    without a working C compiler."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        lib = cpu_kernels.build(SOURCE, "loom_forward")
-        if lib is None:
-            return None
-        fn = lib.loom_forward_f32
-        fn.restype = ctypes.c_int
-        # model, T, ids, pos, slots, B, starts, rows, seq_lens, table, stride, masks,
-        # mask_offs, N, logit_rows, logits, threads, prof
-        fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
-        fn.argtypes += [ctypes.c_int, _P, _P]  # threads, prof, hidden_out
-        fn.argtypes += [_I64, _P, _P]  # n_aux, aux_layers, aux_out
-        for fn in (lib.loom_linear_f32, lib.loom_linear_packed_f32):
-            fn.restype = None
-            fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
-        _lib = lib
-        return lib
+def _declare(lib: ctypes.CDLL) -> None:
+    fn = lib.loom_forward_f32
+    fn.restype = ctypes.c_int
+    # model, T, ids, pos, slots, B, starts, rows, seq_lens, table, stride, masks,
+    # mask_offs, N, logit_rows, logits, threads, prof
+    fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
+    fn.argtypes += [ctypes.c_int, _P, _P]  # threads, prof, hidden_out
+    fn.argtypes += [_I64, _P, _P]  # n_aux, aux_layers, aux_out
+    for fn in (lib.loom_linear_f32, lib.loom_linear_packed_f32):
+        fn.restype = None
+        fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
+    lib.loom_isa_bits.restype = ctypes.c_int
+    lib.loom_isa_bits.argtypes = []
+
+
+def load(isa: str = "native") -> ctypes.CDLL | None:
+    """The compiled forward library for the `isa` variant (cpu_kernels.build_or_none: built
+    once per machine, cached); None without a working C compiler."""
+    return cpu_kernels.build_or_none(SOURCE, "loom_forward", _declare, ISA_FLAGS[isa])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -102,8 +100,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 PANEL = 16  # output rows per packed panel (the C kernel's PANEL)
 # bytes of packed copies one CpuForward may hold: the bundled model needs 15.7 MB, a
 # Qwen2.5-0.5B-shape f32 model ~2.0 GB (1.4 GB of layer projections + the 0.54 GB LM head);
-# matrices past the budget stay row-major only (their multi-token steps take the slower
-# dot-product tiles)
+# matrices past the budget stay row-major only (their steps take the dot-product tiles)
 PACK_BUDGET = 2 << 30
 
 

@@ -5,14 +5,18 @@ layer RMSNorm, the fused QKV projection (+ bias), the per-head q/k RMSNorm (Qwen
 the K/V store into the pool slots, paged attention reading K/V in place through the
 req-to-token table (causal, or a request's custom tree mask), O projection + residual,
 RMSNorm, the SiLU-gated MLP + residual; then the final RMSNorm and the LM head for the rows
-that need logits only. Weights are read in place from the torch tensors (row-major [out, in],
-float32), and for steps of 2+ tokens from a copy packed into panels of 16 output rows, K-major
-(CpuForward packs it once): a block of up to 6 tokens x 16 outputs sits in 12 accumulators,
-each loaded weight vector feeding up to 6 FMAs and each broadcast x[t][k] 2. A single token
-(decode at batch 1, bound by the weight bytes) takes register-tiled dot products over the
-row-major weights (4 output rows x 1-3 tokens). GCC/clang vector extensions, FMA intrinsics
-where the target has them.
+that need logits only. Norm weights and biases are read in place from the torch tensors; the
+projections and the LM head from a copy packed into panels of 16 output rows, K-major
+(CpuForward packs it once), at every step size: a panel is one sequential 64-byte-a-k stream,
+and the weights the forward keeps hot are that one copy. A pass over a panel takes up to 16
+tokens (AVX-512: one zmm accumulator a token) or 6 (AVX2: two ymm), so each loaded weight
+vector feeds that many FMAs; passes of 1-3 tokens spread k over several accumulator sets to
+keep enough FMA chains in flight. Without a packed copy (past cpu_forward.PACK_BUDGET) the
+row-major dot-product tiles run (4 output rows x 1-3 tokens). GCC/clang vector extensions,
+AVX-512 / FMA intrinsics where the target has them.
 """
+
+from loom.runtime.cpu_kernels import FAST_EXP_C
 
 SOURCE = r"""
 #define _GNU_SOURCE
@@ -24,7 +28,7 @@ SOURCE = r"""
 #if defined(__AVX__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
-
+""" + FAST_EXP_C + r"""
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
@@ -170,29 +174,113 @@ void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const
     gemm(x, T, K, K, w, b, N, y, N, 0, nthreads);
 }
 
-/* Weights packed for the multi-token kernel: [ceil(N / 16), K, 16], panel p holding output rows
-   16p .. 16p + 15 K-major (rows past N are zero), so the 16 outputs of one k are two vectors. */
+/* Weights packed for the matmul: [ceil(N / 16), K, 16], panel p holding output rows 16p ..
+   16p + 15 K-major (rows past N are zero), so the 16 outputs of one k are one 64-byte line:
+   a panel is one sequential stream, which the hardware prefetcher follows at close to the
+   cache's bandwidth (the row-major tiles' four 1 KB row streams a tile reach a third of it
+   once the weights no longer fit in L2; docs/benchmarks.md "Session 6: the matmuls (K)"). */
 #define PANEL 16
+/* Tokens per pass over a panel: every loaded weight vector feeds MT FMAs. AVX-512: one zmm
+   per token (16 accumulators of 32 registers); AVX2: two ymm per token (12 of 16). */
+#if defined(__AVX512F__)
+#define ISA_BITS 512
+#define MT_MAX 16
+#else
+#define ISA_BITS 256
+#define MT_MAX 6
+#endif
+/* Accumulator sets over k (k mod U) for a pass of MT tokens, so that eight or more FMA chains
+   are in flight (an FMA's latency is 4 cycles, two issue a cycle): a single token would
+   otherwise wait on its own chain(s). */
+#if ISA_BITS == 512
+#define USETS(MT) ((MT) == 1 ? 8 : (MT) == 2 ? 4 : (MT) == 3 ? 3 : (MT) < 8 ? 2 : 1)
+#else
+#define USETS(MT) ((MT) == 1 ? 4 : (MT) < 4 ? 2 : 1)
+#endif
 
-/* MT tokens x 16 outputs of one panel: 2 * MT accumulators; per k two weight vectors, each
-   token's x[t][k] broadcast once and fed to 2 FMAs (MT <= 6: 12 accumulators + 2 weights +
-   1 broadcast of the 16 vector registers AVX2 has). */
+/* which variant this build is: 512 (AVX-512F) or 256 (AVX2 / generic vectors) */
+int loom_isa_bits(void) { return ISA_BITS; }
+
+/* MT tokens x one panel's 16 outputs; xs the tokens' x transposed, xs[k * MT + t] (for one
+   token: the x row itself). y rows ldy apart, nn <= 16 of the outputs valid. */
+#if ISA_BITS == 512
 static inline __attribute__((always_inline)) void panel_block(
-    const float* x, int64_t ldx, int64_t K, const float* wp, const float* b, int64_t nn,
-    float* y, int64_t ldy, int accumulate, const int MT) {
-    v8 acc[6][2];
+    const float* xs, int64_t K, const float* wp, const float* b, int64_t nn, float* y,
+    int64_t ldy, int accumulate, const int MT) {
+    const int U = USETS(MT);
+    __m512 acc[2 * MT_MAX];
+    #pragma GCC unroll 16
+    for (int i = 0; i < U * MT; i++) acc[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + U <= K; k += U) {
+        #pragma GCC unroll 8
+        for (int u = 0; u < U; u++) {
+            const __m512 w = _mm512_loadu_ps(wp + (k + u) * PANEL);
+            const float* xk = xs + (k + u) * MT;
+            #pragma GCC unroll 16
+            for (int t = 0; t < MT; t++)
+                acc[u * MT + t] = _mm512_fmadd_ps(w, _mm512_set1_ps(xk[t]), acc[u * MT + t]);
+        }
+    }
+    for (; k < K; k++) {
+        const __m512 w = _mm512_loadu_ps(wp + k * PANEL);
+        #pragma GCC unroll 16
+        for (int t = 0; t < MT; t++) acc[t] = _mm512_fmadd_ps(w, _mm512_set1_ps(xs[k * MT + t]), acc[t]);
+    }
+    #pragma GCC unroll 8
+    for (int u = 1; u < U; u++)
+        #pragma GCC unroll 16
+        for (int t = 0; t < MT; t++) acc[t] = _mm512_add_ps(acc[t], acc[u * MT + t]);
+    const __mmask16 m = nn >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
+    const __m512 bias = b ? _mm512_maskz_loadu_ps(m, b) : _mm512_setzero_ps();
+    #pragma GCC unroll 16
+    for (int t = 0; t < MT; t++) {
+        float* o = y + t * ldy;
+        __m512 v = _mm512_add_ps(acc[t], bias);
+        if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), v);
+        _mm512_mask_storeu_ps(o, m, v);
+    }
+}
+#else
+static inline __attribute__((always_inline)) void panel_block(
+    const float* xs, int64_t K, const float* wp, const float* b, int64_t nn, float* y,
+    int64_t ldy, int accumulate, const int MT) {
+    const int U = USETS(MT);
+    v8 acc[MT_MAX][2];
     #pragma GCC unroll 6
-    for (int t = 0; t < MT; t++) acc[t][0] = acc[t][1] = (v8){0};
-    for (int64_t k = 0; k < K; k++) {
+    for (int i = 0; i < U * MT; i++) acc[i][0] = acc[i][1] = (v8){0};
+    int64_t k = 0;
+    for (; k + U <= K; k += U) {
+        #pragma GCC unroll 4
+        for (int u = 0; u < U; u++) {
+            const v8 w0 = ld(wp + (k + u) * PANEL), w1 = ld(wp + (k + u) * PANEL + 8);
+            const float* xk = xs + (k + u) * MT;
+            #pragma GCC unroll 6
+            for (int t = 0; t < MT; t++) {
+                const float xv = xk[t];
+                const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
+                acc[u * MT + t][0] = fma8(w0, xb, acc[u * MT + t][0]);
+                acc[u * MT + t][1] = fma8(w1, xb, acc[u * MT + t][1]);
+            }
+        }
+    }
+    for (; k < K; k++) {
         const v8 w0 = ld(wp + k * PANEL), w1 = ld(wp + k * PANEL + 8);
         #pragma GCC unroll 6
         for (int t = 0; t < MT; t++) {
-            const float xv = x[t * ldx + k];
+            const float xv = xs[k * MT + t];
             const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
             acc[t][0] = fma8(w0, xb, acc[t][0]);
             acc[t][1] = fma8(w1, xb, acc[t][1]);
         }
     }
+    #pragma GCC unroll 4
+    for (int u = 1; u < U; u++)
+        #pragma GCC unroll 6
+        for (int t = 0; t < MT; t++) {
+            acc[t][0] += acc[u * MT + t][0];
+            acc[t][1] += acc[u * MT + t][1];
+        }
     #pragma GCC unroll 6
     for (int t = 0; t < MT; t++) {
         float* o = y + t * ldy;
@@ -208,20 +296,40 @@ static inline __attribute__((always_inline)) void panel_block(
         }
     }
 }
+#endif
 
 /* gemm's contract with the weights packed (wp as above), panels ldp floats apart (K * PANEL,
-   or more where only the first K of each panel's rows are used) */
+   or more where only the first K of each panel's rows are used). The T tokens go in
+   ceil(T / MT_MAX) passes of near-equal size (7 tokens on AVX2: 4 + 3, not 6 + 1, whose
+   single-token pass runs at a quarter of the FMA rate). */
 static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp,
                            int64_t ldp, const float* b, int64_t N, float* y, int64_t ldy,
                            int accumulate, int nthreads) {
     /* tokens in blocks of ~128 KB of x, so that every panel re-reads them from L2 (a prefill of
        thousands of rows would stream x from memory once per panel) */
-    const int64_t TB = K < 32768 / 12 ? 32768 / K / 6 * 6 : 12;
+    const int64_t TB = K < 32768 / (2 * MT_MAX) ? 32768 / K / MT_MAX * MT_MAX : 2 * MT_MAX;
     if (T > TB) {
         for (int64_t t0 = 0; t0 < T; t0 += TB)
             gemm_packed_ld(x + t0 * ldx, T - t0 < TB ? T - t0 : TB, K, ldx, wp, ldp, b, N,
                            y + t0 * ldy, ldy, accumulate, nthreads);
         return;
+    }
+    if (T <= 0) return;
+    const int64_t nb = (T + MT_MAX - 1) / MT_MAX, q = T / nb, r = T % nb;
+    /* each pass's x transposed (xs[start * K + k * mt + t]): the kernel's broadcasts then read
+       one pointer at constant offsets */
+    float stack_xs[8192];
+    float* xs = (float*)x;
+    if (T > 1) {
+        xs = T * K <= 8192 ? stack_xs : malloc(sizeof(float) * T * K);
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t s0 = j * q + (j < r ? j : r), mt = q + (j < r);
+            float* dst = xs + s0 * K;
+            for (int64_t t = 0; t < mt; t++) {
+                const float* src = x + (s0 + t) * ldx;
+                for (int64_t k = 0; k < K; k++) dst[k * mt + t] = src[k];
+            }
+        }
     }
     const int64_t panels = (N + PANEL - 1) / PANEL;
     #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1)
@@ -229,23 +337,25 @@ static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, co
         const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
         const float* w = wp + p * ldp;
         const float* bb = b ? b + n0 : NULL;
-        int64_t t = 0;
-        for (; t + 6 <= T; t += 6)
-            panel_block(x + t * ldx, ldx, K, w, bb, nn, y + t * ldy + n0, ldy, accumulate, 6);
-        const float* xt = x + t * ldx;
-        float* yt = y + t * ldy + n0;
-        switch (T - t) {
-            case 5: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 5); break;
-            case 4: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 4); break;
-            case 3: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 3); break;
-            case 2: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 2); break;
-            case 1: panel_block(xt, ldx, K, w, bb, nn, yt, ldy, accumulate, 1); break;
-            default: break;
+        for (int64_t j = 0; j < nb; j++) {
+            const int64_t s0 = j * q + (j < r ? j : r), mt = q + (j < r);
+            const float* xj = xs + s0 * K;
+            float* yj = y + s0 * ldy + n0;
+#define PB(n) case n: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, n); break;
+            switch (mt) {
+                PB(1) PB(2) PB(3) PB(4) PB(5) PB(6)
+#if MT_MAX > 6
+                PB(7) PB(8) PB(9) PB(10) PB(11) PB(12) PB(13) PB(14) PB(15) PB(16)
+#endif
+                default: break;
+            }
+#undef PB
         }
     }
+    if (xs != x && xs != stack_xs) free(xs);
 }
 
-/* the matmul for steps of 2+ tokens, the weights packed as above */
+/* the matmul over packed weights (every step size) */
 static void gemm_packed(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp,
                         const float* b, int64_t N, float* y, int64_t ldy, int accumulate,
                         int nthreads) {
@@ -257,12 +367,12 @@ void loom_linear_packed_f32(const float* x, int64_t T, int64_t K, const float* w
     gemm_packed(x, T, K, K, wp, b, N, y, N, 0, nthreads);
 }
 
-/* The forward's matmul: a single token reads the row-major weights (a dot product per output:
-   one pass over the bytes, which bound it), two or more the packed panels where there are any. */
+/* The forward's matmul: the packed panels where there are any, at every token count (one copy
+   of the weights is read, so only it has to stay in cache), else the row-major tiles. */
 static inline void mm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w,
                       const float* wp, const float* b, int64_t N, float* y, int64_t ldy,
                       int accumulate, int nthreads) {
-    if (wp && T >= 2) gemm_packed(x, T, K, ldx, wp, b, N, y, ldy, accumulate, nthreads);
+    if (wp) gemm_packed(x, T, K, ldx, wp, b, N, y, ldy, accumulate, nthreads);
     else gemm(x, T, K, ldx, w, b, N, y, ldy, accumulate, nthreads);
 }
 
@@ -293,25 +403,6 @@ static void rope(float* x, const float* c, const float* s, int64_t D) {
         x[i] = a * c[i] - b * s[i];
         x[i + half] = b * c[i + half] + a * s[i + half];
     }
-}
-
-/* exp(x) for x <= 0 (a score minus its row max) in arithmetic that vectorizes (libm's expf
-   does not without -ffast-math): 2^n e^r, |r| <= ln2 / 2, a degree-6 Taylor polynomial
-   (relative error ~2e-7); 0 below -87 */
-static inline float exp_neg(float x) {
-    const float n = __builtin_rintf(x * 1.44269504f);
-    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-    float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const int32_t e = ((int32_t)(n < -126.f ? -126.f : n) + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, 4);
-    return x < -87.f ? 0.f : p * scale;
 }
 
 /* g[i] = silu(g[i]) * u[i]: AVX2 eight at a time (the exp above in intrinsics, on -g clamped
@@ -385,7 +476,7 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
             float sum = 0.f;
             #pragma omp simd reduction(+:sum)
             for (int64_t c = 0; c < len; c++) {
-                const float e = exp_neg((row[c] - mx) * scale);
+                const float e = fast_expf((row[c] - mx) * scale);
                 row[c] = e;
                 sum += e;
             }
@@ -495,7 +586,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                     float sum = 0.f;
                     #pragma omp simd reduction(+:sum)
                     for (int64_t c = 0; c < len; c++) {
-                        const float e = sc[g * len + c] == -INFINITY ? 0.f : exp_neg(sc[g * len + c] - mx[g]);
+                        const float e = sc[g * len + c] == -INFINITY ? 0.f : fast_expf(sc[g * len + c] - mx[g]);
                         sc[g * len + c] = e;
                         sum += e;
                     }

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,30 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = r"""
+# exp(x) for x <= 0 in arithmetic that vectorizes, shared by every C source here (this
+# library's softmax, cpu_forward_kernel's attention); it needs <stdint.h> and <string.h>
+FAST_EXP_C = r"""
+/* exp(x) for a softmax (x <= 0: a score minus its row max), in arithmetic that vectorizes
+   (libm's expf does not without -ffast-math): 2^n * e^r with |r| <= ln2 / 2 and a degree-6
+   Taylor polynomial, relative error ~2e-7; exactly 0 below -87 (and for -inf: masked). */
+static inline float fast_expf(float x) {
+    const float n = __builtin_rintf(x * 1.44269504f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t e = ((int32_t)(n < -126.f ? -126.f : n) + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return x < -87.f ? 0.f : p * scale;
+}
+"""
+
+SOURCE_HEAD = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,25 +73,9 @@ static inline const float* row_bf16(const uint16_t* p, float* buf, int64_t n) {
     return buf;
 }
 
-/* exp(x) for the softmax (x <= 0: a score minus its row max), in arithmetic that vectorizes
-   (libm's expf does not without -ffast-math): 2^n * e^r with |r| <= ln2 / 2 and a degree-6
-   Taylor polynomial, relative error ~2e-7; exactly 0 below -87 (and for -inf: masked). */
-static inline float fast_expf(float x) {
-    const float n = __builtin_rintf(x * 1.44269504f);
-    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-    float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    const int32_t e = ((int32_t)(n < -126.f ? -126.f : n) + 127) << 23;
-    float scale;
-    memcpy(&scale, &e, 4);
-    return x < -87.f ? 0.f : p * scale;
-}
+"""
 
+SOURCE = SOURCE_HEAD + FAST_EXP_C + r"""
 /* q [B, H, D] f32; k [S, Hkv, D], v [S, Hkv, Dv] (T); table [R, stride] i64 slot ids;
    rows, lens [B] i64; out [B, H, Dv] f32. Query head h reads kv head h / (H / Hkv). */
 #define DECODE(NAME, T, ROW)                                                               \
@@ -301,7 +309,6 @@ _FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
 _VARIANTS = (["-fopenmp"], [])
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_tried = False
 
 
 def _cache_dir() -> Path:
@@ -336,22 +343,22 @@ def _compile(compiler: str, flags: list[str], target: Path, source: str = SOURCE
         os.replace(out, target)  # atomic: concurrent processes never load a half-written file
 
 
-def build(source: str, name: str) -> ctypes.CDLL | None:
-    """C `source` compiled (with OpenMP where the compiler has it) into the per-machine cache
-    as `name`_<hash>.so, or found there, and loaded; None (logged) without a working compiler.
-    Callers declare the functions' argtypes."""
+def build(source: str, name: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """C `source` compiled (with OpenMP where the compiler has it, and the extra `flags`) into
+    the per-machine cache as `name`_<hash>.so, or found there, and loaded; None (logged)
+    without a working compiler. Callers declare the functions' argtypes."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: %s falls back to torch", name)
         return None
     errors = []
     for extra in _VARIANTS:
-        flags = [*_FLAGS, *extra]
-        key = hashlib.sha256("\0".join([source, *flags, _cpu_key()]).encode()).hexdigest()
+        all_flags = [*_FLAGS, *flags, *extra]
+        key = hashlib.sha256("\0".join([source, *all_flags, _cpu_key()]).encode()).hexdigest()
         target = _cache_dir() / f"{name}_{key[:16]}.so"
         try:
             if not target.exists():
-                _compile(compiler, flags, target, source)
+                _compile(compiler, all_flags, target, source)
             return ctypes.CDLL(str(target))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             errors.append(str(e))
@@ -359,37 +366,51 @@ def build(source: str, name: str) -> ctypes.CDLL | None:
     return None
 
 
+_built: dict[tuple[str, tuple[str, ...]], ctypes.CDLL | None] = {}
+
+
+def build_or_none(
+    source: str,
+    name: str,
+    declare: Callable[[ctypes.CDLL], None],
+    flags: tuple[str, ...] = (),
+) -> ctypes.CDLL | None:
+    """`build` once per process for each (name, flags), `declare(lib)` then setting the
+    functions' argtypes / restypes; later calls return the same library, or None again
+    without a compiler (the attempt is not repeated)."""
+    key = (name, tuple(flags))
+    with _lock:
+        if key not in _built:
+            lib = build(source, name, tuple(flags))
+            if lib is not None:
+                declare(lib)
+            _built[key] = lib
+        return _built[key]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    for fn in (lib.loom_decode_f32, lib.loom_decode_bf16):
+        fn.restype = None
+        # q, k, v, table, stride, rows, lens, out, B, H, Hkv, D, Dv, scale, max_len, threads
+        fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 3 + [i64] * 5 + [f32, i64, i32]
+    for fn in (lib.loom_extend_f32, lib.loom_extend_bf16):
+        fn.restype = None
+        # q, k, v, table, stride, rows, lens, exts, qstart, mask, mask_off, out,
+        # B, H, Hkv, D, Dv, scale, max_len, max_ext, threads
+        fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 7 + [i64] * 5 + [f32, i64, i64, i32]
+    # x, no, ni, so, si, D, res, res_out, w, eps, out, threads
+    lib.loom_rms_norm_f32.argtypes = [ptr] + [i64] * 5 + [ptr] * 3 + [f32, ptr, i32]
+    # x, T, H, st, sh, D, pos, cos, sin, out, threads
+    lib.loom_rope_f32.argtypes = [ptr] + [i64] * 5 + [ptr] * 4 + [i32]
+    lib.loom_rms_norm_f32.restype = lib.loom_rope_f32.restype = None
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; None without a C compiler."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        lib = build(SOURCE, "loom_cpu")
-        if lib is None:
-            return None
-        for fn in (lib.loom_decode_f32, lib.loom_decode_bf16):
-            fn.restype = None
-            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            # q, k, v, table, stride, rows, lens, out, B, H, Hkv, D, Dv, scale, max_len, threads
-            fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 3 + [i64] * 5
-            fn.argtypes += [ctypes.c_float, i64, ctypes.c_int]
-        for fn in (lib.loom_extend_f32, lib.loom_extend_bf16):
-            fn.restype = None
-            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            # q, k, v, table, stride, rows, lens, exts, qstart, mask, mask_off, out,
-            # B, H, Hkv, D, Dv, scale, max_len, max_ext, threads
-            fn.argtypes = [ptr] * 4 + [i64] + [ptr] * 7 + [i64] * 5
-            fn.argtypes += [ctypes.c_float, i64, i64, ctypes.c_int]
-        ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        # x, no, ni, so, si, D, res, res_out, w, eps, out, threads
-        lib.loom_rms_norm_f32.argtypes = [ptr] + [i64] * 5 + [ptr] * 3 + [f32, ptr, i32]
-        # x, T, H, st, sh, D, pos, cos, sin, out, threads
-        lib.loom_rope_f32.argtypes = [ptr] + [i64] * 5 + [ptr] * 4 + [i32]
-        lib.loom_rms_norm_f32.restype = lib.loom_rope_f32.restype = None
-        _lib = lib
-        return lib
+    global _lib
+    _lib = build_or_none(SOURCE, "loom_cpu", _declare)
+    return _lib
 
 
 # multiply-adds per thread below which another thread costs more (team start-up and the

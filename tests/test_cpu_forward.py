@@ -233,19 +233,37 @@ def test_large_steps_and_eagle_capture_fall_back_and_bad_input_is_an_error(tiny_
         runner.cpu_forward(small)
 
 
+def _has_avx512f() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_isa_variants_build_as_asked(isa):
+    """"native" is AVX-512 exactly where the CPU reports avx512f; "avx2" never is."""
+    lib = cpu_forward.load(isa)
+    want = 512 if isa == "native" and _has_avx512f() else 256
+    assert lib.loom_isa_bits() == want
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("k,n", [(256, 1000), (20, 7), (688, 256), (45, 37), (1, 17)])
-def test_matmul_kernels_match_linear(k, n):
-    """Both matmuls every projection uses, on odd shapes (K not a multiple of the SIMD width,
-    N not of the 4-row tile or the 16-row panel) at every token count 1..70 (every split into
-    6-token blocks and their remainders), with and without bias: the row-major dot-product
-    tiles, and the packed panels with the weights as cpu_forward.pack lays them out."""
+def test_matmul_kernels_match_linear(k, n, isa):
+    """Both matmuls every projection uses, on odd shapes (K not a multiple of the SIMD width
+    or of the accumulator sets' k unroll, N not of the 4-row tile or the 16-row panel) at every
+    token count 1..70 (every split into passes of up to 16 (AVX-512) / 6 (AVX2) tokens), with
+    and without bias, in both instruction-set variants: the row-major dot-product tiles, and
+    the packed panels with the weights as cpu_forward.pack lays them out."""
     g = torch.Generator().manual_seed(k * n)
     x, w, b = (
         torch.randn(70, k, generator=g),
         torch.randn(n, k, generator=g),
         torch.randn(n, generator=g),
     )
-    lib, wp = cpu_forward.load(), cpu_forward.pack(w)
+    lib, wp = cpu_forward.load(isa), cpu_forward.pack(w)
     assert wp.shape == (-(-n // 16), k, 16) and torch.equal(wp[0, :, : min(n, 16)], w[:16].T)
     refs = {bias is None: torch.nn.functional.linear(x, w, bias) for bias in (None, b)}
     for t in range(1, 71):
@@ -255,3 +273,17 @@ def test_matmul_kernels_match_linear(k, n):
                 threads = 2 if t == 70 else 1  # the OpenMP split over tiles / panels
                 fn(x.data_ptr(), t, k, weights.data_ptr(), _ptr(bias), n, y.data_ptr(), threads)
                 torch.testing.assert_close(y, refs[bias is None][:t], rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_avx2_variant_forward_matches_eager(tiny_model_dir):
+    """The whole forward built without AVX-512 (the path of CPUs without it) on every kind of
+    step, as the native build is in the test above."""
+    runner = _runner(tiny_model_dir("qwen3"))
+    runner.cpu_forward.lib = cpu_forward.load("avx2")
+    st = _Steps(runner, 4, seed=3)
+    _compare(runner, st.batch([0, 1, 2], [5, 1, 9], ForwardMode.EXTEND))
+    _compare(runner, st.batch([0, 1, 2, 3], [1, 12, 70, 2], ForwardMode.EXTEND))
+    _compare(runner, st.batch([0, 1, 2, 3], [1] * 4, ForwardMode.DECODE, all_logits=False))
+    masks = [tree_mask(st.lens[0], [-1, -1, 0, 1], "cpu"), None]
+    _compare(runner, st.batch([0, 1], [5, 7], ForwardMode.EXTEND, masks))
