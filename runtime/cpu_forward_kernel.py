@@ -405,6 +405,27 @@ static void rope(float* x, const float* c, const float* s, int64_t D) {
     }
 }
 
+/* The attention inputs of T tokens in place: token t's H query heads at qkv + t * ld, its Hkv
+   key heads right after them (head_dim D); each head RMSNormed by q_norm / k_norm where not
+   NULL (Qwen3), then neox-rotated at position pos[t] (cos / sin [max_pos, D]). */
+static void qk_norm_rope(float* qkv, int64_t T, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
+                         const float* q_norm, const float* k_norm, float eps, const float* cos,
+                         const float* sin, const int64_t* pos) {
+    for (int64_t t = 0; t < T; t++) {
+        float* q = qkv + t * ld;
+        float* k = q + H * D;
+        const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+        for (int64_t i = 0; i < H; i++) {
+            if (q_norm) rms(q + i * D, q_norm, D, eps, q + i * D);
+            rope(q + i * D, c, s, D);
+        }
+        for (int64_t i = 0; i < Hkv; i++) {
+            if (k_norm) rms(k + i * D, k_norm, D, eps, k + i * D);
+            rope(k + i * D, c, s, D);
+        }
+    }
+}
+
 /* g[i] = silu(g[i]) * u[i]: AVX2 eight at a time (the exp above in intrinsics, on -g clamped
    at 80: GCC does not vectorize the scalar loop), libm's expf for the rest */
 static void silu_mul(float* g, const float* u, int64_t I) {
@@ -529,21 +550,11 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
         const Layer* L = m->layer + l;
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln1, Hd, m->eps, h + t * Hd);
         TIMED(0, mm(h, T, Hd, Hd, L->qkv_w, L->qkv_p, L->qkv_b, QKV, qkv, QKV, 0, nthreads));
+        qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
         for (int64_t t = 0; t < T; t++) {
-            float* q = qkv + t * QKV;
-            float* k = q + H * D;
-            const float* v = k + Hkv * D;
-            const float *c = m->cos + pos[t] * D, *s = m->sin + pos[t] * D;
-            for (int64_t i = 0; i < H; i++) {
-                if (L->q_norm) rms(q + i * D, L->q_norm, D, m->eps, q + i * D);
-                rope(q + i * D, c, s, D);
-            }
-            for (int64_t i = 0; i < Hkv; i++) {
-                if (L->k_norm) rms(k + i * D, L->k_norm, D, m->eps, k + i * D);
-                rope(k + i * D, c, s, D);
-            }
+            const float* k = qkv + t * QKV + H * D;
             memcpy(L->k_cache + slots[t] * Hkv * D, k, sizeof(float) * Hkv * D);
-            memcpy(L->v_cache + slots[t] * Hkv * D, v, sizeof(float) * Hkv * D);
+            memcpy(L->v_cache + slots[t] * Hkv * D, k + Hkv * D, sizeof(float) * Hkv * D);
         }
         const double att0 = prof ? cpu_seconds() : 0.;
         for (int64_t b = 0; b < B; b++) /* long causal extends: the blocked path */
