@@ -11,12 +11,14 @@ own work besides the forward and sampling), `sample`, `process` (tokens into req
 checks) and `drain` (the output messages).
 
     python benchmarks/bench_step_overhead.py [--batch-sizes 1,8,64] [--pp 128] [--tg 32]
-        [--rounds 3] [--temperature 0] [--base-tree DIR]
+        [--rounds 3] [--temperature 0] [--base-tree DIR] [--engine [--engine-tg 512]]
 
---engine adds, per side, a streamed run through a whole Engine (the same B requests): the CPU
-milliseconds per decode token-step (tg steps, prefill included) of the caller's process
-(tokenizer manager, the Engine's stream), the detokenizer and the scheduler, from the
-processes' own CPU counters.
+--engine adds, per side, a streamed run through a whole Engine (B requests of --pp tokens,
+--engine-tg new tokens each): the CPU milliseconds per decode token-step (prefill included) of
+the caller's process (tokenizer manager, the Engine's stream), the detokenizer and the
+scheduler, from the processes' own CPU counters, and the wall milliseconds per step. Those
+counters tick every 10 ms, so the run is long (default 512 steps: 0.02 ms a tick per step;
+at 32 steps one tick is 0.31 ms, which is all a detokenizer's count then said).
 
 --base-tree DIR compares against another copy of the source tree laid out like this one (for
 example `git archive HEAD~1 | tar -x -C DIR`): each round runs both trees, alternating, each
@@ -163,11 +165,13 @@ def measure_engine(sizes: list[int], pp: int, tg: int, temperature: float) -> di
         out = {}
         for b in sizes:
             prompts = [[rng.randrange(10, 4000) for _ in range(pp)] for _ in range(b)]
-            before = cpu()
+            before, t = cpu(), time.perf_counter()
             for _ in engine.generate(input_ids=prompts, sampling_params=params, stream=True):
                 pass
+            wall = time.perf_counter() - t
             after = cpu()
             out[b] = {k: (after[k] - before[k]) * 1e3 / tg for k in procs}
+            out[b]["wall"] = wall * 1e3 / tg
         return out
     finally:
         engine.shutdown()
@@ -190,7 +194,7 @@ def _run_tree(args, pythonpath: str | None) -> dict:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, __file__, "--worker", "--batch-sizes", args.batch_sizes]
     cmd += ["--pp", str(args.pp), "--tg", str(args.tg), "--temperature", str(args.temperature)]
-    cmd += ["--engine"] if args.engine else []
+    cmd += ["--engine", "--engine-tg", str(args.engine_tg)] if args.engine else []
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return {int(k): v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
 
@@ -207,13 +211,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--base-tree", default=None)
     p.add_argument("--tree", default=None)
     p.add_argument("--engine", action="store_true")
+    p.add_argument("--engine-tg", type=int, default=512)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.worker:
         res = measure(sizes, args.pp, args.tg, args.temperature)
         if args.engine:
-            for b, parts in measure_engine(sizes, args.pp, args.tg, args.temperature).items():
+            engine = measure_engine(sizes, args.pp, args.engine_tg, args.temperature)
+            for b, parts in engine.items():
                 res[b].update({f"engine {k}": v for k, v in parts.items()})
         print(json.dumps(res))
         return
@@ -240,9 +246,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {b} | {name} | {load:.1f} | " + " | ".join(f"{med[k]:.3f}" for k in cols) + " |"
             )
     if args.engine:
-        procs = ("caller", "detokenizer", "scheduler")
+        procs = ("caller", "detokenizer", "scheduler", "wall")
         print()
-        print("| B | side | engine CPU ms per step: " + " | ".join(procs) + " |")
+        print(f"| B | side | engine ms per step ({args.engine_tg} steps), CPU: "
+              + " | ".join(procs) + " |")  # fmt: skip
         print("|---|---|" + "---|" * len(procs))
         for b in sizes:
             for name, rounds in res.items():
