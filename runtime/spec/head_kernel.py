@@ -36,6 +36,16 @@ from loom.runtime.cpu_forward_kernel import SOURCE
 logger = logging.getLogger(__name__)
 
 EXTRA_C = r"""
+/* A head's matmuls are small (hidden 256: ~0.1 M multiply-adds a row); an OpenMP team per call
+   costs more than it saves, and on a loaded machine a 2-thread team waits for a descheduled
+   thread (measured at load 7: the bundled EAGLE-3 round 69 ms with 2 threads, 3.5 ms with 1).
+   Threads only where a call has work enough to split. */
+static inline int head_threads(int64_t T, int64_t K, int64_t N, int nthreads) {
+    return T * K * N >= ((int64_t)1 << 22) ? nthreads : 1;
+}
+#define HGEMM(x, T, K, ldx, w, b, N, y, ldy, acc, nt) \
+    gemm(x, T, K, ldx, w, b, N, y, ldy, acc, head_threads((T), (K), (N), (nt)))
+
 static inline double head_wall(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -110,9 +120,9 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
             memcpy(hin + t * 2 * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
             memcpy(hin + t * 2 * Hd + Hd, feat + t * ldf, sizeof(float) * Hd);
         }
-        gemm(hin, T, 2 * Hd, 2 * Hd, m->fc_w, m->fc_b, Hd, x, Hd, 0, nthreads);
+        HGEMM(hin, T, 2 * Hd, 2 * Hd, m->fc_w, m->fc_b, Hd, x, Hd, 0, nthreads);
     } else if (fused) {
-        gemm(feat, T, m->fc_in, ldf, m->fc_w, m->fc_b, Hd, x, Hd, 0, nthreads);
+        HGEMM(feat, T, m->fc_in, ldf, m->fc_w, m->fc_b, Hd, x, Hd, 0, nthreads);
     } else {
         for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, feat + t * ldf, sizeof(float) * Hd);
     }
@@ -129,7 +139,7 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
                 memcpy(hr, x + t * Hd, sizeof(float) * Hd);
             }
         }
-        gemm(hin, T, Kin, Kin, L->qkv_w, L->qkv_b, QKV, qkv, QKV, 0, nthreads);
+        HGEMM(hin, T, Kin, Kin, L->qkv_w, L->qkv_b, QKV, qkv, QKV, 0, nthreads);
         for (int64_t t = 0; t < T; t++) {
             float* q = qkv + t * QKV;
             float* k = q + H * D;
@@ -155,15 +165,15 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
                             att + t * H * D);
             }
         }
-        gemm(att, T, H * D, H * D, L->o_w, L->o_b, Hd, x, Hd, 1, nthreads);
+        HGEMM(att, T, H * D, H * D, L->o_w, L->o_b, Hd, x, Hd, 1, nthreads);
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, hin + t * Hd);
-        gemm(hin, T, Hd, Hd, L->gu_w, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
+        HGEMM(hin, T, Hd, Hd, L->gu_w, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
         for (int64_t t = 0; t < T; t++) {
             float* g = gu + t * 2 * I;
             const float* u = g + I;
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
         }
-        gemm(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads);
+        HGEMM(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads);
     }
     free(hin); free(qkv); free(att); free(gu); free(sc);
 }
@@ -178,7 +188,7 @@ static void head_pick(const Head* m, const float* x, int64_t n, float* logits, f
         for (int64_t i = 0; i < n; i++) rms(x + i * Hd, m->norm, Hd, m->eps, normed + i * Hd);
         in = normed;
     }
-    gemm(in, n, Hd, Hd, m->lm_head, NULL, V, logits, V, 0, nthreads);
+    HGEMM(in, n, Hd, Hd, m->lm_head, NULL, V, logits, V, 0, nthreads);
     for (int64_t i = 0; i < n; i++) {
         const float* r = logits + i * V;
         int64_t best = 0;
@@ -275,13 +285,13 @@ void loom_medusa_heads(const float* h, int64_t n, int64_t Hd, int64_t k, int64_t
         memcpy(xi, h, sizeof(float) * n * Hd);
         for (int64_t j = 0; j < nl; j++) {
             const int64_t at = i * nl + j;
-            gemm(xi, n, Hd, Hd, res_w + at * Hd * Hd, res_b + at * Hd, Hd, y, Hd, 0, nthreads);
+            HGEMM(xi, n, Hd, Hd, res_w + at * Hd * Hd, res_b + at * Hd, Hd, y, Hd, 0, nthreads);
             for (int64_t e = 0; e < n * Hd; e++) xi[e] += y[e] / (1.f + expf(-y[e]));
         }
-        if (own_lm) gemm(xi, n, Hd, Hd, lm + i * V * Hd, NULL, V, lg + i * n * V, V, 0, nthreads);
+        if (own_lm) HGEMM(xi, n, Hd, Hd, lm + i * V * Hd, NULL, V, lg + i * n * V, V, 0, nthreads);
     }
     /* a shared LM head: one pass over its weights for all k * n rows */
-    if (!own_lm) gemm(x, k * n, Hd, Hd, lm, NULL, V, lg, V, 0, nthreads);
+    if (!own_lm) HGEMM(x, k * n, Hd, Hd, lm, NULL, V, lg, V, 0, nthreads);
     for (int64_t i = 0; i < k; i++)
         for (int64_t r = 0; r < n; r++) {
             const float* row = lg + (i * n + r) * V;
