@@ -459,6 +459,39 @@ def test_a_batch_verifies_only_when_the_expected_gain_pays_for_it(monkeypatch):
     assert spec.worth_verifying(reqs, [[9, 9]] * 4)
 
 
+def test_drafts_not_verified_still_teach_the_rates(monkeypatch):
+    """A chain the cost model declines (a plain decode step instead) is scored against the
+    tokens the request gets: rates that fell too low to draft rise again when the history
+    keeps predicting right, and fall when it does not; the reported acceptance counts real
+    verifies only."""
+    from loom.runtime.spec.speculator import NgramSpeculator
+
+    monkeypatch.undo()  # the real cost model
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
+    pattern = [7, 8, 9, 10, 11, 12, 13, 14]
+
+    def start(req):
+        req.spec_state = NgramState(7)
+        req.spec_state.steps = 4  # past the opening steps
+        req.spec_state.rates = [0.1] * 7
+        return req
+
+    req, verified = start(_req(pattern * 3)), []
+    for _ in range(6):
+        draft = spec.draft(req, 8)
+        verified.append(spec.worth_verifying([req], [draft]))
+        if verified[-1]:
+            break
+        req.output_ids.append(draft[0])  # the plain decode step's token: as predicted
+    assert verified[-1] and not verified[0], verified  # declined at first, then verified
+    assert spec.stats.verify_ct == 0 and sum(spec.stats.proposed) == 0
+    bad = start(_req(pattern * 3))
+    assert not spec.worth_verifying([bad], [spec.draft(bad, 8)])
+    bad.output_ids.append(300)  # not what the history predicted
+    spec.draft(bad, 8)
+    assert bad.spec_state.rates[0] < 0.1
+
+
 def test_finished_requests_are_learnt_lazily_and_boundedly():
     """A finished request teaches the trie only when a step drafts (batches too large to
     draft never pay for it), LEARN_PER_STEP tokens per drafting request-step."""

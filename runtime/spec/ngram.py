@@ -59,13 +59,25 @@ class NgramTrie:
         suffix pointers (ascending depth, the full-length window left out). `generated`: the
         token is a model output (not prompt text)."""
         self.clock += 1
-        out = [self._child(self.root, token, generated)]
-        for node in pointers:
-            child = self._child(node, token, generated)
-            if child.depth < self.depth:
+        clock, depth, lru = self.clock, self.depth, self.lru
+        out = []
+        # `_child` inlined: a prompt's first draft inserts ~depth nodes per prompt token
+        for node in (self.root, *pointers):
+            child = node.children.get(token)
+            if child is None:
+                child = _Node(node, token, node.depth + 1)
+                node.children[token] = child
+                lru[child] = None
+            else:
+                lru.move_to_end(child)
+            child.count += 1
+            child.stamp = clock
+            if generated:
+                child.ostamp = clock
+            if child.depth < depth:
                 out.append(child)
-        if len(self.lru) > self.capacity:
-            self._evict(len(self.lru) - self.capacity)
+        if len(lru) > self.capacity:
+            self._evict(len(lru) - self.capacity)
         return out
 
     def _child(self, node: _Node, token: int, generated: bool = False) -> _Node:
@@ -111,7 +123,7 @@ class NgramState:
     """A request's place in the trie: its suffix pointers and how many of its tokens the
     trie has seen. Lives on `req.spec_state`."""
 
-    __slots__ = ("pointers", "seen", "rates", "steps", "expected", "opening")
+    __slots__ = ("pointers", "seen", "rates", "steps", "expected", "opening", "shadow")
 
     def __init__(self, num_positions: int):
         self.pointers: list[_Node] = []
@@ -123,6 +135,8 @@ class NgramState:
         # which of the drafter's opening-step rates the draft being verified used (-1: the
         # request's own; 0: it rides the prefill; k: the k-th draft after it)
         self.opening = -1
+        # a chain drafted but not verified: (tokens, output length then, opening, forced)
+        self.shadow: tuple | None = None
 
 
 class NgramDrafter:

@@ -111,6 +111,8 @@ class NgramSpeculator(Drafter):
             state = req.spec_state = NgramState(self.num_draft)
             state.rates = list(self.prior_rates)  # what drafts have earned so far, server-wide
         state.opening = -1
+        if state.shadow is not None:
+            self._score_shadow(req, state)
         if not free_drafts:
             self.stats.skipped += 1
             return []
@@ -284,7 +286,17 @@ class NgramSpeculator(Drafter):
 
     def worth_verifying(self, reqs: list, drafts: list[list[int]]) -> bool:
         gain = sum(r.spec_state.expected for r, d in zip(reqs, drafts) if d)
-        return gain >= len(reqs) * extra_cost(len(reqs), max(map(len, drafts)))
+        if gain >= len(reqs) * extra_cost(len(reqs), max(map(len, drafts))):
+            return True
+        # the step decodes plainly: each chain is kept as a shadow, scored against the tokens
+        # the request gets instead (`_score_shadow`), so rates that stopped a request (or an
+        # opening step) from drafting still learn, free, and rise again when drafts would pay
+        for r, d in zip(reqs, drafts):
+            if d and isinstance(d, list) and r.spec_state is not None:
+                state = r.spec_state
+                state.shadow = (d, len(r.output_ids), state.opening, r.draft_forced)
+                state.opening = -1
+        return False
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         forced = req.draft_forced
@@ -293,6 +305,25 @@ class NgramSpeculator(Drafter):
         if state is None:
             return
         opening, state.opening = state.opening, -1
+        self._learn_rates(state, opening, drafted, accepted, forced)
+
+    def _score_shadow(self, req, state: NgramState) -> None:
+        """A chain drafted but not verified (`worth_verifying`): its positions up to the
+        first miss among the tokens the request got since are known, and teach the rates as
+        a verify would (not the reported acceptance: nothing was verified)."""
+        draft, start, opening, forced = state.shadow
+        state.shadow = None
+        got = req.output_ids[start : start + len(draft)]
+        known = len(got)
+        if known == 0:
+            return
+        accepted = 0
+        while accepted < known and draft[accepted] == got[accepted]:
+            accepted += 1
+        # a miss at `accepted` is known when it is inside what the request got
+        self._learn_rates(state, opening, known if accepted < known else accepted, accepted, forced)
+
+    def _learn_rates(self, state, opening: int, drafted: int, accepted: int, forced: int) -> None:
         if accepted < forced:
             return
         if opening >= 0:
