@@ -448,15 +448,40 @@ def test_a_batch_verifies_only_when_the_expected_gain_pays_for_it(monkeypatch):
 
     spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
     reqs = [_req([1, 2, 3]) for _ in range(4)]
-    for r, expected in zip(reqs, [2.0, 0.0, 0.0, 0.0]):
+    for r, gains in zip(reqs, [[1.0, 1.0], [], [], []]):
         r.spec_state = NgramState(7)
-        r.spec_state.expected = expected
+        r.spec_state.gains = gains
     one = [[9, 9], [], [], []]
-    assert spec.worth_verifying(reqs[:1], one[:1])  # 2 tokens expected pay a verify alone
+    assert spec.worth_verifying(reqs[:1], [[9, 9]])  # 2 tokens expected pay a verify alone
     assert not spec.worth_verifying(reqs, one)  # not a verify of 4 requests
     for r in reqs:
-        r.spec_state.expected = 2.0
+        r.spec_state.gains = [1.0, 1.0]
     assert spec.worth_verifying(reqs, [[9, 9]] * 4)
+
+
+def test_the_batch_cuts_its_chains_where_more_positions_stop_paying(monkeypatch):
+    """The verify depth is chosen by expected gain against the cost of that many tokens: a
+    long chain whose later positions are unlikely is cut (in place, masks and forced count
+    with it), a likely one is verified whole."""
+    from loom.runtime.spec.speculator import NgramSpeculator, extra_cost
+
+    monkeypatch.undo()  # the real cost model
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
+    req = _req([1, 2, 3])
+    req.spec_state = NgramState(7)
+    req.draft_masks = None
+    req.draft_forced = 0
+    likely = [0.95 ** (j + 1) for j in range(7)]
+    req.spec_state.gains = likely
+    draft = [9] * 7
+    assert spec.worth_verifying([req], [draft]) and len(draft) == 7
+    # position j pays when its chance beats the cost of one more token at batch 1
+    step = extra_cost(1, 2) - extra_cost(1, 1)
+    unlikely = [0.9, 0.8, 0.5, 0.5 * step, 0.4 * step, 0.3 * step, 0.2 * step]
+    req.spec_state.gains = unlikely
+    draft = [9] * 7
+    assert spec.worth_verifying([req], [draft]) and draft == [9, 9, 9]
+    assert req.spec_state.expected == sum(unlikely[:3])
 
 
 def test_drafts_not_verified_still_teach_the_rates(monkeypatch):

@@ -61,7 +61,7 @@ class NgramTrie:
         self.clock += 1
         clock, depth, lru = self.clock, self.depth, self.lru
         out = []
-        # `_child` inlined: a prompt's first draft inserts ~depth nodes per prompt token
+        # inlined (no call per node): a prompt's first draft inserts ~depth nodes a token
         for node in (self.root, *pointers):
             child = node.children.get(token)
             if child is None:
@@ -79,20 +79,6 @@ class NgramTrie:
         if len(lru) > self.capacity:
             self._evict(len(lru) - self.capacity)
         return out
-
-    def _child(self, node: _Node, token: int, generated: bool = False) -> _Node:
-        child = node.children.get(token)
-        if child is None:
-            child = _Node(node, token, node.depth + 1)
-            node.children[token] = child
-            self.lru[child] = None
-        else:
-            self.lru.move_to_end(child)
-        child.count += 1
-        child.stamp = self.clock
-        if generated:
-            child.ostamp = self.clock
-        return child
 
     def _evict(self, n: int) -> None:
         for _ in range(n):
@@ -123,7 +109,7 @@ class NgramState:
     """A request's place in the trie: its suffix pointers and how many of its tokens the
     trie has seen. Lives on `req.spec_state`."""
 
-    __slots__ = ("pointers", "seen", "rates", "steps", "expected", "opening", "shadow")
+    __slots__ = ("pointers", "seen", "rates", "steps", "expected", "gains", "opening", "shadow")
 
     def __init__(self, num_positions: int):
         self.pointers: list[_Node] = []
@@ -132,6 +118,7 @@ class NgramState:
         self.rates = [1.0] * num_positions
         self.steps = 0
         self.expected = 0.0  # draft tokens the current draft is expected to get accepted
+        self.gains: list[float] | None = []  # per position of the current chain (None: a tree)
         # which of the drafter's opening-step rates the draft being verified used (-1: the
         # request's own; 0: it rides the prefill; k: the k-th draft after it)
         self.opening = -1

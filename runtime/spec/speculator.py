@@ -32,6 +32,7 @@ request's own (an answer's first words are often what no history predicts: a nam
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from loom.runtime.spec import Drafter, DraftTree, tree_depths
@@ -123,11 +124,13 @@ class NgramSpeculator(Drafter):
         if self.breadth[1] > 1 and gains:
             return self._draft_tree(req, state, forced, gains, budget)
         ngram = self.ngram.propose(req, state, len(gains), after=forced)
-        state.expected = len(forced) + sum(gains[: len(ngram)])
         draft = forced + ngram
         if req.grammar is not None and draft:
             draft = self._walk_grammar(req, draft)
         req.draft_forced = min(len(forced), len(draft))
+        # each position's chance of acceptance (forced text: 1), for the batch's cut
+        state.gains = ([1.0] * len(forced) + gains[: len(ngram)])[: len(draft)]
+        state.expected = sum(state.gains)
         return draft
 
     def draft_prefill(self, req, room: int) -> list[int]:
@@ -178,6 +181,7 @@ class NgramSpeculator(Drafter):
         )
         depth = 1 + max(tree_depths(parents), default=-1)
         state.expected = f + sum(gains[:depth])
+        state.gains = None  # a tree: verified whole or not at all
         tokens = forced + tokens
         parents = [i - 1 for i in range(f)] + [f - 1 if p < 0 else f + p for p in parents]
         if req.grammar is not None and tokens:
@@ -285,8 +289,12 @@ class NgramSpeculator(Drafter):
         return gains
 
     def worth_verifying(self, reqs: list, drafts: list[list[int]]) -> bool:
-        gain = sum(r.spec_state.expected for r, d in zip(reqs, drafts) if d)
-        if gain >= len(reqs) * extra_cost(len(reqs), max(map(len, drafts))):
+        """Whether the batch verifies, and how deep: the cut d (every chain cut to at most d
+        tokens, in place) that maximises the expected accepted tokens of the batch minus
+        what the verify costs beyond a decode step at this batch size and depth (b x
+        extra_cost(b, d) tokens of decode throughput); none of them paying: decode plainly."""
+        b = len(reqs)
+        if self._cut(reqs, drafts, b):
             return True
         # the step decodes plainly: each chain is kept as a shadow, scored against the tokens
         # the request gets instead (`_score_shadow`), so rates that stopped a request (or an
@@ -306,6 +314,35 @@ class NgramSpeculator(Drafter):
             return
         opening, state.opening = state.opening, -1
         self._learn_rates(state, opening, drafted, accepted, forced)
+
+    def _cut(self, reqs: list, drafts: list, b: int) -> bool:
+        longest = max(map(len, drafts))
+        gains = [r.spec_state.gains if d else [] for r, d in zip(reqs, drafts)]
+        if any(g is None for g in gains) or any(math.isinf(x) for g in gains for x in g):
+            # a tree, or a probe (drafted in full whatever it is expected to earn)
+            gain = sum(r.spec_state.expected for r, d in zip(reqs, drafts) if d)
+            return gain >= b * extra_cost(b, longest)
+        by_pos = [0.0] * longest
+        for g in gains:
+            for j, x in enumerate(g):
+                by_pos[j] += x
+        best, best_d, total = -1e-9, 0, 0.0
+        for d in range(1, longest + 1):
+            total += by_pos[d - 1]
+            value = total - b * extra_cost(b, d)
+            if value > best:
+                best, best_d = value, d
+        if best_d == 0:
+            return False
+        if best_d < longest:
+            for r, d, g in zip(reqs, drafts, gains):
+                if len(d) > best_d:
+                    del d[best_d:]
+                    if r.draft_masks is not None:
+                        r.draft_masks = r.draft_masks[: best_d + 1]
+                    r.draft_forced = min(r.draft_forced, best_d)
+                    r.spec_state.expected = sum(g[:best_d])
+        return True
 
     def _score_shadow(self, req, state: NgramState) -> None:
         """A chain drafted but not verified (`worth_verifying`): its positions up to the
