@@ -16,16 +16,15 @@ target's shared embedding / LM head) in place:
 - `CompiledMedusaHeads.run`: every head's residual SiLU blocks, its LM head (the target's when
   shared), the log-softmax and the top-k, for all rows.
 
-The C source is `cpu_forward_kernel.SOURCE` (its gemm, rms, rope) + `EXTRA_C`, built by
-`cpu_kernels.build` as its own library. `build` returns None (and says why) for anything it
-does not cover; the eager head is the reference it is tested against (tests/test_head_kernel.py).
+The C source is `cpu_forward_kernel.SOURCE` (its gemm, rms, qk_norm_rope, silu_mul) +
+`EXTRA_C`, built by `cpu_kernels.build_or_none` as its own library. `build` returns None (and
+says why) for anything it does not cover; the eager head is the reference it is tested against (tests/test_head_kernel.py).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 
 import torch
 
@@ -140,19 +139,12 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
             }
         }
         HGEMM(hin, T, Kin, Kin, L->qkv_w, L->qkv_b, QKV, qkv, QKV, 0, nthreads);
+        /* the target forward's q/k RMSNorm + RoPE (cpu_forward_kernel.SOURCE) */
+        qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
         for (int64_t t = 0; t < T; t++) {
-            float* q = qkv + t * QKV;
-            float* k = q + H * D;
+            const float* q = qkv + t * QKV;
+            const float* k = q + H * D;
             const float* v = k + KVD;
-            const float *c = m->cos + pos[t] * D, *s = m->sin + pos[t] * D;
-            for (int64_t i = 0; i < H; i++) {
-                if (L->q_norm) rms(q + i * D, L->q_norm, D, m->eps, q + i * D);
-                rope(q + i * D, c, s, D);
-            }
-            for (int64_t i = 0; i < Hkv; i++) {
-                if (L->k_norm) rms(k + i * D, L->k_norm, D, m->eps, k + i * D);
-                rope(k + i * D, c, s, D);
-            }
             if (slots) {
                 memcpy(L->k_cache + slots[t] * KVD, k, sizeof(float) * KVD);
                 memcpy(L->v_cache + slots[t] * KVD, v, sizeof(float) * KVD);
@@ -168,11 +160,7 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
         HGEMM(att, T, H * D, H * D, L->o_w, L->o_b, Hd, x, Hd, 1, nthreads);
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, hin + t * Hd);
         HGEMM(hin, T, Hd, Hd, L->gu_w, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
-        for (int64_t t = 0; t < T; t++) {
-            float* g = gu + t * 2 * I;
-            const float* u = g + I;
-            for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-        }
+        for (int64_t t = 0; t < T; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, I);
         HGEMM(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads);
     }
     free(hin); free(qkv); free(att); free(gu); free(sc);
@@ -340,35 +328,24 @@ class _Head(ctypes.Structure):
     ]  # fmt: skip
 
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+def _declare(lib: ctypes.CDLL) -> None:
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    fn = lib.loom_eagle_round
+    fn.restype = ctypes.c_int
+    # head, T, ids, pos, slots, feats, ldf, B, starts, rows, seq_lens, table, stride,
+    # nd, draft_reqs, steps, out_tokens, logits_out, hidden_out, threads, prof
+    fn.argtypes = [P, I64, P, P, P, P, I64, I64, P, P, P, P, I64, I64, P, I64, P, P, P]
+    fn.argtypes += [ctypes.c_int, P]
+    fn = lib.loom_medusa_heads
+    fn.restype = None
+    # h, n, hidden, k, nl, res_w, res_b, lm, own_lm, V, topk, out_logp, out_ids, threads
+    fn.argtypes = [P, I64, I64, I64, I64, P, P, P, ctypes.c_int, I64, I64, P, P]
+    fn.argtypes += [ctypes.c_int]
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled heads' library (built once per machine, cached); None without a compiler."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        lib = cpu_kernels.build(SOURCE + EXTRA_C, "loom_heads")
-        if lib is None:
-            return None
-        P, I64 = ctypes.c_void_p, ctypes.c_int64
-        fn = lib.loom_eagle_round
-        fn.restype = ctypes.c_int
-        # head, T, ids, pos, slots, feats, ldf, B, starts, rows, seq_lens, table, stride,
-        # nd, draft_reqs, steps, out_tokens, logits_out, hidden_out, threads, prof
-        fn.argtypes = [P, I64, P, P, P, P, I64, I64, P, P, P, P, I64, I64, P, I64, P, P, P]
-        fn.argtypes += [ctypes.c_int, P]
-        fn = lib.loom_medusa_heads
-        fn.restype = None
-        # h, n, hidden, k, nl, res_w, res_b, lm, own_lm, V, topk, out_logp, out_ids, threads
-        fn.argtypes = [P, I64, I64, I64, I64, P, P, P, ctypes.c_int, I64, I64, P, P]
-        fn.argtypes += [ctypes.c_int]
-        _lib = lib
-        return lib
+    return cpu_kernels.build_or_none(SOURCE + EXTRA_C, "loom_heads", _declare)
 
 
 def _f32(t: torch.Tensor) -> bool:
