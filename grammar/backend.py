@@ -24,6 +24,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -73,6 +74,9 @@ class GrammarBackend:
             from .translation import TranslatorPool
 
             self._translators = TranslatorPool(max_workers)
+            # a backend dropped without shutdown() (an in-process Scheduler thrown away) must
+            # not leave its forked workers behind: each holds a copy of the parent's memory
+            weakref.finalize(self, self._translators.close)
 
     @property
     def vocab_size(self) -> int:

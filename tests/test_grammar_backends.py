@@ -468,3 +468,31 @@ def test_schema_past_the_regex_limit_compiles_as_rules(vocab):
         return True
 
     _check_walks(backend, tok, g, valid)
+
+
+def test_dropped_backend_and_closed_scheduler_leave_no_worker_processes():
+    """A backend garbage-collected without shutdown() kills its translation workers (each a
+    fork of the caller's memory); Scheduler.close() shuts its grammar backend down."""
+    import gc
+    import multiprocessing as mp
+
+    from loom.runtime.scheduler.grammar_queue import GrammarQueue
+
+    def workers() -> set[int]:
+        return {p.pid for p in mp.active_children() if p.name == "loom-translate"}
+
+    before = workers()
+    tok = byte_bpe()
+    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id}, compile_timeout=30.0)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    backend.compile("json_schema", schema)
+    assert workers() - before  # a worker served the translation
+    del backend
+    gc.collect()
+    assert workers() <= before
+
+    queue = GrammarQueue(tok, len(tok), {tok.eos_token_id}, timeout=30.0)
+    queue.backend.compile("json_schema", schema)
+    assert workers() - before
+    queue.close()
+    assert workers() <= before

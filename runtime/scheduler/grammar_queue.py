@@ -49,6 +49,11 @@ class GrammarQueue:
     def __len__(self) -> int:
         return len(self.pending)
 
+    def close(self) -> None:
+        """Stop the backend's compile threads and translation worker processes."""
+        if self._backend is not None:
+            self._backend.shutdown()
+
     def add(self, req: Req, kind: str, spec: str) -> str | None:
         """Start compiling; returns an error message when it cannot even start."""
         if self.tokenizer is None:

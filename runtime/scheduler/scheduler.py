@@ -139,6 +139,11 @@ class Scheduler:
         entry[1] += step
         entry[2] += forward
 
+    def close(self) -> None:
+        """Release what outlives a dropped Scheduler: the grammar backend's worker
+        processes. For in-process owners (benchmarks, tests); a scheduler process exits."""
+        self.grammar_queue.close()
+
     def set_drafter(self, drafter) -> None:
         """Replace the drafter (tests drive a scripted one)."""
         self.decode.drafter = self.output.drafter = self.prefill.drafter = drafter
