@@ -300,27 +300,42 @@ def offline(args, label: str, path: str, llamacpp) -> dict:
     tok = transformers.AutoTokenizer.from_pretrained(path)
     reqs = make_requests(tok, args.num_requests, args.seed)
     useful = sum(m for _, m in reqs)
+    started = time.perf_counter()
     loom_side = BackendSide(path, len(reqs), args.threads, "cpu_paged")
     peer = llamacpp.ServerPeer(label, args.threads, args.offline_fa, reqs)
+
+    def loom_run() -> tuple[float, float]:
+        """(seconds, of which in decode steps: the scheduler's own per-step wall clock)"""
+        before = loom_side.decode_timing()
+        seconds = loom_side.run(reqs)
+        after = loom_side.decode_timing()
+        return seconds, sum(v[1] - before.get(b, [0, 0.0])[1] for b, v in after.items())
+
     try:
-        t = common.alternate(
-            {"loom": lambda: loom_side.run(reqs), "llama.cpp": lambda: peer.run(reqs)},
-            args.rounds,
-        )
+        t = common.alternate({"loom": loom_run, "llama.cpp": lambda: peer.run(reqs)}, args.rounds)
     finally:
         loom_side.close()
         peer.close()
     out = {
         "requests": len(reqs),
+        "prompt_tokens": sum(len(p) for p, _ in reqs),
+        "useful_tokens": useful,
         "fa": args.offline_fa,
         "load": os.getloadavg()[0],
-        "loom": [useful / x for x in t["loom"]],
+        "loom": [useful / x for x, _ in t["loom"]],
+        "loom_decode_s": [d for _, d in t["loom"]],
         "llama": [useful / x for x in t["llama.cpp"]],
+        "seconds": time.perf_counter() - started,
     }
+    seconds = statistics.median(x for x, _ in t["loom"])
+    decode = statistics.median(out["loom_decode_s"])
     print(
-        f"offline ({len(reqs)} requests, -fa {args.offline_fa}, load {out['load']:.1f}): loom "
+        f"offline ({len(reqs)} requests, {out['prompt_tokens']} prompt and {useful} new tokens, "
+        f"-fa {args.offline_fa}, load {out['load']:.1f}, {out['seconds']:.0f} s): loom "
         f"{statistics.median(out['loom']):.0f} vs llama.cpp {statistics.median(out['llama']):.0f}"
-        f" useful tok/s; loom / llama.cpp {common.fmt_ratio(out['loom'], out['llama'])}",
+        f" useful tok/s; loom / llama.cpp {common.fmt_ratio(out['loom'], out['llama'])}; loom's "
+        f"run {seconds:.1f} s wall, {decode:.1f} s of it in decode steps, {seconds - decode:.1f} "
+        f"s in prefill steps and between steps",
         flush=True,
     )
     return out
@@ -403,12 +418,16 @@ def markdown(results: list[dict]) -> str:
             lines += [f"- {m}" for m in why]
         if "offline" in res:
             off = res["offline"]
+            seconds = off["useful_tokens"] / statistics.median(off["loom"])
             lines += [
                 "",
-                f"**{res['model']}** offline ({off['requests']} requests, load "
-                f"{off['load']:.1f}): loom {statistics.median(off['loom']):.0f} vs llama.cpp "
-                f"{statistics.median(off['llama']):.0f} useful tok/s, loom / llama.cpp -fa {off['fa']} "
-                f"{common.fmt_ratio(off['loom'], off['llama'])}.",
+                f"**{res['model']}** offline ({off['requests']} requests, {off['prompt_tokens']} "
+                f"prompt and {off['useful_tokens']} new tokens, load {off['load']:.1f}): loom "
+                f"{statistics.median(off['loom']):.0f} vs llama.cpp "
+                f"{statistics.median(off['llama']):.0f} useful tok/s, loom / llama.cpp -fa "
+                f"{off['fa']} {common.fmt_ratio(off['loom'], off['llama'])}; loom's run "
+                f"{seconds:.1f} s, {statistics.median(off['loom_decode_s']):.1f} s of it in "
+                "decode steps.",
             ]
         lines.append("")
     return "\n".join(lines)
