@@ -125,3 +125,35 @@ def test_decode_slots_land_in_the_request_rows(model):
             r.kv_len += 1  # as a forward writing that position would leave it
         free -= len(batch)
     assert torch.equal(table, before)  # nothing else written
+
+
+def test_plain_decode_input_is_the_general_one(model):
+    """A decode step without drafts or logprobs builds its ModelInput on a shorter path: every
+    field equals the general path's (a finishing request that samples nothing included)."""
+    import dataclasses
+
+    from loom.runtime.scheduler.batch import ScheduleBatch
+
+    sched = make_scheduler(model, page_size=4)
+    for i, n in enumerate((5, 9, 3)):
+        submit(sched, f"r{i}", list(range(3, 3 + n)), greedy(8, temperature=0.5 * i))
+    sched.step()  # the prefill
+    reqs = list(sched.decode.running)
+    reqs[1].finished_reason = {"type": "length", "length": 1}  # rides a step, samples nothing
+    for r in reqs:
+        r.extend_len = 1
+    batch = ScheduleBatch(reqs, is_decode=True)
+    batch.out_cache_loc = torch.tensor([7, 8, 9])
+    v = sched.vocab_size
+    fast, general = batch._build_plain_decode(v), batch._build_general(v)
+    assert fast.sample_counts == [1, 0, 1]
+    for f in dataclasses.fields(fast):
+        a, b = getattr(fast, f.name), getattr(general, f.name)
+        if f.name == "sampling":
+            for g in dataclasses.fields(a):
+                x, y = getattr(a, g.name), getattr(b, g.name)
+                assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, g.name
+        elif isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), f.name
+        else:
+            assert a == b, f.name

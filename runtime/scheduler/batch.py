@@ -36,6 +36,13 @@ class ScheduleBatch:
     def build_input(self, vocab_size: int) -> ModelInput:
         """The step's tokens, positions and KV slots, what each request samples and with
         which parameters (grammar masks filled here, where the grammars live)."""
+        if self.is_decode and all(
+            r.extend_len == 1 and not r.draft_ids and not r.return_logprob for r in self.reqs
+        ):
+            return self._build_plain_decode(vocab_size)
+        return self._build_general(vocab_size)
+
+    def _build_general(self, vocab_size: int) -> ModelInput:
         ids: list[int] = []
         positions: list[int] = []
         prefix_lens, seq_lens, counts, drafts = [], [], [], []
@@ -100,6 +107,50 @@ class ScheduleBatch:
             input_logprob_starts=lp_starts,
             input_logprob_targets=lp_targets,
             draft_parents=[r.draft_parents for r in self.reqs],
+        )
+        return self.model_input
+
+    def _build_plain_decode(self, vocab_size: int) -> ModelInput:
+        """`build_input` for a decode step with no drafts and no logprobs: each request feeds
+        its token at position kv_len and samples unless it is finishing. The same ModelInput,
+        with a third of the per-request work (a batch-1 step's build is ~50 us of the ~300
+        outside its forward)."""
+        reqs = self.reqs
+        ids, positions, seq_lens, counts, sampling_reqs = [], [], [], [], []
+        for req in reqs:
+            pos = req.kv_len
+            ids.extend(req.tokens(pos, pos + 1))
+            positions.append(pos)
+            seq_lens.append(pos + 1)
+            if req.samples_at(pos + 1):
+                counts.append(1)
+                sampling_reqs.append(req)
+            else:
+                counts.append(0)
+        sampling = None
+        if sampling_reqs:
+            sampling = SamplingInfo.from_reqs(sampling_reqs, vocab_size)
+            _fill_grammar_mask(sampling_reqs, sampling, vocab_size)
+        b = len(reqs)
+        index = host_tensor(ids + positions + [r.req_pool_idx for r in reqs] + seq_lens, torch.int64)
+        self.model_input = ModelInput(
+            mode=ForwardMode.DECODE,
+            input_ids=index[:b],
+            positions=index[b : 2 * b],
+            out_cache_loc=self.out_cache_loc
+            if self.out_cache_loc is not None
+            else torch.cat([r.new_slots for r in reqs]),
+            req_pool_indices=index[2 * b : 3 * b],
+            seq_lens=seq_lens,
+            seq_lens_tensor=index[3 * b :],
+            prefix_lens=positions,
+            sample_counts=counts,
+            draft_ids=[[] for _ in reqs],
+            sampling=sampling,
+            logprob_top_nums=[None] * b,
+            input_logprob_starts=[0] * b,
+            input_logprob_targets=[None] * b,
+            draft_parents=[None] * b,
         )
         return self.model_input
 
