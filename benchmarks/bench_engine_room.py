@@ -184,6 +184,8 @@ def step_split(
                 prefill = [a + b for a, b in zip(prefill, parts, strict=True)]
     finally:
         F.linear = linear
+        if hasattr(sched, "close"):  # its grammar workers (older trees have no close())
+            sched.close()
 
     def ms(k: int) -> float:
         return statistics.median(x[k] for x in steps) * 1e3
