@@ -354,11 +354,52 @@ def test_greedy_identical_with_eagle_heads_on_tiny_model(llama, heads, radix_off
             assert spec[f"p{i}"].finish_reason == plain[f"p{i}"].finish_reason
         state = sched.get_state()
         assert state["spec_verify_ct"] > 0
-        # constrained requests drafted from both sources (the n-gram speculator's chain
-        # where its expected accepted length was the larger), outputs unchanged
-        assert state["spec_constrained_ngram"] > 0 and state["spec_constrained_head"] > 0, state
         if shape == "tree":  # trees were verified, deeper than one level
             assert sum(state["spec_proposed_by_position"][1:]) > 0, state
+
+
+def test_constrained_requests_draft_from_the_ngram_or_the_head(llama, heads):
+    """Constrained requests (regex, JSON schema, EBNF; a batch of 6, which the cost gate lets
+    draft): each step verifies the n-gram speculator's draft or the head's, whichever expects
+    the longer accepted run; outputs equal plain decoding, and both sources drafted."""
+    tok = make_scheduler(llama).tokenizer
+    prompts = _prompts(tok, 0, 6)
+    plain, _ = _run(llama, prompts)
+    for algo in ("EAGLE", "EAGLE3"):
+        spec, sched = _run(
+            llama, prompts, speculative_algorithm=algo, speculative_draft_model_path=heads[algo]
+        )
+        for i in range(len(prompts)):
+            assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, (algo, i)
+            assert spec[f"p{i}"].finish_reason == plain[f"p{i}"].finish_reason
+        state = sched.get_state()
+        assert state["spec_verify_ct"] > 0, state
+        assert state["spec_constrained_ngram"] > 0 and state["spec_constrained_head"] > 0, state
+
+
+def test_head_gate_by_measured_costs():
+    """The gate's arithmetic: a full-rate draft pays at batch 1, not at batch 26 (the verify
+    cost model); a declined batch size still probes (two steps: one captures, one drafts and
+    verifies) every PROBE_EVERY declines; chains are cut where a position's chance falls
+    under one more token's cost; rates follow what verifies accepted."""
+    from loom.runtime.spec.eagle_lookup import PROBE_EVERY, HeadGate
+    from loom.runtime.spec.speculator import extra_cost
+
+    gate = HeadGate(4)
+    assert gate.enabled(1, 4) and not gate.probe
+    assert gate.worth([4.0], 4)
+    opened = [gate.enabled(26, 4) for _ in range(2 * PROBE_EVERY)]
+    # the first decline probes (two steps), then the next probe PROBE_EVERY declines later
+    assert opened[:3] == [True, True, False] and sum(opened) == 4, opened
+    for _ in range(40):  # position 0 accepted, position 1 never
+        gate.record(4, 1)
+    assert gate.rates[0] > 0.95 and gate.rates[1] < 0.05
+    assert gate.enabled(1, 4)  # 1 + ~0 tokens expected still pay at batch 1 ...
+    assert gate.chain_length(4) == 1  # ... for the first position only
+    b, cut = 4, extra_cost(4, 1) - extra_cost(4, 0)
+    gate.rates, gate.batch_size = [0.9, 0.5, 0.2, 0.2], b
+    gains = gate.gains(4)
+    assert gate.chain_length(4) == sum(g >= cut for g in gains) == 2, gains
 
 
 def test_batches_too_large_to_draft_run_the_compiled_forward(llama, heads):

@@ -191,8 +191,29 @@ def test_greedy_identical_with_medusa_trees(llama, medusa_dir, radix_off):
     state = sched.get_state()
     assert state["spec_verify_ct"] > 0 and 1.0 < state["spec_accept_length"], state
     assert sum(state["spec_accepted_by_position"]) < sum(state["spec_proposed_by_position"])
-    if not radix_off:  # every step drafts: constrained requests drafted from both sources
-        assert state["spec_constrained_ngram"] > 0 and state["spec_constrained_head"] > 0, state
+
+
+def test_constrained_requests_draft_from_the_ngram_or_the_heads(llama, medusa_dir):
+    """Constrained requests alone (a batch of 6, which the cost gate lets draft): each step
+    verifies the n-gram speculator's chain or the heads' tree, whichever expects the longer
+    accepted run; outputs equal plain decoding, and both sources drafted."""
+    tok = make_scheduler(llama).tokenizer
+    prompts = _prompts(tok, 0, 6)
+    runs = {}
+    for spec in (None, "MEDUSA"):
+        extra = {} if spec is None else dict(
+            speculative_algorithm=spec, speculative_draft_model_path=medusa_dir)
+        sched = make_scheduler(llama, disable_jump_forward=True, **extra)
+        for i, (ids, params) in enumerate(prompts):
+            submit(sched, f"p{i}", ids, params)
+        runs[spec] = run_all(sched), sched
+    (plain, _), (spec, sched) = runs[None], runs["MEDUSA"]
+    for i in range(len(prompts)):
+        assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, i
+        assert spec[f"p{i}"].finish_reason == plain[f"p{i}"].finish_reason
+    state = sched.get_state()
+    assert state["spec_verify_ct"] > 0, state
+    assert state["spec_constrained_ngram"] > 0 and state["spec_constrained_head"] > 0, state
 
 
 # --------------------------------------------------------------------------- distribution

@@ -30,8 +30,8 @@ from types import SimpleNamespace
 import torch
 
 from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
-from loom.runtime.spec import DraftTree, HeadDrafter
-from loom.runtime.spec.eagle_lookup import ConstrainedLookup
+from loom.runtime.spec import DraftTree, HeadDrafter, tree_depths
+from loom.runtime.spec.eagle_lookup import ConstrainedLookup, HeadGate
 from loom.runtime.spec.eagle_tree import TreeAttention, graft_forced, grow_trees
 from loom.runtime.spec.stats import AcceptanceStats
 
@@ -108,6 +108,7 @@ class EagleSpeculator(HeadDrafter):
         self.lookup = ConstrainedLookup(args, tokenizer, vocab_size, eos_token_ids, self.steps)
         # positions = tree depths (a graft: clamped), or an n-gram chain's
         self.stats = AcceptanceStats(max(self.steps, self.lookup.ngram.num_draft))
+        self.gate = HeadGate(self.steps)  # the off-switch / chain cut by measured costs
         self.draft_seconds = 0.0  # head time (catch-up + loop), for the benchmark's split
         # the whole round (catch-up + chain loop) as one C call where it covers the head
         # (runtime/spec/head_kernel.py); with --cpu-forward eager, or for trees, the eager head
@@ -127,9 +128,13 @@ class EagleSpeculator(HeadDrafter):
         """Also decides whether this decode step captures the target's features: a batch too
         large to draft captures none, so it runs the compiled CPU forward (which covers no
         capture) like plain decoding; the next step captures again."""
-        on = batch_size < self.disable_batch_size
+        on = batch_size < self.disable_batch_size and self.gate.enabled(batch_size, self.steps)
         self.inner.capture_layers = self.capture if on else None
         return on
+
+    def worth_verifying(self, reqs: list, drafts: list) -> bool:
+        expected = [getattr(r, "draft_expected", 0.0) if d else 0.0 for r, d in zip(reqs, drafts)]
+        return self.gate.worth(expected, max(map(len, drafts)))
 
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
         row = req.req_pool_idx
@@ -146,8 +151,13 @@ class EagleSpeculator(HeadDrafter):
         budget = max(0, min(room, self.num_nodes))
         if req.grammar is None:
             tokens, parents = tokens[:budget], parents[:budget]  # parents come first
-            if self.topk == 1:  # a chain: the chain verify path
+            req.draft_source = "free"
+            if self.topk == 1:  # a chain (the chain verify path), as long as it pays
+                tokens = tokens[: self.gate.chain_length(len(tokens))]
+                req.draft_expected = sum(self.gate.gains(len(tokens)))
                 return tokens
+            depth = 1 + max(tree_depths(parents), default=-1)
+            req.draft_expected = sum(self.gate.gains(depth))
             return DraftTree(tokens, parents) if tokens else []
         # constrained: the n-gram speculator's draft (walked by the grammar) or the head's
         ngram, ngram_expected = self.lookup.ngram_draft(req, room)
@@ -157,14 +167,16 @@ class EagleSpeculator(HeadDrafter):
         if forced:  # forced text leads; the head's subtree follows where it agrees with it
             tokens, parents = graft_forced(tokens, parents, forced)
         tokens, parents = tokens[:budget], parents[:budget]
-        if ngram and ngram_expected >= self.lookup.head_expected(len(forced), tokens, parents):
+        head_expected = self.lookup.head_expected(len(forced), tokens, parents)
+        if ngram and ngram_expected >= head_expected:
             self.lookup.chosen["ngram"] += 1
             req.draft_source, req.draft_forced = "ngram", ngram_forced
+            req.draft_expected = ngram_expected
             if self.topk == 1:
                 return ngram
             return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
         self.lookup.chosen["head"] += 1
-        req.draft_source = "head"
+        req.draft_source, req.draft_expected = "head", head_expected
         if self.topk == 1:  # a chain: the chain verify path
             if tokens:
                 tokens = rules._walk_grammar(self, req, tokens)
@@ -183,6 +195,8 @@ class EagleSpeculator(HeadDrafter):
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         super().on_verified(req, drafted, accepted)
+        if getattr(req, "draft_source", None) == "free":
+            self.gate.record(drafted, accepted)
         self.lookup.on_verified(req, drafted, accepted)
 
     def on_finished(self, req) -> None:

@@ -15,6 +15,15 @@ are asked and the one with the larger expected accepted length is verified:
 
 Either draft is cut by the grammar before verification, so the choice changes speed only.
 Free (unconstrained) requests never reach this: the head drafts them.
+
+`HeadGate` is the head drafters' off-switch by measured costs: server-wide acceptance rates of
+the head's free drafts per position, the expected gain of each request's draft from them, and
+the n-gram speculator's verify cost model (`speculator.extra_cost`: a verify step's cost over a
+decode step's by batch size and draft length, measured). A batch verifies when its requests'
+expected gains pay b x extra_cost(b, longest draft), and a chain is cut where a position's
+chance falls below what one more draft token costs at that batch size; a batch size where even
+a full-rate draft cannot pay captures no features and runs the head not at all. Every
+PROBE_EVERY-th declined batch verifies anyway, so rates that fell re-measure.
 """
 
 from __future__ import annotations
@@ -22,6 +31,71 @@ from __future__ import annotations
 from loom.runtime.spec import DraftTree, tree_depths
 
 RATE_DECAY = 0.1  # the head's constrained-request rates: a running average over verifies
+PROBE_EVERY = 16  # a declined batch verifies anyway every this many (the rates re-measure)
+
+
+def _update(rates: list[float], drafted: int, accepted: int, forced: int) -> None:
+    """Running acceptance per position past the forced text, up to the first miss."""
+    if accepted < forced:
+        return
+    for j in range(min(drafted - forced, accepted - forced + 1, len(rates))):
+        hit = 1.0 if j < accepted - forced else 0.0
+        rates[j] += RATE_DECAY * (hit - rates[j])
+
+
+class HeadGate:
+    """Whether a head drafter's batch drafts, how long each chain is, and whether it verifies."""
+
+    def __init__(self, positions: int):
+        from loom.runtime.spec.speculator import extra_cost
+
+        self.cost = extra_cost
+        self.rates = [1.0] * max(1, positions)  # the head's free drafts, server-wide
+        self.declined = 0
+        self.batch_size = 1
+        self.probe = False  # a probe: two steps enabled, their drafts verified whatever the gain
+        self.probe_left = 0
+
+    def gains(self, n: int) -> list[float]:
+        """The chance each of the first n draft positions is accepted."""
+        gain, out = 1.0, []
+        for j in range(n):
+            gain *= self.rates[min(j, len(self.rates) - 1)]
+            out.append(gain)
+        return out
+
+    def enabled(self, batch_size: int, longest: int) -> bool:
+        """A full-length draft at the measured rates pays at this batch size (or a probe)."""
+        self.batch_size = batch_size
+        if self.probe_left > 0:  # a probe's second step: it drafts from the first's features
+            self.probe_left -= 1
+            return True
+        self.probe = False
+        if sum(self.gains(longest)) >= self.cost(batch_size, longest):
+            return True
+        self.declined += 1
+        if self.declined % PROBE_EVERY == 1:  # this step captures, the next drafts
+            self.probe, self.probe_left = True, 1
+        return self.probe
+
+    def chain_length(self, n: int) -> int:
+        """Draft positions worth one more token of a verify at the current batch size (the
+        cost model's per-token slope)."""
+        if self.probe:
+            return n
+        b = self.batch_size
+        per_token = self.cost(b, 1) - self.cost(b, 0)
+        return sum(1 for g in self.gains(n) if g >= per_token)
+
+    def worth(self, expected: list[float], longest: int) -> bool:
+        b = len(expected)
+        if self.probe or sum(expected) >= b * self.cost(b, longest):
+            return True
+        self.declined += 1
+        return self.declined % PROBE_EVERY == 1
+
+    def record(self, drafted: int, accepted: int) -> None:
+        _update(self.rates, drafted, accepted, 0)
 
 
 class ConstrainedLookup:
@@ -66,13 +140,7 @@ class ConstrainedLookup:
         if source == "ngram":
             self.ngram.on_verified(req, drafted, accepted)
         elif source == "head":
-            forced = req.draft_forced
-            if accepted < forced:
-                return
-            rates = self.head_rates
-            for j in range(min(drafted - forced, accepted - forced + 1, len(rates))):
-                hit = 1.0 if j < accepted - forced else 0.0
-                rates[j] += RATE_DECAY * (hit - rates[j])
+            _update(self.head_rates, drafted, accepted, req.draft_forced)
 
     def on_finished(self, req) -> None:
         self.ngram.on_finished(req)  # a request that drafted through the trie teaches it

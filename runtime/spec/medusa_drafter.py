@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from loom.runtime.spec import DraftTree, HeadDrafter
-from loom.runtime.spec.eagle_lookup import ConstrainedLookup
+from loom.runtime.spec import DraftTree, HeadDrafter, tree_depths
+from loom.runtime.spec.eagle_lookup import ConstrainedLookup, HeadGate
 from loom.runtime.spec.stats import AcceptanceStats
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class MedusaSpeculator(HeadDrafter):
             args, tokenizer, vocab_size, eos_token_ids, self.heads.num_heads
         )
         self.stats = AcceptanceStats(max(self.heads.num_heads, self.lookup.ngram.num_draft))
+        self.gate = HeadGate(self.heads.num_heads)  # the off-switch by measured costs
         self.draft_seconds = 0.0  # head time, for the benchmark's step split
         # all heads, log-softmax and top-k as one C call (runtime/spec/head_kernel.py); with
         # --cpu-forward eager, the eager heads
@@ -123,7 +124,9 @@ class MedusaSpeculator(HeadDrafter):
 
     # ------------------------------------------------------------ scheduler side
     def enabled_for(self, batch_size: int) -> bool:
-        enabled = batch_size < self.disable_batch_size
+        enabled = batch_size < self.disable_batch_size and self.gate.enabled(
+            batch_size, self.heads.num_heads
+        )
         # keep the target's final hidden states only for steps that may draft (the compiled
         # CPU forward returns them too, when capture_layers is (); larger steps skip the copy)
         self.inner.capture_layers = () if enabled else None
@@ -156,13 +159,22 @@ class MedusaSpeculator(HeadDrafter):
             if ngram and ngram_expected >= self.lookup.head_expected(f, tokens, parents):
                 self.lookup.chosen["ngram"] += 1
                 req.draft_source, req.draft_forced = "ngram", ngram_forced
+                req.draft_expected = ngram_expected
                 return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
             self.lookup.chosen["head"] += 1
             req.draft_source = "head"
+            req.draft_expected = self.lookup.head_expected(f, tokens, parents)
             if tokens:
                 tokens, parents = self._ngram_rules()._walk_grammar_tree(self, req, tokens, parents)
+        else:
+            req.draft_source = "free"
+            req.draft_expected = sum(self.gate.gains(1 + max(tree_depths(parents), default=-1)))
         req.draft_forced = min(f, len(tokens))
         return DraftTree(tokens, parents) if tokens else []
+
+    def worth_verifying(self, reqs: list, drafts: list) -> bool:
+        expected = [getattr(r, "draft_expected", 0.0) if d else 0.0 for r, d in zip(reqs, drafts)]
+        return self.gate.worth(expected, max(map(len, drafts)))
 
     def draft_prefill(self, req, room: int) -> list[int]:
         """A constrained request's prefill verifies the n-gram speculator's chain."""
@@ -170,6 +182,8 @@ class MedusaSpeculator(HeadDrafter):
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         super().on_verified(req, drafted, accepted)
+        if getattr(req, "draft_source", None) == "free":
+            self.gate.record(drafted, accepted)
         self.lookup.on_verified(req, drafted, accepted)
 
     def on_finished(self, req) -> None:
