@@ -104,18 +104,13 @@ class Drafter(ABC):
 
 class HeadDrafter(Drafter):
     """A drafter that runs a trained head beside the target (EAGLE, EAGLE-3, Medusa): it keeps
-    `stats` (an AcceptanceStats) and `draft_seconds` (head time, for bench_spec's step split),
-    and takes the n-gram speculator's grammar rules (forced text; the cut at the first refused
-    token, with every draft position's mask), which read only tokenizer / vocab_size / eos."""
+    `stats` (an AcceptanceStats) and `draft_seconds` (head time, for bench_spec's step split).
+    Its grammar rules (forced text; the cut at the first refused token, with every draft
+    position's mask) are those of the n-gram speculator it owns for constrained requests
+    (`eagle_lookup.ConstrainedLookup.ngram`)."""
 
     stats: Any
     draft_seconds: float = 0.0
-
-    @staticmethod
-    def _ngram_rules():
-        from loom.runtime.spec.speculator import NgramSpeculator
-
-        return NgramSpeculator
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted, req.draft_forced)

@@ -79,7 +79,6 @@ class EagleSpeculator(HeadDrafter):
         self.num_nodes = args.effective_speculative_num_draft_tokens - 1  # the root aside
         self.disable_batch_size = args.speculative_disable_by_batch_size
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.forced_ids: dict[str, list[int]] = {}  # NgramSpeculator._forced's cache
         self.eos = frozenset(eos_token_ids)
         cfg = head.config
         n_layers = cfg.num_hidden_layers if head.variant == "eagle" else 1
@@ -162,8 +161,8 @@ class EagleSpeculator(HeadDrafter):
         # constrained: the n-gram speculator's draft (walked by the grammar) or the head's
         ngram, ngram_expected = self.lookup.ngram_draft(req, room)
         ngram_forced = req.draft_forced
-        rules = self._ngram_rules()
-        forced = rules._forced(self, req, min(budget, self.steps))
+        rules = self.lookup.ngram  # the grammar rules (forced text, the cut) are its own
+        forced = rules._forced(req, min(budget, self.steps))
         if forced:  # forced text leads; the head's subtree follows where it agrees with it
             tokens, parents = graft_forced(tokens, parents, forced)
         tokens, parents = tokens[:budget], parents[:budget]
@@ -179,11 +178,11 @@ class EagleSpeculator(HeadDrafter):
         req.draft_source, req.draft_expected = "head", head_expected
         if self.topk == 1:  # a chain: the chain verify path
             if tokens:
-                tokens = rules._walk_grammar(self, req, tokens)
+                tokens = rules._walk_grammar(req, tokens)
             req.draft_forced = min(len(forced), len(tokens))
             return tokens
         if tokens:  # pruned before verification
-            tokens, parents = rules._walk_grammar_tree(self, req, tokens, parents)
+            tokens, parents = rules._walk_grammar_tree(req, tokens, parents)
         req.draft_forced = min(len(forced), len(tokens))
         return DraftTree(tokens, parents) if tokens else []
 

@@ -150,7 +150,7 @@ class MedusaSpeculator(HeadDrafter):
         if req.grammar is not None:  # the n-gram speculator's draft, walked by the grammar
             ngram, ngram_expected = self.lookup.ngram_draft(req, room)
             ngram_forced = req.draft_forced
-        forced = self._forced(req, budget) if req.grammar is not None else []
+        forced = self.lookup.ngram._forced(req, budget) if req.grammar is not None else []
         f = len(forced)
         tokens, parents = best_first_tree(ids[f:], logps[f:], budget - f)
         tokens = forced + tokens
@@ -165,7 +165,7 @@ class MedusaSpeculator(HeadDrafter):
             req.draft_source = "head"
             req.draft_expected = self.lookup.head_expected(f, tokens, parents)
             if tokens:
-                tokens, parents = self._ngram_rules()._walk_grammar_tree(self, req, tokens, parents)
+                tokens, parents = self.lookup.ngram._walk_grammar_tree(req, tokens, parents)
         else:
             req.draft_source = "free"
             req.draft_expected = sum(self.gate.gains(1 + max(tree_depths(parents), default=-1)))
@@ -191,13 +191,6 @@ class MedusaSpeculator(HeadDrafter):
 
     def summary(self) -> dict:
         return {**super().summary(), **self.lookup.summary()}
-
-    def _forced(self, req, budget: int) -> list[int]:
-        """The grammar's forced text (what jump-forward would emit) as token ids."""
-        text = req.grammar.jump_forward() if budget > 0 and self.tokenizer is not None else ""
-        if not text:
-            return []
-        return self.tokenizer.encode(text[: 8 * budget], add_special_tokens=False)[:budget]
 
     # ------------------------------------------------------------ runner side
     def _after_step(self, inp, batch, out) -> None:
