@@ -206,6 +206,7 @@ def step_split(
 # #19's targets, loom / llama.cpp: decode at these batch sizes, prefill at every one
 DECODE_TARGET = {1: 0.6, 32: 1.2, 64: 1.2}
 PREFILL_TARGET = 1.0
+OFFLINE_TARGET = 1.2
 
 
 def measure(args, label: str, path: str, llamacpp) -> dict:
@@ -340,6 +341,14 @@ def offline(args, label: str, path: str, llamacpp) -> dict:
         f"s in prefill steps and between steps",
         flush=True,
     )
+    ratio = common.ratio_summary(out["loom"], out["llama"])[0]
+    if ratio < OFFLINE_TARGET:
+        print(
+            f"    missed: offline {ratio:.2f}x < {OFFLINE_TARGET}x: loom {seconds:.1f} s "
+            f"({decode:.1f} in decode steps), llama.cpp "
+            f"{useful / statistics.median(out['llama']):.1f} s for the same requests",
+            flush=True,
+        )
     return out
 
 
