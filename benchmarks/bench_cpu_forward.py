@@ -17,8 +17,10 @@ run, so a prefill of --pp tokens per request can be timed in C against eager: th
 that sets MAX_TOKENS. --pp takes a list (one table row per pp and batch size).
 
 --matmul 1,2,8,64 times the matmuls alone instead (one thread, the bundled model's shapes: the
-QKV, gate/up, down and LM-head matrices): the row-major dot-product tiles, the packed panels,
-torch's F.linear, in GMAC/s (best of 5 rounds of 20 calls, CPU time).
+QKV, gate/up, down and LM-head matrices each on its own, then all 17 of a step in order, 15.7
+MB that no longer fit in L2): the row-major dot-product tiles, the packed panels, torch's
+F.linear, in GMAC/s (best of 5 rounds of 20 calls, CPU time), and the packed pass in ms.
+--isa avx2 times the library built without AVX-512.
 """
 
 from __future__ import annotations
@@ -89,42 +91,61 @@ def run_once(sched, spent: dict, prompts: list[list[int]], tg: int) -> tuple[flo
     )
 
 
-def matmul_table(tokens: list[int]) -> None:
-    """GMAC/s of cpu_forward's two matmuls and torch's F.linear on the bundled shapes."""
+def matmul_table(tokens: list[int], isa: str = "native") -> None:
+    """GMAC/s of cpu_forward's two matmuls and torch's F.linear on the bundled shapes, each
+    matrix on its own (repeated: it stays in L2 / L3), then the whole model's 17 matrices in a
+    decode step's order (15.7 MB: what a step streams, out of L2), with ms per pass."""
     import torch
     import torch.nn.functional as F
 
     from loom.runtime import cpu_forward
 
-    lib = cpu_forward.load()
+    lib = cpu_forward.load(isa)
+    print(f"library: {isa} ({lib.loom_isa_bits()}-bit vectors)")
     shapes = {"qkv": (512, 256), "gate/up": (1376, 256), "down": (256, 688), "lm head": (4032, 256)}
+    layer = [(512, 256), (256, 256), (1376, 256), (256, 688)]  # qkv, o, gate/up, down
+    model = [*layer * 4, (4032, 256)]
     print(
         "| T | matrix (N x K) | dot tiles GMAC/s | packed GMAC/s | torch GMAC/s | packed / torch |"
+        " packed ms |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
     for t in tokens:
-        for name, (n, k) in shapes.items():
-            x, w = torch.randn(t, k), torch.randn(n, k)
-            wp, y = cpu_forward.pack(w), torch.empty(t, n)
-            args = (x.data_ptr(), t, k)
-            runs = {
-                "dot": partial(lib.loom_linear_f32, *args, w.data_ptr(), None, n, y.data_ptr(), 1),
-                "packed": partial(
-                    lib.loom_linear_packed_f32, *args, wp.data_ptr(), None, n, y.data_ptr(), 1
-                ),
-                "torch": partial(F.linear, x, w),
-            }
+        cases = {name: [nk] for name, nk in shapes.items()}
+        cases["whole model (17 matrices)"] = model
+        for name, mats in cases.items():
+            runs: dict[str, list] = {"dot": [], "packed": [], "torch": []}
+            keep = []  # the tensors whose pointers the C calls hold
+            for n, k in mats:
+                x, w = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g)
+                wp, y = cpu_forward.pack(w), torch.empty(t, n)
+                keep += [x, w, wp, y]
+                args = (x.data_ptr(), t, k)
+                runs["dot"].append(
+                    partial(lib.loom_linear_f32, *args, w.data_ptr(), None, n, y.data_ptr(), 1)
+                )
+                runs["packed"].append(
+                    partial(
+                        lib.loom_linear_packed_f32, *args, wp.data_ptr(), None, n, y.data_ptr(), 1
+                    )
+                )
+                runs["torch"].append(partial(F.linear, x, w))
             best = dict.fromkeys(runs, float("inf"))
             for _ in range(5):
-                for side, fn in runs.items():
+                for side, fns in runs.items():
                     t0 = time.thread_time()
                     for _ in range(20):
-                        fn()
+                        for fn in fns:
+                            fn()
                     best[side] = min(best[side], (time.thread_time() - t0) / 20)
-            g = {side: t * n * k / sec / 1e9 for side, sec in best.items()}
+            macs = t * sum(n * k for n, k in mats)
+            gm = {side: macs / sec / 1e9 for side, sec in best.items()}
+            dims = f" ({mats[0][0]} x {mats[0][1]})" if len(mats) == 1 else ""
             print(
-                f"| {t} | {name} ({n} x {k}) | {g['dot']:.1f} | {g['packed']:.1f} "
-                f"| {g['torch']:.1f} | {g['packed'] / g['torch']:.2f}x |",
+                f"| {t} | {name}{dims} | {gm['dot']:.1f} | {gm['packed']:.1f} "
+                f"| {gm['torch']:.1f} | {gm['packed'] / gm['torch']:.2f}x "
+                f"| {best['packed'] * 1e3:.3f} |",
                 flush=True,
             )
 
@@ -140,13 +161,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--c-max-tokens", type=int, default=0, help="the C side's step limit")
     p.add_argument("--matmul", default="", help="token counts: time the matmuls alone")
+    p.add_argument(
+        "--isa", default="native", help="--matmul's library variant: native or avx2"
+    )
     args = p.parse_args(argv)
     if args.matmul:
         import torch
 
         torch.set_num_threads(1)
         print(common.header("cpu_forward matmuls vs F.linear (bundled shapes, 1 thread)"))
-        matmul_table([int(t) for t in args.matmul.split(",")])
+        matmul_table([int(t) for t in args.matmul.split(",")], args.isa)
         return
     pps = [int(x) for x in args.pp.split(",")]
     import torch

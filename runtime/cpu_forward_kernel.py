@@ -198,6 +198,12 @@ void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const
 #define USETS(MT) ((MT) == 1 ? 4 : (MT) < 4 ? 2 : 1)
 #endif
 
+/* Weight lines (one k of a panel each) a pass prefetches ahead: none for passes of up to 7
+   tokens (the hardware prefetcher keeps up; a software prefetch made 1-4 token passes 0-10%
+   slower), 4 KB for 8+ (bench_cpu_forward --matmul's whole-model row, weights out of L2, at
+   load 4.8: 16 tokens 1.61 -> 1.25 ms, 8 tokens the same 0.64 ms) */
+#define PF_LINES(MT) ((MT) >= 8 ? 64 : 0)
+
 /* which variant this build is: 512 (AVX-512F) or 256 (AVX2 / generic vectors) */
 int loom_isa_bits(void) { return ISA_BITS; }
 
@@ -208,6 +214,7 @@ static inline __attribute__((always_inline)) void panel_block(
     const float* xs, int64_t K, const float* wp, const float* b, int64_t nn, float* y,
     int64_t ldy, int accumulate, const int MT) {
     const int U = USETS(MT);
+    const int64_t pf = PF_LINES(MT);
     __m512 acc[2 * MT_MAX];
     #pragma GCC unroll 16
     for (int i = 0; i < U * MT; i++) acc[i] = _mm512_setzero_ps();
@@ -215,6 +222,7 @@ static inline __attribute__((always_inline)) void panel_block(
     for (; k + U <= K; k += U) {
         #pragma GCC unroll 8
         for (int u = 0; u < U; u++) {
+            if (pf) _mm_prefetch((const char*)(wp + (k + u + pf) * PANEL), _MM_HINT_T0);
             const __m512 w = _mm512_loadu_ps(wp + (k + u) * PANEL);
             const float* xk = xs + (k + u) * MT;
             #pragma GCC unroll 16
@@ -246,6 +254,7 @@ static inline __attribute__((always_inline)) void panel_block(
     const float* xs, int64_t K, const float* wp, const float* b, int64_t nn, float* y,
     int64_t ldy, int accumulate, const int MT) {
     const int U = USETS(MT);
+    const int64_t pf = PF_LINES(MT);
     v8 acc[MT_MAX][2];
     #pragma GCC unroll 6
     for (int i = 0; i < U * MT; i++) acc[i][0] = acc[i][1] = (v8){0};
@@ -253,6 +262,7 @@ static inline __attribute__((always_inline)) void panel_block(
     for (; k + U <= K; k += U) {
         #pragma GCC unroll 4
         for (int u = 0; u < U; u++) {
+            if (pf) __builtin_prefetch(wp + (k + u + pf) * PANEL);
             const v8 w0 = ld(wp + (k + u) * PANEL), w1 = ld(wp + (k + u) * PANEL + 8);
             const float* xk = xs + (k + u) * MT;
             #pragma GCC unroll 6
@@ -459,19 +469,24 @@ static void silu_mul(float* g, const float* u, int64_t I) {
     for (; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
 }
 
-/* Causal attention of one request's n query tokens (n >= BLOCK_ATTN_MIN, no custom mask)
-   for kv head kh, as two matmuls on the packed kernel: its S K rows gathered into panels
-   (keys as the output rows), scores = q K^T per query head of the group, the causal softmax,
-   then out = P V with V's rows gathered as panels of 16 head dims. Each loaded K / V vector
-   feeds up to 6 query rows, where the per-token loop reads the rows once per token. Queries
-   go in chunks of ATTN_CHUNK rows, each against the keys its last row may see (the causal
-   triangle's upper half is skipped, and a chunk's scores stay in cache). */
-#define BLOCK_ATTN_MIN 8
+/* Attention of one request's n query tokens (n >= loom_block_attn_min) for kv head kh, as two
+   matmuls on the packed kernel: its S K rows gathered into panels (keys as the output rows),
+   scores = q K^T per query head of the group, the softmax, then out = P V with V's rows
+   gathered as panels of 16 head dims. Each loaded K / V vector feeds every query row of the
+   pass, where the per-token loop reads the rows once per token. Causal (mask NULL): queries go
+   in chunks of ATTN_CHUNK rows, each against the keys its last row may see (the causal
+   triangle's upper half is skipped, and a chunk's scores stay in cache); with a draft tree's
+   mask [n, S] (row j sees column c where mask[j * S + c]) every row scores all S keys and the
+   masked ones get probability 0 (a row that sees nothing: zeros). */
 #define ATTN_CHUNK 64
+/* tokens of one request from which its attention takes the blocked path: a tuning knob the
+   tests and benchmarks set through ctypes (c_int.in_dll); 2 by default: one request's verify
+   of a draft (2-16 tokens, masked or causal) reads K / V once, not once per token */
+int loom_block_attn_min = 2;
 static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
                             int64_t kh, int64_t G, int64_t D, float scale, float* out,
-                            int64_t ldo, int nthreads) {
+                            int64_t ldo, int nthreads, const uint8_t* mask) {
     const int64_t Sp = (S + PANEL - 1) / PANEL * PANEL, Dp = (D + PANEL - 1) / PANEL * PANEL;
     float* kp = calloc((size_t)(Sp * D), sizeof(float)); /* [Sp / 16, D, 16] */
     float* vp = calloc((size_t)(Dp * S), sizeof(float)); /* [Dp / 16, S, 16] */
@@ -485,15 +500,21 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
     }
     for (int64_t gj = 0; gj < G * ((n + ATTN_CHUNK - 1) / ATTN_CHUNK); gj++) {
         const int64_t g = gj % G, j0 = gj / G * ATTN_CHUNK;
-        const int64_t rows = n - j0 < ATTN_CHUNK ? n - j0 : ATTN_CHUNK, keys = S - n + j0 + rows;
+        const int64_t rows = n - j0 < ATTN_CHUNK ? n - j0 : ATTN_CHUNK;
+        const int64_t keys = mask ? S : S - n + j0 + rows;
         const float* q = qkv + j0 * QKV + (kh * G + g) * D;
         gemm_packed(q, rows, D, QKV, kp, NULL, keys, sc, keys, 0, nthreads);
         for (int64_t j = 0; j < rows; j++) {
             float* row = sc + j * keys;
-            const int64_t len = S - n + j0 + j + 1;
+            const int64_t len = mask ? S : S - n + j0 + j + 1;
+            if (mask) {
+                const uint8_t* mr = mask + (j0 + j) * S;
+                for (int64_t c = 0; c < S; c++) row[c] = mr[c] ? row[c] : -INFINITY;
+            }
             float mx = -INFINITY;
             #pragma omp simd reduction(max:mx)
             for (int64_t c = 0; c < len; c++) mx = row[c] > mx ? row[c] : mx;
+            if (mx == -INFINITY) mx = 0.f; /* nothing visible: every exp below is 0 */
             float sum = 0.f;
             #pragma omp simd reduction(+:sum)
             for (int64_t c = 0; c < len; c++) {
@@ -501,7 +522,7 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                 row[c] = e;
                 sum += e;
             }
-            const float inv = 1.f / sum;
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
             #pragma omp simd
             for (int64_t c = 0; c < len; c++) row[c] *= inv;
             for (int64_t c = len; c < keys; c++) row[c] = 0.f;
@@ -545,6 +566,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     float* gu = malloc(sizeof(float) * T * 2 * I);
     for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
     const int attn_threads = nthreads > 1 && T * Hkv * max_len * H * D > (1 << 17) ? nthreads : 1;
+    const int64_t block_min = loom_block_attn_min > 1 ? loom_block_attn_min : 1;
 
     for (int64_t l = 0; l < m->layers; l++) {
         const Layer* L = m->layer + l;
@@ -557,13 +579,14 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             memcpy(L->v_cache + slots[t] * Hkv * D, k + Hkv * D, sizeof(float) * Hkv * D);
         }
         const double att0 = prof ? cpu_seconds() : 0.;
-        for (int64_t b = 0; b < B; b++) /* long causal extends: the blocked path */
-            if (starts[b + 1] - starts[b] >= BLOCK_ATTN_MIN && mask_offs[b] < 0)
+        for (int64_t b = 0; b < B; b++) /* multi-token requests: the blocked path */
+            if (starts[b + 1] - starts[b] >= block_min)
                 for (int64_t kh = 0; kh < Hkv; kh++)
                     block_attention(qkv + starts[b] * QKV, QKV, starts[b + 1] - starts[b],
                                     seq_lens[b], table + rows[b] * stride, L->k_cache,
                                     L->v_cache, Hkv, kh, G, D, m->scale, att + starts[b] * H * D,
-                                    H * D, nthreads);
+                                    H * D, nthreads,
+                                    mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL);
         #pragma omp parallel num_threads(attn_threads) if(attn_threads > 1)
         {
             float* sc = malloc(sizeof(float) * G * max_len);
@@ -573,7 +596,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 const int64_t t = w / Hkv, kh = w % Hkv, b = tok_req[t];
                 const int64_t S = seq_lens[b], j = t - starts[b];
                 const int64_t n_tok = starts[b + 1] - starts[b];
-                if (n_tok >= BLOCK_ATTN_MIN && mask_offs[b] < 0) continue; /* done above */
+                if (n_tok >= block_min) continue; /* done above */
                 const uint8_t* mrow = mask_offs[b] >= 0 ? masks + mask_offs[b] + j * S : NULL;
                 const int64_t len = mrow ? S : S - n_tok + j + 1;
                 const int64_t* cols = table + rows[b] * stride;

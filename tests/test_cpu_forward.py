@@ -5,6 +5,8 @@ fallbacks and the flag."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -103,6 +105,29 @@ def test_logits_and_kv_match_eager_on_every_kind_of_step(tiny_model_dir, family)
     trees = {0: [-1, -1, 0, 1], 2: [-1, 0, 0]}
     masks = [tree_mask(st.lens[i], trees[i], "cpu") if i in trees else None for i in range(3)]
     _compare(runner, st.batch([0, 1, 2], [5, 3, 4], ForwardMode.EXTEND, masks))
+
+
+@pytest.mark.parametrize("block_min", [1, 1000])
+@pytest.mark.parametrize("family", ["llama-mqa", "qwen3"])
+@torch.inference_mode()
+def test_attention_paths_match_eager(tiny_model_dir, family, block_min):
+    """The two attention paths on every kind of step: every request through the blocked
+    (packed-matmul) path, single tokens included (block_min 1), or every token through the
+    per-token loop (1000); the default (2) is the test above."""
+    runner = _runner(tiny_model_dir(family))
+    knob = ctypes.c_int.in_dll(runner.cpu_forward.lib, "loom_block_attn_min")
+    default, knob.value = knob.value, block_min
+    try:
+        st = _Steps(runner, 4, seed=11)
+        _compare(runner, st.batch([0, 1, 2], [5, 1, 9], ForwardMode.EXTEND))
+        _compare(runner, st.batch([0, 1, 2, 3], [1, 12, 70, 2], ForwardMode.EXTEND))
+        _compare(runner, st.batch([0, 1, 2, 3], [1] * 4, ForwardMode.DECODE, all_logits=False))
+        # a tree whose second row sees only the prefix and the root; 16-token chain drafts
+        trees = {0: [-1, -1, 0, 1], 2: list(range(-1, 14))}
+        masks = [tree_mask(st.lens[i], trees[i], "cpu") if i in trees else None for i in range(3)]
+        _compare(runner, st.batch([0, 1, 2], [5, 3, 16], ForwardMode.EXTEND, masks))
+    finally:
+        knob.value = default
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "bundled"])
