@@ -37,8 +37,9 @@ class FixedDrafter(Drafter):
         return [self.token] * min(self.n, room) if free_drafts else []
 
 
-def step_ms(sched: Scheduler, batch: int, steps: int = 12) -> float:
-    """Median CPU ms of `steps` steps once `batch` requests are decoding."""
+def step_ms(sched: Scheduler, batch: int, steps: int = 12) -> tuple[float, list[float]]:
+    """Median CPU ms of `steps` steps once `batch` requests are decoding, and the medians of
+    the C forward's [matmul, attention] CPU ms in them (zeros when the forward runs eager)."""
     tok = sched.tokenizer
     text = "the quick brown fox jumps over the lazy dog " * 10
     params = {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}
@@ -55,15 +56,24 @@ def step_ms(sched: Scheduler, batch: int, steps: int = 12) -> float:
         sched.step()
     for _ in range(2):
         sched.step()
-    times = []
+    fwd = sched.runner.cpu_forward
+    prof = torch.zeros(2, dtype=torch.float64)
+    if fwd is not None:
+        fwd.profile = prof
+    times, split = [], []
     for _ in range(steps):
+        prof.zero_()
         t = time.process_time()
         sched.step()
         times.append(time.process_time() - t)
+        split.append(prof.tolist())
+    if fwd is not None:
+        fwd.profile = None
     sched.abort("")
     while not sched.is_idle:
         sched.step()
-    return 1000 * statistics.median(times)
+    split_ms = [1000 * statistics.median(x[i] for x in split) for i in (0, 1)]
+    return 1000 * statistics.median(times), split_ms
 
 
 def main() -> None:
@@ -79,12 +89,15 @@ def main() -> None:
     off, on = make(), make()
     print(f"bundled model, torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}")
     ms: dict[tuple[int, int], list[float]] = {}
+    split: dict[tuple[int, int], list[list[float]]] = {}
     for _ in range(args.rounds):
         for b in batches:
             for d in [0, *drafts]:
                 if d:
                     on.set_drafter(FixedDrafter(d))
-                ms.setdefault((b, d), []).append(step_ms(on if d else off, b))
+                step, parts = step_ms(on if d else off, b)
+                ms.setdefault((b, d), []).append(step)
+                split.setdefault((b, d), []).append(parts)
     for b in batches:
         decode = statistics.median(ms[(b, 0)])
         cells = " | ".join(
@@ -93,6 +106,12 @@ def main() -> None:
             for d in drafts
         )
         print(f"batch {b}: decode {decode:.2f} ms | {cells}")
+        parts = " | ".join(
+            f"{d} drafts "
+            + " / ".join(f"{statistics.median(x[i] for x in split[(b, d)]):.2f}" for i in (0, 1))
+            for d in [0, *drafts]
+        )
+        print(f"  its C forward's matmul / attention CPU ms: {parts}")
     print(f"loadavg {os.getloadavg()}")
 
 
