@@ -176,9 +176,9 @@ void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const
 
 /* Weights packed for the matmul: [ceil(N / 16), K, 16], panel p holding output rows 16p ..
    16p + 15 K-major (rows past N are zero), so the 16 outputs of one k are one 64-byte line:
-   a panel is one sequential stream, which the hardware prefetcher follows at close to the
-   cache's bandwidth (the row-major tiles' four 1 KB row streams a tile reach a third of it
-   once the weights no longer fit in L2; docs/benchmarks.md "Session 6: the matmuls (K)"). */
+   a panel is one sequential stream for the hardware prefetcher (the row-major tiles read four
+   1 KB row streams a tile), and with every step reading only this copy a decode step's
+   matmuls went from 1.22 to 0.31 CPU ms; docs/benchmarks.md "Session 6: the matmuls (K)". */
 #define PANEL 16
 /* Tokens per pass over a panel: every loaded weight vector feeds MT FMAs. AVX-512: one zmm
    per token (16 accumulators of 32 registers); AVX2: two ymm per token (12 of 16). */
