@@ -159,6 +159,13 @@ def test_decode_times_out_and_frees_kv_when_prefill_never_sends(model):
     assert reason["type"] == "abort" and reason["status_code"] == 504
     assert "bootstrap_room 7" in reason["message"] and "did not arrive" in reason["message"]
     assert d.kv.available() == d.kv.size  # nothing cached: the slots were never written
+    # both schedulers idle does not mean the decode side's cancel reached the prefill side
+    # (a ZMQ message in flight); until it does, the handshake it cancels is still live there
+    end = time.monotonic() + 30
+    while 7 in p.disagg.asked and time.monotonic() < end:
+        run_all_once(p)
+        time.sleep(0.001)
+    assert 7 not in p.disagg.asked, "the decode side's cancel never reached the prefill side"
     # a late prefill of room 7 fails (the cancel, or no handshake within the timeout), KV freed
     _submit_pd(p, d, port, "lost", ids, greedy(4), room=7, to_decode=False)
     res_p, _ = _run_pair(p, d)
