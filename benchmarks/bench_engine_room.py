@@ -264,6 +264,7 @@ def misses(row: dict) -> list[str]:
     if b in DECODE_TARGET and dec < DECODE_TARGET[b]:
         loom_ms = b / med(row["cpu_paged_decode"]) * 1e3
         llama_ms = b / med(row["llama_decode"]) * 1e3
+        gflop = 2 * sp["matmul_params"] * b / 1e9
         out.append(
             f"B={b} decode {dec:.2f}x < {DECODE_TARGET[b]}x: a step takes {loom_ms:.2f} ms wall "
             f"(llama.cpp {llama_ms:.2f}; the target needs <= {llama_ms / DECODE_TARGET[b]:.2f}); "
@@ -272,7 +273,9 @@ def misses(row: dict) -> list[str]:
             f"{sp['other_ms']:.2f}) + {sp['step_ms'] - sp['forward_ms']:.2f} around it; the "
             f"matmuls stream {sp['weight_mb']:.0f} MB of f32 weights at "
             f"{sp['weight_mb'] / sp['matmul_ms']:.1f} GB/s, llama.cpp's whole step at "
-            f"{sp['weight_mb'] / llama_ms:.1f} GB/s"
+            f"{sp['weight_mb'] / llama_ms:.1f} GB/s (the unit for a bandwidth-bound step); "
+            f"{gflop:.2f} GFLOP at {gflop / sp['matmul_ms'] * 1e3:.1f} GFLOP/s, llama.cpp's "
+            f"whole step at {gflop / llama_ms * 1e3:.1f} (the unit for a compute-bound one)"
         )
     pre = med(x / y for x, y in zip(row["cpu_paged_prefill"], row["llama_prefill"], strict=True))
     if pre < PREFILL_TARGET:
