@@ -163,6 +163,23 @@ def medusa_dir(llama, tmp_path_factory):
     return str(folder)
 
 
+def _run(model, prompts, **kw):
+    """Every prompt submitted at once to a fresh scheduler (no jump-forward), run to the end."""
+    sched = make_scheduler(model, disable_jump_forward=True, **kw)
+    for i, (ids, params) in enumerate(prompts):
+        submit(sched, f"p{i}", ids, params)
+    return run_all(sched), sched
+
+
+def _same_outputs(runs: dict, n: int):
+    """The MEDUSA run's outputs equal the plain run's, token for token; its scheduler."""
+    (plain, _), (spec, sched) = runs[None], runs["MEDUSA"]
+    for i in range(n):
+        assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, i
+        assert spec[f"p{i}"].finish_reason == plain[f"p{i}"].finish_reason
+    return sched
+
+
 @pytest.mark.parametrize("radix_off", [False, True], ids=["radix-on", "radix-off"])
 def test_greedy_identical_with_medusa_trees(llama, medusa_dir, radix_off):
     """20 free + 6 constrained (regex / JSON schema / EBNF) prompts in one batch: token for
@@ -179,15 +196,8 @@ def test_greedy_identical_with_medusa_trees(llama, medusa_dir, radix_off):
             # default 8 the tail can be one step long, or none when the constrained requests
             # finish with the free ones: the request mix of a step depends on grammar timing)
             speculative_disable_by_batch_size=16 if radix_off else 64)  # fmt: skip
-        sched = make_scheduler(llama, disable_jump_forward=True, disable_radix_cache=radix_off,
-                               **extra)  # fmt: skip
-        for i, (ids, params) in enumerate(prompts):
-            submit(sched, f"p{i}", ids, params)
-        runs[spec] = run_all(sched), sched
-    (plain, _), (spec, sched) = runs[None], runs["MEDUSA"]
-    for i in range(len(prompts)):
-        assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, i
-        assert spec[f"p{i}"].finish_reason == plain[f"p{i}"].finish_reason
+        runs[spec] = _run(llama, prompts, disable_radix_cache=radix_off, **extra)
+    sched = _same_outputs(runs, len(prompts))
     state = sched.get_state()
     assert state["spec_verify_ct"] > 0 and 1.0 < state["spec_accept_length"], state
     assert sum(state["spec_accepted_by_position"]) < sum(state["spec_proposed_by_position"])
@@ -201,16 +211,13 @@ def test_constrained_requests_draft_from_the_ngram_or_the_heads(llama, medusa_di
     prompts = _prompts(tok, 0, 6)
     runs = {}
     for spec in (None, "MEDUSA"):
-        extra = {} if spec is None else dict(
-            speculative_algorithm=spec, speculative_draft_model_path=medusa_dir)
-        sched = make_scheduler(llama, disable_jump_forward=True, **extra)
-        for i, (ids, params) in enumerate(prompts):
-            submit(sched, f"p{i}", ids, params)
-        runs[spec] = run_all(sched), sched
-    (plain, _), (spec, sched) = runs[None], runs["MEDUSA"]
-    for i in range(len(prompts)):
-        assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, i
-        assert spec[f"p{i}"].finish_reason == plain[f"p{i}"].finish_reason
+        extra = (
+            {}
+            if spec is None
+            else dict(speculative_algorithm=spec, speculative_draft_model_path=medusa_dir)
+        )
+        runs[spec] = _run(llama, prompts, **extra)
+    sched = _same_outputs(runs, len(prompts))
     state = sched.get_state()
     assert state["spec_verify_ct"] > 0, state
     assert state["spec_constrained_ngram"] > 0 and state["spec_constrained_head"] > 0, state

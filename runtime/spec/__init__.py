@@ -107,19 +107,43 @@ class HeadDrafter(Drafter):
     `stats` (an AcceptanceStats) and `draft_seconds` (head time, for bench_spec's step split).
     Its grammar rules (forced text; the cut at the first refused token, with every draft
     position's mask) are those of the n-gram speculator it owns for constrained requests
-    (`eagle_lookup.ConstrainedLookup.ngram`)."""
+    (`eagle_lookup.ConstrainedLookup.ngram`): `lookup` drafts constrained requests (and their
+    prefill) from it, `gate` (an `eagle_lookup.HeadGate`) decides by measured costs whether a
+    batch's drafts are worth a verify."""
 
     stats: Any
+    lookup: Any
+    gate: Any
     draft_seconds: float = 0.0
+
+    def worth_verifying(self, reqs: list, drafts: list) -> bool:
+        expected = [getattr(r, "draft_expected", 0.0) if d else 0.0 for r, d in zip(reqs, drafts)]
+        return self.gate.worth(expected, max(map(len, drafts)))
+
+    def draft_prefill(self, req, room: int) -> list[int]:
+        """A constrained request's prefill verifies the n-gram speculator's chain (forced
+        keys, the trie's values); a free one drafts nothing there (the head needs the
+        prefill's features first)."""
+        return self.lookup.draft_prefill(req, room)
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted, req.draft_forced)
+        if getattr(req, "draft_source", None) == "free":
+            self.gate.record(drafted, accepted)
+        self.lookup.on_verified(req, drafted, accepted)
+
+    def on_finished(self, req) -> None:
+        self.lookup.on_finished(req)
 
     def log_line(self) -> str:
         return self.stats.log_line() if self.stats.verify_ct else ""
 
     def summary(self) -> dict:
-        return {**self.stats.summary(), "spec_draft_seconds": round(self.draft_seconds, 4)}
+        return {
+            **self.stats.summary(),
+            "spec_draft_seconds": round(self.draft_seconds, 4),
+            **self.lookup.summary(),
+        }
 
 
 def create_drafter(args, tokenizer, vocab_size: int, eos_token_ids, runner=None) -> Drafter | None:

@@ -131,10 +131,6 @@ class EagleSpeculator(HeadDrafter):
         self.inner.capture_layers = self.capture if on else None
         return on
 
-    def worth_verifying(self, reqs: list, drafts: list) -> bool:
-        expected = [getattr(r, "draft_expected", 0.0) if d else 0.0 for r, d in zip(reqs, drafts)]
-        return self.gate.worth(expected, max(map(len, drafts)))
-
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
         row = req.req_pool_idx
         pending = self.pending[row] if row is not None else None
@@ -186,21 +182,6 @@ class EagleSpeculator(HeadDrafter):
         req.draft_forced = min(len(forced), len(tokens))
         return DraftTree(tokens, parents) if tokens else []
 
-    def draft_prefill(self, req, room: int) -> list[int]:
-        """A constrained request's prefill verifies the n-gram speculator's chain (forced
-        keys, the trie's values); a free one drafts nothing there (the head needs the
-        prefill's features first)."""
-        return self.lookup.draft_prefill(req, room)
-
-    def on_verified(self, req, drafted: int, accepted: int) -> None:
-        super().on_verified(req, drafted, accepted)
-        if getattr(req, "draft_source", None) == "free":
-            self.gate.record(drafted, accepted)
-        self.lookup.on_verified(req, drafted, accepted)
-
-    def on_finished(self, req) -> None:
-        self.lookup.on_finished(req)
-
     # ------------------------------------------------------------ runner side
     def _after_step(self, inp, batch, out) -> None:
         import time
@@ -220,7 +201,7 @@ class EagleSpeculator(HeadDrafter):
         self.draft_seconds += time.perf_counter() - t0
 
     def summary(self) -> dict:
-        out = {**super().summary(), **self.lookup.summary()}
+        out = super().summary()
         if self.compiled is not None:  # the C round's own wall split: catch-up / draft loop
             catch_up, loop = self.compiled.profile.tolist()
             out["spec_draft_split_seconds"] = [round(catch_up, 4), round(loop, 4)]

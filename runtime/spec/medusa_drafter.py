@@ -172,26 +172,6 @@ class MedusaSpeculator(HeadDrafter):
         req.draft_forced = min(f, len(tokens))
         return DraftTree(tokens, parents) if tokens else []
 
-    def worth_verifying(self, reqs: list, drafts: list) -> bool:
-        expected = [getattr(r, "draft_expected", 0.0) if d else 0.0 for r, d in zip(reqs, drafts)]
-        return self.gate.worth(expected, max(map(len, drafts)))
-
-    def draft_prefill(self, req, room: int) -> list[int]:
-        """A constrained request's prefill verifies the n-gram speculator's chain."""
-        return self.lookup.draft_prefill(req, room)
-
-    def on_verified(self, req, drafted: int, accepted: int) -> None:
-        super().on_verified(req, drafted, accepted)
-        if getattr(req, "draft_source", None) == "free":
-            self.gate.record(drafted, accepted)
-        self.lookup.on_verified(req, drafted, accepted)
-
-    def on_finished(self, req) -> None:
-        self.lookup.on_finished(req)
-
-    def summary(self) -> dict:
-        return {**super().summary(), **self.lookup.summary()}
-
     # ------------------------------------------------------------ runner side
     def _after_step(self, inp, batch, out) -> None:
         captured, self.inner.captured = self.inner.captured, None  # never read twice
