@@ -3,25 +3,18 @@ without llama.cpp: the figures the #19 table's text quotes must come from what w
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from loom.runtime.server_args import BUNDLED_MODEL_PATH
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.file_modules import load_file
 
 
 @pytest.fixture(scope="module")
 def room():
-    spec = importlib.util.spec_from_file_location(
-        "bench_engine_room", ROOT / "benchmarks" / "bench_engine_room.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file("benchmarks/bench_engine_room.py", "bench_engine_room")
 
 
 def test_step_split_counts_the_checkpoint_matmul_weights(room):

@@ -10,7 +10,6 @@ Qwen2's regex under a Qwen2 config (transformers 5's Qwen2Tokenizer), which is w
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -18,19 +17,14 @@ from pathlib import Path
 import pytest
 
 from loom.runtime.server_args import BUNDLED_MODEL_PATH
+from tests.file_modules import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("regex")
 
 
 @pytest.fixture(scope="module")
 def llamacpp():
-    spec = importlib.util.spec_from_file_location(
-        "bench_llamacpp", ROOT / "benchmarks" / "peers" / "llamacpp.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file("benchmarks/peers/llamacpp.py", "bench_llamacpp")
 
 
 def _as_qwen2(tmp_path: Path) -> Path:

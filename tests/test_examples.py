@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.file_modules import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = ROOT / "runtime" / "bundled"
@@ -19,12 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(
-        f"loom_example_{name}", ROOT / "examples" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(f"examples/{name}.py", f"loom_example_{name}")
 
 
 @pytest.fixture(scope="module")

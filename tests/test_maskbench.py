@@ -13,13 +13,14 @@ measured. A schema that does not compile must fail with a GrammarError that says
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from tests.file_modules import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "maskbench"
@@ -34,12 +35,7 @@ FLOOR = 0.85  # measured 0.873 (247 of 283) at 023768b (llguidance engine)
 
 
 def _harness():
-    spec = importlib.util.spec_from_file_location(
-        "maskbench_coverage", ROOT / "benchmarks" / "maskbench_coverage.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file("benchmarks/maskbench_coverage.py", "maskbench_coverage")
 
 
 def _subset() -> list[str]:
