@@ -26,7 +26,12 @@ decode step streams; GFLOP/s over the prefill) beside the rate llama.cpp's whole
     python benchmarks/bench_engine_room.py [--models bundled,qwen0.5b-f32]
         [--batch-sizes 1,8,32,64] [--pp 128] [--tg 32] [--rounds 3] [--threads 1]
         [--sides cpu_paged,eager,torch] [--offline [--num-requests 64]]
-        [--kv-cache-dtype auto|bf16] [--json out.json]
+        [--kv-cache-dtype auto|bf16] [--json out.json] [--loom-output stream|whole]
+
+--loom-output whole times loom's sweep sides by two unstreamed runs (the batch's prefill with
+max_new_tokens 1, then all --tg tokens; decode = the difference) instead of one streamed run:
+a streamed token crosses scheduler -> detokenizer -> tokenizer manager -> caller, a cost
+llama-batched-bench (a loop with no client) does not have.
 
 --sides picks loom's sides (the eager and torch-backend ones are for comparison only; on the
 0.5B-shape model each costs as much as the default side, so its table runs `--sides cpu_paged`).
@@ -220,7 +225,13 @@ def measure(args, label: str, path: str, llamacpp) -> dict:
             started = time.perf_counter()
             prompts = prompts_for(path, b, args.pp, args.seed)
             runs = {
-                name: (lambda s=side, p=prompts: s.run_timed(p, args.tg))
+                name: (
+                    lambda s=side, p=prompts: (
+                        s.run_whole(p, args.tg)
+                        if args.loom_output == "whole"
+                        else s.run_timed(p, args.tg)
+                    )
+                )
                 for name, side in sides.items()
             }
             runs["llama.cpp"] = lambda b=b: llamacpp.batched_point(
@@ -472,11 +483,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         choices=["auto", "bf16"],
         help="loom's KV pool (auto: the model's f32; llama-batched-bench's is f16)",
     )
+    p.add_argument(
+        "--loom-output",
+        default="stream",
+        choices=["stream", "whole"],
+        help="how loom's sweep sides are timed: one streamed run (first token = prefill), or"
+        " two unstreamed runs (max_new_tokens 1, then --tg; decode = the difference), which"
+        " leaves out the per-token messages to the caller, as llama-batched-bench has none",
+    )
     p.add_argument("--json", help="write the raw figures here")
     args = p.parse_args(argv)
     import llamacpp
 
     print(common.header("engine room (CPU): loom vs llama.cpp"))
+    print(f"loom's sweep sides timed: {args.loom_output}")
     results = []
     for name in args.models.split(","):
         label, path = common.resolve_model(name)

@@ -128,6 +128,21 @@ class LoomSide:
         assert done == [tg] * len(prompts), done
         return first, total
 
+    def run_whole(self, prompts: list[list[int]], tg: int) -> tuple[float, float]:
+        """run_timed's (first-token seconds, seconds in all) from two unstreamed runs, each on
+        a flushed cache: the batch with max_new_tokens 1 (its prefill), then with tg. What a
+        caller that waits for whole outputs pays: no per-token message leaves the scheduler
+        (llama-batched-bench, too, times its loop with no client on the other end)."""
+        times = []
+        for n in (1, tg):
+            self.engine.flush_cache()
+            params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+            t = time.perf_counter()
+            outs = self.engine.generate(input_ids=prompts, sampling_params=params)
+            times.append(time.perf_counter() - t)
+            assert [o["meta_info"]["completion_tokens"] for o in outs] == [n] * len(prompts)
+        return times[0], times[1]
+
     def decode_timing(self) -> dict[int, list]:
         info = self.engine.get_server_info()
         return {int(k): v for k, v in info["decode_timing"].items()}
