@@ -43,6 +43,16 @@ def _update(rates: list[float], drafted: int, accepted: int, forced: int) -> Non
         rates[j] += RATE_DECAY * (hit - rates[j])
 
 
+def _chances(rates: list[float], n: int) -> list[float]:
+    """The chance each of the first n draft positions is accepted: running products of the
+    per-position rates (the last rate repeats past the list)."""
+    gain, out = 1.0, []
+    for j in range(n):
+        gain *= rates[min(j, len(rates) - 1)]
+        out.append(gain)
+    return out
+
+
 class HeadGate:
     """Whether a head drafter's batch drafts, how long each chain is, and whether it verifies."""
 
@@ -58,11 +68,7 @@ class HeadGate:
 
     def gains(self, n: int) -> list[float]:
         """The chance each of the first n draft positions is accepted."""
-        gain, out = 1.0, []
-        for j in range(n):
-            gain *= self.rates[min(j, len(self.rates) - 1)]
-            out.append(gain)
-        return out
+        return _chances(self.rates, n)
 
     def enabled(self, batch_size: int, longest: int) -> bool:
         """A full-length draft at the measured rates pays at this batch size (or a probe)."""
@@ -112,11 +118,7 @@ class ConstrainedLookup:
         """forced + sum over the head's draft depths past the forced text of the products of
         its constrained-request rates."""
         depth = 1 + max(tree_depths(parents), default=-1) if tokens else 0
-        gain, total = 1.0, float(forced)
-        for j in range(max(0, depth - forced)):
-            gain *= self.head_rates[min(j, len(self.head_rates) - 1)]
-            total += gain
-        return total
+        return float(forced) + sum(_chances(self.head_rates, max(0, depth - forced)))
 
     def ngram_draft(self, req, room: int) -> tuple[list[int], float]:
         """The n-gram speculator's draft for `req` (walked by the grammar: `req.draft_masks`

@@ -357,8 +357,8 @@ class NgramSpeculator(Drafter):
         accepted = 0
         while accepted < known and draft[accepted] == got[accepted]:
             accepted += 1
-        # a miss at `accepted` is known when it is inside what the request got
-        self._learn_rates(state, opening, known if accepted < known else accepted, accepted, forced)
+        # every position up to `known` is decided: accepted ones, then the first miss if any
+        self._learn_rates(state, opening, known, accepted, forced)
 
     def _learn_rates(self, state, opening: int, drafted: int, accepted: int, forced: int) -> None:
         if accepted < forced:
