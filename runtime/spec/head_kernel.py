@@ -3,8 +3,10 @@ C call each.
 
 At batch 1 on a small target the eager head is mostly overhead (a few hundred small aten and
 module calls per draft round, ~5 ms against a ~2 ms target step), so drafting costs more than
-the accepted tokens save. This module runs it in C, reading the head's weights (and the
-target's shared embedding / LM head) in place:
+the accepted tokens save. This module runs it in C: norms, biases and embeddings read in place,
+every matmul (fc, the projections, the LM head) on a copy packed into the C forward's 16-row
+panels (`cpu_forward.pack`, made once at build: weights changed later are not seen), the
+layout the target's own steps read:
 
 - `CompiledEagleHead.run`: the catch-up (one head extend over the rows the target step
   committed: its K/V stored into the head's pool at the target's slots, causal attention read
@@ -16,7 +18,7 @@ target's shared embedding / LM head) in place:
 - `CompiledMedusaHeads.run`: every head's residual SiLU blocks, its LM head (the target's when
   shared), the log-softmax and the top-k, for all rows.
 
-The C source is `cpu_forward_kernel.SOURCE` (its gemm, rms, qk_norm_rope, silu_mul) +
+The C source is `cpu_forward_kernel.SOURCE` (its mm, rms, qk_norm_rope, silu_mul) +
 `EXTRA_C`, built by `cpu_kernels.build_or_none` as its own library. `build` returns None (and
 says why) for anything it does not cover; the eager head is the reference it is tested against (tests/test_head_kernel.py).
 """
@@ -29,7 +31,7 @@ import logging
 import torch
 
 from loom.runtime import cpu_kernels
-from loom.runtime.cpu_forward import _Layer, _ptr
+from loom.runtime.cpu_forward import _Layer, _ptr, pack
 from loom.runtime.cpu_forward_kernel import SOURCE
 
 logger = logging.getLogger(__name__)
@@ -42,8 +44,10 @@ EXTRA_C = r"""
 static inline int head_threads(int64_t T, int64_t K, int64_t N, int nthreads) {
     return T * K * N >= ((int64_t)1 << 22) ? nthreads : 1;
 }
-#define HGEMM(x, T, K, ldx, w, b, N, y, ldy, acc, nt) \
-    gemm(x, T, K, ldx, w, b, N, y, ldy, acc, head_threads((T), (K), (N), (nt)))
+/* The forward's matmul (`mm`): the weights' packed panels (one sequential stream a panel, what
+   the target's steps read), else the row-major tiles. */
+#define HMM(x, T, K, ldx, w, wp, b, N, y, ldy, acc, nt) \
+    mm(x, T, K, ldx, w, wp, b, N, y, ldy, acc, head_threads((T), (K), (N), (nt)))
 
 static inline double head_wall(void) {
     struct timespec ts;
@@ -57,7 +61,8 @@ typedef struct {
     float eps, scale;
     const float *embed, *fc_w, *fc_b, *in_norm, *hidden_norm, *norm, *lm_head, *cos, *sin;
     const int64_t* d2t; /* EAGLE-3: target id = draft id + d2t[draft id] */
-    const Layer* layer;
+    const Layer* layer; /* its qkv_p / o_p / gu_p / down_p: the packed projections */
+    const float *fc_p, *lm_p; /* fc and the LM head packed (cpu_forward.pack) */
 } Head;
 
 /* scores then softmax-weighted V over `len` pool columns (cols -> slots) and `n_extra` entries
@@ -119,9 +124,9 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
             memcpy(hin + t * 2 * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
             memcpy(hin + t * 2 * Hd + Hd, feat + t * ldf, sizeof(float) * Hd);
         }
-        HGEMM(hin, T, 2 * Hd, 2 * Hd, m->fc_w, m->fc_b, Hd, x, Hd, 0, nthreads);
+        HMM(hin, T, 2 * Hd, 2 * Hd, m->fc_w, m->fc_p, m->fc_b, Hd, x, Hd, 0, nthreads);
     } else if (fused) {
-        HGEMM(feat, T, m->fc_in, ldf, m->fc_w, m->fc_b, Hd, x, Hd, 0, nthreads);
+        HMM(feat, T, m->fc_in, ldf, m->fc_w, m->fc_p, m->fc_b, Hd, x, Hd, 0, nthreads);
     } else {
         for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, feat + t * ldf, sizeof(float) * Hd);
     }
@@ -138,7 +143,7 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
                 memcpy(hr, x + t * Hd, sizeof(float) * Hd);
             }
         }
-        HGEMM(hin, T, Kin, Kin, L->qkv_w, L->qkv_b, QKV, qkv, QKV, 0, nthreads);
+        HMM(hin, T, Kin, Kin, L->qkv_w, L->qkv_p, L->qkv_b, QKV, qkv, QKV, 0, nthreads);
         /* the target forward's q/k RMSNorm + RoPE (cpu_forward_kernel.SOURCE) */
         qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
         for (int64_t t = 0; t < T; t++) {
@@ -157,11 +162,11 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
                             att + t * H * D);
             }
         }
-        HGEMM(att, T, H * D, H * D, L->o_w, L->o_b, Hd, x, Hd, 1, nthreads);
+        HMM(att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads);
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, hin + t * Hd);
-        HGEMM(hin, T, Hd, Hd, L->gu_w, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
+        HMM(hin, T, Hd, Hd, L->gu_w, L->gu_p, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
         for (int64_t t = 0; t < T; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, I);
-        HGEMM(gu, T, I, 2 * I, L->down_w, L->down_b, Hd, x, Hd, 1, nthreads);
+        HMM(gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, x, Hd, 1, nthreads);
     }
     free(hin); free(qkv); free(att); free(gu); free(sc);
 }
@@ -176,7 +181,7 @@ static void head_pick(const Head* m, const float* x, int64_t n, float* logits, f
         for (int64_t i = 0; i < n; i++) rms(x + i * Hd, m->norm, Hd, m->eps, normed + i * Hd);
         in = normed;
     }
-    HGEMM(in, n, Hd, Hd, m->lm_head, NULL, V, logits, V, 0, nthreads);
+    HMM(in, n, Hd, Hd, m->lm_head, m->lm_p, NULL, V, logits, V, 0, nthreads);
     for (int64_t i = 0; i < n; i++) {
         const float* r = logits + i * V;
         int64_t best = 0;
@@ -259,27 +264,31 @@ int loom_eagle_round(const Head* m, int64_t T, const int64_t* ids, const int64_t
 }
 
 /* Medusa: h [n, hidden] -> for each head i < k: x = h; x += SiLU(W_ij x + b_ij) for j < nl;
-   logits = LM_i x (lm [V, hidden] shared, or lm + i * V * hidden with own_lm); the top-`topk`
-   log-probabilities and ids, out_logp / out_ids [n, k, topk], best first (ties: lower id) */
+   logits = LM_i x (LM: [V, hidden] shared, or head i's own with own_lm); the top-`topk`
+   log-probabilities and ids, out_logp / out_ids [n, k, topk], best first (ties: lower id).
+   Weights packed (cpu_forward.pack): res_p the k * nl blocks' W, lm_p the LM head(s), each
+   matrix padded to whole panels. */
 void loom_medusa_heads(const float* h, int64_t n, int64_t Hd, int64_t k, int64_t nl,
-                       const float* res_w, const float* res_b, const float* lm, int own_lm,
+                       const float* res_p, const float* res_b, const float* lm_p, int own_lm,
                        int64_t V, int64_t topk, float* out_logp, int64_t* out_ids,
                        int nthreads) {
     float* x = malloc(sizeof(float) * k * n * Hd); /* [k, n, Hd]: every head's rows */
     float* y = malloc(sizeof(float) * n * Hd);
     float* lg = malloc(sizeof(float) * k * n * V);
+    const int64_t res_ld = (Hd + PANEL - 1) / PANEL * PANEL * Hd; /* one packed matrix */
+    const int64_t lm_ld = (V + PANEL - 1) / PANEL * PANEL * Hd;
     for (int64_t i = 0; i < k; i++) {
         float* xi = x + i * n * Hd;
         memcpy(xi, h, sizeof(float) * n * Hd);
         for (int64_t j = 0; j < nl; j++) {
             const int64_t at = i * nl + j;
-            HGEMM(xi, n, Hd, Hd, res_w + at * Hd * Hd, res_b + at * Hd, Hd, y, Hd, 0, nthreads);
+            HMM(xi, n, Hd, Hd, NULL, res_p + at * res_ld, res_b + at * Hd, Hd, y, Hd, 0, nthreads);
             for (int64_t e = 0; e < n * Hd; e++) xi[e] += y[e] / (1.f + expf(-y[e]));
         }
-        if (own_lm) HGEMM(xi, n, Hd, Hd, lm + i * V * Hd, NULL, V, lg + i * n * V, V, 0, nthreads);
+        if (own_lm) HMM(xi, n, Hd, Hd, NULL, lm_p + i * lm_ld, NULL, V, lg + i * n * V, V, 0, nthreads);
     }
     /* a shared LM head: one pass over its weights for all k * n rows */
-    if (!own_lm) HGEMM(x, k * n, Hd, Hd, lm, NULL, V, lg, V, 0, nthreads);
+    if (!own_lm) HMM(x, k * n, Hd, Hd, NULL, lm_p, NULL, V, lg, V, 0, nthreads);
     for (int64_t i = 0; i < k; i++)
         for (int64_t r = 0; r < n; r++) {
             const float* row = lg + (i * n + r) * V;
@@ -325,6 +334,8 @@ class _Head(ctypes.Structure):
             )
         ],
         ("layer", ctypes.POINTER(_Layer)),
+        ("fc_p", ctypes.c_void_p),
+        ("lm_p", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -338,7 +349,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes += [ctypes.c_int, P]
     fn = lib.loom_medusa_heads
     fn.restype = None
-    # h, n, hidden, k, nl, res_w, res_b, lm, own_lm, V, topk, out_logp, out_ids, threads
+    # h, n, hidden, k, nl, res_p, res_b, lm_p, own_lm, V, topk, out_logp, out_ids, threads
     fn.argtypes = [P, I64, I64, I64, I64, P, P, P, ctypes.c_int, I64, I64, P, P]
     fn.argtypes += [ctypes.c_int]
 
@@ -350,6 +361,12 @@ def load() -> ctypes.CDLL | None:
 
 def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _pack_each(w: torch.Tensor) -> torch.Tensor:
+    """[..., N, K] -> every [N, K] matrix packed (cpu_forward.pack), one after another."""
+    n, k = w.shape[-2:]
+    return torch.stack([pack(m) for m in w.detach().reshape(-1, n, k)]).contiguous()
 
 
 def eagle_unsupported(head, pool, topk: int) -> str | None:
@@ -427,6 +444,8 @@ class CompiledEagleHead:
                 p(mlp.gate_up_proj.weight), p(mlp.gate_up_proj.bias),
                 p(mlp.down_proj.weight), p(mlp.down_proj.bias),
                 p(pool.k_buffers[i]), p(pool.v_buffers[i]),
+                p(pack(a.qkv_proj.weight)), p(pack(a.o_proj.weight)),
+                p(pack(mlp.gate_up_proj.weight)), p(pack(mlp.down_proj.weight)),
             )  # fmt: skip
         self._layers = structs
         a0 = layers[0].self_attn
@@ -444,7 +463,7 @@ class CompiledEagleHead:
             p(head.midlayer.hidden_norm.weight) if eagle3 else None,
             p(head.norm.weight) if eagle3 else None, p(lm),
             p(rot.cos_cache), p(rot.sin_cache), p(head.d2t) if hasattr(head, "d2t") else None,
-            structs,
+            structs, p(pack(head.fc.weight)), p(pack(lm)),
         )  # fmt: skip
         self._ptr = ctypes.addressof(self._struct)
         self.dvocab = dvocab
@@ -496,11 +515,10 @@ class CompiledMedusaHeads:
 
     def __init__(self, lib: ctypes.CDLL, heads):
         self.lib, self.heads = lib, heads
-        lm = heads.lm_rows()  # the draft vocabulary's rows (a copy when it is reduced)
+        lm = heads.lm_rows()  # the draft vocabulary's rows
         self._keep = [
-            heads.res_weight.detach().contiguous(), heads.res_bias.detach().contiguous(),
-            lm.detach().contiguous(),
-        ]  # fmt: skip
+            _pack_each(heads.res_weight), heads.res_bias.detach().contiguous(), _pack_each(lm)
+        ]  # packed copies (cpu_forward.pack) of the matrices, made here once
         self.vocab = lm.shape[-2]
         self.draft_ids = heads.draft_ids
 
