@@ -113,16 +113,21 @@ class PagedAllocator:
         self.clear()
 
     def clear(self) -> None:
-        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64)
+        # a stack of the free pages, its top at the end (_stack[:_top] are free): taking and
+        # freeing n pages touch n entries (a verify step frees its rejected drafts' slots:
+        # concatenating onto a free list of every page copied it whole, 2 MB on the bundled
+        # model, each time); page 1 on top, so a fresh pool hands out pages 1, 2, 3, ...
+        self._stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64)
+        self._top = self.num_pages
 
     def available_size(self) -> int:
-        return len(self._free_pages) * self.page_size
+        return self._top * self.page_size
 
     def _take_pages(self, n: int) -> torch.Tensor | None:
-        if n > len(self._free_pages):
+        if n > self._top:
             return None
-        pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
-        return pages
+        self._top -= n
+        return self._stack[self._top : self._top + n].flip(0)  # a copy: the stack is reused
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Fresh page-aligned slots for `num_tokens` tokens (page size 1: any slots)."""
@@ -171,7 +176,11 @@ class PagedAllocator:
             return
         pages = torch.unique(slots.to(torch.int64).cpu() // self.page_size)
         assert int(pages.min()) >= 1, "padding page must never be freed"
-        self._free_pages = torch.cat([self._free_pages, pages])
+        n = len(pages)
+        assert self._top + n <= self.num_pages, "more pages freed than the pool holds"
+        self._stack[self._top : self._top + n] = pages.flip(0)  # the lowest page on top
+        self._top += n
 
     def check_no_duplicates(self) -> None:
-        assert len(torch.unique(self._free_pages)) == len(self._free_pages), "page freed twice"
+        free = self._stack[: self._top]
+        assert len(torch.unique(free)) == len(free), "page freed twice"
