@@ -272,7 +272,11 @@ def apply_vocab_mask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if logits.device.type == "cpu" and bitmask.device.type == "cpu" and _LITTLE_ENDIAN:
         words = bitmask.contiguous().numpy().view(np.uint8)
         bits = np.unpackbits(words, axis=-1, bitorder="little")[:, : logits.shape[-1]]
-        logits.masked_fill_(torch.from_numpy(bits == 0), float("-inf"))
+        if logits.dtype == torch.float32 and not logits.requires_grad:
+            # numpy writes the same memory ~5x faster than masked_fill_ ([8, 4032]: 6 vs 30 us)
+            np.copyto(logits.numpy(), -np.inf, where=bits == 0)
+        else:
+            logits.masked_fill_(torch.from_numpy(bits == 0), float("-inf"))
         return
     from loom.grammar.base import apply_token_bitmask_
 

@@ -108,6 +108,52 @@ def test_trie_is_shared_across_requests_and_bounded():
     assert d.propose(recent, NgramState(4), 3) == [3, 4, 5]
 
 
+def test_a_request_back_from_a_large_batch_catches_up_on_its_last_tokens_only():
+    """Steps in a batch too large to draft leave a request's tokens unseen; when it drafts
+    again the trie inserts only its last CATCHUP_TOKENS (its suffix pointers still right),
+    not all of them; a request that drafted every step loses nothing."""
+    from loom.runtime.spec.ngram import CATCHUP_TOKENS
+
+    d = _drafter(capacity=100_000)
+    rng = random.Random(1)
+    req = _req([rng.randrange(100, 1000) for _ in range(300)] + [1, 2, 3, 4, 5, 6, 1, 2, 3])
+    state = NgramState(4)
+    state.skipped = True
+    d.catch_up(req, state)
+    assert not state.skipped and state.seen == req.seq_len - CATCHUP_TOKENS
+    assert d.propose(req, state, 3) == [4, 5, 6]  # matched on the tail, as in full
+    assert state.seen == req.seq_len
+    assert len(d.trie) <= CATCHUP_TOKENS * d.trie.depth
+    assert d.trie.walk(d.trie.root, req.origin_input_ids[:3]) is None  # the head: unseen
+    # a request with fewer unseen tokens than that observes them all
+    state.skipped = True
+    req.output_ids = [7, 8]
+    d.catch_up(req, state)
+    assert state.seen == req.seq_len - 2 and d.propose(req, state, 1) == []
+
+
+def test_the_cpu_vocab_mask_matches_the_grammar_module():
+    """A verify step's mask rows applied through numpy (the CPU path) disallow exactly the
+    tokens the grammar module's torch version does."""
+    import torch
+
+    from loom.grammar.base import apply_token_bitmask_
+    from loom.runtime.sampler import apply_vocab_mask_
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (4032, 1000, 37):
+        words = (vocab + 31) // 32
+        mask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=gen)
+        mask[0] = -1  # all allowed
+        mask[1] = 0  # none allowed
+        got = torch.randn(6, vocab, generator=gen)[:5]
+        want = got.clone()
+        apply_vocab_mask_(got, mask)
+        apply_token_bitmask_(want, mask)
+        assert torch.equal(got, want), vocab
+        assert not torch.isinf(got[0]).any() and torch.isinf(got[1]).all()
+
+
 def test_a_chain_that_runs_out_is_matched_again_from_its_last_tokens():
     # the trie keeps windows of depth 4 (window 2 + branch 2): "1 2" reaches 3 4, then the
     # chain's own last tokens "3 4" are matched again (5 6), and once more (7 8)

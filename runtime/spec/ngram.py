@@ -27,6 +27,7 @@ from collections.abc import Sequence
 MAX_PROMPT_TOKENS = 2048
 SKIP_MIN_CONTEXT = 2  # tokens of context a skip-gram match needs
 SKIP_SCAN = 32  # siblings a skip-gram match looks at
+CATCHUP_TOKENS = 24  # tokens a request returning to drafting inserts at most (`catch_up`)
 MAX_REMATCHES = 2  # times a draft chain that ran out is matched again from its last tokens
 
 
@@ -109,7 +110,17 @@ class NgramState:
     """A request's place in the trie: its suffix pointers and how many of its tokens the
     trie has seen. Lives on `req.spec_state`."""
 
-    __slots__ = ("pointers", "seen", "rates", "steps", "expected", "gains", "opening", "shadow")
+    __slots__ = (
+        "pointers",
+        "seen",
+        "rates",
+        "steps",
+        "expected",
+        "gains",
+        "opening",
+        "shadow",
+        "skipped",
+    )
 
     def __init__(self, num_positions: int):
         self.pointers: list[_Node] = []
@@ -124,6 +135,9 @@ class NgramState:
         self.opening = -1
         # a chain drafted but not verified: (tokens, output length then, opening, forced)
         self.shadow: tuple | None = None
+        # the request ran in a decode batch too large to draft since it last drafted (its
+        # tokens since then are unseen: `NgramDrafter.catch_up` bounds what it costs)
+        self.skipped = False
 
 
 class NgramDrafter:
@@ -164,6 +178,17 @@ class NgramDrafter:
             state.pointers = pointers
             state.seen = end
         return end == n
+
+    def catch_up(self, req, state: NgramState) -> None:
+        """A request that drafts again after steps in a batch too large to draft: the trie
+        sees only its last CATCHUP_TOKENS tokens (at least the depth - 1 its suffix pointers
+        need), not every token since it last drafted. A batch shrinking under the size
+        threshold would otherwise insert all of them, ~depth trie nodes a token, for each
+        of its requests in one step (chat at batch 16: ~100 tokens x 19 nodes a request)."""
+        state.skipped = False
+        keep = max(CATCHUP_TOKENS, self.trie.depth - 1)
+        if req.seq_len - state.seen > keep:
+            state.pointers, state.seen = [], req.seq_len - keep
 
     def propose(self, req, state: NgramState, max_len: int, after: Sequence[int] = ()) -> list[int]:
         """The chain from the matched node; where it runs out (the trie keeps windows of

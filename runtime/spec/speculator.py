@@ -104,6 +104,7 @@ class NgramSpeculator(Drafter):
             if req.spec_state is None:
                 req.spec_state = NgramState(self.num_draft)
                 req.spec_state.rates = list(self.prior_rates)
+            req.spec_state.skipped = True
         self.stats.skipped += len(reqs)
 
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int]:
@@ -114,6 +115,8 @@ class NgramSpeculator(Drafter):
         state.opening = -1
         if state.shadow is not None:
             self._score_shadow(req, state)
+        if state.skipped:
+            self.ngram.catch_up(req, state)
         if not free_drafts:
             self.stats.skipped += 1
             return []
