@@ -21,7 +21,7 @@ from loom.runtime.spec.eagle import (
 )
 from loom.runtime.spec.eagle_tree import graft_forced
 from loom.runtime.spec.eagle_unroll import target_pass, unroll
-from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
+from tests.runtime_helpers import free_head, greedy, make_scheduler, run_all, submit
 
 AUX = [0, 1, 1]  # the tiny targets have 2 layers
 
@@ -176,10 +176,10 @@ def test_serving_drafts_match_whole_sequence_reference(llama, heads, algo):
     """The paged draft loop (catch-up extend + decode steps through the pool and the target's
     req_to_token rows, page size 4, a radix-cached prefix) drafts exactly what the
     whole-sequence unroll drafts from the same committed prefix."""
-    sched = make_scheduler(
+    sched = free_head(make_scheduler(
         llama, page_size=4, speculative_algorithm=algo, speculative_draft_model_path=heads[algo],
         speculative_num_steps=3,
-    )  # fmt: skip
+    ))  # fmt: skip
     rec = _Recorder(sched.decode.drafter)
     prompt = list(range(5, 40))
     submit(sched, "warm", prompt, greedy(4))
@@ -253,10 +253,10 @@ def test_tree_drafts_match_node_by_node_reference(llama, heads, algo):
     """EAGLE-2 trees (top-3, 3 steps, 7 nodes): the batched search (one head call per level
     over every frontier node, the tree mask over the loop's own entries, the head's KV read
     through the pool) drafts exactly the tree the node-by-node reference search drafts."""
-    sched = make_scheduler(
+    sched = free_head(make_scheduler(
         llama, page_size=4, speculative_algorithm=algo, speculative_draft_model_path=heads[algo],
         speculative_num_steps=3, speculative_eagle_topk=3, speculative_num_draft_tokens=8,
-    )  # fmt: skip
+    ))  # fmt: skip
     rec = _Recorder(sched.decode.drafter)
     prompt = list(range(5, 30))
     submit(sched, "a", prompt, greedy(12))
@@ -314,7 +314,7 @@ def _prompts(tok, n_free: int, n_constrained: int):
 
 
 def _run(path, prompts, **kw):
-    sched = make_scheduler(path, disable_jump_forward=True, **kw)
+    sched = free_head(make_scheduler(path, disable_jump_forward=True, **kw))
     for i, (ids, params) in enumerate(prompts):
         submit(sched, f"p{i}", ids, params)
     return run_all(sched), sched
@@ -381,7 +381,9 @@ def test_head_gate_by_measured_costs():
     """The gate's arithmetic: a full-rate draft pays at batch 1, not at batch 26 (the verify
     cost model); a declined batch size still probes (two steps: one captures, one drafts and
     verifies) every PROBE_EVERY declines; chains are cut where a position's chance falls
-    under one more token's cost; rates follow what verifies accepted."""
+    under one more token's cost plus one more head level's, except every PROBE_EVERY-th
+    round; a head level too dear for any position declines; rates follow what verifies
+    accepted."""
     from loom.runtime.spec.eagle_lookup import PROBE_EVERY, HeadGate
     from loom.runtime.spec.speculator import extra_cost
 
@@ -395,11 +397,26 @@ def test_head_gate_by_measured_costs():
         gate.record(4, 1)
     assert gate.rates[0] > 0.95 and gate.rates[1] < 0.05
     assert gate.enabled(1, 4)  # 1 + ~0 tokens expected still pay at batch 1 ...
-    assert gate.chain_length(4) == 1  # ... for the first position only
+    assert gate.levels(4) == 1  # ... for the first position only
     b, cut = 4, extra_cost(4, 1) - extra_cost(4, 0)
     gate.rates, gate.batch_size = [0.9, 0.5, 0.2, 0.2], b
     gains = gate.gains(4)
-    assert gate.chain_length(4) == sum(g >= cut for g in gains) == 2, gains
+    assert gate.levels(4) == sum(g >= cut for g in gains) == 2, gains
+
+    # the head's own cost: 0.3 decode steps a level moves batch 1's cut from 4 positions to 3
+    rates = [0.95, 0.9, 0.5, 0.5]  # chances 0.95, 0.855, 0.43, 0.21
+    free, dear = HeadGate(4), HeadGate(4, per_level=0.3)
+    for g in (free, dear):
+        g.rates = list(rates)
+        assert g.enabled(1, 4) and not g.probe
+    cuts = [dear.levels(4) for _ in range(PROBE_EVERY)]
+    assert free.levels(4) == 4 and cuts == [3] * (PROBE_EVERY - 1) + [4], cuts
+    # a level dear enough to cut every position: the batch size captures nothing (but for
+    # the probe of its first decline)
+    costly = HeadGate(4, per_level=1.0)
+    costly.rates = list(rates)
+    assert costly.enabled(1, 4) and costly.probe
+    assert costly.enabled(1, 4) and not costly.enabled(1, 4)
 
 
 def test_batches_too_large_to_draft_run_the_compiled_forward(llama, heads):

@@ -18,7 +18,7 @@ from loom.runtime.model_loader import load_config, load_model
 from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
 from loom.runtime.spec.medusa import build_medusa_heads, load_medusa_heads, save_medusa_heads
 from loom.runtime.spec.medusa_drafter import best_first_tree
-from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
+from tests.runtime_helpers import free_head, greedy, make_scheduler, run_all, submit
 from tests.test_spec_sampling import CRITICAL, _broken_residual, _tree_info
 
 
@@ -165,7 +165,7 @@ def medusa_dir(llama, tmp_path_factory):
 
 def _run(model, prompts, **kw):
     """Every prompt submitted at once to a fresh scheduler (no jump-forward), run to the end."""
-    sched = make_scheduler(model, disable_jump_forward=True, **kw)
+    sched = free_head(make_scheduler(model, disable_jump_forward=True, **kw))
     for i, (ids, params) in enumerate(prompts):
         submit(sched, f"p{i}", ids, params)
     return run_all(sched), sched

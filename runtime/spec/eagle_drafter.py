@@ -31,7 +31,12 @@ import torch
 
 from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
 from loom.runtime.spec import DraftTree, HeadDrafter, tree_depths
-from loom.runtime.spec.eagle_lookup import ConstrainedLookup, HeadGate
+from loom.runtime.spec.eagle_lookup import (
+    ConstrainedLookup,
+    HeadGate,
+    matmul_numel,
+    target_matmul_numel,
+)
 from loom.runtime.spec.eagle_tree import TreeAttention, graft_forced, grow_trees
 from loom.runtime.spec.stats import AcceptanceStats
 
@@ -107,7 +112,11 @@ class EagleSpeculator(HeadDrafter):
         self.lookup = ConstrainedLookup(args, tokenizer, vocab_size, eos_token_ids, self.steps)
         # positions = tree depths (a graft: clamped), or an n-gram chain's
         self.stats = AcceptanceStats(max(self.steps, self.lookup.ngram.num_draft))
-        self.gate = HeadGate(self.steps)  # the off-switch / chain cut by measured costs
+        # the off-switch / chain cut by measured costs; a draft level of the head reads its
+        # layers and its (draft-vocabulary) LM head
+        layers = matmul_numel(head.layers if head.variant == "eagle" else [head.midlayer])
+        lm = head.draft_vocab_size * cfg.hidden_size
+        self.gate = HeadGate(self.steps, (layers + lm) / target_matmul_numel(runner.model))
         self.draft_seconds = 0.0  # head time (catch-up + loop), for the benchmark's split
         # the whole round (catch-up + chain loop) as one C call where it covers the head
         # (runtime/spec/head_kernel.py); with --cpu-forward eager, or for trees, the eager head
@@ -147,8 +156,7 @@ class EagleSpeculator(HeadDrafter):
         if req.grammar is None:
             tokens, parents = tokens[:budget], parents[:budget]  # parents come first
             req.draft_source = "free"
-            if self.topk == 1:  # a chain (the chain verify path), as long as it pays
-                tokens = tokens[: self.gate.chain_length(len(tokens))]
+            if self.topk == 1:  # a chain (the chain verify path), cut by the gate's `levels`
                 req.draft_expected = sum(self.gate.gains(len(tokens)))
                 return tokens
             depth = 1 + max(tree_depths(parents), default=-1)
@@ -197,7 +205,9 @@ class EagleSpeculator(HeadDrafter):
         plan = _catch_up_plan(inp, out)
         if plan is None:
             return
-        self._run(plan, feats, batch)
+        # a chain drafts as many levels as pay at this batch size; a tree its full shape
+        levels = self.gate.levels(self.steps) if self.topk == 1 else self.steps
+        self._run(plan, feats, batch, levels)
         self.draft_seconds += time.perf_counter() - t0
 
     def summary(self) -> dict:
@@ -207,27 +217,26 @@ class EagleSpeculator(HeadDrafter):
             out["spec_draft_split_seconds"] = [round(catch_up, 4), round(loop, 4)]
         return out
 
-    def _run_compiled(self, plan, feats: torch.Tensor, batch) -> None:
-        rows_t = torch.tensor(plan.rows, dtype=torch.int64)
+    def _run_compiled(self, plan, feats: torch.Tensor, batch, levels: int) -> None:
         starts = [0] + [r + 1 for r in plan.last_rows]
+        drafting = plan.drafting if levels else []
         tokens, _, _ = self.compiled.run(
             torch.tensor(plan.next_ids, dtype=torch.int64),
-            batch.positions.index_select(0, rows_t),
-            batch.out_cache_loc.index_select(0, torch.tensor(plan.slot_rows, dtype=torch.int64)),
-            feats.index_select(0, rows_t).float(),
+            _rows(batch.positions, plan.rows), _rows(batch.out_cache_loc, plan.slot_rows),
+            _rows(feats, plan.rows).float(),
             starts, plan.req_rows, plan.seq_lens, self.runner.req_to_token_pool.req_to_token,
-            plan.drafting, self.steps,
+            drafting, max(1, levels),
         )  # fmt: skip
-        for i, chain in zip(plan.drafting, tokens.tolist()):
+        for i, chain in zip(drafting, tokens.tolist()):
             chain = chain[: self.num_nodes]
             self.pending[plan.req_rows[i]] = (
                 plan.seq_lens[i] + 1,
                 (chain, list(range(-1, len(chain) - 1))),
             )
 
-    def _run(self, plan, feats: torch.Tensor, batch) -> None:
+    def _run(self, plan, feats: torch.Tensor, batch, levels: int) -> None:
         if self.compiled is not None:
-            return self._run_compiled(plan, feats, batch)
+            return self._run_compiled(plan, feats, batch, levels)
         dev = feats.device
         head = self.head
         rows_t = torch.tensor(plan.rows, dtype=torch.int64)
@@ -251,20 +260,20 @@ class EagleSpeculator(HeadDrafter):
         self.extend_backend.init_forward_metadata(hb)
         with forward_context(hb):
             hidden = head(positions, hb.input_ids, feats.index_select(0, rows_t.to(dev)), True)
-        if not plan.drafting:
+        if not plan.drafting or not levels:
             return
         pick = torch.tensor([plan.last_rows[i] for i in plan.drafting], device=dev)
         hidden = hidden.index_select(0, pick)
         seq = torch.tensor([plan.seq_lens[i] for i in plan.drafting], device=dev)
         attn = None
-        if self.steps > 1:
+        if levels > 1:
             req_rows = torch.tensor([plan.req_rows[i] for i in plan.drafting], device=dev)
             width = int(seq.max())
             table = self.runner.req_to_token_pool.req_to_token
             committed = torch.arange(width, device=dev)[None, :] < seq[:, None]
             slots = table[req_rows, :width].masked_fill(~committed, 0)
-            attn = TreeAttention(self.kv, slots, committed, self.topk, self.steps)
-        trees = grow_trees(head, hidden, seq, attn, self.steps, self.topk, self.num_nodes)
+            attn = TreeAttention(self.kv, slots, committed, self.topk, levels)
+        trees = grow_trees(head, hidden, seq, attn, levels, self.topk, self.num_nodes)
         # the request then holds its committed positions + the sampled token
         for i, tree in zip(plan.drafting, trees):
             self.pending[plan.req_rows[i]] = (plan.seq_lens[i] + 1, tree)
@@ -272,6 +281,14 @@ class EagleSpeculator(HeadDrafter):
 
 class _Plan(SimpleNamespace):
     pass
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t's rows `rows` (increasing): a view when they are 0 .. n-1 (a chain verify or a
+    prefill whose every fed row is kept), else a gathered copy."""
+    if rows[-1] == len(rows) - 1:
+        return t[: len(rows)]
+    return t.index_select(0, torch.tensor(rows, dtype=torch.int64, device=t.device))
 
 
 def _catch_up_plan(inp, out):

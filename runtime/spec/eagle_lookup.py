@@ -17,13 +17,23 @@ Either draft is cut by the grammar before verification, so the choice changes sp
 Free (unconstrained) requests never reach this: the head drafts them.
 
 `HeadGate` is the head drafters' off-switch by measured costs: server-wide acceptance rates of
-the head's free drafts per position, the expected gain of each request's draft from them, and
-the n-gram speculator's verify cost model (`speculator.extra_cost`: a verify step's cost over a
-decode step's by batch size and draft length, measured). A batch verifies when its requests'
-expected gains pay b x extra_cost(b, longest draft), and a chain is cut where a position's
-chance falls below what one more draft token costs at that batch size; a batch size where even
-a full-rate draft cannot pay captures no features and runs the head not at all. Every
-PROBE_EVERY-th declined batch verifies anyway, so rates that fell re-measure.
+the head's free drafts per position, the expected gain of each request's draft from them, the
+n-gram speculator's verify cost model (`speculator.extra_cost`: a verify step's cost over a
+decode step's by batch size and draft length, measured) and the cost of one more level of
+an EAGLE head's draft loop (`per_level`: the weights a level reads over those a target decode
+step reads, both memory-bound at small batches). Before the head drafts, the chain is cut
+where a position's chance no longer pays one more verify token plus one more head level
+(`levels`); a batch size where even the best cut cannot pay its verify captures no features
+and runs the head not at all. A batch of drafts verifies when its requests' expected gains
+pay b x extra_cost(b, longest draft). Every PROBE_EVERY-th declined batch verifies anyway and
+every PROBE_EVERY-th round drafts every position, so rates that fell, or lie past the cut,
+re-measure.
+
+The head's fixed cost per round (the catch-up) is not in the on/off decision: a decline stops
+drafting until the next probe, PROBE_EVERY steps on, and the server-wide rates swing from one
+request to the next, so at batch 1 on the bundled model (drafting near break-even) counting it
+declined often and cost more than it saved (bench_spec's EAGLE3 chat b1, 10 paired rounds:
+0.83x with it, 0.97x without).
 """
 
 from __future__ import annotations
@@ -53,15 +63,31 @@ def _chances(rates: list[float], n: int) -> list[float]:
     return out
 
 
-class HeadGate:
-    """Whether a head drafter's batch drafts, how long each chain is, and whether it verifies."""
+def matmul_numel(modules) -> int:
+    """Weight entries the matmuls of `modules` read (their 2-D parameters, each once)."""
+    seen = {id(p): p.numel() for m in modules for p in m.parameters() if p.dim() == 2}
+    return sum(seen.values())
 
-    def __init__(self, positions: int):
+
+def target_matmul_numel(model) -> int:
+    """Weight entries a target decode step reads: its layers and its LM head (the embedding
+    only where it is the LM head: a step reads one row of it otherwise)."""
+    return matmul_numel([model.model.layers]) + model.lm_head.weight.numel()
+
+
+class HeadGate:
+    """Whether a head drafter's batch drafts, how many positions, and whether it verifies.
+    `per_level`: the head's cost per draft level, in target decode steps (0: a head whose one
+    call drafts every position, Medusa's)."""
+
+    def __init__(self, positions: int, per_level: float = 0.0):
         from loom.runtime.spec.speculator import extra_cost
 
         self.cost = extra_cost
+        self.per_level = per_level
         self.rates = [1.0] * max(1, positions)  # the head's free drafts, server-wide
         self.declined = 0
+        self.rounds = 0  # drafting rounds (every PROBE_EVERY-th drafts every position)
         self.batch_size = 1
         self.probe = False  # a probe: two steps enabled, their drafts verified whatever the gain
         self.probe_left = 0
@@ -70,28 +96,36 @@ class HeadGate:
         """The chance each of the first n draft positions is accepted."""
         return _chances(self.rates, n)
 
+    def _cut(self, b: int, n: int) -> int:
+        """Positions (of n) whose chance pays one more verify token and one more head level
+        at batch size b (chances only fall with depth: a prefix)."""
+        per_position = self.cost(b, 1) - self.cost(b, 0) + self.per_level / b
+        return sum(1 for g in self.gains(n) if g >= per_position)
+
     def enabled(self, batch_size: int, longest: int) -> bool:
-        """A full-length draft at the measured rates pays at this batch size (or a probe)."""
-        self.batch_size = batch_size
+        """The cut of a `longest` draft at the measured rates pays its verify at this batch
+        size (or a probe)."""
+        self.batch_size = b = batch_size
         if self.probe_left > 0:  # a probe's second step: it drafts from the first's features
             self.probe_left -= 1
             return True
         self.probe = False
-        if sum(self.gains(longest)) >= self.cost(batch_size, longest):
+        d = self._cut(b, longest)
+        if d and sum(self.gains(d)) >= self.cost(b, d):
             return True
         self.declined += 1
         if self.declined % PROBE_EVERY == 1:  # this step captures, the next drafts
             self.probe, self.probe_left = True, 1
         return self.probe
 
-    def chain_length(self, n: int) -> int:
-        """Draft positions worth one more token of a verify at the current batch size (the
-        cost model's per-token slope)."""
-        if self.probe:
+    def levels(self, n: int) -> int:
+        """Positions (of n) the head drafts this round at the current batch size: the cut
+        (`_cut`); all n in a probe and every PROBE_EVERY-th round, so that the positions past
+        the cut keep being measured."""
+        self.rounds += 1
+        if self.probe or self.rounds % PROBE_EVERY == 0:
             return n
-        b = self.batch_size
-        per_token = self.cost(b, 1) - self.cost(b, 0)
-        return sum(1 for g in self.gains(n) if g >= per_token)
+        return self._cut(self.batch_size, n)
 
     def worth(self, expected: list[float], longest: int) -> bool:
         b = len(expected)

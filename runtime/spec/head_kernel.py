@@ -517,7 +517,9 @@ class CompiledMedusaHeads:
         self.lib, self.heads = lib, heads
         lm = heads.lm_rows()  # the draft vocabulary's rows
         self._keep = [
-            _pack_each(heads.res_weight), heads.res_bias.detach().contiguous(), _pack_each(lm)
+            _pack_each(heads.res_weight),
+            heads.res_bias.detach().contiguous(),
+            _pack_each(lm),
         ]  # packed copies (cpu_forward.pack) of the matrices, made here once
         self.vocab = lm.shape[-2]
         self.draft_ids = heads.draft_ids
