@@ -6,7 +6,8 @@ on side runs a drafter that proposes a fixed token (never accepted, so every ste
 the same number of drafts and the sequence grows by one token, like the decode side). Per
 (batch, drafts): the median process CPU time of 12 whole steps (scheduling, drafting, the
 forward, sampling, result processing), rounds alternating over all cells; prints ms and the
-ratio to the decode step of the same batch.
+ratio to the decode step of the same batch, then the least-squares fit of the cost beyond the
+decode step, a + b_ B + c d + e B d (the form of `extra_cost`), beside the model in use.
 
     python benchmarks/bench_verify_cost.py [--rounds 3] [--batches 1,2,4,6,8] [--drafts 3,7]
 """
@@ -113,6 +114,33 @@ def main() -> None:
         )
         print(f"  its C forward's matmul / attention CPU ms: {parts}")
     print(f"loadavg {os.getloadavg()}")
+    fit(
+        [
+            (b, d, statistics.median(ms[(b, d)]) / statistics.median(ms[(b, 0)]) - 1)
+            for b in batches
+            for d in drafts
+        ]
+    )
+
+
+def fit(cells: list[tuple[int, int, float]]) -> None:
+    """Least-squares a + b_ B + c d + e B d over (batch, drafts, cost beyond a decode step)
+    cells, printed with each cell's fit and `speculator.extra_cost`'s value."""
+    import numpy as np
+
+    from loom.runtime.spec.speculator import extra_cost
+
+    if len({b for b, _, _ in cells}) < 2 or len({d for _, d, _ in cells}) < 2:
+        print("fit: needs two batch sizes and two draft lengths at least")
+        return
+    x = np.array([[1.0, b, d, b * d] for b, d, _ in cells])
+    y = np.array([c for _, _, c in cells])
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    terms = zip(coef, ("", " B", " d", " B d"))
+    print("fit of the cost beyond a decode step: " + " + ".join(f"{v:.3f}{n}" for v, n in terms))
+    for (b, d, c), f in zip(cells, x @ coef):
+        model = extra_cost(b, d)
+        print(f"  batch {b}, {d} drafts: measured {c:.2f}, fit {f:.2f}, extra_cost {model:.2f}")
 
 
 if __name__ == "__main__":
