@@ -17,7 +17,9 @@ draft position, and writes docs/img/spec_acceptance.png.
 
 `--algorithms`: one row per algorithm (default NGRAM); a model-based drafter's rows also split
 the on side's wall time into target forwards, the head's own work (`spec_draft_seconds`) and
-everything else.
+everything else, then the decode (verify) steps alone, prefills aside: each side's step time,
+the on side's as target forward + head + outside, and what an on-side step may cost for issue
+14's ratio (1.8x chat / 2.0x JSON at batch 1, 0.95x at batch 16).
 """
 
 from __future__ import annotations
@@ -144,6 +146,18 @@ def run_once(sched: Scheduler, jobs, batch: int) -> tuple[int, float, float]:
     return total, time.perf_counter() - wall0, time.process_time() - cpu0
 
 
+def decode_totals(sched: Scheduler) -> list[float]:
+    """[steps, step seconds, forward seconds] of the scheduler's decode (verify) steps so far,
+    prefill steps aside (`Scheduler.decode_timing`, every batch size)."""
+    return [sum(e[i] for e in sched.decode_timing.values()) for i in range(3)]
+
+
+# issue 14's targets for the head drafters' rows: tokens/s on / off by workload at batch 1, and
+# at batch 16 (any workload)
+TARGETS_B1 = {"chat": 1.8, "json": 2.0}
+TARGET_B16 = 0.95
+
+
 def make(spec: bool, breadth: int = 1, algorithm: str = "NGRAM", eagle=None, **kw) -> Scheduler:
     """`eagle`: EAGLE / EAGLE3 shape flags (speculative_num_steps, ...; None = defaults)."""
     extra = {}
@@ -219,6 +233,8 @@ def main() -> None:
                 run_once(on, warm, 2)
                 draft0 = on.decode.drafter.summary().get("spec_draft_seconds", 0.0)
                 levels0 = on.decode.drafter.summary().get("spec_draft_split_seconds", [0.0, 0.0])
+                head0 = on.decode.drafter.summary().get("spec_draft_decode_seconds", 0.0)
+                dec0 = {"off": decode_totals(off), "on": decode_totals(on)}
                 # alternate which side runs first, so a load change within a round does not
                 # always favour the same side
                 if (rnd + reps) % 2:
@@ -244,6 +260,10 @@ def main() -> None:
             levels = [
                 b - a for a, b in zip(levels0, st.get("spec_draft_split_seconds", [0.0, 0.0]))
             ]
+            # decode / verify steps only (a prefill's forward and head catch-up aside): the
+            # step, its target forward, the head's work after it, the rest
+            dec = {k: [b - a for a, b in zip(dec0[k], decode_totals(s))] for k, s in (("off", off), ("on", on))}  # fmt: skip
+            head_dec = st.get("spec_draft_decode_seconds", 0.0) - head0
         by_pos = [
             a / p if p else 0.0
             for a, p in zip(st["spec_accepted_by_position"], st["spec_proposed_by_position"])
@@ -267,6 +287,17 @@ def main() -> None:
                     f"{levels[1] * per:.2f} ms = {n_levels} levels x "
                     f"{levels[1] * per / max(1, n_levels):.2f} ms)"
                 )
+            (n_off, s_off, f_off), (n_dec, s_dec, f_dec) = dec["off"], dec["on"]
+            if n_off and n_dec:
+                want = TARGETS_B1.get(name) if batch == 1 else TARGET_B16
+                head += (
+                    f" | decode steps: off {n_off:.0f} x {s_off / n_off * 1e3:.2f} ms (forward "
+                    f"{f_off / n_off * 1e3:.2f}), on {n_dec:.0f} x {s_dec / n_dec * 1e3:.2f} ms = "
+                    f"target {f_dec / n_dec * 1e3:.2f} + head {head_dec / n_dec * 1e3:.2f} + "
+                    f"outside {(s_dec - f_dec - head_dec) / n_dec * 1e3:.2f}"
+                )
+                if want:  # what an on-side decode step may cost for the target ratio
+                    head += f"; {want}x needs <= {s_off / want / n_dec * 1e3:.2f} ms"
         print(
             f"{'' if algo == 'NGRAM' else algo + ' '}{name:5s} batch {batch:2d}: tokens/s on/off wall {statistics.median(ratios_wall):.2f}x "
             f"[{min(ratios_wall):.2f}-{max(ratios_wall):.2f}], CPU {statistics.median(ratios_cpu):.2f}x "

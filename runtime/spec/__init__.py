@@ -7,6 +7,7 @@ processing reports what was accepted); `create_drafter(args, ...)` builds the on
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +105,9 @@ class Drafter(ABC):
 
 class HeadDrafter(Drafter):
     """A drafter that runs a trained head beside the target (EAGLE, EAGLE-3, Medusa): it keeps
-    `stats` (an AcceptanceStats) and `draft_seconds` (head time, for bench_spec's step split).
+    `stats` (an AcceptanceStats) and `draft_seconds` (head time, for bench_spec's step split;
+    `draft_decode_seconds` the part after decode / verify steps, steps whose every fed row
+    samples: prefill catch-ups aside).
     Its grammar rules (forced text; the cut at the first refused token, with every draft
     position's mask) are those of the n-gram speculator it owns for constrained requests
     (`eagle_lookup.ConstrainedLookup.ngram`): `lookup` drafts constrained requests (and their
@@ -115,6 +118,14 @@ class HeadDrafter(Drafter):
     lookup: Any
     gate: Any
     draft_seconds: float = 0.0
+    draft_decode_seconds: float = 0.0
+
+    def _spent(self, inp, t0: float) -> None:
+        """Count the head's wall time since `t0` (perf_counter) after the step `inp`."""
+        dt = time.perf_counter() - t0
+        self.draft_seconds += dt
+        if all(s - p == c for s, p, c in zip(inp.seq_lens, inp.prefix_lens, inp.sample_counts)):
+            self.draft_decode_seconds += dt
 
     def worth_verifying(self, reqs: list, drafts: list) -> bool:
         expected = [getattr(r, "draft_expected", 0.0) if d else 0.0 for r, d in zip(reqs, drafts)]
@@ -142,6 +153,7 @@ class HeadDrafter(Drafter):
         return {
             **self.stats.summary(),
             "spec_draft_seconds": round(self.draft_seconds, 4),
+            "spec_draft_decode_seconds": round(self.draft_decode_seconds, 4),
             **self.lookup.summary(),
         }
 

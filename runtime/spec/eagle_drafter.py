@@ -117,7 +117,6 @@ class EagleSpeculator(HeadDrafter):
         layers = matmul_numel(head.layers if head.variant == "eagle" else [head.midlayer])
         lm = head.draft_vocab_size * cfg.hidden_size
         self.gate = HeadGate(self.steps, (layers + lm) / target_matmul_numel(runner.model))
-        self.draft_seconds = 0.0  # head time (catch-up + loop), for the benchmark's split
         # the whole round (catch-up + chain loop) as one C call where it covers the head
         # (runtime/spec/head_kernel.py); with --cpu-forward eager, or for trees, the eager head
         self.compiled = None
@@ -208,7 +207,7 @@ class EagleSpeculator(HeadDrafter):
         # a chain drafts as many levels as pay at this batch size; a tree its full shape
         levels = self.gate.levels(self.steps) if self.topk == 1 else self.steps
         self._run(plan, feats, batch, levels)
-        self.draft_seconds += time.perf_counter() - t0
+        self._spent(inp, t0)
 
     def summary(self) -> dict:
         out = super().summary()

@@ -108,7 +108,6 @@ class MedusaSpeculator(HeadDrafter):
         )
         self.stats = AcceptanceStats(max(self.heads.num_heads, self.lookup.ngram.num_draft))
         self.gate = HeadGate(self.heads.num_heads)  # the off-switch by measured costs
-        self.draft_seconds = 0.0  # head time, for the benchmark's step split
         # all heads, log-softmax and top-k as one C call (runtime/spec/head_kernel.py); with
         # --cpu-forward eager, the eager heads
         self.compiled = None
@@ -209,4 +208,4 @@ class MedusaSpeculator(HeadDrafter):
         ids_l = ids.tolist()
         for b, row in enumerate(pool_rows):
             self.pending[row] = (lengths[b], ids_l[b], logp_l[b])
-        self.draft_seconds += time.perf_counter() - t0
+        self._spent(inp, t0)
