@@ -162,6 +162,20 @@ def test_cli_pd_flags(capsys):
     assert args.worker_urls == ("http://a:1",) and args.policy == "round_robin"
 
 
+def test_cache_aware_flags_reach_the_policy():
+    """`loom router --cache-threshold/--balance-*-threshold/--max-tree-size` are read: the
+    app's policy holds the values given on the command line."""
+    from loom.runtime.router.app import create_app
+    from loom.runtime.router.launch import parse_args
+
+    argv = ["--worker-urls", "http://a:1", "--policy", "cache_aware", "--cache-threshold", "0.25"]
+    argv += ["--balance-abs-threshold", "7", "--balance-rel-threshold", "1.5"]
+    policy = create_app(parse_args(argv + ["--max-tree-size", "1000"])).state.pool.policy
+    assert isinstance(policy, CacheAware)
+    assert (policy.cache_threshold, policy.balance_abs_threshold) == (0.25, 7)
+    assert (policy.balance_rel_threshold, policy.max_tree_size) == (1.5, 1000)
+
+
 def test_a_failed_request_removes_a_worker_only_if_health_fails_too():
     import asyncio
 
