@@ -565,7 +565,8 @@ def test_drafts_not_verified_still_teach_the_rates(monkeypatch):
 
 def test_finished_requests_are_learnt_lazily_and_boundedly():
     """A finished request teaches the trie only when a step drafts (batches too large to
-    draft never pay for it), LEARN_PER_STEP tokens per drafting request-step."""
+    draft never pay for it), LEARN_PER_STEP tokens per drafting step, shared by the step's
+    requests."""
     from loom.runtime.spec import speculator
     from loom.runtime.spec.speculator import NgramSpeculator
 
@@ -581,6 +582,12 @@ def test_finished_requests_are_learnt_lazily_and_boundedly():
     spec.draft(live, 8)
     # the request's prompt tail (trie depth) and output: 70 tokens, LEARN_PER_STEP a step
     assert done.spec_state.seen == 50 - spec.ngram.trie.depth + speculator.LEARN_PER_STEP
+    # a batch of 4 drafting: each request's draft learns a quarter
+    assert spec.enabled_for(4)
+    seen = done.spec_state.seen
+    spec.draft(live, 8)
+    assert done.spec_state.seen == seen + speculator.LEARN_PER_STEP // 4
+    spec.enabled_for(1)
     for _ in range(10):
         spec.draft(live, 8)
     assert not spec.finished and done.spec_state.seen == done.seq_len

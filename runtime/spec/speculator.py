@@ -43,7 +43,7 @@ from loom.runtime.spec.stats import AcceptanceStats
 
 TOKEN_COST = 0.05
 LEARN_QUEUE = 64
-LEARN_PER_STEP = 16  # tokens of finished requests the trie learns per drafting request-step
+LEARN_PER_STEP = 16  # tokens of finished requests the trie learns per drafting step
 PROBE_EVERY = 16
 FORCED_CACHE = 4096  # forced texts whose token ids are remembered
 
@@ -99,8 +99,11 @@ class NgramSpeculator(Drafter):
         # first OPENING_STEPS drafts after it use server-wide rates of their own, per step
         self.opening_rates = [[1.0] * self.num_draft for _ in range(1 + OPENING_STEPS)]
         self.opening_ct = [0] * (1 + OPENING_STEPS)
+        self.batch_size = 1  # of the step being drafted (`enabled_for`)
 
     def enabled_for(self, batch_size: int) -> bool:
+        # the step's drafting requests share one learning budget (`_learn_finished`)
+        self.batch_size = max(1, batch_size)
         return batch_size < self.disable_batch_size
 
     def skip(self, reqs: list) -> None:
@@ -387,13 +390,15 @@ class NgramSpeculator(Drafter):
 
     def on_finished(self, req) -> None:
         """Queue `req` for the trie: it learns finished requests lazily, LEARN_PER_STEP
-        tokens per drafting request-step, so batches too large to draft never pay for it and
-        a drafting step pays a bounded share (the last LEARN_QUEUE requests are kept)."""
+        tokens per drafting step (shared by the step's requests: LEARN_PER_STEP // b each
+        at batch b, at least one), so batches too large to draft never pay for it and a
+        drafting step pays a bounded share whatever its size (the last LEARN_QUEUE requests
+        are kept)."""
         if req.spec_state is not None:
             self.finished.append(req)
 
     def _learn_finished(self) -> None:
-        budget = LEARN_PER_STEP
+        budget = max(1, LEARN_PER_STEP // self.batch_size)
         while self.finished and budget > 0:
             req = self.finished[0]
             state = req.spec_state
