@@ -50,17 +50,29 @@ PREFIX, NEW, ROWS = [6, 9], [3, 1], [2, 0]
 
 
 @pytest.mark.parametrize(
-    "variant, overrides",
+    "variant, overrides, bf16",
     [
-        ("eagle", {}),
-        ("eagle", {"num_hidden_layers": 2, "fc_bias": True}),
-        ("eagle", {"draft_vocab_size": 150}),
-        ("eagle3", {"draft_vocab_size": 150}),
+        ("eagle", {}, False),
+        ("eagle", {"num_hidden_layers": 2, "fc_bias": True}, False),
+        ("eagle", {"draft_vocab_size": 150}, False),
+        ("eagle3", {"draft_vocab_size": 150}, False),
+        ("eagle3", {"draft_vocab_size": 150}, True),
+        ("eagle", {"num_hidden_layers": 2, "fc_bias": True}, True),
     ],
-    ids=["eagle", "eagle-2-layers-fc-bias", "eagle-reduced-vocab", "eagle3-reduced-vocab"],
-)
-def test_compiled_round_matches_the_eager_head(target, variant, overrides):
+    ids=[
+        "eagle", "eagle-2-layers-fc-bias", "eagle-reduced-vocab", "eagle3-reduced-vocab",
+        "eagle3-bf16-weights", "eagle-2-layers-bf16-weights",
+    ],
+)  # fmt: skip
+def test_compiled_round_matches_the_eager_head(target, variant, overrides, bf16):
+    """bf16: every head weight a bfloat16 value (a bf16 checkpoint's), so an AVX-512 build
+    reads the head's matmuls from bfloat16 panels (EAGLE-1's LM head, the target's float32
+    rows, stays float32)."""
     head = _random_head(target, variant, **overrides)
+    if bf16:
+        with torch.no_grad():
+            for p in head.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
     cfg = head.config
     n_layers = cfg.num_hidden_layers if variant == "eagle" else 1
     kv = TokenToKVPool(
@@ -86,6 +98,7 @@ def test_compiled_round_matches_the_eager_head(target, variant, overrides):
 
     compiled = CompiledEagleHead.build(head, kv, topk=1)
     assert compiled is not None
+    assert compiled.bf16 == (bf16 and compiled.lib.loom_isa_bits() == 512)
     starts = [0, NEW[0], sum(NEW)]
     tokens, logits, hidden = compiled.run(
         ids, pos, slots, feats, starts, ROWS, seq, table.req_to_token, [0, 1], steps,

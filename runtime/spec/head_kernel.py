@@ -44,10 +44,85 @@ EXTRA_C = r"""
 static inline int head_threads(int64_t T, int64_t K, int64_t N, int nthreads) {
     return T * K * N >= ((int64_t)1 << 22) ? nthreads : 1;
 }
-/* The forward's matmul (`mm`): the weights' packed panels (one sequential stream a panel, what
-   the target's steps read), else the row-major tiles. */
-#define HMM(x, T, K, ldx, w, wp, b, N, y, ldy, acc, nt) \
-    mm(x, T, K, ldx, w, wp, b, N, y, ldy, acc, head_threads((T), (K), (N), (nt)))
+#if ISA_BITS == 512
+/* y[t, n] (+)= sum_k x[t, k] w[n, k] + b[n] over panels stored in bfloat16 (wb: the packed
+   layout's [panels, K, 16] with each float's upper 16 bits): half the bytes of the float32
+   panels, for weights that are bfloat16 values (a bf16 checkpoint), so the products are the
+   same. A head step is a stream of ~3 MB of weights from L3 for a few tokens: memory-bound.
+   Tokens go four at a time (fewer: the spare accumulators repeat the first token), k in four
+   interleaved chains, so 16 FMA chains stay in flight and each weight line is widened once. */
+static inline __m512 bf16_line(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static void gemm_bf16(const float* x, int64_t T, int64_t K, int64_t ldx, const uint16_t* wb,
+                      const float* b, int64_t N, float* y, int64_t ldy, int accumulate) {
+    const int64_t panels = (N + PANEL - 1) / PANEL, K4 = K & ~(int64_t)3;
+    for (int64_t t0 = 0; t0 < T; t0 += 4) {
+        const int64_t nt = T - t0 < 4 ? T - t0 : 4;
+        const float* xr[4];
+        for (int t = 0; t < 4; t++) xr[t] = x + (t0 + (t < nt ? t : 0)) * ldx;
+        for (int64_t p = 0; p < panels; p++) {
+            const uint16_t* w = wb + p * K * PANEL;
+            __m512 acc[4][4];
+            for (int u = 0; u < 4; u++)
+                for (int t = 0; t < 4; t++) acc[u][t] = _mm512_setzero_ps();
+            if (nt == 1) {
+                for (int64_t k = 0; k < K4; k += 4) {
+                    #pragma GCC unroll 4
+                    for (int u = 0; u < 4; u++)
+                        acc[u][0] = _mm512_fmadd_ps(bf16_line(w + (k + u) * PANEL),
+                                                    _mm512_set1_ps(xr[0][k + u]), acc[u][0]);
+                }
+            } else {
+                for (int64_t k = 0; k < K4; k += 4) {
+                    #pragma GCC unroll 4
+                    for (int u = 0; u < 4; u++) {
+                        const __m512 wv = bf16_line(w + (k + u) * PANEL);
+                        #pragma GCC unroll 4
+                        for (int t = 0; t < 4; t++)
+                            acc[u][t] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xr[t][k + u]), acc[u][t]);
+                    }
+                }
+            }
+            for (int64_t k = K4; k < K; k++) {
+                const __m512 wv = bf16_line(w + k * PANEL);
+                for (int t = 0; t < 4; t++)
+                    acc[0][t] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xr[t][k]), acc[0][t]);
+            }
+            const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
+            const __mmask16 m = nn >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
+            const __m512 bias = b ? _mm512_maskz_loadu_ps(m, b + n0) : _mm512_setzero_ps();
+            for (int t = 0; t < nt; t++) {
+                float* o = y + (t0 + t) * ldy + n0;
+                __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]),
+                                         _mm512_add_ps(acc[2][t], acc[3][t]));
+                v = _mm512_add_ps(v, bias);
+                if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), v);
+                _mm512_mask_storeu_ps(o, m, v);
+            }
+        }
+    }
+}
+#endif
+
+/* A head matmul: the bfloat16 panels (wb) where this build has their kernel and the call runs
+   on one thread, else the forward's matmul (`mm`: the float32 packed panels wp, one
+   sequential stream a panel as the target's steps read, else the row-major tiles w). */
+static inline void hmm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w,
+                       const float* wp, const uint16_t* wb, const float* b, int64_t N, float* y,
+                       int64_t ldy, int accumulate, int nthreads) {
+    const int nt = head_threads(T, K, N, nthreads);
+#if ISA_BITS == 512
+    if (wb && nt == 1) {
+        gemm_bf16(x, T, K, ldx, wb, b, N, y, ldy, accumulate);
+        return;
+    }
+#else
+    (void)wb;
+#endif
+    mm(x, T, K, ldx, w, wp, b, N, y, ldy, accumulate, nt);
+}
 
 static inline double head_wall(void) {
     struct timespec ts;
@@ -63,6 +138,10 @@ typedef struct {
     const int64_t* d2t; /* EAGLE-3: target id = draft id + d2t[draft id] */
     const Layer* layer; /* its qkv_p / o_p / gu_p / down_p: the packed projections */
     const float *fc_p, *lm_p; /* fc and the LM head packed (cpu_forward.pack) */
+    /* the same in bfloat16 (NULL: a matrix that is not all bfloat16 values): fc, the LM head,
+       then per layer qkv, o, gate_up, down */
+    const uint16_t *fc_bf, *lm_bf;
+    const uint16_t* const* layer_bf; /* [layers * 4] */
 } Head;
 
 /* scores then softmax-weighted V over `len` pool columns (cols -> slots) and `n_extra` entries
@@ -124,14 +203,15 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
             memcpy(hin + t * 2 * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
             memcpy(hin + t * 2 * Hd + Hd, feat + t * ldf, sizeof(float) * Hd);
         }
-        HMM(hin, T, 2 * Hd, 2 * Hd, m->fc_w, m->fc_p, m->fc_b, Hd, x, Hd, 0, nthreads);
+        hmm(hin, T, 2 * Hd, 2 * Hd, m->fc_w, m->fc_p, m->fc_bf, m->fc_b, Hd, x, Hd, 0, nthreads);
     } else if (fused) {
-        HMM(feat, T, m->fc_in, ldf, m->fc_w, m->fc_p, m->fc_b, Hd, x, Hd, 0, nthreads);
+        hmm(feat, T, m->fc_in, ldf, m->fc_w, m->fc_p, m->fc_bf, m->fc_b, Hd, x, Hd, 0, nthreads);
     } else {
         for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, feat + t * ldf, sizeof(float) * Hd);
     }
     for (int64_t l = 0; l < m->layers; l++) {
         const Layer* L = m->layer + l;
+        const uint16_t* const* bf = m->layer_bf + 4 * l;
         for (int64_t t = 0; t < T; t++) {
             float* hr = hin + t * Kin;
             if (m->variant == 1) {
@@ -143,7 +223,7 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
                 memcpy(hr, x + t * Hd, sizeof(float) * Hd);
             }
         }
-        HMM(hin, T, Kin, Kin, L->qkv_w, L->qkv_p, L->qkv_b, QKV, qkv, QKV, 0, nthreads);
+        hmm(hin, T, Kin, Kin, L->qkv_w, L->qkv_p, bf[0], L->qkv_b, QKV, qkv, QKV, 0, nthreads);
         /* the target forward's q/k RMSNorm + RoPE (cpu_forward_kernel.SOURCE) */
         qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
         for (int64_t t = 0; t < T; t++) {
@@ -162,11 +242,11 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
                             att + t * H * D);
             }
         }
-        HMM(att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads);
+        hmm(att, T, H * D, H * D, L->o_w, L->o_p, bf[1], L->o_b, Hd, x, Hd, 1, nthreads);
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, hin + t * Hd);
-        HMM(hin, T, Hd, Hd, L->gu_w, L->gu_p, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
+        hmm(hin, T, Hd, Hd, L->gu_w, L->gu_p, bf[2], L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
         for (int64_t t = 0; t < T; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, I);
-        HMM(gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, x, Hd, 1, nthreads);
+        hmm(gu, T, I, 2 * I, L->down_w, L->down_p, bf[3], L->down_b, Hd, x, Hd, 1, nthreads);
     }
     free(hin); free(qkv); free(att); free(gu); free(sc);
 }
@@ -181,7 +261,7 @@ static void head_pick(const Head* m, const float* x, int64_t n, float* logits, f
         for (int64_t i = 0; i < n; i++) rms(x + i * Hd, m->norm, Hd, m->eps, normed + i * Hd);
         in = normed;
     }
-    HMM(in, n, Hd, Hd, m->lm_head, m->lm_p, NULL, V, logits, V, 0, nthreads);
+    hmm(in, n, Hd, Hd, m->lm_head, m->lm_p, m->lm_bf, NULL, V, logits, V, 0, nthreads);
     for (int64_t i = 0; i < n; i++) {
         const float* r = logits + i * V;
         int64_t best = 0;
@@ -282,13 +362,13 @@ void loom_medusa_heads(const float* h, int64_t n, int64_t Hd, int64_t k, int64_t
         memcpy(xi, h, sizeof(float) * n * Hd);
         for (int64_t j = 0; j < nl; j++) {
             const int64_t at = i * nl + j;
-            HMM(xi, n, Hd, Hd, NULL, res_p + at * res_ld, res_b + at * Hd, Hd, y, Hd, 0, nthreads);
+            hmm(xi, n, Hd, Hd, NULL, res_p + at * res_ld, NULL, res_b + at * Hd, Hd, y, Hd, 0, nthreads);
             for (int64_t e = 0; e < n * Hd; e++) xi[e] += y[e] / (1.f + expf(-y[e]));
         }
-        if (own_lm) HMM(xi, n, Hd, Hd, NULL, lm_p + i * lm_ld, NULL, V, lg + i * n * V, V, 0, nthreads);
+        if (own_lm) hmm(xi, n, Hd, Hd, NULL, lm_p + i * lm_ld, NULL, NULL, V, lg + i * n * V, V, 0, nthreads);
     }
     /* a shared LM head: one pass over its weights for all k * n rows */
-    if (!own_lm) HMM(x, k * n, Hd, Hd, NULL, lm_p, NULL, V, lg, V, 0, nthreads);
+    if (!own_lm) hmm(x, k * n, Hd, Hd, NULL, lm_p, NULL, NULL, V, lg, V, 0, nthreads);
     for (int64_t i = 0; i < k; i++)
         for (int64_t r = 0; r < n; r++) {
             const float* row = lg + (i * n + r) * V;
@@ -334,8 +414,7 @@ class _Head(ctypes.Structure):
             )
         ],
         ("layer", ctypes.POINTER(_Layer)),
-        ("fc_p", ctypes.c_void_p),
-        ("lm_p", ctypes.c_void_p),
+        *[(n, ctypes.c_void_p) for n in ("fc_p", "lm_p", "fc_bf", "lm_bf", "layer_bf")],
     ]  # fmt: skip
 
 
@@ -352,6 +431,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     # h, n, hidden, k, nl, res_p, res_b, lm_p, own_lm, V, topk, out_logp, out_ids, threads
     fn.argtypes = [P, I64, I64, I64, I64, P, P, P, ctypes.c_int, I64, I64, P, P]
     fn.argtypes += [ctypes.c_int]
+    lib.loom_isa_bits.restype = ctypes.c_int
+    lib.loom_isa_bits.argtypes = []
 
 
 def load() -> ctypes.CDLL | None:
@@ -361,6 +442,16 @@ def load() -> ctypes.CDLL | None:
 
 def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """w packed (cpu_forward.pack) as bfloat16 bits (int16) for the kernel's bf16 panels, or
+    None where an entry is not a bfloat16 value (the copy would round it: the float32 panels
+    run instead)."""
+    w = w.detach()
+    if not torch.equal(w.to(torch.bfloat16).float(), w):
+        return None
+    return pack(w).to(torch.bfloat16).view(torch.int16)
 
 
 def _pack_each(w: torch.Tensor) -> torch.Tensor:
@@ -425,9 +516,15 @@ class CompiledEagleHead:
             if t is None:
                 return None
             t = t.detach()
-            assert _f32(t) or t.dtype == torch.int64, "weights read in place: float32, contiguous"
+            assert _f32(t) or t.dtype in (torch.int64, torch.int16), "float32, contiguous"
             self._keep.append(t)
             return t.data_ptr()
+
+        # bfloat16 panels where the build has their kernel (AVX-512) and the weights allow
+        bf16 = lib.loom_isa_bits() == 512
+
+        def pb(w: torch.Tensor) -> int | None:
+            return p(_pack_bf16(w)) if bf16 else None
 
         eagle3 = head.variant == "eagle3"
         layers = [head.midlayer] if eagle3 else list(head.layers)
@@ -448,6 +545,14 @@ class CompiledEagleHead:
                 p(pack(mlp.gate_up_proj.weight)), p(pack(mlp.down_proj.weight)),
             )  # fmt: skip
         self._layers = structs
+        self._layer_bf = (ctypes.c_void_p * (4 * len(layers)))(*[
+            pb(w)
+            for layer in layers
+            for w in (
+                layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+                layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
+            )
+        ])  # fmt: skip
         a0 = layers[0].self_attn
         rot = a0.rotary_emb
         # EAGLE-1 over a reduced vocabulary: a contiguous copy of the target's subset rows
@@ -463,8 +568,12 @@ class CompiledEagleHead:
             p(head.midlayer.hidden_norm.weight) if eagle3 else None,
             p(head.norm.weight) if eagle3 else None, p(lm),
             p(rot.cos_cache), p(rot.sin_cache), p(head.d2t) if hasattr(head, "d2t") else None,
-            structs, p(pack(head.fc.weight)), p(pack(lm)),
+            structs, p(pack(head.fc.weight)), p(pack(lm)), pb(head.fc.weight), pb(lm),
+            ctypes.cast(self._layer_bf, ctypes.c_void_p),
         )  # fmt: skip
+        # which matmuls read bfloat16 panels (the shipped heads: all but EAGLE-1's LM head,
+        # the float32 target's rows)
+        self.bf16 = bf16 and any(self._layer_bf)
         self._ptr = ctypes.addressof(self._struct)
         self.dvocab = dvocab
 
