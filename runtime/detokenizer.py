@@ -86,10 +86,10 @@ class Detokenizer:
 
 
 def run_detokenizer_process(args, ipc, owner_pid, ready_pipe) -> None:
-    """Process entry: PULL BatchTokenIDOut from the scheduler, PUSH BatchStrOut to the tokenizer
-    manager; ControlOut messages pass through unchanged."""
-    import zmq
-
+    """Process entry: read BatchTokenIDOut from the scheduler, send BatchStrOut to the tokenizer
+    manager (runtime/channel.py); ControlOut messages pass through unchanged, in order. Every
+    message waiting is taken per wake-up: consecutive outputs leave as one BatchStrOut."""
+    from loom.runtime.channel import Receiver, Sender
     from loom.runtime.io_struct import ToDetokenizer, decoder, encode
     from loom.runtime.process import configure_child_process
     from loom.runtime.tokenizer import load_tokenizer
@@ -97,20 +97,24 @@ def run_detokenizer_process(args, ipc, owner_pid, ready_pipe) -> None:
     configure_child_process(args, "detokenizer", owner_pid)
     try:
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
-        ctx = zmq.Context()
-        recv = ctx.socket(zmq.PULL)
-        recv.bind(ipc.detokenizer)
-        send = ctx.socket(zmq.PUSH)
-        send.connect(ipc.tokenizer)
+        send = Sender(ipc.tokenizer)
+        recv = Receiver(ipc.detokenizer)  # waits for the scheduler to listen
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         ready_pipe.send({"error": f"detokenizer failed to start: {e}"})
         raise
     ready_pipe.send({"ok": True})
     detok = Detokenizer(tokenizer)
     dec = decoder(ToDetokenizer)
-    while True:
-        msg = dec.decode(recv.recv())
-        if isinstance(msg, BatchTokenIDOut):
-            send.send(encode(detok.handle(msg)))
-        else:
+    while not recv.closed:  # closed: the scheduler has gone, and so has the runtime
+        outs: list[StrOutput] = []
+        for raw in recv.read():
+            msg = dec.decode(raw)
+            if isinstance(msg, BatchTokenIDOut):
+                outs.extend(detok.handle(msg).outputs)
+                continue
+            if outs:
+                send.send(encode(BatchStrOut(outs)))
+                outs = []
             send.send(encode(msg))
+        if outs:
+            send.send(encode(BatchStrOut(outs)))

@@ -1,9 +1,9 @@
 """Wire messages between the processes (msgspec msgpack; no pickle on any socket).
 
-Topology (see docs/architecture.md):
+Topology (see docs/architecture.md; ZMQ PUSH for requests, runtime/channel.py for outputs):
   TokenizerManager --PUSH--> Scheduler      TokenizedGenerateReq, AbortReq, FlushCacheReq, StateReq
-  Scheduler        --PUSH--> Detokenizer    BatchTokenIDOut, ControlOut
-  Detokenizer      --PUSH--> TokenizerManager  BatchStrOut, ControlOut
+  Scheduler        --chan--> Detokenizer    BatchTokenIDOut, ControlOut
+  Detokenizer      --chan--> TokenizerManager  BatchStrOut, ControlOut
 """
 
 from __future__ import annotations

@@ -104,12 +104,13 @@ class TokenizerManager:
     async def start(self) -> None:
         """Open sockets on the running event loop; start receiving and the watchdog.
 
-        Receiving uses a plain socket drained on the loop (`_drain`: non-blocking reads until
-        none is left, run when the socket's fd wakes the loop and on every watchdog tick),
-        not an awaited zmq.asyncio recv: a lost fd wake-up then delays messages by at most a
-        tick instead of leaving every process idle with requests waiting."""
+        Outputs arrive on a channel (runtime/channel.py) drained on the loop (`_drain`:
+        every whole message waiting), run when its fd wakes the loop and on every watchdog
+        tick; requests leave on a ZMQ PUSH socket."""
         import zmq
         import zmq.asyncio
+
+        from loom.runtime.channel import Receiver
 
         if self._started:
             return
@@ -117,11 +118,11 @@ class TokenizerManager:
         self.ctx = zmq.asyncio.Context()
         self.send_sock = self.ctx.socket(zmq.PUSH)
         self.send_sock.connect(self.ipc.scheduler)
-        self.recv_sock = zmq.Socket(self.ctx, zmq.PULL)  # a plain (not asyncio) socket
-        self.recv_sock.bind(self.ipc.tokenizer)
+        # the detokenizer listens before it reports ready, so this connects at once
+        self.recv_sock = Receiver(self.ipc.tokenizer, timeout=30.0)
         self._recv_decoder = decoder(ToTokenizer)
         self._loop = asyncio.get_running_loop()
-        self._recv_fd = self.recv_sock.getsockopt(zmq.FD)
+        self._recv_fd = self.recv_sock.fileno()
         self._loop.add_reader(self._recv_fd, self._drain)
         self._tasks = [asyncio.create_task(self._watchdog())]
         self._drain()
@@ -133,9 +134,11 @@ class TokenizerManager:
         self._tokenize_pool.shutdown(wait=False)
         if getattr(self, "_recv_fd", None) is not None:
             self._loop.remove_reader(self._recv_fd)
-        for name in ("send_sock", "recv_sock"):  # start() may have failed part-way
-            if getattr(self, name, None) is not None:
-                getattr(self, name).close(linger=0)
+            self._recv_fd = None
+        if getattr(self, "send_sock", None) is not None:  # start() may have failed part-way
+            self.send_sock.close(linger=0)
+        if getattr(self, "recv_sock", None) is not None:
+            self.recv_sock.close()
         if getattr(self, "ctx", None) is not None:
             self.ctx.term()
 
@@ -433,32 +436,26 @@ class TokenizerManager:
             self.send_sock.send(encode(AbortReq(rid)))
 
     # ------------------------------------------------------------------ outputs
-    def _drain(self, budget: int = 256) -> int:
-        """Handle every message waiting in the receive socket (up to `budget`, then the rest on
-        the next loop turn, so a flood does not starve other tasks); returns how many. A
-        message that fails here (a bug) is logged and skipped: receiving must outlive it, and a
-        request it leaves unfinished is failed by the watchdog's probe."""
-        import zmq
-
-        n = 0
-        while n < budget:
-            try:
-                raw = self.recv_sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                # reading EVENTS makes libzmq process its pending commands, which resets the fd
-                # (edge-style: it wakes the loop again only for what arrives after this)
-                if self.recv_sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    continue
-                return n
-            n += 1
+    def _drain(self) -> int:
+        """Handle every message waiting on the output channel (up to its read size; the fd
+        stays readable for the rest, so a flood does not starve other tasks); returns how
+        many. A message that fails here (a bug) is logged and skipped: receiving must outlive
+        it, and a request it leaves unfinished is failed by the watchdog's probe."""
+        if self.recv_sock.closed:  # the detokenizer has gone: the watchdog reports it
+            return 0
+        raws = self.recv_sock.read(block=False)
+        if self.recv_sock.closed and self._recv_fd is not None:
+            self._loop.remove_reader(self._recv_fd)  # end of stream reads as ready forever
+            self._recv_fd = None
+        if raws:
             self._last_recv = time.monotonic()
+        for raw in raws:
             try:
                 self._on_message(self._recv_decoder.decode(raw))
             except Exception:  # noqa: BLE001 - logged; receiving goes on
                 self.recv_errors += 1
                 logger.exception("tokenizer manager: an output message failed; skipped")
-        self._loop.call_soon(self._drain)
-        return n
+        return len(raws)
 
     def _on_message(self, msg) -> None:
         if isinstance(msg, BatchStrOut):

@@ -16,6 +16,7 @@ def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
     import torch
     import zmq
 
+    from loom.runtime.channel import Sender
     from loom.runtime.process import configure_child_process
     from loom.runtime.scheduler.scheduler import Scheduler
 
@@ -39,8 +40,7 @@ def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
         ctx = zmq.Context()
         recv = ctx.socket(zmq.PULL)
         recv.bind(ipc.scheduler)
-        send = ctx.socket(zmq.PUSH)
-        send.connect(ipc.detokenizer)
+        send = Sender(ipc.detokenizer)  # outputs: runtime/channel.py
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         ready_pipe.send({"error": f"scheduler failed to start: {e}"})
         logger.error(traceback.format_exc())
