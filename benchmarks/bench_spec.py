@@ -282,10 +282,9 @@ def main() -> None:
             )
             if levels[1] > 0:
                 n_levels = on.decode.drafter.steps - 1
-                head += (
+                head += (  # the gate's cut may run fewer levels (HeadGate.levels)
                     f" (head: catch-up {levels[0] * per:.2f} ms, draft loop "
-                    f"{levels[1] * per:.2f} ms = {n_levels} levels x "
-                    f"{levels[1] * per / max(1, n_levels):.2f} ms)"
+                    f"{levels[1] * per:.2f} ms, up to {n_levels} levels)"
                 )
             (n_off, s_off, f_off), (n_dec, s_dec, f_dec) = dec["off"], dec["on"]
             if n_off and n_dec:
