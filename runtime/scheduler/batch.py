@@ -172,8 +172,10 @@ def _input_logprob_span(req: Req, begin: int, end: int) -> tuple[int, list[int] 
 
 
 def _fill_grammar_mask(reqs: list[Req], info: SamplingInfo, vocab_size: int) -> None:
-    """One mask row per sampled position: a verified draft brings the rows its grammar walk
-    filled (`req.draft_masks`, one per draft position and one after)."""
+    """One mask row per sampled position: a drafted request brings the rows its grammar walk
+    filled (`req.draft_masks`: row 0 after the last real token, then one after each draft
+    position), also when the step verifies none of its draft (not worth verifying, KV short,
+    the first draft token refused): row 0 is then this step's row, not computed twice."""
     if not any(r.grammar is not None for r in reqs):
         return
     from loom.grammar.base import allocate_token_bitmask
@@ -182,8 +184,8 @@ def _fill_grammar_mask(reqs: list[Req], info: SamplingInfo, vocab_size: int) -> 
     row = 0
     for r in reqs:
         if r.grammar is not None:
-            if r.draft_ids:
-                mask[row : row + 1 + len(r.draft_ids)] = r.draft_masks
+            if r.draft_masks is not None:
+                mask[row : row + 1 + len(r.draft_ids)] = r.draft_masks[: 1 + len(r.draft_ids)]
             else:
                 r.grammar.fill_mask(mask, row)
         row += 1 + len(r.draft_ids)

@@ -72,6 +72,8 @@ class OutputProcessor:
             self.drafter is None or not any(r.draft_ids for r in batch.reqs)
         )
         for i, req in enumerate(batch.reqs):
+            # the walk's grammar rows were this step's: stale once tokens are appended
+            req.draft_masks = None
             written_end = req.kv_len + req.extend_len
             req.kv_len = written_end - len(req.draft_ids)
             if req.finished:  # finishing: its last token's KV is now written
@@ -119,7 +121,7 @@ class OutputProcessor:
             if req.kv_len < written_end:
                 self.kv.truncate(req, req.kv_len, written_end)
             if req.draft_ids:
-                req.draft_ids, req.draft_masks = [], None
+                req.draft_ids = []
                 req.draft_parents = req.draft_probs = None
             if req.finished:
                 if self.drafter is not None:
