@@ -97,6 +97,9 @@ class TokenToKVPool:
         return total // self.num_slots
 
 
+SMALL_FREE = 64  # slots freed without torch.unique (see `PagedAllocator.free`)
+
+
 class PagedAllocator:
     """Free list of KV pages. Slots are handed out page by page; `size` excludes the padding page.
 
@@ -172,15 +175,28 @@ class PagedAllocator:
         return -(-(num_tokens - fill) // self.page_size)
 
     def free(self, slots: torch.Tensor) -> None:
-        if slots.numel() == 0:
+        count = slots.numel()
+        if count == 0:
             return
-        pages = torch.unique(slots.to(torch.int64).cpu() // self.page_size)
-        assert int(pages.min()) >= 1, "padding page must never be freed"
+        if count <= SMALL_FREE:
+            # a verify step's rejected draft slots: a set of a few ints, not torch.unique's
+            # sort (~4 vs ~15 us a call; these frees come on most verify steps at batch 1)
+            ps = self.page_size
+            desc = sorted({s // ps for s in slots.tolist()}, reverse=True)
+            lowest, pages = desc[-1], torch.tensor(desc, dtype=torch.int64)
+        else:
+            pages = torch.unique(slots.to(torch.int64).cpu() // self.page_size).flip(0)
+            lowest = int(pages[-1])
+        assert lowest >= 1, "padding page must never be freed"
         n = len(pages)
         assert self._top + n <= self.num_pages, "more pages freed than the pool holds"
-        self._stack[self._top : self._top + n] = pages.flip(0)  # the lowest page on top
+        self._stack[self._top : self._top + n] = pages  # descending: the lowest page on top
         self._top += n
 
     def check_no_duplicates(self) -> None:
+        # a count per page, O(pages): sorting them (torch.unique) took ~20 ms on the bundled
+        # model's 262,144 pages, on every idle scheduler step (a request arriving waited)
         free = self._stack[: self._top]
-        assert len(torch.unique(free)) == len(free), "page freed twice"
+        if len(free):
+            counts = torch.bincount(free, minlength=self.num_pages + 1)
+            assert int(counts.max()) == 1, "page freed twice"

@@ -1,0 +1,48 @@
+"""PagedAllocator.check_no_duplicates: exact (a counted duplicate, not a sampled one) at any
+fill of the pool, against sorting the free pages as the reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loom.runtime.memory_pool import PagedAllocator
+
+
+def _reference_ok(alloc: PagedAllocator) -> bool:
+    free = alloc._stack[: alloc._top]
+    return len(torch.unique(free)) == len(free)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_agrees_with_sorting_over_random_alloc_and_free(page_size):
+    rng = random.Random(page_size)
+    alloc = PagedAllocator(64 * page_size + page_size, page_size, "cpu")
+    held: list[torch.Tensor] = []
+    for _ in range(300):
+        if held and rng.random() < 0.45:
+            alloc.free(held.pop(rng.randrange(len(held))))
+        else:
+            got = alloc.alloc(rng.randint(1, 3 * page_size))
+            if got is not None:
+                held.append(got)
+        assert _reference_ok(alloc)
+        alloc.check_no_duplicates()  # passes exactly when the reference does
+    while held:
+        alloc.free(held.pop())
+    alloc.check_no_duplicates()
+    assert alloc.available_size() == alloc.size
+
+
+def test_a_page_freed_twice_is_caught_even_in_a_full_pool():
+    alloc = PagedAllocator(9, 1, "cpu")
+    slots = alloc.alloc(8)
+    assert alloc.available_size() == 0
+    alloc.check_no_duplicates()  # nothing free: nothing to count
+    alloc.free(slots[:3])
+    alloc.free(slots[2:3])  # slot 3 again
+    assert not _reference_ok(alloc)
+    with pytest.raises(AssertionError, match="freed twice"):
+        alloc.check_no_duplicates()
