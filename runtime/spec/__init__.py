@@ -120,6 +120,20 @@ class HeadDrafter(Drafter):
     draft_seconds: float = 0.0
     draft_decode_seconds: float = 0.0
 
+    inner: Any  # the target's inner model (capture_layers / captured)
+
+    def _capture(self, layers) -> None:
+        """What the target's next forward keeps (`capture_layers`). Set as a plain attribute:
+        nn.Module.__setattr__ checks parameters, buffers and submodules first, and this runs
+        twice a step."""
+        object.__setattr__(self.inner, "capture_layers", layers)
+
+    def _take_captured(self):
+        """The last forward's captures, cleared (never read twice)."""
+        captured = getattr(self.inner, "captured", None)
+        object.__setattr__(self.inner, "captured", None)
+        return captured
+
     def _spent(self, inp, t0: float) -> None:
         """Count the head's wall time since `t0` (perf_counter) after the step `inp`."""
         dt = time.perf_counter() - t0

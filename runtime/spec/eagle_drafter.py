@@ -136,7 +136,7 @@ class EagleSpeculator(HeadDrafter):
         large to draft captures none, so it runs the compiled CPU forward (which covers no
         capture) like plain decoding; the next step captures again."""
         on = batch_size < self.disable_batch_size and self.gate.enabled(batch_size, self.steps)
-        self.inner.capture_layers = self.capture if on else None
+        self._capture(self.capture if on else None)
         return on
 
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
@@ -193,9 +193,8 @@ class EagleSpeculator(HeadDrafter):
     def _after_step(self, inp, batch, out) -> None:
         import time
 
-        captured = getattr(self.inner, "captured", None)
-        self.inner.captured = None  # never read twice
-        self.inner.capture_layers = self.capture  # a step enabled_for turned off is over
+        captured = self._take_captured()
+        self._capture(self.capture)  # a step enabled_for turned off is over
         if len(inp.seq_lens) >= self.disable_batch_size or captured is None:
             return  # no drafting at this size; the head's KV for these positions goes stale
         t0 = time.perf_counter()

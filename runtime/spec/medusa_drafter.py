@@ -128,7 +128,7 @@ class MedusaSpeculator(HeadDrafter):
         )
         # keep the target's final hidden states only for steps that may draft (the compiled
         # CPU forward returns them too, when capture_layers is (); larger steps skip the copy)
-        self.inner.capture_layers = () if enabled else None
+        self._capture(() if enabled else None)
         return enabled
 
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
@@ -173,7 +173,7 @@ class MedusaSpeculator(HeadDrafter):
 
     # ------------------------------------------------------------ runner side
     def _after_step(self, inp, batch, out) -> None:
-        captured, self.inner.captured = self.inner.captured, None  # never read twice
+        captured = self._take_captured()
         if captured is None or len(inp.seq_lens) >= self.disable_batch_size:
             return  # this step kept no hidden states, or its batch is too large to draft
         t0 = time.perf_counter()
