@@ -16,8 +16,6 @@ from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_START_TIMEOUT = 600.0
-
 
 class Engine:
     """`Engine(model_path=None, **server_args)`; None means the bundled model."""
@@ -48,24 +46,13 @@ class Engine:
         atexit.register(self.shutdown)
 
     def _launch(self) -> None:
-        from loom.runtime.detokenizer import run_detokenizer_process
-        from loom.runtime.process import (
-            IPCNames,
-            start_process,
-            start_scheduler_ranks,
-            wait_all_ready,
-        )
-        from loom.runtime.tokenizer import load_tokenizer
+        from loom.runtime.process import IPCNames
+        from loom.runtime.server.launch import start_runtime_processes
         from loom.runtime.tokenizer_manager import TokenizerManager
 
         args = self.server_args
         self.ipc = ipc = IPCNames.fresh()
-        ranks = start_scheduler_ranks(args, ipc)
-        self._procs.extend(p for p, _ in ranks)
-        detok = start_process(run_detokenizer_process, (args, ipc), "detokenizer")
-        self._procs.append(detok[0])
-        tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
-        info, *_ = wait_all_ready([*ranks, detok], _START_TIMEOUT)
+        info, tokenizer = start_runtime_processes(args, ipc, self._procs)
         self.scheduler_info = info
         self.tokenizer = tokenizer
         self.tokenizer_manager = TokenizerManager(
@@ -184,17 +171,11 @@ class Engine:
                 pass
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(timeout=5)
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self._procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        from loom.runtime.process import stop_fork_server_if_idle
+        from loom.runtime.server.launch import stop_processes
 
-        stop_fork_server_if_idle()
+        stop_processes(self._procs)
+        if getattr(self, "ipc", None) is not None:
+            self.ipc.remove()
 
     def __enter__(self) -> Engine:
         return self

@@ -7,6 +7,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -27,6 +28,13 @@ class IPCNames:
         return cls(
             *(f"ipc://{folder}/{name}" for name in ("scheduler", "detokenizer", "tokenizer"))
         )
+
+    def remove(self) -> None:
+        """Delete the folder `fresh` made for these endpoints, once every process using them
+        has stopped (each launch made one under /tmp and left it behind)."""
+        folder = os.path.dirname(self.scheduler.removeprefix("ipc://"))
+        if self.scheduler.startswith("ipc://") and os.path.basename(folder).startswith("loom-ipc-"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def configure_logging(level: str) -> None:

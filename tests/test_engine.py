@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -239,3 +240,11 @@ def test_a_failing_output_hook_costs_no_output(engine):
 
 async def _async(fn, *args):
     return fn(*args)
+
+
+def test_shutdown_removes_the_ipc_folder(engine):
+    # the last test of this module: it shuts the module's engine down
+    folder = os.path.dirname(engine.ipc.scheduler.removeprefix("ipc://"))
+    assert os.path.isdir(folder) and os.listdir(folder)  # the live endpoints are there
+    engine.shutdown()
+    assert not os.path.exists(folder)

@@ -235,14 +235,25 @@ def schemathesis_given(operation):
 
 
 # --------------------------------------------------------------------------- lifetime
+def ipc_folders(pid: int) -> set[str]:
+    """The /tmp/loom-ipc-* folders of the Unix sockets process `pid` has bound."""
+    import psutil
+
+    paths = (c.laddr for c in psutil.Process(pid).net_connections(kind="unix"))
+    return {os.path.dirname(p) for p in paths if isinstance(p, str) and "/loom-ipc-" in p}
+
+
 def test_sigterm_shuts_down_cleanly(server):
     pids = server_info(server.url)["process_pids"]
     assert set(pids) == {"scheduler", "detokenizer"}
     # a clean exit, not the SIGKILL that shutdown() sends after its timeout (-9); the timeout
     # is generous so that a loaded machine's slow teardown is not mistaken for a hang
+    folders = ipc_folders(pids["scheduler"])
+    assert folders  # the scheduler's endpoints live in the launch's /tmp/loom-ipc-* folder
     code = server.shutdown(timeout=60)
     assert code == 0, server.log_tail()
     assert not os.path.exists(server.log_path)  # a clean exit leaves no log behind
+    assert not any(os.path.exists(f) for f in folders)  # nor its IPC folder
     deadline = time.monotonic() + 10
     while any(pid_alive(p) for p in pids.values()):
         assert time.monotonic() < deadline, "orphaned runtime processes"

@@ -76,21 +76,20 @@ def jinja_from_roles(template) -> str:
     return "".join(parts)
 
 
-def start_runtime_processes(args: ServerArgs, procs: list):
-    """Start the scheduler ranks and the detokenizer (appended to `procs` as they start);
-    returns (ipc names, scheduler info, tokenizer)."""
+def start_runtime_processes(args: ServerArgs, ipc, procs: list):
+    """Start the scheduler ranks and the detokenizer on `ipc` (appended to `procs` as they
+    start); returns (scheduler info, tokenizer)."""
     from loom.runtime.detokenizer import run_detokenizer_process
-    from loom.runtime.process import IPCNames, start_process, start_scheduler_ranks, wait_all_ready
+    from loom.runtime.process import start_process, start_scheduler_ranks, wait_all_ready
     from loom.runtime.tokenizer import load_tokenizer
 
-    ipc = IPCNames.fresh()
     ranks = start_scheduler_ranks(args, ipc)
     procs.extend(p for p, _ in ranks)
     detok = start_process(run_detokenizer_process, (args, ipc), "detokenizer")
     procs.append(detok[0])
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
     info, *_ = wait_all_ready([*ranks, detok], _START_TIMEOUT)
-    return ipc, info, tokenizer
+    return info, tokenizer
 
 
 def serve_other_node(args: ServerArgs) -> int:
@@ -101,8 +100,9 @@ def serve_other_node(args: ServerArgs) -> int:
     from loom.runtime.process import IPCNames, start_scheduler_ranks, wait_all_ready
 
     procs: list = []
+    ipc = IPCNames.fresh()
     try:
-        ranks = start_scheduler_ranks(args, IPCNames.fresh())
+        ranks = start_scheduler_ranks(args, ipc)
         procs.extend(p for p, _ in ranks)
         wait_all_ready(ranks, _START_TIMEOUT)
         logger.info("node %d: ranks %s ready", args.node_rank, list(args.node_ranks))
@@ -113,6 +113,7 @@ def serve_other_node(args: ServerArgs) -> int:
         return 1
     finally:
         stop_processes(procs)
+        ipc.remove()
 
 
 def stop_processes(procs: list) -> None:
@@ -139,7 +140,7 @@ def launch_server(args: ServerArgs) -> int:
 
     from loom.runtime.distributed import check_layout
     from loom.runtime.model_loader import load_config
-    from loom.runtime.process import configure_logging
+    from loom.runtime.process import IPCNames, configure_logging
     from loom.runtime.server.app import ServerState, create_app
     from loom.runtime.tokenizer_manager import TokenizerManager
 
@@ -158,8 +159,9 @@ def launch_server(args: ServerArgs) -> int:
     if args.node_rank > 0:
         return serve_other_node(args)
     procs: list = []
+    ipc = IPCNames.fresh()
     try:
-        ipc, info, tokenizer = start_runtime_processes(args, procs)
+        info, tokenizer = start_runtime_processes(args, ipc, procs)
         tm = TokenizerManager(args, ipc, tokenizer, info["context_length"], info["vocab_size"])
         tm.watched_processes = list(procs)
         state = ServerState(args, tm, info, procs, chat_template)
@@ -198,8 +200,10 @@ def launch_server(args: ServerArgs) -> int:
             # transformers takes seconds of CPU (over 10 s at load 10 on 2 cores), and the
             # forced-exit timer cannot fire once finalization has begun.
             stop_processes(procs)
+            ipc.remove()
             logging.shutdown()
             os._exit(exit_code)
         return exit_code
     finally:
         stop_processes(procs)
+        ipc.remove()
