@@ -25,7 +25,7 @@ from loom.runtime.memory_pool import (
 )
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
-from loom.runtime.sampler import greedy_ids, sample_verify_trees, token_logprobs
+from loom.runtime.sampler import greedy_verify, sample_verify_trees, token_logprobs
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -180,11 +180,12 @@ class ModelRunner:
         if (
             n_sample
             and not lp_targets
-            and info.plain_greedy
-            and info.vocab_mask is None
+            and info.all_greedy
+            and not info.trees
             and inp.logprob_top_nums.count(None) == len(inp.logprob_top_nums)
-        ):  # greedy, nothing to verify, mask or score: argmax straight from the logits
-            return _assemble(inp, greedy_ids(logits[:n_sample]), None, None, [], None, None)
+        ):  # greedy decode or chain verify with nothing to score: ids as Python lists
+            sampled, accepted = greedy_verify(logits[:n_sample], info.to(logits.device))
+            return _assemble(inp, sampled, accepted, None, [], None, None)
         counts = [c for c in inp.sample_counts if c]
         # rows whose logprobs were asked for: sampled rows of such requests, then prompt rows
         want = [n is not None for n, c in zip(inp.logprob_top_nums, inp.sample_counts) if c]

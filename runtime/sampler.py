@@ -75,9 +75,6 @@ class SamplingInfo:
     # tree drafts: per tree (its root row, node tokens, node parents, node draft probs or None);
     # row root + 1 + i holds the state after node i's path (see `verify_trees`)
     trees: list[tuple[int, list[int], list[int], Any]] | None = None
-    # every row greedy with nothing but the logits to read: no bias, penalty, banned token,
-    # draft or tree (a grammar's vocab_mask, filled later, is checked apart)
-    plain_greedy: bool = False
 
     @classmethod
     def from_reqs(
@@ -142,14 +139,6 @@ class SamplingInfo:
             draft_tokens = torch.tensor([x for _, _, x in rows], **i64)
         all_greedy = all(greedy)
         penalty = _penalty_tensors(rows, vocab_size, dev)
-        plain = (
-            all_greedy
-            and logit_bias is None
-            and penalty is None
-            and banned is None
-            and draft_tokens is None
-            and not trees
-        )
         return cls(
             temperatures=temps,
             top_ps=top_ps,
@@ -166,7 +155,6 @@ class SamplingInfo:
             banned=banned,
             draft_tokens=draft_tokens,
             trees=trees or None,
-            plain_greedy=plain,
         )
 
     def to(self, device: torch.device | str) -> SamplingInfo:
@@ -183,25 +171,28 @@ class SamplingInfo:
         return SamplingInfo(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
-# The last step's per-row parameter tensors, keyed by the values they hold: consecutive decode
-# steps of the same requests reuse them instead of building eleven small tensors a step.
-_ROW_PARAMS: tuple | None = None
+# Recent steps' per-row parameter tensors, keyed by the values they hold: decode steps of the
+# same requests reuse them instead of building eleven small tensors a step. Several entries:
+# a verify step has one row per draft position, so a request's steps alternate between row
+# counts (its draft length varies); one entry missed on most verify steps at batch 1.
+_ROW_PARAMS: dict = {}
+ROW_PARAMS_KEPT = 32
 
 
 def _row_params(rows, ps, greedy: list[bool], vocab_size: int, dev, shared: bool) -> tuple:
     """(temperatures [N, 1], top_ps, min_ps, top_ks, seeds, greedy) for the rows. With
     `shared`, the tensors may be the ones an earlier call with the same values returned, so
     they are read-only (the sampler never writes them); a draft tree's info gets its own."""
-    global _ROW_PARAMS
     values = tuple(
         (1.0 if g else p.temperature, p.top_p, p.min_p,
          vocab_size if p.top_k < 0 else min(p.top_k, vocab_size), r.seed, g)
         for (r, _, _), p, g in zip(rows, ps, greedy)
     )  # fmt: skip
     key = (dev, values)
-    memo = _ROW_PARAMS  # one read: another thread may replace it meanwhile
-    if shared and memo is not None and memo[0] == key:
-        return memo[1]
+    if shared:
+        hit = _ROW_PARAMS.get(key)  # one read: another thread may clear the dict meanwhile
+        if hit is not None:
+            return hit
     n = len(values)
     floats = host_tensor([v[:3] for v in values], torch.float32).reshape(n, 3)
     ints = host_tensor([v[3:5] for v in values], torch.int64).reshape(n, 2)
@@ -210,7 +201,9 @@ def _row_params(rows, ps, greedy: list[bool], vocab_size: int, dev, shared: bool
         floats, ints, flags = (t.to(dev, non_blocking=True) for t in (floats, ints, flags))
     out = (floats[:, 0:1], floats[:, 1], floats[:, 2], ints[:, 0], ints[:, 1], flags)
     if shared:
-        _ROW_PARAMS = (key, out)
+        if len(_ROW_PARAMS) >= ROW_PARAMS_KEPT:
+            _ROW_PARAMS.clear()
+        _ROW_PARAMS[key] = out
     return out
 
 
@@ -286,6 +279,18 @@ def apply_vocab_mask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
     """logits [B, V] float32 (modified in place) -> next token ids [B] (no drafts)."""
     return sample_and_verify(logits, info)[0]
+
+
+def greedy_verify(logits: torch.Tensor, info: SamplingInfo) -> tuple[list[int], list[bool] | None]:
+    """`sample_and_verify` for rows that are all greedy with no draft tree, as Python lists:
+    bias, penalties, bans and the grammar mask applied, then each row's argmax; a chain's row
+    accepts its draft token when it is that argmax (so the token kept is the argmax either
+    way). A decode or verify step at temperature 0 builds no token tensors."""
+    apply_penalties(logits, info)
+    ids = greedy_ids(logits)
+    if info.draft_tokens is None:
+        return ids, None
+    return ids, [i == d for i, d in zip(ids, info.draft_tokens.tolist())]
 
 
 def sample_and_verify(

@@ -226,12 +226,35 @@ def test_row_parameter_tensors_are_shared_only_for_equal_values():
     assert not bool(again.greedy.any()) and int(again.steps[0]) == 2
 
 
-def test_plain_greedy_fast_path_picks_what_the_full_sampler_picks():
-    """`plain_greedy` is set only when the logits alone decide (greedy, no bias, penalty,
-    min_new_tokens ban or draft); the runner's fast path (`greedy_ids`) then gives the full
-    sampler's ids, ties, NaN and -inf rows included."""
+def test_row_parameter_tensors_are_reused_across_draft_lengths():
+    """A request whose verify steps alternate between draft lengths (its rows per step vary)
+    gets the tensors built for the same rows before, with each row's values; the memo stays
+    bounded."""
+    import loom.runtime.sampler as sampler
     from loom.runtime.req import Req
-    from loom.runtime.sampler import greedy_ids
+    from loom.runtime.sampling_params import make_sampling_params
+
+    sampler._ROW_PARAMS.clear()  # earlier tests' rows may have filled it (cleared when full)
+    req = Req("r", [1, 2], make_sampling_params({"temperature": 0.5, "top_p": 0.9}), 7)
+    two = SamplingInfo.from_reqs([req], 8, drafts=[[4, 5]])
+    one = SamplingInfo.from_reqs([req], 8)
+    again = SamplingInfo.from_reqs([req], 8, drafts=[[6, 3]])
+    assert again.temperatures is two.temperatures and again.seeds is two.seeds
+    assert one.seeds is not two.seeds and len(one.seeds) == 1 and len(two.seeds) == 3
+    assert two.top_ps.tolist() == pytest.approx([0.9] * 3) and two.seeds.tolist() == [7] * 3
+    assert again.draft_tokens.tolist() == [6, 3, -1] and again.steps.tolist() == [2, 3, 4]
+    for k in range(2 * sampler.ROW_PARAMS_KEPT):
+        SamplingInfo.from_reqs([req], 8, drafts=[[4] * (k % 9)])
+        req.seed = k  # new values every ninth call
+        assert len(sampler._ROW_PARAMS) <= sampler.ROW_PARAMS_KEPT
+
+
+def test_greedy_verify_picks_and_accepts_what_the_full_sampler_does():
+    """The runner's path for all-greedy rows without a tree (`greedy_verify`: Python lists)
+    gives the full sampler's ids and acceptances: plain rows (ties, NaN and -inf rows
+    included), logit bias, penalties, min_new_tokens bans, a grammar mask and chain drafts."""
+    from loom.runtime.req import Req
+    from loom.runtime.sampler import greedy_verify, sample_and_verify
     from loom.runtime.sampling_params import make_sampling_params
 
     def info(params: dict, n: int = 3, **kw):
@@ -239,21 +262,33 @@ def test_plain_greedy_fast_path_picks_what_the_full_sampler_picks():
             Req(f"r{i}", [1, 2], make_sampling_params(params), i, eos_token_ids=frozenset({EOS}))
             for i in range(n)
         ]
+        for r in reqs:
+            r.output_ids = [3, 3]
         return SamplingInfo.from_reqs(reqs, 50, **kw)
 
-    plain = info({"temperature": 0})
-    assert plain.plain_greedy
-    assert not info({"temperature": 0.7}).plain_greedy
-    assert not info({"temperature": 0, "logit_bias": {"3": 1.0}}).plain_greedy
-    assert not info({"temperature": 0, "repetition_penalty": 1.2}).plain_greedy
-    assert not info({"temperature": 0, "min_new_tokens": 2}).plain_greedy
-    assert not info({"temperature": 0}, n=1, drafts=[[4, 5]]).plain_greedy
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 50, generator=g)
     x[0, 7] = x[0, 30] = 100.0  # a tie: the first wins
     x[1, 5] = x[1, 9] = float("nan")
     x[2] = float("-inf")
-    for t in (x, torch.randn(50, 3, generator=g).t()):
-        want = sample(t.clone(), plain).tolist()
-        got = greedy_ids(t)
-        assert got == want and all(type(i) is int for i in got)
+    mask = torch.full((3, 2), -1, dtype=torch.int32)
+    mask[0, 0] = 0  # tokens 0-31 refused in row 0
+    cases = [
+        (info({"temperature": 0}), [x, torch.randn(50, 3, generator=g).t()]),
+        (info({"temperature": 0, "logit_bias": {"3": 5.0}}), [torch.randn(3, 50, generator=g)]),
+        (info({"temperature": 0, "repetition_penalty": 1.5}), [torch.randn(3, 50, generator=g)]),
+        (info({"temperature": 0, "min_new_tokens": 4}), [torch.randn(3, 50, generator=g)]),
+        (info({"temperature": 0}), [torch.randn(3, 50, generator=g)]),
+    ]
+    cases[-1][0].vocab_mask = mask
+    chain = info({"temperature": 0}, n=1, drafts=[[4, 5]])
+    y = torch.randn(3, 50, generator=g)
+    y[0, 4] = y[2, 11] = 50.0  # row 0 accepts 4, row 1 rejects 5
+    cases.append((chain, [y, torch.where(torch.arange(50) == 5, 60.0, y)]))
+    for inf, logits in cases:
+        for t in logits:
+            ids, acc = sample_and_verify(t.clone(), inf)
+            got, got_acc = greedy_verify(t.clone(), inf)
+            assert got == ids.tolist() and all(type(i) is int for i in got)
+            assert got_acc == (None if acc is None else acc.tolist())
+    assert greedy_verify(y.clone(), chain)[1] == [True, False, False]
