@@ -479,9 +479,9 @@ static void silu_mul(float* g, const float* u, int64_t I) {
    mask [n, S] (row j sees column c where mask[j * S + c]) every row scores all S keys and the
    masked ones get probability 0 (a row that sees nothing: zeros). */
 #define ATTN_CHUNK 64
-/* tokens of one request from which its attention takes the blocked path: a tuning knob the
-   tests and benchmarks set through ctypes (c_int.in_dll); 2 by default: one request's verify
-   of a draft (2-16 tokens, masked or causal) reads K / V once, not once per token */
+/* tokens of one request from which its attention takes the blocked path (those of 2 ..
+   loom_small_attn_max tokens take small_attention instead): tuning knobs the tests and
+   benchmarks set through ctypes (c_int.in_dll) */
 int loom_block_attn_min = 2;
 static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
@@ -533,6 +533,106 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
     free(kp); free(vp); free(sc);
 }
 
+/* Attention of one request's n query tokens (2 <= n <= loom_small_attn_max: a verify step's
+   1 + k tokens) for kv head kh, reading each visible K and V row once and writing no copies:
+   the R = n * G query rows (row r = j * G + g) are held transposed and pre-scaled, qt[d][r],
+   so a K row's R scores are D broadcast multiply-adds over rows (no per-dot horizontal sums);
+   scores are kept column-major, sc[c][r], so the softmax's max / exp / sum run over rows too;
+   then each V row adds p * v into the R x D accumulators. Causal (mask NULL): row j sees
+   c < S - n + j + 1; with a mask [n, S], where mask[j * S + c]. Invisible columns get
+   probability 0 (a row that sees nothing: zeros). Scratch (per thread, RP = R rounded up to
+   16): qt [D * RP], sc [(S + SMALL_COLS) * RP], acc [R * D]. */
+#define SMALL_LANES 16
+#define SMALL_COLS 4 /* the V pass below is written out for 4 */
+int loom_small_attn_max = 32;
+static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
+                            const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
+                            int64_t kh, int64_t G, int64_t D, float scale, float* out,
+                            int64_t ldo, const uint8_t* mask, float* qt, float* sc, float* acc) {
+    const int64_t R = n * G, RP = (R + SMALL_LANES - 1) / SMALL_LANES * SMALL_LANES;
+    const int64_t first = S - n; /* columns before it are seen by every row (causal) */
+    memset(qt, 0, sizeof(float) * D * RP);
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < G; g++) {
+            const float* q = qkv + j * QKV + (kh * G + g) * D;
+            for (int64_t d = 0; d < D; d++) qt[d * RP + j * G + g] = q[d] * scale;
+        }
+    float mx[RP];
+    for (int64_t r = 0; r < RP; r++) mx[r] = -INFINITY;
+    for (int64_t c0 = 0; c0 < S; c0 += SMALL_COLS) {
+        /* SMALL_COLS keys a pass: independent multiply-add chains, and each qt vector loaded
+           once for all of them (past S, the last key again, its scores not stored) */
+        const float* kr[SMALL_COLS];
+        for (int64_t u = 0; u < SMALL_COLS; u++)
+            kr[u] = kc + (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D;
+        for (int64_t r0 = 0; r0 < RP; r0 += SMALL_LANES) {
+            float a[SMALL_COLS][SMALL_LANES] = {{0.f}};
+            for (int64_t d = 0; d < D; d++) {
+                const float* qd = qt + d * RP + r0;
+                for (int64_t u = 0; u < SMALL_COLS; u++) {
+                    const float kd = kr[u][d];
+                    #pragma omp simd
+                    for (int64_t i = 0; i < SMALL_LANES; i++) a[u][i] += qd[i] * kd;
+                }
+            }
+            for (int64_t u = 0; u < SMALL_COLS && c0 + u < S; u++)
+                memcpy(sc + (c0 + u) * RP + r0, a[u], sizeof(a[u]));
+        }
+        for (int64_t c = c0; c < c0 + SMALL_COLS && c < S; c++) {
+            float* s = sc + c * RP;
+            if (mask) {
+                for (int64_t j = 0; j < n; j++)
+                    if (!mask[j * S + c])
+                        for (int64_t g = 0; g < G; g++) s[j * G + g] = -INFINITY;
+            } else if (c > first) { /* rows j < c - first do not see it yet */
+                for (int64_t r = 0; r < (c - first) * G; r++) s[r] = -INFINITY;
+            }
+            #pragma omp simd
+            for (int64_t r = 0; r < RP; r++) mx[r] = s[r] > mx[r] ? s[r] : mx[r];
+        }
+    }
+    float inv[RP];
+    for (int64_t r = 0; r < RP; r++) {
+        inv[r] = 0.f;
+        if (mx[r] == -INFINITY) mx[r] = 0.f; /* nothing visible: every exp below is 0 */
+    }
+    for (int64_t c = 0; c < S; c++) {
+        float* s = sc + c * RP;
+        #pragma omp simd
+        for (int64_t r = 0; r < RP; r++) {
+            const float e = fast_expf(s[r] - mx[r]);
+            s[r] = e;
+            inv[r] += e;
+        }
+    }
+    for (int64_t r = 0; r < R; r++) inv[r] = inv[r] > 0.f ? 1.f / inv[r] : 0.f;
+    memset(acc, 0, sizeof(float) * R * D);
+    memset(sc + S * RP, 0, sizeof(float) * SMALL_COLS * RP); /* columns past S: p = 0 */
+    for (int64_t c0 = 0; c0 < S; c0 += SMALL_COLS) {
+        /* SMALL_COLS V rows a pass, so each accumulator is loaded and stored once for them
+           (past S: the last row again, with probability 0) */
+        const float* vr[SMALL_COLS];
+        for (int64_t u = 0; u < SMALL_COLS; u++)
+            vr[u] = vc + (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D;
+        const float* p = sc + c0 * RP;
+        for (int64_t r = 0; r < R; r++) {
+            const float p0 = p[r], p1 = p[RP + r], p2 = p[2 * RP + r], p3 = p[3 * RP + r];
+            if (p0 == 0.f && p1 == 0.f && p2 == 0.f && p3 == 0.f) continue; /* invisible */
+            float* a = acc + r * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++)
+                a[d] += p0 * vr[0][d] + p1 * vr[1][d] + p2 * vr[2][d] + p3 * vr[3][d];
+        }
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = j * G + g;
+            float* o = out + j * ldo + (kh * G + g) * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv[r];
+        }
+}
+
 /* One step. Requests b < B own tokens starts[b] .. starts[b+1]-1 (the last extend tokens of a
    sequence of seq_lens[b] KV columns, read through table[rows[b] * stride + column]); token j
    of request b sees columns 0 .. prefix + j (prefix = seq_lens[b] - its token count), or with
@@ -567,6 +667,15 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
     const int attn_threads = nthreads > 1 && T * Hkv * max_len * H * D > (1 << 17) ? nthreads : 1;
     const int64_t block_min = loom_block_attn_min > 1 ? loom_block_attn_min : 1;
+    /* a request of 2 .. small_max tokens takes small_attention, else one of block_min or more
+       tokens block_attention, else the per-token loop; small_rp: its widest scratch row */
+    const int64_t small_max = loom_small_attn_max;
+    int64_t small_rp = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = starts[b + 1] - starts[b];
+        if (n >= 2 && n <= small_max && n * G > small_rp) small_rp = n * G;
+    }
+    small_rp = (small_rp + SMALL_LANES - 1) / SMALL_LANES * SMALL_LANES;
 
     for (int64_t l = 0; l < m->layers; l++) {
         const Layer* L = m->layer + l;
@@ -579,27 +688,38 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             memcpy(L->v_cache + slots[t] * Hkv * D, k + Hkv * D, sizeof(float) * Hkv * D);
         }
         const double att0 = prof ? cpu_seconds() : 0.;
-        for (int64_t b = 0; b < B; b++) /* multi-token requests: the blocked path */
-            if (starts[b + 1] - starts[b] >= block_min)
+        for (int64_t b = 0; b < B; b++) { /* long multi-token requests: the blocked path */
+            const int64_t n = starts[b + 1] - starts[b];
+            if (n >= block_min && !(n >= 2 && n <= small_max))
                 for (int64_t kh = 0; kh < Hkv; kh++)
                     block_attention(qkv + starts[b] * QKV, QKV, starts[b + 1] - starts[b],
                                     seq_lens[b], table + rows[b] * stride, L->k_cache,
                                     L->v_cache, Hkv, kh, G, D, m->scale, att + starts[b] * H * D,
                                     H * D, nthreads,
                                     mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL);
+        }
         #pragma omp parallel num_threads(attn_threads) if(attn_threads > 1)
         {
-            float* sc = malloc(sizeof(float) * G * max_len);
-            float* acc = malloc(sizeof(float) * G * D);
+            float* sc = malloc(sizeof(float) * (G > small_rp ? G : small_rp) * (max_len + SMALL_COLS));
+            float* acc = malloc(sizeof(float) * (G > small_rp ? G : small_rp) * D);
+            float* qt = small_rp ? malloc(sizeof(float) * small_rp * D) : NULL;
             #pragma omp for schedule(dynamic)
             for (int64_t w = 0; w < T * Hkv; w++) {
                 const int64_t t = w / Hkv, kh = w % Hkv, b = tok_req[t];
                 const int64_t S = seq_lens[b], j = t - starts[b];
                 const int64_t n_tok = starts[b + 1] - starts[b];
+                const int64_t* cols = table + rows[b] * stride;
+                if (n_tok >= 2 && n_tok <= small_max) { /* the request's kv head kh at once */
+                    if (j == 0)
+                        small_attention(qkv + t * QKV, QKV, n_tok, S, cols, L->k_cache,
+                                        L->v_cache, Hkv, kh, G, D, m->scale, att + t * H * D,
+                                        H * D, mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL,
+                                        qt, sc, acc);
+                    continue;
+                }
                 if (n_tok >= block_min) continue; /* done above */
                 const uint8_t* mrow = mask_offs[b] >= 0 ? masks + mask_offs[b] + j * S : NULL;
                 const int64_t len = mrow ? S : S - n_tok + j + 1;
-                const int64_t* cols = table + rows[b] * stride;
                 const float* qb = qkv + t * QKV + kh * G * D;
                 float mx[G], den[G];
                 for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
@@ -643,6 +763,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             }
             free(sc);
             free(acc);
+            free(qt);
         }
         if (prof) prof[1] += cpu_seconds() - att0;
         TIMED(0, mm(att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads));

@@ -5,6 +5,7 @@ fallbacks and the flag."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import pytest
@@ -107,17 +108,36 @@ def test_logits_and_kv_match_eager_on_every_kind_of_step(tiny_model_dir, family)
     _compare(runner, st.batch([0, 1, 2], [5, 3, 4], ForwardMode.EXTEND, masks))
 
 
-@pytest.mark.parametrize("block_min", [1, 1000])
+# (loom_block_attn_min, loom_small_attn_max): the default (small_attention for 2-32 tokens),
+# the packed block_attention for every multi-token request, the per-token loop for all
+ATTN_PATHS = {"small": (2, 32), "packed": (2, 0), "per-token": (1000, 0)}
+
+
+@contextlib.contextmanager
+def _attn_knobs(runner: ModelRunner, block_min: int, small_max: int):
+    """The C attention's path knobs set for the block, then restored."""
+    lib, old = runner.cpu_forward.lib, []
+    for name, value in (("loom_block_attn_min", block_min), ("loom_small_attn_max", small_max)):
+        knob = ctypes.c_int.in_dll(lib, name)
+        old.append((knob, knob.value))
+        knob.value = value
+    try:
+        yield
+    finally:
+        for knob, value in old:
+            knob.value = value
+
+
+@pytest.mark.parametrize("block_min, small_max", [(1, 0), (1000, 0), (1000, 1000)])
 @pytest.mark.parametrize("family", ["llama-mqa", "qwen3"])
 @torch.inference_mode()
-def test_attention_paths_match_eager(tiny_model_dir, family, block_min):
-    """The two attention paths on every kind of step: every request through the blocked
-    (packed-matmul) path, single tokens included (block_min 1), or every token through the
-    per-token loop (1000); the default (2) is the test above."""
+def test_attention_paths_match_eager(tiny_model_dir, family, block_min, small_max):
+    """The three attention paths on every kind of step: every request through the blocked
+    (packed-matmul) path, single tokens included (block_min 1), every token through the
+    per-token loop (1000, 0), or every multi-token request, the 70-token one included, through
+    small_attention (1000, 1000); the default is the test above."""
     runner = _runner(tiny_model_dir(family))
-    knob = ctypes.c_int.in_dll(runner.cpu_forward.lib, "loom_block_attn_min")
-    default, knob.value = knob.value, block_min
-    try:
+    with _attn_knobs(runner, block_min, small_max):
         st = _Steps(runner, 4, seed=11)
         _compare(runner, st.batch([0, 1, 2], [5, 1, 9], ForwardMode.EXTEND))
         _compare(runner, st.batch([0, 1, 2, 3], [1, 12, 70, 2], ForwardMode.EXTEND))
@@ -126,8 +146,50 @@ def test_attention_paths_match_eager(tiny_model_dir, family, block_min):
         trees = {0: [-1, -1, 0, 1], 2: list(range(-1, 14))}
         masks = [tree_mask(st.lens[i], trees[i], "cpu") if i in trees else None for i in range(3)]
         _compare(runner, st.batch([0, 1, 2], [5, 3, 16], ForwardMode.EXTEND, masks))
-    finally:
-        knob.value = default
+
+
+@pytest.mark.parametrize("path", list(ATTN_PATHS))
+@pytest.mark.parametrize("family", ["llama-mha", "qwen3", "llama-mqa"])  # groups 1, 2, 4
+@torch.inference_mode()
+def test_verify_sized_attention_matches_eager(tiny_model_dir, family, path):
+    """Requests of 2-16 tokens (a verify step's 1 + drafts) after odd prefixes, as causal
+    chains and as draft trees, beside a decode token, through each attention path (the
+    default, "small", is also checked to be the default): logits and KV as eager's."""
+    runner = _runner(tiny_model_dir(family))
+    assert ctypes.c_int.in_dll(runner.cpu_forward.lib, "loom_small_attn_max").value == 32
+    with _attn_knobs(runner, *ATTN_PATHS[path]):
+        st = _Steps(runner, 3, seed=5)
+        _compare(runner, st.batch([0, 1, 2], [7, 13, 21], ForwardMode.EXTEND))
+        g = torch.Generator().manual_seed(3)
+        for n in range(2, 17):
+            parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(n - 1)]
+            masks = [None, tree_mask(st.lens[1], parents, "cpu"), None]
+            _compare(runner, st.batch([0, 1, 2], [n, n, 1], ForwardMode.EXTEND, masks))
+
+
+@torch.inference_mode()
+def test_attention_paths_agree_on_a_row_that_sees_nothing(tiny_model_dir):
+    """A mask row with no visible column (eager gives NaN there) gets zero attention, so the
+    same logits on every path, and the other rows are unchanged by it."""
+    runner = _runner(tiny_model_dir("qwen3"))
+    st = _Steps(runner, 1, seed=9)
+    _compare(runner, st.batch([0], [11], ForwardMode.EXTEND))
+    mask = tree_mask(st.lens[0], [-1, 0, 1, 1, -1], "cpu")
+    blank = mask.clone()
+    blank[3] = False
+    batch = st.batch([0], [6], ForwardMode.EXTEND, [blank])
+    out = {}
+    for path in ATTN_PATHS:
+        with _attn_knobs(runner, *ATTN_PATHS[path]):
+            out[path] = runner.cpu_forward(batch)
+    assert torch.isfinite(out["per-token"]).all()
+    for path in ("small", "packed"):
+        torch.testing.assert_close(out[path], out["per-token"], rtol=1e-5, atol=1e-5)
+    batch.custom_masks = [mask]
+    seen = runner.cpu_forward(batch)
+    rows = [0, 1, 2, 4, 5]  # no row sees row 3 (node 2 has no descendants): only it differs
+    torch.testing.assert_close(out["small"][rows], seen[rows], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out["small"][3], seen[3])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "bundled"])

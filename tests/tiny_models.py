@@ -85,6 +85,8 @@ def _config(family: str):
                 "original_max_position_embeddings": 256,
             },
         )
+    if family == "llama-mha":  # one query head per kv head (GQA group 1)
+        return tf.LlamaConfig(**{**common, "num_key_value_heads": 4})
     if family == "llama-mqa":
         return tf.LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=True)
     if family == "qwen2":
@@ -110,6 +112,7 @@ def _config(family: str):
 FAMILIES = [
     "llama",
     "llama-mqa",
+    "llama-mha",
     "qwen2",
     "qwen3",
     "qwen2-moe",
