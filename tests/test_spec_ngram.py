@@ -11,6 +11,7 @@ import re
 import jsonschema
 import lark
 import pytest
+import torch
 
 from loom.runtime.req import Req
 from loom.runtime.sampling_params import make_sampling_params
@@ -308,6 +309,26 @@ def test_greedy_outputs_identical_with_ngram(tiny_model_dir, config):
     st = sched.get_state()
     assert st["spec_verify_ct"] > 0, st
     assert sum(st["spec_accepted_by_position"]) > 0, st
+
+
+def test_verify_slots_through_the_numpy_view_match_the_general_path(tiny_model_dir, monkeypatch):
+    """Page size 1 on the CPU: a verify step's slots are written into req_to_token through its
+    numpy view (`KVManager._table_view`); with the view off (the torch path) the same requests
+    leave the same table, the same free stack and the same outputs."""
+    from loom.runtime.scheduler.kv import KVManager
+
+    path = tiny_model_dir("llama")
+    tok = make_scheduler(path).tokenizer
+    prompts = [(tok.encode(t), greedy(24)) for t in TEXTS[-3:]]
+    fast, fast_sched = _generate(path, prompts, 1, False, **SPEC)
+    monkeypatch.setattr(KVManager, "_table_view", lambda self: None)
+    slow, slow_sched = _generate(path, prompts, 1, False, **SPEC)
+    assert {k: v.ids for k, v in fast.items()} == {k: v.ids for k, v in slow.items()}
+    assert fast_sched.get_state()["spec_verify_ct"] > 0
+    a, b = fast_sched.kv, slow_sched.kv
+    assert torch.equal(a.req_to_token_pool.req_to_token, b.req_to_token_pool.req_to_token)
+    top_a, top_b = a.allocator._top, b.allocator._top
+    assert torch.equal(a.allocator._stack[:top_a], b.allocator._stack[:top_b])
 
 
 TREE = {**SPEC, "speculative_ngram_max_bfs_breadth": 4}

@@ -97,6 +97,14 @@ class KVManager:
         need = self.allocator.pages_needed(req.kv_len, n) * self.page_size
         if need > self.allocator.available_size():
             self.tree_cache.evict(need - self.allocator.available_size())
+        view = self._table_view()
+        if view is not None:  # page size 1 on the CPU: a verify's slots, written through numpy
+            slots = self.allocator.alloc(n)
+            if slots is None:
+                return None
+            view[req.req_pool_idx, req.kv_len : req.kv_len + n] = slots.numpy()
+            req.new_slots = slots
+            return slots
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         last = int(row[req.kv_len - 1]) if req.kv_len > 0 else 0
         slots = self.allocator.alloc_extend(req.kv_len, last, n)
@@ -106,19 +114,27 @@ class KVManager:
         req.new_slots = slots
         return slots
 
+    def _table_view(self):
+        """`req_to_token` as a numpy array of the same memory, with page size 1 on the CPU (a
+        slot needs no page arithmetic there); None otherwise. Kept per table."""
+        table = self.req_to_token_pool.req_to_token
+        if self.page_size != 1 or table.device.type != "cpu":
+            return None
+        if self._table_np is None or self._table_np[0] is not table:
+            self._table_np = (table, table.numpy())
+        return self._table_np[1]
+
     def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
         """One slot per request for position kv_len (the caller checked `pages_short`), in
         one vectorized step; returns the slots in request order."""
         table = self.req_to_token_pool.req_to_token
         b = len(reqs)
-        if self.page_size == 1 and table.device.type == "cpu":
+        view = self._table_view()
+        if view is not None:
             # the common CPU case in plain Python and numpy: a torch index_put and the index
             # tensors cost ~30 us of a batch-1 step's ~300 us outside the forward
             slots = self.allocator.alloc(b)
             assert slots is not None, "alloc_decode after pages_short said it fits"
-            if self._table_np is None or self._table_np[0] is not table:
-                self._table_np = (table, table.numpy())  # the same memory, kept per table
-            view = self._table_np[1]
             if b == 1:
                 view[reqs[0].req_pool_idx, reqs[0].kv_len] = slots.numpy()[0]
             else:
