@@ -12,7 +12,7 @@ from loom.runtime.memory_pool import PagedAllocator
 
 
 def _reference_ok(alloc: PagedAllocator) -> bool:
-    free = alloc._stack[: alloc._top]
+    free = alloc.free_list()
     return len(torch.unique(free)) == len(free)
 
 
@@ -46,3 +46,34 @@ def test_a_page_freed_twice_is_caught_even_in_a_full_pool():
     assert not _reference_ok(alloc)
     with pytest.raises(AssertionError, match="freed twice"):
         alloc.check_no_duplicates()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_pages_go_out_first_in_first_out_across_the_ring_wrap(page_size):
+    # the reference: a plain list, fresh pages 1..N in order, each free's pages (sorted,
+    # unique) appended at the end, each take from the front; many wraps of the ring
+    from collections import deque
+
+    rng = random.Random(7 + page_size)
+    pages = 16
+    alloc = PagedAllocator((pages + 1) * page_size, page_size, "cpu")
+    ref = deque(range(1, pages + 1))
+    held: list[torch.Tensor] = []
+    for _ in range(500):
+        if held and rng.random() < 0.5:
+            slots = held.pop(rng.randrange(len(held)))
+            alloc.free(slots[torch.randperm(len(slots))])
+            ref.extend(sorted({int(s) // page_size for s in slots}))
+        else:
+            n = rng.randint(1, 5 * page_size)
+            got = alloc.alloc(n)
+            need = -(-n // page_size)
+            if need > len(ref):
+                assert got is None
+                continue
+            want = [ref.popleft() for _ in range(need)]
+            assert sorted({int(s) // page_size for s in got}) == sorted(want)
+            assert [int(s) // page_size for s in got[::page_size]] == want  # in ring order
+            held.append(got)
+        assert alloc.free_list().tolist() == list(ref)
+        assert alloc.available_size() == len(ref) * page_size

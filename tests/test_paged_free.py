@@ -1,5 +1,5 @@
 """PagedAllocator.free's two paths (a Python set for small frees, torch.unique for large ones)
-leave the same free stack, over random frees of partial pages, repeated slots and both sizes."""
+leave the same free list, over random frees of partial pages, repeated slots and both sizes."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _run(page_size: int, small_free: int, monkeypatch) -> list[int]:
             if got is not None:
                 held.append(got)
     alloc.check_no_duplicates()
-    return alloc._stack[: alloc._top].tolist()
+    return alloc.free_list().tolist()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -327,8 +327,7 @@ def test_verify_slots_through_the_numpy_view_match_the_general_path(tiny_model_d
     assert fast_sched.get_state()["spec_verify_ct"] > 0
     a, b = fast_sched.kv, slow_sched.kv
     assert torch.equal(a.req_to_token_pool.req_to_token, b.req_to_token_pool.req_to_token)
-    top_a, top_b = a.allocator._top, b.allocator._top
-    assert torch.equal(a.allocator._stack[:top_a], b.allocator._stack[:top_b])
+    assert torch.equal(a.allocator.free_list(), b.allocator.free_list())
 
 
 TREE = {**SPEC, "speculative_ngram_max_bfs_breadth": 4}
