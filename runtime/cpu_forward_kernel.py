@@ -545,6 +545,8 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
 #define SMALL_LANES 16
 #define SMALL_COLS 4 /* the V pass below is written out for 4 */
 int loom_small_attn_max = 32;
+/* whether a request of n tokens takes small_attention */
+static inline int small_path(int64_t n) { return n >= 2 && n <= loom_small_attn_max; }
 static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
                             int64_t kh, int64_t G, int64_t D, float scale, float* out,
@@ -667,13 +669,13 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
     const int attn_threads = nthreads > 1 && T * Hkv * max_len * H * D > (1 << 17) ? nthreads : 1;
     const int64_t block_min = loom_block_attn_min > 1 ? loom_block_attn_min : 1;
-    /* a request of 2 .. small_max tokens takes small_attention, else one of block_min or more
-       tokens block_attention, else the per-token loop; small_rp: its widest scratch row */
-    const int64_t small_max = loom_small_attn_max;
+    /* a request of 2 .. loom_small_attn_max tokens takes small_attention (small_path), else
+       one of block_min or more tokens block_attention, else the per-token loop; small_rp:
+       its widest scratch row */
     int64_t small_rp = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = starts[b + 1] - starts[b];
-        if (n >= 2 && n <= small_max && n * G > small_rp) small_rp = n * G;
+        if (small_path(n) && n * G > small_rp) small_rp = n * G;
     }
     small_rp = (small_rp + SMALL_LANES - 1) / SMALL_LANES * SMALL_LANES;
 
@@ -690,7 +692,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
         const double att0 = prof ? cpu_seconds() : 0.;
         for (int64_t b = 0; b < B; b++) { /* long multi-token requests: the blocked path */
             const int64_t n = starts[b + 1] - starts[b];
-            if (n >= block_min && !(n >= 2 && n <= small_max))
+            if (n >= block_min && !small_path(n))
                 for (int64_t kh = 0; kh < Hkv; kh++)
                     block_attention(qkv + starts[b] * QKV, QKV, starts[b + 1] - starts[b],
                                     seq_lens[b], table + rows[b] * stride, L->k_cache,
@@ -709,7 +711,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 const int64_t S = seq_lens[b], j = t - starts[b];
                 const int64_t n_tok = starts[b + 1] - starts[b];
                 const int64_t* cols = table + rows[b] * stride;
-                if (n_tok >= 2 && n_tok <= small_max) { /* the request's kv head kh at once */
+                if (small_path(n_tok)) { /* the request's kv head kh at once */
                     if (j == 0)
                         small_attention(qkv + t * QKV, QKV, n_tok, S, cols, L->k_cache,
                                         L->v_cache, Hkv, kh, G, D, m->scale, att + t * H * D,

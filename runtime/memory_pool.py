@@ -129,12 +129,16 @@ class PagedAllocator:
         self._head = 0
         self._count = self.num_pages
 
-    def free_list(self) -> torch.Tensor:
-        """The free pages in the order they will be handed out (a copy)."""
-        end = self._head + self._count
+    def _ring_read(self, n: int) -> torch.Tensor:
+        """A copy of the n ring entries from the head, wrapping (the ring's entries are reused)."""
+        end = self._head + n
         if end <= self.num_pages:
             return self._ring[self._head : end].clone()
         return torch.cat([self._ring[self._head :], self._ring[: end - self.num_pages]])
+
+    def free_list(self) -> torch.Tensor:
+        """The free pages in the order they will be handed out (a copy)."""
+        return self._ring_read(self._count)
 
     def available_size(self) -> int:
         return self._count * self.page_size
@@ -142,12 +146,8 @@ class PagedAllocator:
     def _take_pages(self, n: int) -> torch.Tensor | None:
         if n > self._count:
             return None
-        head, end = self._head, self._head + n
-        if end <= self.num_pages:
-            pages = self._ring[head:end].clone()  # a copy: the ring's entries are reused
-        else:
-            pages = torch.cat([self._ring[head:], self._ring[: end - self.num_pages]])
-        self._head = end % self.num_pages
+        pages = self._ring_read(n)
+        self._head = (self._head + n) % self.num_pages
         self._count -= n
         return pages
 
