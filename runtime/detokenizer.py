@@ -91,10 +91,12 @@ def run_detokenizer_process(args, ipc, owner_pid, ready_pipe) -> None:
     message waiting is taken per wake-up: consecutive outputs leave as one BatchStrOut."""
     from loom.runtime.channel import Receiver, Sender
     from loom.runtime.io_struct import ToDetokenizer, decoder, encode
-    from loom.runtime.process import configure_child_process
+    from loom.runtime.process import configure_child_process, yield_to_scheduler
     from loom.runtime.tokenizer import load_tokenizer
 
     configure_child_process(args, "detokenizer", owner_pid)
+    if args.resolved_device == "cpu":
+        yield_to_scheduler()  # woken per streamed token: never preempt the forward
     try:
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
         send = Sender(ipc.tokenizer)

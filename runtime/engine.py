@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from loom.runtime.io_struct import GENERATE_FIELDS, GenerateReqInput, decode_generate_request
+from loom.runtime.process import yield_to_scheduler
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,18 @@ class Engine:
         self.tokenizer_manager.watched_processes = list(self._procs)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="loom-engine", daemon=True
+            target=self._run_loop,
+            args=(args.resolved_device == "cpu",),
+            name="loom-engine",
+            daemon=True,
         )
         self._thread.start()
         self._call(self.tokenizer_manager.start())
+
+    def _run_loop(self, on_cpu: bool) -> None:
+        if on_cpu:  # this loop wakes per streamed token: it must not preempt the forward
+            yield_to_scheduler()
+        self._loop.run_forever()
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)

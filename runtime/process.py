@@ -45,6 +45,25 @@ def configure_logging(level: str) -> None:
     )
 
 
+def yield_to_scheduler() -> bool:
+    """Make the calling thread (and threads it starts later) SCHED_BATCH: it still gets its
+    fair share of CPU, but waking up no longer preempts a running thread. For the threads that
+    wake once per streamed token (the detokenizer, the tokenizer manager's event loop): on a
+    CPU device the forward runs on the scheduler's thread, and as SCHED_NORMAL tasks they
+    preempted it mid-step, 0.83 times per streamed token at batch 1 (0.22 as SCHED_BATCH; see
+    docs/benchmarks.md "Session 8: the streamed chain yields to the scheduler"). Children
+    forked from here start SCHED_NORMAL again (SCHED_RESET_ON_FORK), so a fork server or a
+    scheduler started later is not affected. Returns False where the OS has no such policy."""
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None or not hasattr(os, "sched_setscheduler"):
+        return False
+    try:
+        os.sched_setscheduler(0, policy | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+    except OSError:
+        return False
+    return True
+
+
 def _alive(pid: int) -> bool:
     """False once `pid` has exited, also while it is an unreaped zombie (an owner killed by
     a signal stays one until its own parent waits for it)."""

@@ -242,6 +242,22 @@ async def _async(fn, *args):
     return fn(*args)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_streamed_chain_yields_to_the_scheduler(engine):
+    """On a CPU device the per-token threads (the detokenizer, the engine's event loop) are
+    SCHED_BATCH, so their wake-ups never preempt the forward; the scheduler stays
+    SCHED_NORMAL, and so does the caller's own thread."""
+    policy = {p.name: os.sched_getscheduler(p.pid) & ~os.SCHED_RESET_ON_FORK for p in engine._procs}
+    assert policy.pop("detokenizer") == os.SCHED_BATCH
+    assert set(policy.values()) == {os.SCHED_OTHER}, policy  # the scheduler rank(s)
+    loop_tid = engine._thread.native_id
+    assert os.sched_getscheduler(loop_tid) & ~os.SCHED_RESET_ON_FORK == os.SCHED_BATCH
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    # the chain still delivers every token
+    chunks = list(engine.generate("Hi", {"max_new_tokens": 6, "ignore_eos": True}, stream=True))
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 6
+
+
 def test_shutdown_removes_the_ipc_folder(engine):
     # the last test of this module: it shuts the module's engine down
     folder = os.path.dirname(engine.ipc.scheduler.removeprefix("ipc://"))

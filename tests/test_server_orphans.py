@@ -31,6 +31,10 @@ def test_killing_the_server_leaves_no_orphans(tiny_model_dir):
     try:
         descendants = psutil.Process(rt.pid).children(recursive=True)
         assert len(descendants) >= 3, descendants  # fork server, scheduler, detokenizer
+        if hasattr(os, "SCHED_BATCH"):  # runtime/process.py yield_to_scheduler
+            policy = [os.sched_getscheduler(p.pid) & ~os.SCHED_RESET_ON_FORK for p in descendants]
+            assert policy.count(os.SCHED_BATCH) == 1, policy  # the detokenizer only
+            assert os.sched_getscheduler(rt.pid) & ~os.SCHED_RESET_ON_FORK == os.SCHED_BATCH
         os.kill(rt.pid, signal.SIGKILL)  # not reaped yet: the owner stays a zombie meanwhile
         left = wait_gone(descendants)
         assert not left, [(p.pid, p.cmdline()[:3]) for p in left]

@@ -140,7 +140,7 @@ def launch_server(args: ServerArgs) -> int:
 
     from loom.runtime.distributed import check_layout
     from loom.runtime.model_loader import load_config
-    from loom.runtime.process import IPCNames, configure_logging
+    from loom.runtime.process import IPCNames, configure_logging, yield_to_scheduler
     from loom.runtime.server.app import ServerState, create_app
     from loom.runtime.tokenizer_manager import TokenizerManager
 
@@ -194,6 +194,8 @@ def launch_server(args: ServerArgs) -> int:
             timer.start()
 
         tm.on_dead = on_dead
+        if args.resolved_device == "cpu":  # the event loop wakes per streamed token
+            yield_to_scheduler()
         server.run()
         if exit_code:
             # A dead runtime: leave now. Tearing down an interpreter that imported torch and
