@@ -91,7 +91,11 @@ def run_detokenizer_process(args, ipc, owner_pid, ready_pipe) -> None:
     message waiting is taken per wake-up: consecutive outputs leave as one BatchStrOut."""
     from loom.runtime.channel import Receiver, Sender
     from loom.runtime.io_struct import ToDetokenizer, decoder, encode
-    from loom.runtime.process import configure_child_process, yield_to_scheduler
+    from loom.runtime.process import (
+        configure_child_process,
+        freeze_startup_heap,
+        yield_to_scheduler,
+    )
     from loom.runtime.tokenizer import load_tokenizer
 
     configure_child_process(args, "detokenizer", owner_pid)
@@ -104,6 +108,7 @@ def run_detokenizer_process(args, ipc, owner_pid, ready_pipe) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         ready_pipe.send({"error": f"detokenizer failed to start: {e}"})
         raise
+    freeze_startup_heap()
     ready_pipe.send({"ok": True})
     detok = Detokenizer(tokenizer)
     dec = decoder(ToDetokenizer)

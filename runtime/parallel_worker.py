@@ -131,7 +131,7 @@ def setup_rank(args, rank: int, addr: str):
 
 def run_worker_process(args, rank: int, addr: str, owner_pid, ready_pipe) -> None:
     """A rank > 0: load its shard, then run every step rank 0 broadcasts until told to stop."""
-    from loom.runtime.process import configure_child_process
+    from loom.runtime.process import configure_child_process, freeze_startup_heap
 
     configure_child_process(args, f"scheduler-rank{rank}", owner_pid)
     try:
@@ -140,6 +140,7 @@ def run_worker_process(args, rank: int, addr: str, owner_pid, ready_pipe) -> Non
         ready_pipe.send({"error": f"rank {rank} failed to start: {e}"})
         logger.error(traceback.format_exc())
         raise SystemExit(1) from e
+    freeze_startup_heap()
     ready_pipe.send({"ok": True})
     try:
         with torch.inference_mode():

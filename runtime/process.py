@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -43,6 +44,15 @@ def configure_logging(level: str) -> None:
         format="[%(asctime)s %(processName)s] %(levelname)s %(name)s: %(message)s",
         force=True,
     )
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (torch, transformers, the model, the tokenizer:
+    ~220,000 in a scheduler) out of the garbage collector's sight. A full collection scanned
+    them all, ~90 ms once every ~2,000 decode steps at batch 1 in a scheduler (0.05 ms a step
+    on average, and a 90 ms gap in every stream); what is allocated later is still collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def yield_to_scheduler() -> bool:

@@ -258,6 +258,14 @@ def test_the_streamed_chain_yields_to_the_scheduler(engine):
     assert chunks[-1]["meta_info"]["completion_tokens"] == 6
 
 
+def test_the_scheduler_froze_its_startup_heap(engine):
+    """The scheduler's start-up objects (torch, the model) are out of the collector's sight
+    (process.freeze_startup_heap), so no full collection rescans them mid-stream."""
+    info = engine.get_server_info()
+    assert info["gc_frozen_objects"] > 10_000, info["gc_frozen_objects"]
+    assert len(info["gc_collections"]) == 3
+
+
 def test_shutdown_removes_the_ipc_folder(engine):
     # the last test of this module: it shuts the module's engine down
     folder = os.path.dirname(engine.ipc.scheduler.removeprefix("ipc://"))

@@ -17,7 +17,7 @@ def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
     import zmq
 
     from loom.runtime.channel import Sender
-    from loom.runtime.process import configure_child_process
+    from loom.runtime.process import configure_child_process, freeze_startup_heap
     from loom.runtime.scheduler.scheduler import Scheduler
 
     configure_child_process(args, "scheduler", owner_pid)
@@ -45,6 +45,7 @@ def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
         ready_pipe.send({"error": f"scheduler failed to start: {e}"})
         logger.error(traceback.format_exc())
         raise SystemExit(1) from e
+    freeze_startup_heap()
     ready_pipe.send({"ok": True, **sched.get_state(), **extra_state(sched)})
     dec = decoder(ToScheduler)
     poller = zmq.Poller()

@@ -7,6 +7,7 @@ mechanics (forward, sampling, logprobs) behind the model runner. It runs in-proc
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import time
@@ -363,6 +364,10 @@ class Scheduler:
             "cache_size_tokens": self.tree_cache.total_size(),
             "cache_hit_rate": st["cached_tokens"] / max(1, st["prompt_tokens"]),
             "decode_timing": {str(k): v for k, v in self.decode_timing.items()},
+            # objects out of the collector's sight (process.freeze_startup_heap) and the
+            # collections run since, per generation
+            "gc_frozen_objects": gc.get_freeze_count(),
+            "gc_collections": [g["collections"] for g in gc.get_stats()],
             **(self.decode.drafter.summary() if self.decode.drafter is not None else {}),
             **st,
         }
