@@ -89,7 +89,9 @@ def test_what_a_model_generated_comes_before_newer_prompt_text():
     d.observe(done, NgramState(4))
     assert d.propose(_req([1, 2, 3, 7, 5, 1, 2, 3]), NgramState(4), 2) == [8, 9]
     # without a generated continuation, recency decides as before
-    assert _drafter().propose(_req([1, 2, 3, 7, 5, 1, 2, 3, 6, 5, 1, 2, 3]), NgramState(4), 1) == [6]
+    assert _drafter().propose(_req([1, 2, 3, 7, 5, 1, 2, 3, 6, 5, 1, 2, 3]), NgramState(4), 1) == [
+        6
+    ]
     # skip-gram: a new token after "1 2 3" continues as a generated sibling did (8 9), even
     # where prompt text offers one at a longer context (4 1 2 3 -> 7 5)
     d.observe(_req([4, 1, 2, 3, 7, 5]), NgramState(4))
@@ -107,6 +109,28 @@ def test_trie_is_shared_across_requests_and_bounded():
     assert len(d.trie) <= 2048
     recent = _req([7, 7, 8, 1, 2, 3, 4, 5, 6, 8, 1, 2])
     assert d.propose(recent, NgramState(4), 3) == [3, 4, 5]
+
+
+def test_eviction_spares_what_was_touched_since_it_was_queued():
+    """The trie evicts the least recently touched first, though a touch does not move a node
+    in the queue (second chance at eviction): windows seen again after newer ones outlive
+    those newer ones; a window never seen again goes first; the size stays bounded."""
+    from loom.runtime.spec.ngram import NgramTrie
+
+    def insert(trie, tokens):
+        pointers = []
+        for t in tokens:
+            pointers = trie.extend(pointers, t)
+
+    old, newer, fresh = [1, 2, 3], [4, 5, 6], [7, 8, 9]
+    trie = NgramTrie(depth=3, capacity=12)
+    insert(trie, old)  # 6 nodes: 1 2 3, 2 3, 3
+    insert(trie, newer)  # 6 more, the trie is full
+    insert(trie, old)  # touched again: now more recent than `newer`, still first in the queue
+    insert(trie, fresh)  # 6 more: six must go
+    assert len(trie) <= 12
+    assert trie.walk(trie.root, old) is not None and trie.walk(trie.root, fresh) is not None
+    assert trie.walk(trie.root, [4]) is None  # `newer` went, though queued after `old`
 
 
 def test_a_request_back_from_a_large_batch_catches_up_on_its_last_tokens_only():

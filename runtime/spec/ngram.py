@@ -13,9 +13,12 @@ unless an exact match of a longer window exists. Where a chain runs out (a long 
 few trie levels below it), its own last tokens are matched again from the root, so a copy
 continues past one window (at most MAX_REMATCHES times a draft).
 
-Bounded: at most `capacity` nodes, least recently touched evicted first (an evicted node's
-subtree is cut off with it and ages out of the LRU in turn); a prompt contributes at most its
-last `MAX_PROMPT_TOKENS` tokens, so the first draft of a request costs O(that x depth).
+Bounded: at most `capacity` nodes, the least recently touched evicted first, approximately
+(an evicted node's subtree is cut off with it and ages out of the queue in turn): the queue
+holds nodes in creation order and a touch only stamps the node; eviction gives a node touched
+since it was queued a second chance at the back (CLOCK), so a token seen costs no queue move
+per node (`move_to_end` was a quarter of an insert). A prompt contributes at most its last
+`MAX_PROMPT_TOKENS` tokens, so the first draft of a request costs O(that x depth).
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ SKIP_MIN_CONTEXT = 2  # tokens of context a skip-gram match needs
 SKIP_SCAN = 32  # siblings a skip-gram match looks at
 CATCHUP_TOKENS = 24  # tokens a request returning to drafting inserts at most (`catch_up`)
 MAX_REMATCHES = 2  # times a draft chain that ran out is matched again from its last tokens
+SECOND_CHANCES = 64  # queue moves an eviction makes at most per node it evicts
 
 
 class _Node:
-    __slots__ = ("children", "count", "stamp", "ostamp", "parent", "token", "depth")
+    __slots__ = ("children", "count", "stamp", "ostamp", "queued", "parent", "token", "depth")
 
-    def __init__(self, parent: _Node | None, token: int, depth: int):
+    def __init__(self, parent: _Node | None, token: int, depth: int, clock: int = 0):
         self.children: dict[int, _Node] = {}
         self.count = 0
         self.stamp = 0
+        self.queued = clock  # the clock when it took its place in the eviction queue
         self.ostamp = 0  # the clock when last seen as a generated token (0: prompts only)
         self.parent = parent
         self.token = token
@@ -49,6 +54,7 @@ class NgramTrie:
         self.depth = depth
         self.capacity = capacity
         self.root = _Node(None, -1, 0)
+        # every node, oldest queue place first (`_evict`); a touch does not move it
         self.lru: OrderedDict[_Node, None] = OrderedDict()
         self.clock = 0
 
@@ -66,11 +72,9 @@ class NgramTrie:
         for node in (self.root, *pointers):
             child = node.children.get(token)
             if child is None:
-                child = _Node(node, token, node.depth + 1)
+                child = _Node(node, token, node.depth + 1, clock)
                 node.children[token] = child
                 lru[child] = None
-            else:
-                lru.move_to_end(child)
             child.count += 1
             child.stamp = clock
             if generated:
@@ -82,8 +86,18 @@ class NgramTrie:
         return out
 
     def _evict(self, n: int) -> None:
-        for _ in range(n):
-            node, _ = self.lru.popitem(last=False)
+        """Evict n nodes from the front of the queue; a node touched since it was queued goes
+        to the back instead (at most SECOND_CHANCES x n moves, then the front goes whatever
+        its stamp, so one call stays bounded)."""
+        lru, chances = self.lru, SECOND_CHANCES * n
+        while n > 0 and lru:
+            node, _ = lru.popitem(last=False)
+            if node.stamp > node.queued and chances > 0:
+                chances -= 1
+                node.queued = self.clock
+                lru[node] = None
+                continue
+            n -= 1
             parent = node.parent
             if parent is not None and parent.children.get(node.token) is node:
                 del parent.children[node.token]
