@@ -138,6 +138,20 @@ def test_compiled_round_matches_the_eager_head(target, variant, overrides, bf16)
     assert all(p == [-1, 0, 1, 2] for _, p in trees)
     assert compiled.profile.min() > 0  # the round's own catch-up / loop split was kept
 
+    # without hidden_out the catch-up's last layer runs past its K/V only for the drafting
+    # requests' last rows: the same K/V, drafts and logits, for both requests or one
+    for draft_reqs in ([0, 1], [1]):
+        for b, s in zip(kv.k_buffers + kv.v_buffers, snapshot):
+            b.copy_(s)
+        got, got_logits, _ = compiled.run(
+            ids, pos, slots, feats, starts, ROWS, seq, table.req_to_token, draft_reqs, steps,
+            want_logits=True,
+        )  # fmt: skip
+        for w, b in zip(written, kv.k_buffers + kv.v_buffers):
+            torch.testing.assert_close(b[slots], w, atol=0, rtol=0)
+        assert got.tolist() == tokens[draft_reqs].tolist()
+        torch.testing.assert_close(got_logits, logits[:, draft_reqs], atol=2e-5, rtol=2e-5)
+
 
 def test_compiled_eagle_head_covers_chains_only(target):
     head = _random_head(target, "eagle")

@@ -185,11 +185,17 @@ static void head_attend(const Head* m, const Layer* L, const float* q, const int
    to pool columns cols[t][0 .. lens[t]-1]; with slots, its K/V go to pool slot slots[t] first
    (the catch-up: causal through the table), else to the loop buffers lk/lv at entry `level`
    of row t, and it also attends to entries 0 .. level there (the draft loop). x [T, hidden]
-   gets the output hidden state. */
+   gets the output hidden state: of every row, or with `keep` (n_keep distinct row indices)
+   of those rows only. Every row's K/V is stored at every layer, but past the last layer's
+   K/V projection only the kept rows' outputs are read (in a catch-up, the last row of each
+   drafting request), so the last layer's attention, o_proj and MLP run for those alone: a
+   catch-up of a few rows (or a prefill's hundreds) costs its fc and qkv per row and the rest
+   once. */
 static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64_t* pos,
                        const float* feat, int64_t ldf, int fused, const int64_t* const* cols,
                        const int64_t* lens, const int64_t* slots, float* lk, float* lv,
-                       int64_t level, int64_t steps, float* x, int64_t max_len, int nthreads) {
+                       int64_t level, int64_t steps, float* x, int64_t max_len,
+                       const int64_t* keep, int64_t n_keep, int nthreads) {
     const int64_t Hd = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim, I = m->inter;
     const int64_t QKV = (H + 2 * Hkv) * D, KVD = Hkv * D;
     const int64_t Kin = m->variant == 0 ? Hd : 2 * Hd;
@@ -198,6 +204,7 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
     float* att = malloc(sizeof(float) * T * H * D);
     float* gu = malloc(sizeof(float) * T * 2 * I);
     float* sc = malloc(sizeof(float) * (max_len + steps + 1));
+    float* xs = keep ? malloc(sizeof(float) * (n_keep > 0 ? n_keep : 1) * Hd) : NULL;
     if (m->variant == 0) {
         for (int64_t t = 0; t < T; t++) {
             memcpy(hin + t * 2 * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
@@ -226,29 +233,46 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
         hmm(hin, T, Kin, Kin, L->qkv_w, L->qkv_p, bf[0], L->qkv_b, QKV, qkv, QKV, 0, nthreads);
         /* the target forward's q/k RMSNorm + RoPE (cpu_forward_kernel.SOURCE) */
         qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
-        for (int64_t t = 0; t < T; t++) {
-            const float* q = qkv + t * QKV;
-            const float* k = q + H * D;
+        for (int64_t t = 0; t < T; t++) { /* every row's K/V first: the attention reads them */
+            const float* k = qkv + t * QKV + H * D;
             const float* v = k + KVD;
+            float* kd = slots ? L->k_cache + slots[t] * KVD
+                              : lk + (t * m->layers + l) * steps * KVD + level * KVD;
+            float* vd = slots ? L->v_cache + slots[t] * KVD
+                              : lv + (t * m->layers + l) * steps * KVD + level * KVD;
+            memcpy(kd, k, sizeof(float) * KVD);
+            memcpy(vd, v, sizeof(float) * KVD);
+        }
+        /* the rows whose output this layer computes: all but at the last layer with `keep`;
+           they are compacted to rows 0 .. n-1 of att / xo (xo: x itself when all are kept) */
+        const int last = keep && l + 1 == m->layers;
+        const int64_t n = last ? n_keep : T;
+        float* xo = x;
+        if (last && n > 0) {
+            xo = xs;
+            for (int64_t j = 0; j < n; j++) memcpy(xs + j * Hd, x + keep[j] * Hd, sizeof(float) * Hd);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t t = last ? keep[j] : j;
+            const float* q = qkv + t * QKV;
             if (slots) {
-                memcpy(L->k_cache + slots[t] * KVD, k, sizeof(float) * KVD);
-                memcpy(L->v_cache + slots[t] * KVD, v, sizeof(float) * KVD);
-                head_attend(m, L, q, cols[t], lens[t], NULL, NULL, 0, 0, sc, att + t * H * D);
+                head_attend(m, L, q, cols[t], lens[t], NULL, NULL, 0, 0, sc, att + j * H * D);
             } else {
                 const int64_t base = (t * m->layers + l) * steps * KVD;
-                memcpy(lk + base + level * KVD, k, sizeof(float) * KVD);
-                memcpy(lv + base + level * KVD, v, sizeof(float) * KVD);
                 head_attend(m, L, q, cols[t], lens[t], lk + base, lv + base, KVD, level + 1, sc,
-                            att + t * H * D);
+                            att + j * H * D);
             }
         }
-        hmm(att, T, H * D, H * D, L->o_w, L->o_p, bf[1], L->o_b, Hd, x, Hd, 1, nthreads);
-        for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, hin + t * Hd);
-        hmm(hin, T, Hd, Hd, L->gu_w, L->gu_p, bf[2], L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
-        for (int64_t t = 0; t < T; t++) silu_mul(gu + t * 2 * I, gu + t * 2 * I + I, I);
-        hmm(gu, T, I, 2 * I, L->down_w, L->down_p, bf[3], L->down_b, Hd, x, Hd, 1, nthreads);
+        if (n == 0) continue;
+        hmm(att, n, H * D, H * D, L->o_w, L->o_p, bf[1], L->o_b, Hd, xo, Hd, 1, nthreads);
+        for (int64_t j = 0; j < n; j++) rms(xo + j * Hd, L->ln2, Hd, m->eps, hin + j * Hd);
+        hmm(hin, n, Hd, Hd, L->gu_w, L->gu_p, bf[2], L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
+        for (int64_t j = 0; j < n; j++) silu_mul(gu + j * 2 * I, gu + j * 2 * I + I, I);
+        hmm(gu, n, I, 2 * I, L->down_w, L->down_p, bf[3], L->down_b, Hd, xo, Hd, 1, nthreads);
+        if (last)
+            for (int64_t j = 0; j < n; j++) memcpy(x + keep[j] * Hd, xs + j * Hd, sizeof(float) * Hd);
     }
-    free(hin); free(qkv); free(att); free(gu); free(sc);
+    free(hin); free(qkv); free(att); free(gu); free(sc); free(xs);
 }
 
 /* logits [n, dvocab] of the head's output rows x [n, hidden]; tokens[i * stride] = the target
@@ -304,8 +328,13 @@ int loom_eagle_round(const Head* m, int64_t T, const int64_t* ids, const int64_t
         }
     }
     float* x = malloc(sizeof(float) * (T > 0 ? T : 1) * Hd);
+    /* the rows whose output is read: all for hidden_out, else each drafting request's last */
+    int64_t* keep = hidden_out ? NULL : malloc(sizeof(int64_t) * (nd > 0 ? nd : 1));
+    if (keep)
+        for (int64_t i = 0; i < nd; i++) keep[i] = starts[draft_reqs[i] + 1] - 1;
     head_stack(m, T, ids, pos, feats, ldf, 1, cols, lens, slots, NULL, NULL, 0, steps, x,
-               max_len, nthreads);
+               max_len, keep, nd, nthreads);
+    free(keep);
     if (hidden_out) memcpy(hidden_out, x, sizeof(float) * T * Hd);
     if (prof) { const double t1 = head_wall(); prof[0] += t1 - t0; t0 = t1; }
     if (nd > 0) {
@@ -333,7 +362,7 @@ int loom_eagle_round(const Head* m, int64_t T, const int64_t* ids, const int64_t
                 lpos[i] = seq_lens[draft_reqs[i]] + level;
             }
             head_stack(m, nd, lids, lpos, cur, Hd, 0, cols, lens, NULL, lk, lv, level, steps,
-                       nxt, max_len, nthreads);
+                       nxt, max_len, NULL, 0, nthreads);
             float* tmp = cur; cur = nxt; nxt = tmp;
         }
         free(cur); free(nxt); free(normed); free(lg); free(lk); free(lv); free(lids); free(lpos);
