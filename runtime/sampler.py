@@ -75,6 +75,10 @@ class SamplingInfo:
     # tree drafts: per tree (its root row, node tokens, node parents, node draft probs or None);
     # row root + 1 + i holds the state after node i's path (see `verify_trees`)
     trees: list[tuple[int, list[int], list[int], Any]] | None = None
+    # greedy chains whose grammar rows were left all-allowed (`vocab_mask` rows unfilled, or
+    # no mask at all): (first row, the request's grammar, its draft tokens, its EOS ids);
+    # `greedy_verify` masks at most the row that decides the chain (`_resolve_lazy_grammars`)
+    lazy_grammars: list[tuple[int, Any, list[int], frozenset]] | None = None
 
     @classmethod
     def from_reqs(
@@ -288,9 +292,75 @@ def greedy_verify(logits: torch.Tensor, info: SamplingInfo) -> tuple[list[int], 
     way). A decode or verify step at temperature 0 builds no token tensors."""
     apply_penalties(logits, info)
     ids = greedy_ids(logits)
+    if info.lazy_grammars:
+        _resolve_lazy_grammars(logits, ids, info.lazy_grammars)
     if info.draft_tokens is None:
         return ids, None
     return ids, [i == d for i, d in zip(ids, info.draft_tokens.tolist())]
+
+
+def _resolve_lazy_grammars(logits: torch.Tensor, ids: list[int], lazy: list) -> None:
+    """Greedy chains verified without their grammar rows. Row j of a chain accepts draft
+    token d_j when the masked argmax is d_j; the walk that drafted d_j found it legal, so when
+    the unmasked argmax is d_j the masked one is too (masking only removes tokens, and no
+    allowed token before d_j reaches its logit). The first row whose argmax is not its draft
+    token decides the chain: an argmax the grammar accepts there is the masked argmax as well
+    (one accept and rollback, no mask); otherwise that row gets its mask and its masked
+    argmax, and the walk goes on from it when that is d_j after all. So the ids and
+    acceptances are exactly those of the fully masked rows, with at most one mask per chain
+    instead of one per row (each a fresh grammar state, the costly kind). EOS and ids past
+    the vocabulary always take the mask (a grammar is not asked to accept EOS)."""
+    from loom.grammar.base import GrammarError, allocate_token_bitmask
+
+    vocab = logits.shape[-1]
+    for row, grammar, draft, stops in lazy:
+        n = 0  # draft tokens the grammar has been advanced by
+        for j in range(len(draft) + 1):
+            r = row + j
+            if j < len(draft) and ids[r] == draft[j]:
+                grammar.accept_token(draft[j])
+                n += 1
+                continue
+            if ids[r] not in stops and ids[r] < vocab:
+                try:
+                    grammar.accept_token(ids[r])
+                except GrammarError:
+                    pass
+                else:
+                    grammar.rollback(1)
+                    break
+            mask = allocate_token_bitmask(1, vocab)
+            grammar.fill_mask(mask, 0)
+            apply_vocab_mask_(logits[r : r + 1], mask)
+            ids[r] = greedy_ids(logits[r : r + 1])[0]
+            if j < len(draft) and ids[r] == draft[j]:
+                grammar.accept_token(draft[j])
+                n += 1
+                continue
+            break
+        grammar.rollback(n)
+
+
+def fill_lazy_grammars(info: SamplingInfo, vocab_size: int) -> None:
+    """Every row of `info.lazy_grammars` masked in `info.vocab_mask` (the sampling paths that
+    read every row's mask: temperature, trees, logprobs), and the list cleared."""
+    from loom.grammar.base import allocate_token_bitmask
+
+    if info.vocab_mask is None:
+        info.vocab_mask = allocate_token_bitmask(info.greedy.shape[0], vocab_size)
+    for row, grammar, draft, _ in info.lazy_grammars:
+        fill_draft_rows(grammar, draft, info.vocab_mask, row)
+    info.lazy_grammars = None
+
+
+def fill_draft_rows(grammar, draft: list[int], mask: torch.Tensor, row: int) -> None:
+    """mask[row + j] = what the grammar allows after draft[:j], for j = 0 .. len(draft) (the
+    draft legal: walked by the drafter); the grammar ends where it started."""
+    for j, t in enumerate(draft):
+        grammar.fill_mask(mask, row + j)
+        grammar.accept_token(t)
+    grammar.fill_mask(mask, row + len(draft))
+    grammar.rollback(len(draft))
 
 
 def sample_and_verify(
@@ -314,6 +384,8 @@ def sample_verify_trees(
     the accepted run and the token of the first rejected row (or the last row's sample).
     Tree rows are verified by `verify_trees`. Noise is counter-based (seed, position), so a
     request's output is reproducible."""
+    if info.lazy_grammars:
+        fill_lazy_grammars(info, logits.shape[-1])
     apply_penalties(logits, info)
     greedy_ids = argmax_rows(logits)
     drafts = info.draft_tokens

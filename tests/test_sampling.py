@@ -292,3 +292,96 @@ def test_greedy_verify_picks_and_accepts_what_the_full_sampler_does():
             assert got == ids.tolist() and all(type(i) is int for i in got)
             assert got_acc == (None if acc is None else acc.tolist())
     assert greedy_verify(y.clone(), chain)[1] == [True, False, False]
+
+
+class _ModGrammar:
+    """A toy grammar over 40 tokens: after the tokens `s`, token t is allowed unless
+    (t + len(s) + sum(s)) % 3 == 0 (a third refused, a different third at every state)."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.masks = 0  # fill_mask calls
+
+    def allowed(self, t: int) -> bool:
+        return (t + len(self.tokens) + sum(self.tokens)) % 3 != 0
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.masks += 1
+        bits = [self.allowed(t) for t in range(bitmask.shape[1] * 32)]
+        for w in range(bitmask.shape[1]):
+            v = sum(1 << b for b in range(32) if bits[32 * w + b])
+            bitmask[row, w] = v - (1 << 32) if v >= 1 << 31 else v
+
+    def accept_token(self, t: int) -> None:
+        from loom.grammar.base import GrammarError
+
+        if not self.allowed(t):
+            raise GrammarError(f"token {t} is not allowed here")
+        self.tokens.append(t)
+
+    def rollback(self, k: int) -> None:
+        del self.tokens[len(self.tokens) - k :]
+
+
+def test_lazy_grammar_rows_verify_as_fully_masked_rows():
+    """A greedy chain verified with its grammar rows left to the sampler (`lazy_grammars`:
+    at the row whose argmax is not its draft token, the grammar's accept of that argmax, or
+    else that row's mask) keeps the same accepted run and tokens as the same chain with every
+    row masked, over random logits and legal drafts that the masked argmax accepts at random
+    depths; the grammar ends where it started. Fails when the deciding row is not masked (an
+    illegal argmax then becomes the next token), when the walk does not go on after a masked
+    row that accepts its draft, or when the accept check is not rolled back."""
+    from loom.grammar.base import allocate_token_bitmask
+    from loom.runtime.req import Req
+    from loom.runtime.sampler import (
+        apply_vocab_mask_,
+        fill_draft_rows,
+        greedy_verify,
+        sample_and_verify,
+    )
+    from loom.runtime.sampling_params import make_sampling_params
+
+    vocab, rng = 40, random.Random(0)
+    g = torch.Generator().manual_seed(1)
+    masks_lazy = masks_full = went_on = 0
+    for trial in range(300):
+        grammar = _ModGrammar()
+        grammar.tokens = [rng.randrange(vocab) for _ in range(rng.randrange(3))]
+        start = list(grammar.tokens)
+        logits = torch.randn(8, vocab, generator=g)
+        # a legal draft: at each depth the masked argmax (accepted) or another allowed token
+        draft = []
+        for j in range(rng.randrange(1, 8)):
+            row = allocate_token_bitmask(1, vocab)
+            grammar.fill_mask(row, 0)
+            masked = logits[j].clone()
+            apply_vocab_mask_(masked[None], row)
+            best = int(masked.argmax())
+            legal = [t for t in range(vocab) if grammar.allowed(t)]
+            t = best if rng.random() < 0.7 else rng.choice(legal)
+            went_on += t == best != int(logits[j].argmax())
+            grammar.accept_token(t)
+            draft.append(t)
+        grammar.rollback(len(draft))
+        grammar.masks = 0
+        req = Req("r", [1, 2], make_sampling_params({"temperature": 0}), 0)
+        rows = logits[: 1 + len(draft)]
+
+        full = SamplingInfo.from_reqs([req], vocab, drafts=[draft])
+        full.vocab_mask = allocate_token_bitmask(1 + len(draft), vocab)
+        fill_draft_rows(grammar, draft, full.vocab_mask, 0)
+        masks_full += grammar.masks
+        ids, acc = sample_and_verify(rows.clone(), full)
+        ids, acc = ids.tolist(), acc.tolist()
+        k = next((j for j, a in enumerate(acc[: len(draft)]) if not a), len(draft))
+
+        lazy = SamplingInfo.from_reqs([req], vocab, drafts=[draft])
+        lazy.lazy_grammars = [(0, grammar, draft, frozenset({EOS}))]
+        grammar.masks = 0
+        got, got_acc = greedy_verify(rows.clone(), lazy)
+        masks_lazy += grammar.masks
+        got_k = next((j for j, a in enumerate(got_acc[: len(draft)]) if not a), len(draft))
+        assert (got_k, got[: k + 1]) == (k, ids[: k + 1]), trial
+        assert grammar.tokens == start
+    assert went_on > 20  # masked rows that accepted their draft after an illegal argmax
+    assert masks_lazy <= 300 + went_on < masks_full

@@ -6,7 +6,7 @@ import torch
 
 from loom.runtime.forward_batch import ForwardMode, ModelInput, host_tensor
 from loom.runtime.req import Req
-from loom.runtime.sampler import SamplingInfo
+from loom.runtime.sampler import SamplingInfo, fill_draft_rows
 from loom.runtime.spec import tree_depths
 
 
@@ -82,7 +82,8 @@ class ScheduleBatch:
                 parents=[r.draft_parents for r in sampling_reqs],
                 draft_probs=[r.draft_probs for r in sampling_reqs],
             )
-            _fill_grammar_mask(sampling_reqs, sampling, vocab_size)
+            lazy_ok = not sampling.trees and not any(r.return_logprob for r in self.reqs)
+            _fill_grammar_mask(sampling_reqs, sampling, vocab_size, lazy_ok)
         # the step's index vectors as views of one host tensor (one allocation per step)
         t, b = len(ids), len(self.reqs)
         rows = [r.req_pool_idx for r in self.reqs]
@@ -132,7 +133,9 @@ class ScheduleBatch:
             sampling = SamplingInfo.from_reqs(sampling_reqs, vocab_size)
             _fill_grammar_mask(sampling_reqs, sampling, vocab_size)
         b = len(reqs)
-        index = host_tensor(ids + positions + [r.req_pool_idx for r in reqs] + seq_lens, torch.int64)
+        index = host_tensor(
+            ids + positions + [r.req_pool_idx for r in reqs] + seq_lens, torch.int64
+        )
         self.model_input = ModelInput(
             mode=ForwardMode.DECODE,
             input_ids=index[:b],
@@ -171,22 +174,38 @@ def _input_logprob_span(req: Req, begin: int, end: int) -> tuple[int, list[int] 
     return lo - begin, req.origin_input_ids[lo + 1 : hi + 1]
 
 
-def _fill_grammar_mask(reqs: list[Req], info: SamplingInfo, vocab_size: int) -> None:
+def _fill_grammar_mask(
+    reqs: list[Req], info: SamplingInfo, vocab_size: int, lazy_ok: bool = False
+) -> None:
     """One mask row per sampled position: a drafted request brings the rows its grammar walk
     filled (`req.draft_masks`: row 0 after the last real token, then one after each draft
     position), also when the step verifies none of its draft (not worth verifying, KV short,
-    the first draft token refused): row 0 is then this step's row, not computed twice."""
+    the first draft token refused): row 0 is then this step's row, not computed twice.
+    A chain walked without rows (`draft_masks` None: a greedy request) is left to the
+    sampler (`SamplingInfo.lazy_grammars`) when every row of the step samples greedily with
+    nothing to score (`lazy_ok`: no tree, no logprobs), else its rows are filled here."""
     if not any(r.grammar is not None for r in reqs):
         return
     from loom.grammar.base import allocate_token_bitmask
 
-    mask = allocate_token_bitmask(sum(1 + len(r.draft_ids) for r in reqs), vocab_size)
+    lazy_ok = lazy_ok and info.all_greedy
+    lazy, mask = [], None
     row = 0
     for r in reqs:
         if r.grammar is not None:
-            if r.draft_masks is not None:
-                mask[row : row + 1 + len(r.draft_ids)] = r.draft_masks[: 1 + len(r.draft_ids)]
+            if r.draft_masks is None and r.draft_ids and lazy_ok:
+                lazy.append((row, r.grammar, r.draft_ids, r.eos_token_ids))
             else:
-                r.grammar.fill_mask(mask, row)
+                if mask is None:
+                    mask = allocate_token_bitmask(
+                        sum(1 + len(x.draft_ids) for x in reqs), vocab_size
+                    )
+                if r.draft_masks is not None:
+                    mask[row : row + 1 + len(r.draft_ids)] = r.draft_masks[: 1 + len(r.draft_ids)]
+                elif r.draft_ids:
+                    fill_draft_rows(r.grammar, r.draft_ids, mask, row)
+                else:
+                    r.grammar.fill_mask(mask, row)
         row += 1 + len(r.draft_ids)
     info.vocab_mask = mask
+    info.lazy_grammars = lazy or None

@@ -100,6 +100,9 @@ class NgramSpeculator(Drafter):
         self.opening_rates = [[1.0] * self.num_draft for _ in range(1 + OPENING_STEPS)]
         self.opening_ct = [0] * (1 + OPENING_STEPS)
         self.batch_size = 1  # of the step being drafted (`enabled_for`)
+        # a greedy chain's grammar rows are left to the sampler (`_walk_grammar`); the step's
+        # plan holds the grammar objects then, so only where no other rank receives it
+        self.lazy_rows = args.world_size == 1
 
     def enabled_for(self, batch_size: int) -> bool:
         # the step's drafting requests share one learning budget (`_learn_finished`)
@@ -214,9 +217,27 @@ class NgramSpeculator(Drafter):
         return ids[:budget]
 
     def _walk_grammar(self, req, draft: list[int]) -> list[int]:
+        """The draft cut at the first token the grammar refuses, with the mask rows of its
+        positions (`req.draft_masks`). A greedy request's rows are not computed here: the
+        sampler masks only the row that decides its chain (`SamplingInfo.lazy_grammars`),
+        where a row per position cost a fresh grammar state's mask each (most of a JSON verify
+        step's grammar time)."""
         from loom.grammar.base import GrammarError, allocate_token_bitmask
 
         g = req.grammar
+        if self.lazy_rows and req.sampling_params.is_greedy and not req.return_logprob:
+            n = 0
+            for t in draft:
+                if t in self.eos or t >= self.vocab_size:
+                    break
+                try:
+                    g.accept_token(t)
+                except GrammarError:
+                    break
+                n += 1
+            g.rollback(n)
+            req.draft_masks = None
+            return draft[:n]
         masks = allocate_token_bitmask(len(draft) + 1, self.vocab_size)
         words = masks.numpy()  # the same memory: bit reads without tensor indexing
         n = 0
