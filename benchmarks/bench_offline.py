@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import queue
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -58,7 +59,36 @@ STALL_S = 600  # a streamed batch that sends nothing for this long has hung (see
 
 def _stall_guard(items, seconds: float):
     """Yield from an iterator, raising TimeoutError when it yields nothing for `seconds`: a
-    benchmark must fail, not hang (one of loom's streams once sent nothing, every process idle)."""
+    benchmark must fail, not hang (one of loom's streams once sent nothing, every process idle).
+    In the main thread an interval timer (SIGALRM) watches each wait, so a streamed token costs
+    the timed side no extra thread hop; elsewhere a pump thread and a queue do."""
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
+        yield from _alarm_guard(items, seconds)
+    else:
+        yield from _thread_guard(items, seconds)
+
+
+def _alarm_guard(items, seconds: float):
+    def stalled(signum, frame):
+        raise TimeoutError(f"loom's stream sent nothing for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stalled)
+    try:
+        it = iter(items)
+        while True:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            yield item
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _thread_guard(items, seconds: float):
     q: queue.Queue = queue.Queue()
     end = object()
 

@@ -85,3 +85,30 @@ def test_misses_only_where_a_target_is_set(room):
     row = _row(1, 0.1, 0.1)
     del row["cpu_paged_decode"], row["cpu_paged_prefill"]  # the default side not run
     assert room.misses(row) == []
+
+
+def test_the_stall_guard_passes_a_stream_and_fails_a_stalled_one(room):
+    """bench_offline's guard around a timed stream: every item through, in order, and a
+    TimeoutError (not a hang) when the stream stops; both forms (the main thread's interval
+    timer, which adds no thread hop per token, and the pump thread used elsewhere)."""
+    import signal
+    import sys
+    import time
+
+    offline = sys.modules["bench_offline"]
+    before = signal.getsignal(signal.SIGALRM)
+
+    def stalls():
+        yield 1
+        time.sleep(30)
+        yield 2
+
+    for guard in (offline._alarm_guard, offline._thread_guard):
+        assert list(guard(iter([1, 2, 3]), 5.0)) == [1, 2, 3]
+        got = []
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="sent nothing"):
+            for item in guard(stalls(), 0.3):
+                got.append(item)
+        assert got == [1] and time.monotonic() - started < 20
+    assert signal.getsignal(signal.SIGALRM) is before  # the timer's handler is put back
