@@ -71,6 +71,18 @@ def workers(dp):
     return tuple(out)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_dp_router_loop_yields_to_the_replicas(dp, workers):
+    """The DP router's event loop (woken per streamed token) runs SCHED_BATCH; each replica
+    server does too, while its scheduler process stays SCHED_NORMAL."""
+    policy = lambda pid: os.sched_getscheduler(pid) & ~os.SCHED_RESET_ON_FORK  # noqa: E731
+    assert policy(dp.pid) == os.SCHED_BATCH
+    for w in workers:
+        assert policy(w.pid) == os.SCHED_BATCH
+        kids = [policy(c.pid) for c in psutil.Process(w.pid).children(recursive=True)]
+        assert os.SCHED_OTHER in kids and kids.count(os.SCHED_BATCH) == 1, kids  # detokenizer
+
+
 def test_dp_greedy_identical_to_one_replica_and_both_used(dp, workers):
     a, _ = workers
     prompts = [f"Tenant {i}: The quick brown fox " * 3 for i in range(4)]

@@ -97,7 +97,7 @@ def launch_dp_server(args: ServerArgs, start_timeout: float = 600.0) -> int:
     """Serve `args` as args.dp_size replicas behind the router until stopped."""
     import uvicorn
 
-    from loom.runtime.process import configure_logging
+    from loom.runtime.process import configure_logging, yield_to_scheduler
     from loom.runtime.router.app import create_app
     from loom.runtime.router.args import RouterArgs
 
@@ -127,6 +127,8 @@ def launch_dp_server(args: ServerArgs, start_timeout: float = 600.0) -> int:
             log_level=args.log_level.lower(),
             timeout_graceful_shutdown=5,
         )
+        if args.resolved_device == "cpu":  # the router's loop wakes per streamed token
+            yield_to_scheduler()  # (the replicas started before: they stay SCHED_NORMAL)
         uvicorn.Server(config).run()
         return 0
     finally:
