@@ -335,6 +335,28 @@ def test_greedy_outputs_identical_with_ngram(tiny_model_dir, config):
     assert sum(st["spec_accepted_by_position"]) > 0, st
 
 
+@pytest.mark.parametrize("engine", ["xgrammar", "outlines"])
+def test_greedy_constrained_outputs_identical_with_every_engine(engine):
+    """Greedy chains verify with their grammar rows left to the sampler (one mask at most,
+    where the argmax leaves the draft: `sampler._resolve_lazy_grammars`), which leans on each
+    engine's accept_token refusing exactly what its mask refuses: outputs under JSON, regex
+    and EBNF constraints stay those of plain decoding with the other engines too."""
+    pytest.importorskip(engine if engine == "xgrammar" else "outlines_core")
+    tok = make_scheduler(BUNDLED_MODEL_PATH).tokenizer
+    prompts = [
+        (tok.encode(lead), {**greedy(40), "ignore_eos": False, **c})
+        for c in CONSTRAINTS
+        for lead in ("Answer: ", "Output: ")
+    ]
+    plain, _ = _generate(BUNDLED_MODEL_PATH, prompts, 1, False, grammar_backend=engine)
+    spec, sched = _generate(BUNDLED_MODEL_PATH, prompts, 1, False, grammar_backend=engine, **SPEC)
+    for i, (_, params) in enumerate(prompts):
+        assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, (engine, i)
+        if spec[f"p{i}"].finish_reason["type"] == "stop":
+            _validate(params, spec[f"p{i}"].text)
+    assert sched.decode.drafter.lazy_rows and sched.get_state()["spec_verify_ct"] > 0
+
+
 def test_verify_slots_through_the_numpy_view_match_the_general_path(tiny_model_dir, monkeypatch):
     """Page size 1 on the CPU: a verify step's slots are written into req_to_token through its
     numpy view (`KVManager._table_view`); with the view off (the torch path) the same requests
