@@ -399,13 +399,14 @@ class ServerArgs:
     @property
     def effective_speculative_num_steps(self) -> int:
         """EAGLE draft steps per verify (a chain of this many tokens): the flag, else
-        num_draft_tokens - 1, else 4."""
+        num_draft_tokens - 1, else 5 for a chain (SGLang's usual depth; the shipped heads are
+        trained to it, and HeadGate cuts a chain where a position stops paying), 4 for a tree."""
         if self.speculative_num_steps is not None:
             return self.speculative_num_steps
         n, chain = self.speculative_num_draft_tokens, self.effective_speculative_eagle_topk == 1
         if n is not None and chain:
             return n - 1
-        return 4
+        return 5 if chain else 4
 
     @property
     def effective_speculative_eagle_topk(self) -> int:
@@ -651,7 +652,7 @@ _HELP = {
     "speculative_ngram_branch_length": "Tokens stored after each matched window in the trie (the longest draft)",
     "speculative_ngram_capacity": "Trie nodes kept (least recently used evicted first); SGLang's default is 10,000,000",
     "speculative_draft_model_path": "EAGLE / EAGLE3 head folder (published EAGLE layout, or one written by python -m loom.train_eagle), or a Medusa heads folder (published Medusa-1 layout, or train_eagle --medusa); default: the head(s) shipped for the bundled model",
-    "speculative_num_steps": "EAGLE draft steps per verify (default: num_draft_tokens - 1, else 4)",
+    "speculative_num_steps": "EAGLE draft steps per verify (default: num_draft_tokens - 1, else 5 for a chain, 4 for a tree)",
     "speculative_eagle_topk": "EAGLE branching per draft step: 1 = chains; k > 1 = EAGLE-2 dynamic trees (the top-k children of the k best nodes per level, reranked by cumulative draft probability; --speculative-num-draft-tokens nodes kept)",
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
     "tp_size": "Tensor-parallel degree: one scheduler process per rank (gloo on CPU, NCCL on CUDA)",

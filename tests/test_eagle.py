@@ -529,7 +529,7 @@ def test_eagle_flags_are_checked(kwargs, match):
 
 
 def test_eagle_flags_defaults_and_head_path_errors(llama):
-    assert ServerArgs(speculative_algorithm="EAGLE").effective_speculative_num_steps == 4
+    assert ServerArgs(speculative_algorithm="EAGLE").effective_speculative_num_steps == 5
     args = ServerArgs(speculative_algorithm="EAGLE", speculative_num_draft_tokens=6)
     assert args.effective_speculative_num_steps == 5
     tree = ServerArgs(speculative_algorithm="EAGLE", speculative_eagle_topk=4)
