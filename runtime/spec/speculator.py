@@ -225,25 +225,16 @@ class NgramSpeculator(Drafter):
         from loom.grammar.base import GrammarError, allocate_token_bitmask
 
         g = req.grammar
-        if self.lazy_rows and req.sampling_params.is_greedy and not req.return_logprob:
-            n = 0
-            for t in draft:
-                if t in self.eos or t >= self.vocab_size:
-                    break
-                try:
-                    g.accept_token(t)
-                except GrammarError:
-                    break
-                n += 1
-            g.rollback(n)
-            req.draft_masks = None
-            return draft[:n]
-        masks = allocate_token_bitmask(len(draft) + 1, self.vocab_size)
-        words = masks.numpy()  # the same memory: bit reads without tensor indexing
+        lazy = self.lazy_rows and req.sampling_params.is_greedy and not req.return_logprob
+        masks = None if lazy else allocate_token_bitmask(len(draft) + 1, self.vocab_size)
+        words = None if lazy else masks.numpy()  # the same memory: bit reads, no indexing
         n = 0
         for t in draft:
-            g.fill_mask(masks, n)
-            if t in self.eos or t >= self.vocab_size or not (int(words[n, t >> 5]) >> (t & 31)) & 1:
+            if not lazy:  # row n: the state after the n tokens accepted so far
+                g.fill_mask(masks, n)
+            if t in self.eos or t >= self.vocab_size:
+                break
+            if not lazy and not (int(words[n, t >> 5]) >> (t & 31)) & 1:
                 break
             try:
                 g.accept_token(t)
@@ -251,9 +242,10 @@ class NgramSpeculator(Drafter):
                 break
             n += 1
         else:
-            g.fill_mask(masks, n)
+            if not lazy:
+                g.fill_mask(masks, n)
         g.rollback(n)
-        req.draft_masks = masks[: n + 1]
+        req.draft_masks = None if lazy else masks[: n + 1]
         return draft[:n]
 
     def _walk_grammar_tree(
