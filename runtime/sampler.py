@@ -76,7 +76,8 @@ class SamplingInfo:
     # row root + 1 + i holds the state after node i's path (see `verify_trees`)
     trees: list[tuple[int, list[int], list[int], Any]] | None = None
     # greedy chains whose grammar rows were left all-allowed (`vocab_mask` rows unfilled, or
-    # no mask at all): (first row, the request's grammar, its draft tokens, its EOS ids);
+    # no mask at all; a plain decode row is a chain with no draft tokens):
+    # (first row, the request's grammar, its draft tokens, its EOS ids);
     # `greedy_verify` masks at most the row that decides the chain (`_resolve_lazy_grammars`)
     lazy_grammars: list[tuple[int, Any, list[int], frozenset]] | None = None
 
@@ -308,9 +309,14 @@ def _resolve_lazy_grammars(logits: torch.Tensor, ids: list[int], lazy: list) -> 
     (one accept and rollback, no mask); otherwise that row gets its mask and its masked
     argmax, and the walk goes on from it when that is d_j after all. So the ids and
     acceptances are exactly those of the fully masked rows, with at most one mask per chain
-    instead of one per row (each a fresh grammar state, the costly kind). EOS and ids past
-    the vocabulary always take the mask (a grammar is not asked to accept EOS)."""
-    from loom.grammar.base import GrammarError, allocate_token_bitmask
+    instead of one per row (each a fresh grammar state, the costly kind). A plain decode row
+    is a chain with no draft: its argmax is kept when the grammar accepts it, else masked.
+    EOS and ids past the vocabulary always take the mask (a grammar is not asked to accept
+    EOS; the mask allows it only where the grammar may end), and so does a state with forced
+    text next (`jump_forward()`): there llguidance's mask allows only the forced text's own
+    tokenization while its accept takes any token spelling a prefix of it (after `{"name`
+    the mask allows `":` alone, accept also takes `"`)."""
+    from loom.grammar.base import allocate_token_bitmask
 
     vocab = logits.shape[-1]
     for row, grammar, draft, stops in lazy:
@@ -321,11 +327,11 @@ def _resolve_lazy_grammars(logits: torch.Tensor, ids: list[int], lazy: list) -> 
                 grammar.accept_token(draft[j])
                 n += 1
                 continue
-            if ids[r] not in stops and ids[r] < vocab:
+            if ids[r] not in stops and ids[r] < vocab and grammar.jump_forward() is None:
                 try:
                     grammar.accept_token(ids[r])
-                except GrammarError:
-                    pass
+                except Exception:  # noqa: BLE001 - refused (GrammarError) or the engine's own
+                    pass  # error: the mask decides; result processing's accept reports the latter
                 else:
                     grammar.rollback(1)
                     break

@@ -296,14 +296,25 @@ def test_greedy_verify_picks_and_accepts_what_the_full_sampler_does():
 
 class _ModGrammar:
     """A toy grammar over 40 tokens: after the tokens `s`, token t is allowed unless
-    (t + len(s) + sum(s)) % 3 == 0 (a third refused, a different third at every state)."""
+    (t + len(s) + sum(s)) % 3 == 0 (a third refused, a different third at every state). Where
+    (len(s) + sum(s)) % 5 == 0 text is forced (`jump_forward`) and, as llguidance does, the
+    mask allows only its own tokenization (here the first allowed token) while `accept_token`
+    takes any allowed token."""
 
     def __init__(self):
         self.tokens: list[int] = []
         self.masks = 0  # fill_mask calls
 
-    def allowed(self, t: int) -> bool:
+    def _accepts(self, t: int) -> bool:
         return (t + len(self.tokens) + sum(self.tokens)) % 3 != 0
+
+    def jump_forward(self) -> str | None:
+        return "forced" if (len(self.tokens) + sum(self.tokens)) % 5 == 0 else None
+
+    def allowed(self, t: int) -> bool:
+        if self.jump_forward() is not None:
+            return t == next(u for u in range(40) if self._accepts(u))
+        return self._accepts(t)
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         self.masks += 1
@@ -315,7 +326,7 @@ class _ModGrammar:
     def accept_token(self, t: int) -> None:
         from loom.grammar.base import GrammarError
 
-        if not self.allowed(t):
+        if not self._accepts(t):
             raise GrammarError(f"token {t} is not allowed here")
         self.tokens.append(t)
 
@@ -385,3 +396,121 @@ def test_lazy_grammar_rows_verify_as_fully_masked_rows():
         assert grammar.tokens == start
     assert went_on > 20  # masked rows that accepted their draft after an illegal argmax
     assert masks_lazy <= 300 + went_on < masks_full
+
+
+def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows():
+    """Plain decode rows (no draft) of greedy requests with a grammar, left to the sampler by
+    `_fill_grammar_mask(..., lazy_ok=True)`: the argmax is kept where the grammar accepts it,
+    else that row alone is masked. Over random batches mixing constrained and free requests,
+    with penalties, logit_bias and min_new_tokens EOS bans (applied before the argmax) and
+    EOS often the argmax (always masked: the grammar may or may not end there), the tokens are
+    those of every grammar row masked; each grammar ends where it started, and fewer masks
+    are computed. Fails when the refused argmax is kept unmasked, when EOS skips the mask, or
+    when the accept check is not rolled back, or when a state with forced text is not masked
+    (the toy's accept is laxer there, as llguidance's)."""
+    from loom.runtime.req import Req
+    from loom.runtime.sampler import greedy_verify
+    from loom.runtime.sampling_params import make_sampling_params
+    from loom.runtime.scheduler.batch import _fill_grammar_mask
+
+    vocab, rng = 40, random.Random(5)
+    g = torch.Generator().manual_seed(6)
+    masks_lazy = masks_full = refused = eos_masked = 0
+    for trial in range(300):
+        reqs, grammars = [], []
+        for i in range(rng.randrange(1, 7)):
+            params: dict = {"temperature": 0}
+            if rng.random() < 0.3:
+                params["frequency_penalty"] = rng.choice([0.5, 2.0])
+            if rng.random() < 0.3:
+                params["logit_bias"] = {str(rng.randrange(vocab)): rng.choice([3.0, -3.0])}
+            if rng.random() < 0.2:
+                params["min_new_tokens"] = 3
+            req = Req(
+                f"r{i}", [5, 6], make_sampling_params(params), i, eos_token_ids=frozenset({EOS})
+            )
+            req.output_ids = [rng.randrange(3, vocab) for _ in range(rng.randrange(4))]
+            if rng.random() < 0.7:
+                req.grammar = _ModGrammar()
+                req.grammar.tokens = [rng.randrange(vocab) for _ in range(rng.randrange(3))]
+            grammars.append(req.grammar)
+            reqs.append(req)
+        starts = [None if gr is None else list(gr.tokens) for gr in grammars]
+        logits = torch.randn(len(reqs), vocab, generator=g)
+        logits[:, EOS] += torch.rand(len(reqs), generator=g) * 4  # EOS the argmax at times
+
+        full = SamplingInfo.from_reqs(reqs, vocab)
+        _fill_grammar_mask(reqs, full, vocab)
+        assert full.lazy_grammars is None
+        masks_full += sum(gr.masks for gr in grammars if gr is not None)
+        want = sample(logits.clone(), full).tolist()
+
+        for gr in grammars:
+            if gr is not None:
+                gr.masks = 0
+        lazy = SamplingInfo.from_reqs(reqs, vocab)
+        _fill_grammar_mask(reqs, lazy, vocab, lazy_ok=True)
+        assert lazy.vocab_mask is None
+        assert len(lazy.lazy_grammars or ()) == sum(gr is not None for gr in grammars)
+        rows = logits.clone()
+        got, acc = greedy_verify(rows, lazy)
+        assert (got, acc) == (want, None), trial
+        assert [None if gr is None else gr.tokens for gr in grammars] == starts
+        masks_lazy += sum(gr.masks for gr in grammars if gr is not None)
+        for i, gr in enumerate(grammars):
+            if gr is not None and gr.masks:
+                refused += int(logits[i].argmax()) != EOS
+                eos_masked += int(logits[i].argmax()) == EOS
+    assert refused > 50 and eos_masked > 20  # both kinds of masked rows were compared
+    assert masks_lazy < masks_full
+
+
+def test_greedy_grammar_decode_is_the_same_with_lazy_rows(tiny_model_dir, monkeypatch):
+    """End to end with llguidance on the tiny random model (whose argmax the grammar often
+    refuses): greedy JSON-schema, regex and free requests in one batch, and alone, give the
+    same tokens with the plain rows' grammar masks left to the sampler as with every row
+    masked (the reference: `_fill_grammar_mask` fills every row when more than one rank
+    holds the plan), with fewer masks; jump-forward on, EOS allowed where the grammar ends."""
+    import json
+
+    from loom.grammar.engines.llguidance_engine import LLGuidanceGrammar
+    from loom.runtime.distributed import ParallelState
+    from loom.runtime.scheduler import batch as batch_mod
+    from tests.runtime_helpers import make_scheduler
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+    }
+    masks = [0]
+    real = LLGuidanceGrammar.fill_mask
+
+    def counted(self, bitmask, row):
+        masks[0] += 1
+        real(self, bitmask, row)
+
+    monkeypatch.setattr(LLGuidanceGrammar, "fill_mask", counted)
+
+    def generate():
+        s = make_scheduler(tiny_model_dir("llama"))
+        masks[0] = 0
+        out = {}
+        for batch in ([0, 1, 2, 3], [0], [2]):
+            for i in batch:
+                grammar = [
+                    {"json_schema": json.dumps(schema), "ignore_eos": False},
+                    {"regex": "[a-z]{2,6}-[0-9]{1,4}( [a-z]+)?", "ignore_eos": False},
+                    {"json_schema": json.dumps(schema), "frequency_penalty": 1.0},
+                    {},
+                ][i]
+                submit(s, f"{len(batch)}-{i}", _prompt(6 + i, i), greedy(40, **grammar))
+            out.update({k: (v.ids, v.finish_reason) for k, v in run_all(s).items()})
+        s.close()
+        return out, masks[0]
+
+    lazy, masks_lazy = generate()
+    monkeypatch.setattr(batch_mod, "get_parallel_state", lambda: ParallelState(world_size=2))
+    full, masks_full = generate()
+    assert lazy == full
+    assert masks_lazy < masks_full

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from loom.runtime.distributed import get_parallel_state
 from loom.runtime.forward_batch import ForwardMode, ModelInput, host_tensor
 from loom.runtime.req import Req
 from loom.runtime.sampler import SamplingInfo, fill_draft_rows
@@ -131,7 +132,8 @@ class ScheduleBatch:
         sampling = None
         if sampling_reqs:
             sampling = SamplingInfo.from_reqs(sampling_reqs, vocab_size)
-            _fill_grammar_mask(sampling_reqs, sampling, vocab_size)
+            # no trees, no logprobs here: greedy grammar rows are masked only if needed
+            _fill_grammar_mask(sampling_reqs, sampling, vocab_size, lazy_ok=True)
         b = len(reqs)
         index = host_tensor(
             ids + positions + [r.req_pool_idx for r in reqs] + seq_lens, torch.int64
@@ -181,19 +183,21 @@ def _fill_grammar_mask(
     filled (`req.draft_masks`: row 0 after the last real token, then one after each draft
     position), also when the step verifies none of its draft (not worth verifying, KV short,
     the first draft token refused): row 0 is then this step's row, not computed twice.
-    A chain walked without rows (`draft_masks` None: a greedy request) is left to the
-    sampler (`SamplingInfo.lazy_grammars`) when every row of the step samples greedily with
-    nothing to score (`lazy_ok`: no tree, no logprobs), else its rows are filled here."""
+    A request without rows (`draft_masks` None: a greedy request's chain, or no draft, a
+    chain of length 0) is left to the sampler (`SamplingInfo.lazy_grammars`: it masks a row
+    only where the grammar refuses the unmasked argmax) when every row of the step samples
+    greedily with nothing to score (`lazy_ok`: no tree, no logprobs) on one rank (the
+    grammar objects stay in this process), else its rows are filled here."""
     if not any(r.grammar is not None for r in reqs):
         return
     from loom.grammar.base import allocate_token_bitmask
 
-    lazy_ok = lazy_ok and info.all_greedy
+    lazy_ok = lazy_ok and info.all_greedy and get_parallel_state().world_size == 1
     lazy, mask = [], None
     row = 0
     for r in reqs:
         if r.grammar is not None:
-            if r.draft_masks is None and r.draft_ids and lazy_ok:
+            if r.draft_masks is None and lazy_ok:
                 lazy.append((row, r.grammar, r.draft_ids, r.eos_token_ids))
             else:
                 if mask is None:
