@@ -312,10 +312,11 @@ def _resolve_lazy_grammars(logits: torch.Tensor, ids: list[int], lazy: list) -> 
     instead of one per row (each a fresh grammar state, the costly kind). A plain decode row
     is a chain with no draft: its argmax is kept when the grammar accepts it, else masked.
     EOS and ids past the vocabulary always take the mask (a grammar is not asked to accept
-    EOS; the mask allows it only where the grammar may end), and so does a state with forced
-    text next (`jump_forward()`): there llguidance's mask allows only the forced text's own
-    tokenization while its accept takes any token spelling a prefix of it (after `{"name`
-    the mask allows `":` alone, accept also takes `"`)."""
+    EOS; the mask allows it only where the grammar may end), and so does every row whose
+    state has forced text next (`jump_forward()`), a draft token there too: llguidance's mask
+    then allows only the forced text's own tokenization while its accept (the walk's check)
+    takes any token spelling a prefix of it (after `{"name` the mask allows `":` alone,
+    accept also takes `"`)."""
     from loom.grammar.base import allocate_token_bitmask
 
     vocab = logits.shape[-1]
@@ -323,11 +324,12 @@ def _resolve_lazy_grammars(logits: torch.Tensor, ids: list[int], lazy: list) -> 
         n = 0  # draft tokens the grammar has been advanced by
         for j in range(len(draft) + 1):
             r = row + j
-            if j < len(draft) and ids[r] == draft[j]:
+            forced = grammar.jump_forward() is not None
+            if j < len(draft) and ids[r] == draft[j] and not forced:
                 grammar.accept_token(draft[j])
                 n += 1
                 continue
-            if ids[r] not in stops and ids[r] < vocab and grammar.jump_forward() is None:
+            if ids[r] not in stops and ids[r] < vocab and not forced:
                 try:
                     grammar.accept_token(ids[r])
                 except Exception:  # noqa: BLE001 - refused (GrammarError) or the engine's own
