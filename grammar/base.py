@@ -74,6 +74,13 @@ class Grammar(ABC):
         """The longest string every valid continuation starts with, or None when there is none
         (or it is empty). Does not advance the state."""
 
+    def is_forced(self) -> bool:
+        """Whether every valid continuation starts with the same bytes: `jump_forward`'s text,
+        or only the first bytes of a character it cannot return yet. The lazy greedy rows
+        (runtime/sampler.py `_resolve_lazy_grammars`) mask such a state instead of trusting
+        `accept_token`, which an engine may make looser than its mask there."""
+        return self.jump_forward() is not None
+
     @abstractmethod
     def copy(self) -> Grammar:
         """A fresh object at the same position, sharing the compiled tables (for n > 1)."""

@@ -313,7 +313,7 @@ def _resolve_lazy_grammars(logits: torch.Tensor, ids: list[int], lazy: list) -> 
     is a chain with no draft: its argmax is kept when the grammar accepts it, else masked.
     EOS and ids past the vocabulary always take the mask (a grammar is not asked to accept
     EOS; the mask allows it only where the grammar may end), and so does every row whose
-    state has forced text next (`jump_forward()`), a draft token there too: llguidance's mask
+    state has forced bytes next (`is_forced()`), a draft token there too: llguidance's mask
     then allows only the forced text's own tokenization while its accept (the walk's check)
     takes any token spelling a prefix of it (after `{"name` the mask allows `":` alone,
     accept also takes `"`)."""
@@ -324,7 +324,7 @@ def _resolve_lazy_grammars(logits: torch.Tensor, ids: list[int], lazy: list) -> 
         n = 0  # draft tokens the grammar has been advanced by
         for j in range(len(draft) + 1):
             r = row + j
-            forced = grammar.jump_forward() is not None
+            forced = grammar.is_forced()
             if j < len(draft) and ids[r] == draft[j] and not forced:
                 grammar.accept_token(draft[j])
                 n += 1

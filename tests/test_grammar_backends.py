@@ -496,3 +496,19 @@ def test_dropped_backend_and_closed_scheduler_leave_no_worker_processes():
     assert workers() - before
     queue.close()
     assert workers() <= before
+
+
+def test_is_forced_covers_jump_forward_and_a_cut_character(setup):
+    """`is_forced` (the lazy greedy rows mask such states): true wherever jump_forward has
+    text, false where the continuations differ; llguidance also counts forced bytes that only
+    start a character (jump_forward cuts them and returns None there)."""
+    backend, tok = setup
+    g = backend.compile("json_schema", SCHEMAS[0][0])
+    assert g.jump_forward() is not None and g.is_forced()
+    g = backend.compile("regex", "(é|è)x")
+    if g.jump_forward() is not None:
+        assert g.is_forced()
+    if backend.engine_name == "llguidance":  # both start with the byte 0xC3
+        assert g.jump_forward() is None and g.is_forced()
+    g = backend.compile("regex", "(a|b)x")
+    assert g.jump_forward() is None and not g.is_forced()

@@ -311,6 +311,9 @@ class _ModGrammar:
     def jump_forward(self) -> str | None:
         return "forced" if (len(self.tokens) + sum(self.tokens)) % 5 == 0 else None
 
+    def is_forced(self) -> bool:
+        return self.jump_forward() is not None
+
     def allowed(self, t: int) -> bool:
         if self.jump_forward() is not None:
             return t == next(u for u in range(40) if self._accepts(u))

@@ -113,6 +113,10 @@ class LLGuidanceGrammar(MatcherGrammar):
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
+    def is_forced(self) -> bool:
+        # the forced bytes themselves: an incomplete character counts (jump_forward cuts it)
+        return not self.matcher.is_stopped() and bool(self.matcher.compute_ff_bytes())
+
     def jump_forward(self) -> str | None:
         if self.matcher.is_stopped():
             return None
