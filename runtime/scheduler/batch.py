@@ -206,10 +206,8 @@ def _fill_grammar_mask(
                     )
                 if r.draft_masks is not None:
                     mask[row : row + 1 + len(r.draft_ids)] = r.draft_masks[: 1 + len(r.draft_ids)]
-                elif r.draft_ids:
+                else:  # no draft: this step's row alone
                     fill_draft_rows(r.grammar, r.draft_ids, mask, row)
-                else:
-                    r.grammar.fill_mask(mask, row)
         row += 1 + len(r.draft_ids)
     info.vocab_mask = mask
     info.lazy_grammars = lazy or None
