@@ -99,8 +99,7 @@ def run_detokenizer_process(args, ipc, owner_pid, ready_pipe) -> None:
     from loom.runtime.tokenizer import load_tokenizer
 
     configure_child_process(args, "detokenizer", owner_pid)
-    if args.resolved_device == "cpu":
-        yield_to_scheduler()  # woken per streamed token: never preempt the forward
+    yield_to_scheduler(args)  # woken per streamed token: never preempt the forward
     try:
         tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path)
         send = Sender(ipc.tokenizer)

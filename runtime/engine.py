@@ -61,18 +61,13 @@ class Engine:
         )
         self.tokenizer_manager.watched_processes = list(self._procs)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._run_loop,
-            args=(args.resolved_device == "cpu",),
-            name="loom-engine",
-            daemon=True,
-        )
+        self._thread = threading.Thread(target=self._run_loop, name="loom-engine", daemon=True)
         self._thread.start()
         self._call(self.tokenizer_manager.start())
 
-    def _run_loop(self, on_cpu: bool) -> None:
-        if on_cpu:  # this loop wakes per streamed token: it must not preempt the forward
-            yield_to_scheduler()
+    def _run_loop(self) -> None:
+        # this loop wakes per streamed token: it must not preempt the forward
+        yield_to_scheduler(self.server_args)
         self._loop.run_forever()
 
     def _call(self, coro, timeout: float | None = None):

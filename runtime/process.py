@@ -55,17 +55,19 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def yield_to_scheduler() -> bool:
-    """Make the calling thread (and threads it starts later) SCHED_BATCH: it still gets its
+def yield_to_scheduler(args) -> bool:
+    """On a CPU device (`args.resolved_device`), make the calling thread (and threads it
+    starts later) SCHED_BATCH: it still gets its
     fair share of CPU, but waking up no longer preempts a running thread. For the threads that
     wake once per streamed token (the detokenizer, the tokenizer manager's event loop): on a
     CPU device the forward runs on the scheduler's thread, and as SCHED_NORMAL tasks they
     preempted it mid-step, 0.83 times per streamed token at batch 1 (0.22 as SCHED_BATCH; see
     docs/benchmarks.md "Session 8: the streamed chain yields to the scheduler"). Children
     forked from here start SCHED_NORMAL again (SCHED_RESET_ON_FORK), so a fork server or a
-    scheduler started later is not affected. Returns False where the OS has no such policy."""
+    scheduler started later is not affected. Returns False on another device, or where the OS
+    has no such policy."""
     policy = getattr(os, "SCHED_BATCH", None)
-    if policy is None or not hasattr(os, "sched_setscheduler"):
+    if policy is None or not hasattr(os, "sched_setscheduler") or args.resolved_device != "cpu":
         return False
     try:
         os.sched_setscheduler(0, policy | os.SCHED_RESET_ON_FORK, os.sched_param(0))

@@ -127,8 +127,9 @@ def launch_dp_server(args: ServerArgs, start_timeout: float = 600.0) -> int:
             log_level=args.log_level.lower(),
             timeout_graceful_shutdown=5,
         )
-        if args.resolved_device == "cpu":  # the router's loop wakes per streamed token
-            yield_to_scheduler()  # (the replicas started before: they stay SCHED_NORMAL)
+        # the router's loop wakes per streamed token (the replicas, started before, stay
+        # SCHED_NORMAL)
+        yield_to_scheduler(args)
         uvicorn.Server(config).run()
         return 0
     finally:

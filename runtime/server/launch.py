@@ -194,8 +194,7 @@ def launch_server(args: ServerArgs) -> int:
             timer.start()
 
         tm.on_dead = on_dead
-        if args.resolved_device == "cpu":  # the event loop wakes per streamed token
-            yield_to_scheduler()
+        yield_to_scheduler(args)  # the event loop wakes per streamed token
         server.run()
         if exit_code:
             # A dead runtime: leave now. Tearing down an interpreter that imported torch and
