@@ -145,37 +145,54 @@ typedef struct {
 } Head;
 
 /* scores then softmax-weighted V over `len` pool columns (cols -> slots) and `n_extra` entries
-   [n_extra, Hkv, D] held elsewhere; one query row q [H, D] -> out [H, D] */
+   [n_extra, Hkv, D] held elsewhere; one query row q [H, D] -> out [H, D]. Per KV head, its G
+   query heads at once (each K / V row read once for all of them); the softmax over a head's
+   scores as one vectorized pass (fast_expf: libm's expf is a call per score). sc: G * n. */
 static void head_attend(const Head* m, const Layer* L, const float* q, const int64_t* cols,
                         int64_t len, const float* ek, const float* ev, int64_t ext_stride,
                         int64_t n_extra, float* sc, float* out) {
     const int64_t H = m->heads, Hkv = m->kv_heads, D = m->head_dim, G = H / Hkv;
     const int64_t n = len + n_extra;
-    for (int64_t h = 0; h < H; h++) {
-        const int64_t kh = h / G;
-        const float* qh = q + h * D;
-        float mx = -INFINITY;
+    for (int64_t kh = 0; kh < Hkv; kh++) {
+        const float* qk = q + kh * G * D; /* heads kh * G .. kh * G + G - 1 */
         for (int64_t c = 0; c < n; c++) {
             const float* kp = c < len ? L->k_cache + (cols[c] * Hkv + kh) * D
                                       : ek + (c - len) * ext_stride + kh * D;
-            float dot = 0.f;
-            #pragma omp simd reduction(+:dot)
-            for (int64_t d = 0; d < D; d++) dot += qh[d] * kp[d];
-            dot *= m->scale;
-            sc[c] = dot;
-            mx = dot > mx ? dot : mx;
+            for (int64_t g = 0; g < G; g++) {
+                const float* qh = qk + g * D;
+                float dot = 0.f;
+                #pragma omp simd reduction(+:dot)
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * kp[d];
+                sc[g * n + c] = dot * m->scale;
+            }
         }
-        float sum = 0.f;
-        for (int64_t c = 0; c < n; c++) { sc[c] = expf(sc[c] - mx); sum += sc[c]; }
-        const float inv = 1.f / sum;
-        float* o = out + h * D;
-        memset(o, 0, sizeof(float) * D);
+        float* o = out + kh * G * D;
+        memset(o, 0, sizeof(float) * G * D);
+        for (int64_t g = 0; g < G; g++) {
+            float* s = sc + g * n;
+            float mx = -INFINITY;
+            #pragma omp simd reduction(max:mx)
+            for (int64_t c = 0; c < n; c++) mx = s[c] > mx ? s[c] : mx;
+            float sum = 0.f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t c = 0; c < n; c++) {
+                const float e = fast_expf(s[c] - mx);
+                s[c] = e;
+                sum += e;
+            }
+            const float inv = 1.f / sum;
+            #pragma omp simd
+            for (int64_t c = 0; c < n; c++) s[c] *= inv;
+        }
         for (int64_t c = 0; c < n; c++) {
             const float* vp = c < len ? L->v_cache + (cols[c] * Hkv + kh) * D
                                       : ev + (c - len) * ext_stride + kh * D;
-            const float p = sc[c] * inv;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] += p * vp[d];
+            for (int64_t g = 0; g < G; g++) {
+                const float p = sc[g * n + c];
+                float* og = o + g * D;
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++) og[d] += p * vp[d];
+            }
         }
     }
 }
@@ -203,7 +220,7 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
     float* qkv = malloc(sizeof(float) * T * QKV);
     float* att = malloc(sizeof(float) * T * H * D);
     float* gu = malloc(sizeof(float) * T * 2 * I);
-    float* sc = malloc(sizeof(float) * (max_len + steps + 1));
+    float* sc = malloc(sizeof(float) * (H / Hkv) * (max_len + steps + 1));
     float* xs = keep ? malloc(sizeof(float) * (n_keep > 0 ? n_keep : 1) * Hd) : NULL;
     if (m->variant == 0) {
         for (int64_t t = 0; t < T; t++) {
