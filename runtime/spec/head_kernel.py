@@ -31,7 +31,7 @@ import logging
 import torch
 
 from loom.runtime import cpu_kernels
-from loom.runtime.cpu_forward import _Layer, _ptr, pack
+from loom.runtime.cpu_forward import PANEL, _Layer, _ptr, pack
 from loom.runtime.cpu_forward_kernel import SOURCE
 
 logger = logging.getLogger(__name__)
@@ -45,15 +45,18 @@ static inline int head_threads(int64_t T, int64_t K, int64_t N, int nthreads) {
     return T * K * N >= ((int64_t)1 << 22) ? nthreads : 1;
 }
 #if ISA_BITS == 512
-/* y[t, n] (+)= sum_k x[t, k] w[n, k] + b[n] over panels stored in bfloat16 (wb: the packed
-   layout's [panels, K, 16] with each float's upper 16 bits): half the bytes of the float32
-   panels, for weights that are bfloat16 values (a bf16 checkpoint), so the products are the
-   same. A head step is a stream of ~3 MB of weights from L3 for a few tokens: memory-bound.
-   Tokens go four at a time (fewer: the spare accumulators repeat the first token), k in four
-   interleaved chains, so 16 FMA chains stay in flight and each weight line is widened once. */
-static inline __m512 bf16_line(const uint16_t* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+/* y[t, n] (+)= sum_k x[t, k] w[n, k] + b[n] over panels stored in bfloat16 (wb, `_pack_bf16`:
+   the packed layout's panels with k in pairs, [panels, K / 2, 16, 2], each float's upper 16
+   bits): half the bytes of the float32 panels, for weights that are bfloat16 values (a bf16
+   checkpoint), so the products are the same. One 64-byte load holds rows 0..15 of k and k + 1
+   in each 32-bit lane's two halves, widened to two float lines by a shift and a mask (no
+   cross-lane widening: at one token a row, that widening, not the ~1.6 MB a draft level reads,
+   bounded the level). Tokens go four at a time (fewer: the spare accumulators repeat the
+   first token), k in four interleaved chains, so 16 FMA chains stay in flight. */
+static inline void bf16_pair(const uint16_t* p, __m512* lo, __m512* hi) {
+    const __m512i v = _mm512_loadu_si512((const void*)p);
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 static void gemm_bf16(const float* x, int64_t T, int64_t K, int64_t ldx, const uint16_t* wb,
                       const float* b, int64_t N, float* y, int64_t ldy, int accumulate) {
@@ -69,26 +72,32 @@ static void gemm_bf16(const float* x, int64_t T, int64_t K, int64_t ldx, const u
                 for (int t = 0; t < 4; t++) acc[u][t] = _mm512_setzero_ps();
             if (nt == 1) {
                 for (int64_t k = 0; k < K4; k += 4) {
+                    __m512 wv[4];
+                    bf16_pair(w + k * PANEL, &wv[0], &wv[1]);
+                    bf16_pair(w + (k + 2) * PANEL, &wv[2], &wv[3]);
                     #pragma GCC unroll 4
                     for (int u = 0; u < 4; u++)
-                        acc[u][0] = _mm512_fmadd_ps(bf16_line(w + (k + u) * PANEL),
-                                                    _mm512_set1_ps(xr[0][k + u]), acc[u][0]);
+                        acc[u][0] = _mm512_fmadd_ps(wv[u], _mm512_set1_ps(xr[0][k + u]), acc[u][0]);
                 }
             } else {
                 for (int64_t k = 0; k < K4; k += 4) {
+                    __m512 wv[4];
+                    bf16_pair(w + k * PANEL, &wv[0], &wv[1]);
+                    bf16_pair(w + (k + 2) * PANEL, &wv[2], &wv[3]);
                     #pragma GCC unroll 4
                     for (int u = 0; u < 4; u++) {
-                        const __m512 wv = bf16_line(w + (k + u) * PANEL);
                         #pragma GCC unroll 4
                         for (int t = 0; t < 4; t++)
-                            acc[u][t] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xr[t][k + u]), acc[u][t]);
+                            acc[u][t] = _mm512_fmadd_ps(wv[u], _mm512_set1_ps(xr[t][k + u]), acc[u][t]);
                     }
                 }
             }
-            for (int64_t k = K4; k < K; k++) {
-                const __m512 wv = bf16_line(w + k * PANEL);
-                for (int t = 0; t < 4; t++)
-                    acc[0][t] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xr[t][k]), acc[0][t]);
+            if (K4 < K) { /* K even (`_pack_bf16`): one pair left */
+                __m512 wv[2];
+                bf16_pair(w + K4 * PANEL, &wv[0], &wv[1]);
+                for (int64_t k = K4; k < K; k++)
+                    for (int t = 0; t < 4; t++)
+                        acc[0][t] = _mm512_fmadd_ps(wv[k - K4], _mm512_set1_ps(xr[t][k]), acc[0][t]);
             }
             const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
             const __mmask16 m = nn >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
@@ -495,9 +504,11 @@ def _pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
     None where an entry is not a bfloat16 value (the copy would round it: the float32 panels
     run instead)."""
     w = w.detach()
-    if not torch.equal(w.to(torch.bfloat16).float(), w):
+    if w.shape[1] % 2 or not torch.equal(w.to(torch.bfloat16).float(), w):
         return None
-    return pack(w).to(torch.bfloat16).view(torch.int16)
+    panels = pack(w).to(torch.bfloat16).view(torch.int16)  # [panels, K, 16]
+    n, k = panels.shape[0], panels.shape[1]
+    return panels.view(n, k // 2, 2, PANEL).transpose(2, 3).contiguous()  # k in pairs
 
 
 def _pack_each(w: torch.Tensor) -> torch.Tensor:
