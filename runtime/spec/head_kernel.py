@@ -51,8 +51,9 @@ static inline int head_threads(int64_t T, int64_t K, int64_t N, int nthreads) {
    checkpoint), so the products are the same. One 64-byte load holds rows 0..15 of k and k + 1
    in each 32-bit lane's two halves, widened to two float lines by a shift and a mask (no
    cross-lane widening: at one token a row, that widening, not the ~1.6 MB a draft level reads,
-   bounded the level). Tokens go four at a time (fewer: the spare accumulators repeat the
-   first token), k in four interleaved chains, so 16 FMA chains stay in flight. */
+   bounded the level). Tokens go four at a time (two: a pass of two; three: the spare
+   accumulators repeat the first token), k in four interleaved chains, so 16 FMA chains stay
+   in flight. */
 static inline void bf16_pair(const uint16_t* p, __m512* lo, __m512* hi) {
     const __m512i v = _mm512_loadu_si512((const void*)p);
     *lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -78,6 +79,18 @@ static void gemm_bf16(const float* x, int64_t T, int64_t K, int64_t ldx, const u
                     #pragma GCC unroll 4
                     for (int u = 0; u < 4; u++)
                         acc[u][0] = _mm512_fmadd_ps(wv[u], _mm512_set1_ps(xr[0][k + u]), acc[u][0]);
+                }
+            } else if (nt == 2) { /* a catch-up's 6 rows: 4 + 2, not 4 + 4 */
+                for (int64_t k = 0; k < K4; k += 4) {
+                    __m512 wv[4];
+                    bf16_pair(w + k * PANEL, &wv[0], &wv[1]);
+                    bf16_pair(w + (k + 2) * PANEL, &wv[2], &wv[3]);
+                    #pragma GCC unroll 4
+                    for (int u = 0; u < 4; u++) {
+                        #pragma GCC unroll 2
+                        for (int t = 0; t < 2; t++)
+                            acc[u][t] = _mm512_fmadd_ps(wv[u], _mm512_set1_ps(xr[t][k + u]), acc[u][t]);
+                    }
                 }
             } else {
                 for (int64_t k = 0; k < K4; k += 4) {
