@@ -141,14 +141,36 @@ class HeadDrafter(Drafter):
         if all(s - p == c for s, p, c in zip(inp.seq_lens, inp.prefix_lens, inp.sample_counts)):
             self.draft_decode_seconds += dt
 
+    capture: Any  # what the target's forward keeps for the head (`_capture`)
+
     def worth_verifying(self, reqs: list, drafts: list) -> bool:
+        if all(
+            isinstance(d, list) and (not d or getattr(r, "draft_source", None) == "ngram")
+            for r, d in zip(reqs, drafts)
+        ):  # n-gram chains only (constrained requests the head skips): the speculator's cut
+            return self.lookup.ngram.worth_verifying(reqs, drafts)
         expected = [getattr(r, "draft_expected", 0.0) if d else 0.0 for r, d in zip(reqs, drafts)]
         return self.gate.worth(expected, max(map(len, drafts)))
+
+    def _head_capture(self, on: bool) -> None:
+        """The next forward keeps the head's features when it may draft (`on`) and a request
+        in it may use the head (`lookup.uses_head`; none decided yet counts as may)."""
+        lk = self.lookup
+        self._capture(self.capture if on and (lk.headed or not lk.headless) else None)
+
+    def _uses_head(self, req) -> bool:
+        """`lookup.uses_head`; a request that does turns this step's capture on."""
+        use = self.lookup.uses_head(req)
+        if use:
+            self._capture(self.capture)
+        return use
 
     def draft_prefill(self, req, room: int) -> list[int]:
         """A constrained request's prefill verifies the n-gram speculator's chain (forced
         keys, the trie's values); a free one drafts nothing there (the head needs the
-        prefill's features first)."""
+        prefill's features first). A prefill whose requests the head skips keeps no features."""
+        self._uses_head(req)
+        self._head_capture(True)
         return self.lookup.draft_prefill(req, room)
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:

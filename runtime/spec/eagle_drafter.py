@@ -136,7 +136,7 @@ class EagleSpeculator(HeadDrafter):
         large to draft captures none, so it runs the compiled CPU forward (which covers no
         capture) like plain decoding; the next step captures again."""
         on = batch_size < self.disable_batch_size and self.gate.enabled(batch_size, self.steps)
-        self._capture(self.capture if on else None)
+        self._head_capture(on)
         return on
 
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
@@ -149,6 +149,7 @@ class EagleSpeculator(HeadDrafter):
         if not free_drafts:
             self.stats.skipped += 1
             return []
+        use_head = self._uses_head(req)
         fresh = pending is not None and pending[0] == req.seq_len
         tokens, parents = pending[1] if fresh else ([], [])
         budget = max(0, min(room, self.num_nodes))
@@ -164,6 +165,8 @@ class EagleSpeculator(HeadDrafter):
         # constrained: the n-gram speculator's draft (walked by the grammar) or the head's
         ngram, ngram_expected = self.lookup.ngram_draft(req, room)
         ngram_forced = req.draft_forced
+        if not use_head:  # the head skips this constrained request (`ConstrainedLookup`)
+            return self._take_ngram(req, ngram, ngram_expected, ngram_forced)
         rules = self.lookup.ngram  # the grammar rules (forced text, the cut) are its own
         forced = rules._forced(req, min(budget, self.steps))
         if forced:  # forced text leads; the head's subtree follows where it agrees with it
@@ -171,12 +174,7 @@ class EagleSpeculator(HeadDrafter):
         tokens, parents = tokens[:budget], parents[:budget]
         head_expected = self.lookup.head_expected(len(forced), tokens, parents)
         if ngram and ngram_expected >= head_expected:
-            self.lookup.chosen["ngram"] += 1
-            req.draft_source, req.draft_forced = "ngram", ngram_forced
-            req.draft_expected = ngram_expected
-            if self.topk == 1:
-                return ngram
-            return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
+            return self._take_ngram(req, ngram, ngram_expected, ngram_forced)
         self.lookup.chosen["head"] += 1
         req.draft_source, req.draft_expected = "head", head_expected
         if self.topk == 1:  # a chain: the chain verify path
@@ -189,6 +187,14 @@ class EagleSpeculator(HeadDrafter):
         req.draft_forced = min(len(forced), len(tokens))
         return DraftTree(tokens, parents) if tokens else []
 
+    def _take_ngram(self, req, ngram: list[int], expected: float, forced: int):
+        self.lookup.chosen["ngram"] += 1
+        req.draft_source, req.draft_forced = "ngram", forced
+        req.draft_expected = expected
+        if self.topk == 1 or not ngram:
+            return ngram
+        return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
+
     # ------------------------------------------------------------ runner side
     def _after_step(self, inp, batch, out) -> None:
         import time
@@ -200,7 +206,7 @@ class EagleSpeculator(HeadDrafter):
         t0 = time.perf_counter()
         final, aux = captured
         feats = final if self.head.variant == "eagle" else torch.cat(aux, dim=-1)
-        plan = _catch_up_plan(inp, out)
+        plan = _catch_up_plan(inp, out, self.lookup.headless)
         if plan is None:
             return
         # a chain drafts as many levels as pay at this batch size; a tree its full shape
@@ -289,12 +295,13 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t.index_select(0, torch.tensor(rows, dtype=torch.int64, device=t.device))
 
 
-def _catch_up_plan(inp, out):
+def _catch_up_plan(inp, out, headless=()):
     """Which fed rows the head's catch-up covers, per request: the rows whose next token is
     known (fed tokens shifted by one, then the accepted drafts and the sampled token). After a
     tree verify those rows are the last real token's and the accepted path's (`rows`), while
     the head's KV goes to the slots of the positions they now hold (`slot_rows`: the target
-    moved the path's KV there)."""
+    moved the path's KV there). Requests in rows `headless` are left out (the head skips them:
+    `ConstrainedLookup.uses_head`)."""
     rows, slot_rows, next_ids = [], [], []
     req_rows, prefix_lens, seq_lens, last_rows, drafting = [], [], [], [], []
     fed = inp.input_ids.tolist()
@@ -313,7 +320,7 @@ def _catch_up_plan(inp, out):
             nxt = fed[start + 1 : start + known + 1] + list(got)
             n = min(known + len(got), ext)
             nxt = nxt[:n]
-        if n > 0:
+        if n > 0 and pool_rows[i] not in headless:
             slot_rows.extend(range(start, start + n))
             if trees[i] is None:
                 rows.extend(range(start, start + n))

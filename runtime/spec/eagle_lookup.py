@@ -16,6 +16,18 @@ are asked and the one with the larger expected accepted length is verified:
 Either draft is cut by the grammar before verification, so the choice changes speed only.
 Free (unconstrained) requests never reach this: the head drafts them.
 
+The head is paid for every step it runs (its catch-up over the step's rows, from the prompt
+on, and its draft loop), chosen or not, so a constrained request runs it only while it
+earns: `uses_head` decides per request, at its first draft, from `head_gain` (the head's
+tokens past the forced text per verify of such requests, 0 where the n-gram draft won),
+with every PROBE_EVERY-th constrained request using it anyway to re-measure. A request it
+skips drafts n-gram chains only: its rows (`headless`) get no catch-up, a forward of such
+requests alone keeps no features for the head, and a batch of their chains alone is cut and
+judged by the n-gram speculator's own rule (`NgramSpeculator.worth_verifying`), as NGRAM's.
+On bench_spec's ten JSON jobs with the bundled model's heads, every request using them, the
+heads earn 0.14 (EAGLE), 0.21 (Medusa) and 0.38 (EAGLE-3) tokens a verify, so after a fresh
+server's first requests those jobs run as NGRAM's.
+
 `HeadGate` is the head drafters' off-switch by measured costs: server-wide acceptance rates of
 the head's free drafts per position, the expected gain of each request's draft from them, the
 n-gram speculator's verify cost model (`speculator.extra_cost`: a verify step's cost over a
@@ -41,6 +53,8 @@ from __future__ import annotations
 from loom.runtime.spec import DraftTree, tree_depths
 
 RATE_DECAY = 0.1  # the head's constrained-request rates: a running average over verifies
+GAIN_DECAY = 0.3  # the head's realised constrained gain (`head_gain`): a faster average
+HEAD_MIN_GAIN = 1.0  # tokens a verify past the forced text for constrained requests to use the head
 PROBE_EVERY = 16  # a declined batch verifies anyway every this many (the rates re-measure)
 
 
@@ -147,6 +161,36 @@ class ConstrainedLookup:
         self.ngram = NgramSpeculator(args, tokenizer, vocab_size, eos_token_ids)
         self.head_rates = [1.0] * max(1, positions)
         self.chosen = {"head": 0, "ngram": 0}
+        # request rows whose live request the head drafts for / whose latest request it
+        # skips (no features kept for it, no catch-up, no draft loop)
+        self.headed: set[int] = set()
+        self.headless: set[int] = set()
+        # what the head earned constrained requests that use it, a running average per verify:
+        # its draft's tokens past the forced text, 0 where the n-gram draft was chosen
+        # (optimistic until measured: a fresh server tries the head)
+        self.head_gain = float(positions)
+        self.requests = 0  # constrained requests seen (every PROBE_EVERY-th uses the head)
+
+    def uses_head(self, req) -> bool:
+        """Whether the head runs for `req`: always for a free request; for a constrained one,
+        decided at its first draft (`spec_head`) and kept, since the head's KV of a request is
+        built by catch-ups from its prompt on (`_head_pays`)."""
+        use = getattr(req, "spec_head", None)
+        if use is None:
+            use = req.spec_head = req.grammar is None or self._head_pays()
+        row = req.req_pool_idx
+        if row is not None:
+            (self.headed if use else self.headless).add(row)
+            (self.headless if use else self.headed).discard(row)
+        return use
+
+    def _head_pays(self) -> bool:
+        """A constrained request uses the head while the head earns such requests at least
+        HEAD_MIN_GAIN tokens a verify (`head_gain`; a head round costs ~0.4 of a b1 decode
+        step on the bundled model, and the n-gram draft it displaces costs nothing), and
+        every PROBE_EVERY-th request anyway, to re-measure."""
+        self.requests += 1
+        return self.head_gain >= HEAD_MIN_GAIN or self.requests % PROBE_EVERY == 1
 
     def head_expected(self, forced: int, tokens: list[int], parents: list[int]) -> float:
         """forced + sum over the head's draft depths past the forced text of the products of
@@ -173,13 +217,20 @@ class ConstrainedLookup:
         """Route a verify's outcome to the source that drafted it."""
         source = getattr(req, "draft_source", None)
         req.draft_source = None
+        earned = 0  # by the head's draft past the forced text (none: the n-gram draft won)
         if source == "ngram":
             self.ngram.on_verified(req, drafted, accepted)
         elif source == "head":
             _update(self.head_rates, drafted, accepted, req.draft_forced)
+            earned = max(0, accepted - req.draft_forced)
+        if req.grammar is not None and getattr(req, "spec_head", False):
+            self.head_gain += GAIN_DECAY * (earned - self.head_gain)
 
     def on_finished(self, req) -> None:
         self.ngram.on_finished(req)  # a request that drafted through the trie teaches it
+        # its row stays in `headless` until a request that uses the head takes it: the
+        # finishing step that writes a skipped request's last KV keeps no features either
+        self.headed.discard(req.req_pool_idx)
 
     def summary(self) -> dict:
         return {

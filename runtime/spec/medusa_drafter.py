@@ -98,7 +98,8 @@ class MedusaSpeculator(HeadDrafter):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos = frozenset(eos_token_ids)
         inner = runner.model.model
-        inner.capture_layers = ()  # keep the final hidden states of each forward
+        self.capture = ()  # keep the final hidden states of each forward
+        inner.capture_layers = self.capture
         inner.captured = None
         self.inner = inner
         self.pending: list[tuple | None] = [None] * runner.req_to_token_pool.size
@@ -128,7 +129,8 @@ class MedusaSpeculator(HeadDrafter):
         )
         # keep the target's final hidden states only for steps that may draft (the compiled
         # CPU forward returns them too, when capture_layers is (); larger steps skip the copy)
-        self._capture(() if enabled else None)
+        # and hold a request that uses the heads
+        self._head_capture(enabled)
         return enabled
 
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
@@ -141,6 +143,11 @@ class MedusaSpeculator(HeadDrafter):
         if not free_drafts:
             self.stats.skipped += 1
             return []
+        if not self._uses_head(req):  # a constrained request the heads skip: n-gram chains
+            ngram, req.draft_expected = self.lookup.ngram_draft(req, room)
+            self.lookup.chosen["ngram"] += 1
+            req.draft_source = "ngram"
+            return ngram
         if pending is None or pending[0] != req.seq_len:
             return []
         _, ids, logps = pending
@@ -184,7 +191,7 @@ class MedusaSpeculator(HeadDrafter):
             zip(inp.prefix_lens, inp.seq_lens, inp.sample_counts)
         ):
             ext = seq - prefix
-            if count:
+            if count and pool[i] not in self.lookup.headless:
                 nodes = out.accepted_nodes[i] if out.accepted_nodes else []
                 kept = 1 + nodes[-1] if nodes else 0  # row of the last accepted node
                 rows.append(start + ext - count + kept)

@@ -1,0 +1,147 @@
+"""Constrained requests under the head drafters (`eagle_lookup.ConstrainedLookup`): which
+requests the head runs for, and that a request it skips costs no head work (no features
+kept, no catch-up, no draft loop) while its outputs stay those of plain decoding."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loom.runtime.spec.eagle import save_eagle_head
+from loom.runtime.spec.eagle_lookup import HEAD_MIN_GAIN, PROBE_EVERY
+from loom.runtime.spec.medusa import save_medusa_heads
+from tests.runtime_helpers import free_head, make_scheduler, run_all, submit
+from tests.test_eagle import _prompts, _random_head, _target
+from tests.test_medusa import _random_heads
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def heads(llama, tmp_path_factory):
+    """Random EAGLE-3 and Medusa heads for the tiny llama, as folders."""
+    target = _target(llama)
+    root = tmp_path_factory.mktemp("lookup_heads")
+    e3 = _random_head(target, "eagle3", draft_vocab_size=150)
+    e3.d2t.copy_(torch.arange(0, 300, 2) - torch.arange(150))
+    save_eagle_head(e3, root / "eagle3")
+    save_medusa_heads(_random_heads(target, k=3, scale=0.05), root / "medusa")
+    return {"EAGLE3": str(root / "eagle3"), "MEDUSA": str(root / "medusa")}
+
+
+def _sched(llama, **kw):
+    return free_head(make_scheduler(llama, disable_jump_forward=True, **kw))
+
+
+def test_the_head_runs_for_constrained_requests_while_it_earns():
+    """A free request always uses the head; a constrained one while the head earned such
+    requests HEAD_MIN_GAIN tokens a verify (0 for a verify whose n-gram draft won), and every
+    PROBE_EVERY-th constrained request anyway; the choice is per request, kept, and its row
+    joins `headed` or `headless` (a finished request's row leaves `headed`, and stays in
+    `headless` until a request using the head takes it)."""
+    from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
+    from loom.runtime.spec.eagle_lookup import ConstrainedLookup
+
+    args = ServerArgs(model_path=BUNDLED_MODEL_PATH, speculative_algorithm="EAGLE3")
+    lk = ConstrainedLookup(args, None, 300, [0], 5)
+    grammar = object()
+
+    def req(row, constrained=True):
+        return SimpleNamespace(
+            grammar=grammar if constrained else None, req_pool_idx=row, spec_state=None
+        )
+
+    first = req(0)
+    assert lk.uses_head(first) and lk.headed == {0}  # a fresh server tries the head
+    # the head's verifies for it: its drafts earn nothing past the forced text, or lose
+    for source in ("head", "ngram", "head", "ngram", "head", "head"):
+        first.draft_source, first.draft_forced = source, 2
+        lk.on_verified(first, 4, 2)
+    assert lk.head_gain < HEAD_MIN_GAIN
+    assert lk.uses_head(first)  # decided once, kept
+    uses = [lk.uses_head(req(1 + i)) for i in range(2 * PROBE_EVERY)]
+    # the first request was the counter's 1st, so the probes are its 17th and 33rd
+    assert [i for i, u in enumerate(uses) if u] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1], uses
+    assert 2 in lk.headless and 2 not in lk.headed
+    free = req(2, constrained=False)  # a free request in a row a skipped one held
+    assert lk.uses_head(free) and 2 in lk.headed and 2 not in lk.headless
+    lk.on_finished(free)
+    assert 2 not in lk.headed and 2 not in lk.headless
+    skipped = req(3)
+    assert not lk.uses_head(skipped)
+    lk.on_finished(skipped)  # its row stays skipped (the finishing step keeps no features)
+    assert 3 in lk.headless
+    # a head whose drafts earn past the forced text brings the head back
+    probe = req(40)
+    probe.spec_head = True
+    for _ in range(8):
+        probe.draft_source, probe.draft_forced = "head", 1
+        lk.on_verified(probe, 5, 4)
+    assert lk.head_gain >= HEAD_MIN_GAIN and lk.uses_head(req(41))
+
+
+@pytest.mark.parametrize("algo", ["EAGLE3", "MEDUSA"])
+def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, algo):
+    """With the head's measured gain at 0, constrained requests (regex, JSON schema, EBNF)
+    draft n-gram chains only: outputs equal plain decoding, the head drafted none of them,
+    and no forward of theirs kept features for the head or ran its catch-up (a batch of
+    such requests alone runs like NGRAM's). Free requests beside them still draft from the
+    head, their rows alone in the catch-up."""
+    tok = make_scheduler(llama).tokenizer
+    prompts = _prompts(tok, 2, 6)
+    plain_sched = _sched(llama)
+    for i, (ids, params) in enumerate(prompts):
+        submit(plain_sched, f"p{i}", ids, params)
+    plain = run_all(plain_sched)
+
+    sched = _sched(
+        llama, speculative_algorithm=algo, speculative_draft_model_path=heads[algo],
+        speculative_disable_by_batch_size=64,
+    )  # fmt: skip
+    drafter = sched.decode.drafter
+    drafter.lookup.head_gain = 0.0
+    drafter.lookup.requests = 1  # the next constrained request is no probe
+    runner = drafter.runner
+    seen = []  # per forward: (its request rows, whether it kept features)
+    forward = runner.forward
+
+    def spy(inp):
+        seen.append(drafter.inner.capture_layers is not None)  # features kept for the head
+        return forward(inp)
+
+    runner.forward = spy
+    drafted, wrong = [], []  # request rows the head drafted for; those of skipped requests
+    hook = runner.spec_hook
+
+    def after(inp, batch, out):
+        before = list(drafter.pending)
+        hook(inp, batch, out)
+        rows = [i for i, p in enumerate(drafter.pending) if p is not None and p is not before[i]]
+        drafted.extend(rows)
+        wrong.extend(r for r in rows if r in drafter.lookup.headless)
+
+    runner.spec_hook = after
+    # three constrained requests alone, then the free ones beside the other three
+    jobs = list(enumerate(prompts))
+    for i, (ids, params) in jobs[2:5]:
+        submit(sched, f"p{i}", ids, params)
+    out = run_all(sched)
+    alone = len(seen)
+    assert alone and not any(seen), seen
+    assert not drafted and drafter.summary()["spec_draft_seconds"] == 0.0
+    for i, (ids, params) in jobs[:2] + jobs[5:]:
+        submit(sched, f"p{i}", ids, params)
+    out.update(run_all(sched))
+    for i in range(len(prompts)):
+        assert out[f"p{i}"].ids == plain[f"p{i}"].ids, (algo, i)
+        assert out[f"p{i}"].finish_reason == plain[f"p{i}"].finish_reason
+    state = sched.get_state()
+    assert state["spec_constrained_head"] == 0 and state["spec_constrained_ngram"] > 0, state
+    assert state["spec_verify_ct"] > 0
+    assert drafted and not wrong, (drafted, wrong)
+    assert any(seen[alone:])  # the free requests' forwards kept features
