@@ -11,7 +11,9 @@ a JSON value), the draft continues as the most recently seen other token after t
 did (a skip-gram: `"name": "Alice` drafts `", "age": ` learnt from `"name": "Bob", "age": `),
 unless an exact match of a longer window exists. Where a chain runs out (a long match leaves
 few trie levels below it), its own last tokens are matched again from the root, so a copy
-continues past one window (at most MAX_REMATCHES times a draft).
+continues past one window (at most MAX_REMATCHES times a draft). Where the answer copies a
+word from its prompt at that context (a JSON value: `ngram_copy.PromptCopy`), the draft takes
+this prompt's word and goes on as the trie went on after another request's value there.
 
 Bounded: at most `capacity` nodes, the least recently touched evicted first, approximately
 (an evicted node's subtree is cut off with it and ages out of the queue in turn): the queue
@@ -26,6 +28,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from loom.runtime.spec.ngram_copy import CONTEXT, PromptCopy
 
 MAX_PROMPT_TOKENS = 2048
 SKIP_MIN_CONTEXT = 2  # tokens of context a skip-gram match needs
@@ -134,6 +138,7 @@ class NgramState:
         "opening",
         "shadow",
         "skipped",
+        "prompt_index",
     )
 
     def __init__(self, num_positions: int):
@@ -152,11 +157,14 @@ class NgramState:
         # the request ran in a decode batch too large to draft since it last drafted (its
         # tokens since then are unseen: `NgramDrafter.catch_up` bounds what it costs)
         self.skipped = False
+        # `PromptCopy.index` of the request's prompt, built at its first copy lookup
+        self.prompt_index: dict[int, int] | None = None
 
 
 class NgramDrafter:
     """`propose(req, max_len, after=())`: up to max_len tokens the request's history predicts
-    after its current tokens followed by `after` (forced text not yet in the sequence)."""
+    after its current tokens followed by `after` (forced text not yet in the sequence).
+    `copy` (a `PromptCopy`, or None): words the answer copies from its prompt."""
 
     def __init__(
         self,
@@ -171,6 +179,7 @@ class NgramDrafter:
         self.branch_length = branch_length
         self.trie = NgramTrie(max_window + branch_length, capacity)
         self.by_count = match_type.upper() == "PROB"
+        self.copy: PromptCopy | None = None
 
     def observe(
         self, req, state: NgramState, prompt_tail: int = MAX_PROMPT_TOKENS, limit: int = 1 << 30
@@ -204,27 +213,73 @@ class NgramDrafter:
         if req.seq_len - state.seen > keep:
             state.pointers, state.seen = [], req.seq_len - keep
 
-    def propose(self, req, state: NgramState, max_len: int, after: Sequence[int] = ()) -> list[int]:
+    def propose(
+        self,
+        req,
+        state: NgramState,
+        max_len: int,
+        after: Sequence[int] = (),
+        skip: bool = True,
+    ) -> list[int]:
         """The chain from the matched node; where it runs out (the trie keeps windows of
         `depth` tokens, and a long match leaves few below it), the last tokens drafted so far
-        are matched again from the root, so a copy continues past one window."""
+        are matched again from the root, so a copy continues past one window. `skip`: False
+        takes the exact match where a skip-gram would answer (`_match`)."""
         self.observe(req, state)
-        node = self._match(state.pointers, after)
+        node = self._match(state.pointers, after, skip)
         draft: list[int] = []
         rematches = 0
+        copy = self.copy
+        if copy is not None:  # the last CONTEXT tokens before the next draft token
+            n = req.seq_len
+            context = (req.tokens(max(0, n - CONTEXT), n) + list(after))[-CONTEXT:]
+            prompt = req.origin_input_ids
+            if state.prompt_index is None:
+                state.prompt_index = copy.index(prompt)
         while node is not None and len(draft) < max_len:
-            if not node.children:
+            word = copy.draft(prompt, state.prompt_index, tuple(context)) if copy else None
+            if word:
+                child = node.children.get(word[0])
+                if child is None:  # a value no request wrote here: the trie goes on
+                    word = word[: max_len - len(draft)]  # as it did after another's
+                    draft += word
+                    context = (context + word)[-CONTEXT:]
+                    node = self._after_value(node)
+                    continue
+                node = child
+            elif not node.children:
                 if not draft or rematches >= MAX_REMATCHES:
                     break
                 rematches += 1
                 node = self._rematch(req, after, draft)
                 continue
-            if self.by_count:
+            elif self.by_count:
                 node = max(node.children.values(), key=lambda c: (c.count, c.stamp))
             else:
                 node = max(node.children.values(), key=_recency)
             draft.append(node.token)
+            if copy is not None:
+                context = (context + [node.token])[-CONTEXT:]
         return draft
+
+    def _after_value(self, slot: _Node) -> _Node | None:
+        """Where the trie goes on after a copied word at `slot`: the most recently generated
+        value there (a child with a continuation), followed through its word pieces (`4`
+        `8` of an age), so its node's children are what came after it (`,` then the next
+        key; `"}` after a city). None: no value there was followed by anything."""
+        best = None
+        for n, sib in enumerate(slot.children.values()):
+            if n >= SKIP_SCAN:
+                break
+            if sib.children and (best is None or _recency(sib) > _recency(best)):
+                best = sib
+        node = best
+        while node is not None and node.children:
+            nxt = max(node.children.values(), key=_recency)
+            if not self.copy.is_piece(nxt.token):
+                return node
+            node = nxt
+        return None
 
     def _rematch(self, req, after: Sequence[int], draft: list[int]) -> _Node | None:
         """The deepest node with a continuation for the last max_window tokens of the
@@ -286,7 +341,9 @@ class NgramDrafter:
             push(node, len(tokens) - 1, depth + 1, -neg)
         return tokens, parents
 
-    def _match(self, pointers: list[_Node], after: Sequence[int]) -> _Node | None:
+    def _match(
+        self, pointers: list[_Node], after: Sequence[int], skip: bool = True
+    ) -> _Node | None:
         """The deepest node (suffix length in the match window) of current tokens + `after`
         that has a continuation; or, when the last token is new after a longer context
         (a name, a number), a sibling's node (see `_skip_match`)."""
@@ -300,8 +357,8 @@ class NgramDrafter:
             else:
                 node = self.trie.walk(self.trie.root, after[k - w :])
             if node is not None and node.children:
-                return self._skip_match(pointers, w) if k == 0 else node
-        return self._skip_match(pointers, 0) if k == 0 else None
+                return self._skip_match(pointers, w) if k == 0 and skip else node
+        return self._skip_match(pointers, 0) if k == 0 and skip else None
 
     def _skip_match(self, pointers: list[_Node], exact: int) -> _Node | None:
         """Skip-gram fallback: the context before the last token (at least SKIP_MIN_CONTEXT

@@ -5,8 +5,9 @@ the grammar's mask those tokens are the only ones allowed, so verification accep
 then the n-gram trie's continuation, cut to the adaptive length. A constrained request's
 draft is walked through its grammar (accept, then roll back): it is cut at the first token the
 grammar refuses, and the mask of every draft position (and the one after) is kept for the
-verify step, so an accepted token is always legal. The grammar itself advances only when
-result processing appends the accepted tokens.
+verify step, so an accepted token is always legal; a chain whose first trie token the grammar
+refuses (a skip-gram's guess after a new value) is drafted again from the exact match. The
+grammar itself advances only when result processing appends the accepted tokens.
 
 Adaptive length: each request keeps a running acceptance rate per draft position (given the
 draft reached it); the chance position j is accepted is the product of the rates up to j.
@@ -39,6 +40,7 @@ from collections import deque
 
 from loom.runtime.spec import Drafter, DraftTree, tree_depths
 from loom.runtime.spec.ngram import MAX_PROMPT_TOKENS, NgramDrafter, NgramState
+from loom.runtime.spec.ngram_copy import PromptCopy
 from loom.runtime.spec.stats import AcceptanceStats
 
 TOKEN_COST = 0.05
@@ -79,6 +81,8 @@ class NgramSpeculator(Drafter):
             args.speculative_ngram_capacity,
             args.speculative_ngram_match_type,
         )
+        # the words an answer copies from its prompt (a JSON value): needs token spellings
+        self.ngram.copy = PromptCopy(tokenizer) if tokenizer is not None else None
         # draft trees when the breadth allows more than one child per node
         self.breadth = (
             args.speculative_ngram_min_bfs_breadth,
@@ -140,6 +144,14 @@ class NgramSpeculator(Drafter):
         draft = forced + ngram
         if req.grammar is not None and draft:
             draft = self._walk_grammar(req, draft)
+            if ngram and len(draft) == len(forced):
+                # the grammar refused the trie's first token: a skip-gram's guess (a sibling
+                # value's continuation after `28`, prompt text after `27`) where the exact
+                # match's (`,` after `8`) may be legal
+                exact = self.ngram.propose(req, state, len(gains), after=forced, skip=False)
+                if exact and exact != ngram:
+                    ngram = exact
+                    draft = self._walk_grammar(req, forced + exact)
         req.draft_forced = min(len(forced), len(draft))
         # each position's chance of acceptance (forced text: 1), for the batch's cut
         state.gains = ([1.0] * len(forced) + gains[: len(ngram)])[: len(draft)]
@@ -422,6 +434,8 @@ class NgramSpeculator(Drafter):
             if not self.ngram.observe(req, state, prompt_tail=tail, limit=budget):
                 return  # the budget is spent: the rest of it next step
             self.finished.popleft()
+            if self.ngram.copy is not None:
+                self.ngram.copy.learn(req.origin_input_ids[-MAX_PROMPT_TOKENS:], req.output_ids)
             budget -= 1 + len(req.output_ids)  # an estimate of the tokens it took
 
     def log_line(self) -> str:
