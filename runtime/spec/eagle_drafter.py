@@ -136,6 +136,7 @@ class EagleSpeculator(HeadDrafter):
         large to draft captures none, so it runs the compiled CPU forward (which covers no
         capture) like plain decoding; the next step captures again."""
         on = batch_size < self.disable_batch_size and self.gate.enabled(batch_size, self.steps)
+        self.lookup.enabled_for(batch_size)
         self._head_capture(on)
         return on
 

@@ -171,6 +171,10 @@ class ConstrainedLookup:
         self.head_gain = float(positions)
         self.requests = 0  # constrained requests seen (every PROBE_EVERY-th uses the head)
 
+    def enabled_for(self, batch_size: int) -> None:
+        """The step's batch size: the n-gram speculator's learning budget is shared by it."""
+        self.ngram.enabled_for(batch_size)
+
     def uses_head(self, req) -> bool:
         """Whether the head runs for `req`: always for a free request; for a constrained one,
         decided at its first draft (`spec_head`) and kept, since the head's KV of a request is

@@ -130,6 +130,7 @@ class MedusaSpeculator(HeadDrafter):
         # keep the target's final hidden states only for steps that may draft (the compiled
         # CPU forward returns them too, when capture_layers is (); larger steps skip the copy)
         # and hold a request that uses the heads
+        self.lookup.enabled_for(batch_size)
         self._head_capture(enabled)
         return enabled
 
