@@ -85,8 +85,9 @@ def test_the_head_runs_for_constrained_requests_while_it_earns():
     assert lk.head_gain >= HEAD_MIN_GAIN and lk.uses_head(req(41))
 
 
+@pytest.mark.parametrize("radix_off", [False, True], ids=["radix-on", "radix-off"])
 @pytest.mark.parametrize("algo", ["EAGLE3", "MEDUSA"])
-def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, algo):
+def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, algo, radix_off):
     """With the head's measured gain at 0, constrained requests (regex, JSON schema, EBNF)
     draft n-gram chains only: outputs equal plain decoding, the head drafted none of them,
     and no forward of theirs kept features for the head or ran its catch-up (a batch of
@@ -94,14 +95,14 @@ def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, alg
     head, their rows alone in the catch-up."""
     tok = make_scheduler(llama).tokenizer
     prompts = _prompts(tok, 2, 6)
-    plain_sched = _sched(llama)
+    plain_sched = _sched(llama, disable_radix_cache=radix_off)
     for i, (ids, params) in enumerate(prompts):
         submit(plain_sched, f"p{i}", ids, params)
     plain = run_all(plain_sched)
 
     sched = _sched(
         llama, speculative_algorithm=algo, speculative_draft_model_path=heads[algo],
-        speculative_disable_by_batch_size=64,
+        speculative_disable_by_batch_size=64, disable_radix_cache=radix_off,
     )  # fmt: skip
     drafter = sched.decode.drafter
     drafter.lookup.head_gain = 0.0
