@@ -182,3 +182,9 @@ def test_a_skip_gram_the_grammar_refuses_is_drafted_again_from_the_exact_match()
 
     assert draft(None)[:2] == [7, 8]
     assert draft(_Refuses(7))[:2] == [9, 9]
+
+
+def test_the_prompt_index_starts_where_asked():
+    prompt = ids("Ġin", "ĠRome", "Ġin", "ĠOslo", ".")
+    assert PromptCopy.index(prompt) == {T["Ġin"]: 2, T["ĠRome"]: 1, T["ĠOslo"]: 3}
+    assert PromptCopy.index(prompt, 3) == {T["ĠOslo"]: 3}

@@ -234,8 +234,8 @@ class NgramDrafter:
             n = req.seq_len
             context = (req.tokens(max(0, n - CONTEXT), n) + list(after))[-CONTEXT:]
             prompt = req.origin_input_ids
-            if state.prompt_index is None:
-                state.prompt_index = copy.index(prompt)
+            if state.prompt_index is None:  # the prompt's part the trie holds too
+                state.prompt_index = copy.index(prompt, max(0, len(prompt) - MAX_PROMPT_TOKENS))
         while node is not None and len(draft) < max_len:
             word = copy.draft(prompt, state.prompt_index, tuple(context)) if copy else None
             if word:

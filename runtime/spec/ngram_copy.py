@@ -58,9 +58,9 @@ class PromptCopy:
         return word and not spaced
 
     @staticmethod
-    def index(prompt: Sequence[int]) -> dict[int, int]:
-        """Each prompt token's last position that has a token after it."""
-        return {t: j for j, t in enumerate(prompt[:-1])}
+    def index(prompt: Sequence[int], start: int = 0) -> dict[int, int]:
+        """Each prompt token's last position from `start` on that has a token after it."""
+        return {t: j for j, t in enumerate(prompt[start:-1], start)}
 
     def word(
         self, prompt: Sequence[int], index: dict[int, int], anchor: int, bare: bool
