@@ -161,8 +161,8 @@ class ConstrainedLookup:
         self.ngram = NgramSpeculator(args, tokenizer, vocab_size, eos_token_ids)
         self.head_rates = [1.0] * max(1, positions)
         self.chosen = {"head": 0, "ngram": 0}
-        # request rows whose live request the head drafts for / whose latest request it
-        # skips (no features kept for it, no catch-up, no draft loop)
+        # request rows whose live request the head drafts for / skips (no features kept for
+        # it, no catch-up, no draft loop)
         self.headed: set[int] = set()
         self.headless: set[int] = set()
         # what the head earned constrained requests that use it, a running average per verify:
@@ -232,9 +232,12 @@ class ConstrainedLookup:
 
     def on_finished(self, req) -> None:
         self.ngram.on_finished(req)  # a request that drafted through the trie teaches it
-        # its row stays in `headless` until a request that uses the head takes it: the
-        # finishing step that writes a skipped request's last KV keeps no features either
+        # its row leaves both: a stale `headless` row would keep the next request there out
+        # of the catch-up until its first draft (a prompt chunk before its last, a prefill with
+        # logprobs). The finishing step that writes a skipped request's last KV may keep
+        # features then, but runs no catch-up (it samples nothing)
         self.headed.discard(req.req_pool_idx)
+        self.headless.discard(req.req_pool_idx)
 
     def summary(self) -> dict:
         return {
