@@ -19,3 +19,9 @@ def tiny_model_dir(tmp_path_factory):
         return str(build_tiny_model(family, root / family))
 
     return get
+
+
+@pytest.fixture(scope="session")
+def llama(tiny_model_dir):
+    """The tiny llama checkpoint's path (the speculative-decoding tests' target)."""
+    return tiny_model_dir("llama")

@@ -46,21 +46,22 @@ def _random_head(target, variant: str, seed: int = 0, scale: float = 0.3, **over
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
 def heads(llama, tmp_path_factory):
     """Random EAGLE and EAGLE-3 (reduced vocabulary) heads for the tiny llama, as folders."""
     target = _target(llama)
     root = tmp_path_factory.mktemp("eagle_heads")
     e = _random_head(target, "eagle")
     save_eagle_head(e, root / "eagle")
-    e3 = _random_head(target, "eagle3", draft_vocab_size=150)
-    e3.d2t.copy_(torch.arange(0, 300, 2) - torch.arange(150))  # draft id i -> target id 2i
-    save_eagle_head(e3, root / "eagle3")
+    save_reduced_eagle3(target, root / "eagle3")
     return {"EAGLE": str(root / "eagle"), "EAGLE3": str(root / "eagle3")}
+
+
+def save_reduced_eagle3(target, folder):
+    """A random EAGLE-3 head with a 150-token draft vocabulary (draft id i -> target id 2i),
+    written as a folder."""
+    e3 = _random_head(target, "eagle3", draft_vocab_size=150)
+    e3.d2t.copy_(torch.arange(0, 300, 2) - torch.arange(150))
+    save_eagle_head(e3, folder)
 
 
 # --------------------------------------------------------------------------- checkpoints

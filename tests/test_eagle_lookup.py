@@ -7,19 +7,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from loom.runtime.spec.eagle import save_eagle_head
 from loom.runtime.spec.eagle_lookup import HEAD_MIN_GAIN, PROBE_EVERY
 from loom.runtime.spec.medusa import save_medusa_heads
 from tests.runtime_helpers import free_head, make_scheduler, run_all, submit
-from tests.test_eagle import _prompts, _random_head, _target
+from tests.test_eagle import _prompts, _target, save_reduced_eagle3
 from tests.test_medusa import _random_heads
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_model_dir):
-    return tiny_model_dir("llama")
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +20,7 @@ def heads(llama, tmp_path_factory):
     """Random EAGLE-3 and Medusa heads for the tiny llama, as folders."""
     target = _target(llama)
     root = tmp_path_factory.mktemp("lookup_heads")
-    e3 = _random_head(target, "eagle3", draft_vocab_size=150)
-    e3.d2t.copy_(torch.arange(0, 300, 2) - torch.arange(150))
-    save_eagle_head(e3, root / "eagle3")
+    save_reduced_eagle3(target, root / "eagle3")
     save_medusa_heads(_random_heads(target, k=3, scale=0.05), root / "medusa")
     return {"EAGLE3": str(root / "eagle3"), "MEDUSA": str(root / "medusa")}
 

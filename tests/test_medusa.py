@@ -34,11 +34,6 @@ def _random_heads(target, k=3, layers=1, own=False, seed=0, scale=0.5):
     return heads
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 # --------------------------------------------------------------------------- checkpoints
 def _reference(h, w, b, lm):
     """Medusa-1's head: x + SiLU(W x + b), then its LM head."""

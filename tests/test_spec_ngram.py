@@ -435,11 +435,6 @@ def test_sampled_tree_drafts_keep_constraints(llama):
 
 
 # --------------------------------------------------------------------------- per-position state
-@pytest.fixture(scope="module")
-def llama(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
 def test_drafts_ride_the_prefill_forward(llama):
     """A constrained request's forced opening (and the trie's chain after it) is fed and
     verified by its prefill forward: the prefill step yields several tokens, the same
