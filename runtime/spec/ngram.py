@@ -124,6 +124,22 @@ def _recency(node: _Node) -> tuple[int, int]:
     return (node.ostamp, node.stamp)
 
 
+def _recent_sibling(
+    parent: _Node, other_than: _Node | None = None, generated: bool = False
+) -> _Node | None:
+    """Among the first SKIP_SCAN children of `parent` that have a continuation (and are not
+    `other_than`; with `generated`, that a model wrote), the most recent (`_recency`)."""
+    best = None
+    for n, sib in enumerate(parent.children.values()):
+        if n >= SKIP_SCAN:
+            break
+        if sib is other_than or not sib.children or (generated and not sib.ostamp):
+            continue
+        if best is None or _recency(sib) > _recency(best):
+            best = sib
+    return best
+
+
 class NgramState:
     """A request's place in the trie: its suffix pointers and how many of its tokens the
     trie has seen. Lives on `req.spec_state`."""
@@ -267,13 +283,7 @@ class NgramDrafter:
         value there (a child with a continuation), followed through its word pieces (`4`
         `8` of an age), so its node's children are what came after it (`,` then the next
         key; `"}` after a city). None: no value there was followed by anything."""
-        best = None
-        for n, sib in enumerate(slot.children.values()):
-            if n >= SKIP_SCAN:
-                break
-            if sib.children and (best is None or _recency(sib) > _recency(best)):
-                best = sib
-        node = best
+        node = _recent_sibling(slot)
         while node is not None and node.children:
             nxt = max(node.children.values(), key=_recency)
             if not self.copy.is_piece(nxt.token):
@@ -376,14 +386,7 @@ class NgramDrafter:
                 context = mine.parent
                 if context is None or mine.children:
                     continue  # evicted, or not new here (the exact match covers it)
-                best = None
-                for n, sib in enumerate(context.children.values()):
-                    if n >= SKIP_SCAN:
-                        break
-                    if sib is mine or not sib.children or (generated and not sib.ostamp):
-                        continue
-                    if best is None or _recency(sib) > _recency(best):
-                        best = sib
+                best = _recent_sibling(context, mine, generated)
                 if best is not None:
                     return best
         return exact_node
