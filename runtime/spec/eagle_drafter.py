@@ -189,9 +189,7 @@ class EagleSpeculator(HeadDrafter):
         return DraftTree(tokens, parents) if tokens else []
 
     def _take_ngram(self, req, ngram: list[int], expected: float, forced: int):
-        self.lookup.chosen["ngram"] += 1
-        req.draft_source, req.draft_forced = "ngram", forced
-        req.draft_expected = expected
+        self.lookup.take_ngram(req, ngram, expected, forced)
         if self.topk == 1 or not ngram:
             return ngram
         return DraftTree(ngram, list(range(-1, len(ngram) - 1)))

@@ -211,6 +211,13 @@ class ConstrainedLookup:
         expected = req.spec_state.expected if draft else 0.0
         return list(draft), expected
 
+    def take_ngram(self, req, ngram: list[int], expected: float, forced: int) -> list[int]:
+        """`req` verifies the n-gram speculator's draft (`ngram_draft`'s, with its expected
+        accepted length and forced-token count): the bookkeeping that routes its outcome."""
+        self.chosen["ngram"] += 1
+        req.draft_source, req.draft_forced, req.draft_expected = "ngram", forced, expected
+        return ngram
+
     def draft_prefill(self, req, room: int) -> list[int]:
         if req.grammar is None:
             return []

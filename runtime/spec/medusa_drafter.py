@@ -145,10 +145,8 @@ class MedusaSpeculator(HeadDrafter):
             self.stats.skipped += 1
             return []
         if not self._uses_head(req):  # a constrained request the heads skip: n-gram chains
-            ngram, req.draft_expected = self.lookup.ngram_draft(req, room)
-            self.lookup.chosen["ngram"] += 1
-            req.draft_source = "ngram"
-            return ngram
+            ngram, expected = self.lookup.ngram_draft(req, room)
+            return self.lookup.take_ngram(req, ngram, expected, req.draft_forced)
         if pending is None or pending[0] != req.seq_len:
             return []
         _, ids, logps = pending
@@ -164,9 +162,7 @@ class MedusaSpeculator(HeadDrafter):
         parents = [i - 1 for i in range(f)] + [f - 1 if p < 0 else f + p for p in parents]
         if req.grammar is not None:
             if ngram and ngram_expected >= self.lookup.head_expected(f, tokens, parents):
-                self.lookup.chosen["ngram"] += 1
-                req.draft_source, req.draft_forced = "ngram", ngram_forced
-                req.draft_expected = ngram_expected
+                self.lookup.take_ngram(req, ngram, ngram_expected, ngram_forced)
                 return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
             self.lookup.chosen["head"] += 1
             req.draft_source = "head"
