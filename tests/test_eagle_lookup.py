@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loom.runtime.spec.eagle_lookup import HEAD_MIN_GAIN, PROBE_EVERY
+from loom.runtime.spec.eagle_lookup import PROBE_EVERY, _net_gain
 from loom.runtime.spec.medusa import save_medusa_heads
 from tests.runtime_helpers import free_head, make_scheduler, run_all, submit
 from tests.test_eagle import _prompts, _target, save_reduced_eagle3
@@ -29,11 +29,25 @@ def _sched(llama, **kw):
     return free_head(make_scheduler(llama, disable_jump_forward=True, **kw))
 
 
+def test_net_gain_prices_the_head_against_the_ngram_draft():
+    """The head's net gain a verify: its accepted length past the n-gram's (realised where
+    the n-gram draft was verified: no gain; its estimate where the head's was), less the
+    tokens the n-gram alone would have earned in the head's time."""
+    assert _net_gain("ngram", 5, 2.0, 0.0, 1e-3) == 0.0
+    # the n-gram draft verified: the head's time cost its rate, 0.2 step x (5 + 1) tokens
+    assert _net_gain("ngram", 5, 2.0, 2e-4, 1e-3) == pytest.approx(-1.2)
+    # the head's verified: 4 accepted against the n-gram's expected 1.5, less 0.1 x 2.5
+    assert _net_gain("head", 4, 1.5, 1e-4, 1e-3) == pytest.approx(2.5 - 0.25)
+    # a head draft that earns what the n-gram's would have does not pay its time
+    assert _net_gain("head", 3, 3.0, 1e-4, 1e-3) < 0
+    assert _net_gain("head", 3, 3.0, 1e-4, 0.0) == 0.0  # no forward time known: unpriced
+
+
 def test_the_head_runs_for_constrained_requests_while_it_earns():
     """A free request always uses the head; a constrained one while the head earned such
-    requests HEAD_MIN_GAIN tokens a verify (0 for a verify whose n-gram draft won), and every
-    PROBE_EVERY-th constrained request anyway; the choice is per request, kept, and its row
-    joins `headed` or `headless` (a finished request's row leaves both)."""
+    requests more than the n-gram draft it displaced, net of its time (`head_gain` >= 0), and
+    every PROBE_EVERY-th constrained request anyway; the choice is per request, kept, and
+    its row joins `headed` or `headless` (a finished request's row leaves both)."""
     from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
     from loom.runtime.spec.eagle_lookup import ConstrainedLookup
 
@@ -48,16 +62,20 @@ def test_the_head_runs_for_constrained_requests_while_it_earns():
 
     first = req(0)
     assert lk.uses_head(first) and lk.headed == {0}  # a fresh server tries the head
-    # the head's verifies for it: its drafts earn nothing past the forced text, or lose
-    for source in ("head", "ngram", "head", "ngram", "head", "head"):
-        first.draft_source, first.draft_forced = source, 2
-        lk.on_verified(first, 4, 2)
-    assert lk.head_gain < HEAD_MIN_GAIN
+    # the head's verifies for it: its drafts earn what the n-gram's were expected to, or
+    # lose to them, and each round costs a fifth of the verify's forward
+    for source in ("head", "ngram", "head", "ngram", "head", "head", "ngram", "head"):
+        first.draft_source, first.draft_forced, first.ngram_expected = source, 2, 2.0
+        lk.charge([0, 7], 2e-4)
+        lk.on_verified(first, 4, 2, 1e-3)
+    assert lk.head_gain < 0 and 0 not in lk.head_seconds  # paid at each verify
     assert lk.uses_head(first)  # decided once, kept
     uses = [lk.uses_head(req(1 + i)) for i in range(2 * PROBE_EVERY)]
     # the first request was the counter's 1st, so the probes are its 17th and 33rd
     assert [i for i, u in enumerate(uses) if u] == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1], uses
     assert 2 in lk.headless and 2 not in lk.headed
+    lk.charge([2], 1e-3)
+    assert 2 not in lk.head_seconds  # a row the head skips is charged nothing
     free = req(2, constrained=False)  # a free request in a row a skipped one held
     assert lk.uses_head(free) and 2 in lk.headed and 2 not in lk.headless
     lk.on_finished(free)
@@ -66,19 +84,20 @@ def test_the_head_runs_for_constrained_requests_while_it_earns():
     assert not lk.uses_head(skipped) and 3 in lk.headless
     lk.on_finished(skipped)
     assert 3 not in lk.headed and 3 not in lk.headless
-    # a head whose drafts earn past the forced text brings the head back
+    # a head whose drafts earn past the n-gram's by more than their time brings it back
     probe = req(40)
     probe.spec_head = True
     for _ in range(8):
-        probe.draft_source, probe.draft_forced = "head", 1
-        lk.on_verified(probe, 5, 4)
-    assert lk.head_gain >= HEAD_MIN_GAIN and lk.uses_head(req(41))
+        probe.draft_source, probe.draft_forced, probe.ngram_expected = "head", 1, 1.0
+        lk.charge([40], 1e-4)
+        lk.on_verified(probe, 5, 4, 1e-3)
+    assert lk.head_gain >= 0 and lk.uses_head(req(41))
 
 
 @pytest.mark.parametrize("radix_off", [False, True], ids=["radix-on", "radix-off"])
 @pytest.mark.parametrize("algo", ["EAGLE3", "MEDUSA"])
 def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, algo, radix_off):
-    """With the head's measured gain at 0, constrained requests (regex, JSON schema, EBNF)
+    """With the head's measured net gain below 0, constrained requests (regex, JSON schema, EBNF)
     draft n-gram chains only: outputs equal plain decoding, the head drafted none of them,
     and no forward of theirs kept features for the head or ran its catch-up (a batch of
     such requests alone runs like NGRAM's). Free requests beside them still draft from the
@@ -95,7 +114,7 @@ def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, alg
         speculative_disable_by_batch_size=64, disable_radix_cache=radix_off,
     )  # fmt: skip
     drafter = sched.decode.drafter
-    drafter.lookup.head_gain = 0.0
+    drafter.lookup.head_gain = -1.0  # the head earns less than the n-gram draft
     drafter.lookup.requests = 1  # the next constrained request is no probe
     runner = drafter.runner
     seen = []  # per forward: (its request rows, whether it kept features)

@@ -121,6 +121,7 @@ class HeadDrafter(Drafter):
     draft_decode_seconds: float = 0.0
 
     inner: Any  # the target's inner model (capture_layers / captured)
+    runner: Any  # the target's ModelRunner (its forward time prices the head's)
 
     def _capture(self, layers) -> None:
         """What the target's next forward keeps (`capture_layers`). Set as a plain attribute:
@@ -138,6 +139,7 @@ class HeadDrafter(Drafter):
         """Count the head's wall time since `t0` (perf_counter) after the step `inp`."""
         dt = time.perf_counter() - t0
         self.draft_seconds += dt
+        self.lookup.charge(inp.req_pool_indices.tolist(), dt)
         if all(s - p == c for s, p, c in zip(inp.seq_lens, inp.prefix_lens, inp.sample_counts)):
             self.draft_decode_seconds += dt
 
@@ -177,7 +179,7 @@ class HeadDrafter(Drafter):
         self.stats.record(drafted, accepted, req.draft_forced)
         if getattr(req, "draft_source", None) == "free":
             self.gate.record(drafted, accepted)
-        self.lookup.on_verified(req, drafted, accepted)
+        self.lookup.on_verified(req, drafted, accepted, self.runner.last_model_seconds)
 
     def on_finished(self, req) -> None:
         self.lookup.on_finished(req)

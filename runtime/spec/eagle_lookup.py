@@ -18,9 +18,13 @@ Free (unconstrained) requests never reach this: the head drafts them.
 
 The head is paid for every step it runs (its catch-up over the step's rows, from the prompt
 on, and its draft loop), chosen or not, so a constrained request runs it only while it
-earns: `uses_head` decides per request, at its first draft, from `head_gain` (the head's
-tokens past the forced text per verify of such requests, 0 where the n-gram draft won),
-with every PROBE_EVERY-th constrained request using it anyway to re-measure. A request it
+earns more than the n-gram draft it displaces, by at least its cost: `uses_head` decides per
+request, at its first draft, from `head_gain`, a running average per verify of such requests
+of the head's tokens past the n-gram's (its realised length where its draft was verified,
+its estimate where the head's was) less the tokens the n-gram alone would have earned in
+the head's time (`_net_gain`), with every PROBE_EVERY-th constrained request using it anyway
+to re-measure. Comparing the head with nothing (its tokens past the forced text) let it run
+where the n-gram's chains earned ~5 tokens a verify without it. A request it
 skips drafts n-gram chains only: its rows (`headless`) get no catch-up, a forward of such
 requests alone keeps no features for the head, and a batch of their chains alone is cut and
 judged by the n-gram speculator's own rule (`NgramSpeculator.worth_verifying`), as NGRAM's.
@@ -53,8 +57,7 @@ from __future__ import annotations
 from loom.runtime.spec import DraftTree, tree_depths
 
 RATE_DECAY = 0.1  # the head's constrained-request rates: a running average over verifies
-GAIN_DECAY = 0.3  # the head's realised constrained gain (`head_gain`): a faster average
-HEAD_MIN_GAIN = 1.0  # tokens a verify past the forced text for constrained requests to use the head
+GAIN_DECAY = 0.3  # the head's net gain over the n-gram draft (`head_gain`): a faster average
 PROBE_EVERY = 16  # a declined batch verifies anyway every this many (the rates re-measure)
 
 
@@ -152,6 +155,21 @@ class HeadGate:
         _update(self.rates, drafted, accepted, 0)
 
 
+def _net_gain(source, accepted: int, ngram_expected: float, spent: float, step: float) -> float:
+    """What the head earned a constrained request's verify over the n-gram draft it displaced,
+    net of its cost, in tokens. The n-gram's tokens at this step: its realised accepted length
+    where its draft was verified, its own estimate (`ngram_expected`) where the head's was.
+    Earned: the head's accepted length past that (0 where the n-gram draft was verified).
+    Cost: the tokens the n-gram alone would have earned in the head's time since the last
+    verify (`spent`, its prefill catch-up included): spent / step x (its tokens + the bonus
+    token), `step` the verify step's target forward (the step's other costs, sampling and
+    scheduling, left out: this prices the head's time high, never low)."""
+    ngram = accepted if source != "head" else ngram_expected
+    earned = accepted - ngram if source == "head" else 0.0
+    cost = spent / step * (ngram + 1) if step > 0 else 0.0
+    return earned - cost
+
+
 class ConstrainedLookup:
     """The n-gram speculator beside a head drafter, for constrained requests only."""
 
@@ -165,11 +183,15 @@ class ConstrainedLookup:
         # it, no catch-up, no draft loop)
         self.headed: set[int] = set()
         self.headless: set[int] = set()
-        # what the head earned constrained requests that use it, a running average per verify:
-        # its draft's tokens past the forced text, 0 where the n-gram draft was chosen
-        # (optimistic until measured: a fresh server tries the head)
+        # what the head earns constrained requests that use it over the n-gram draft it
+        # displaces, net of its cost, a running average per verify (`_net_gain`; optimistic
+        # until measured: a fresh server tries the head)
         self.head_gain = float(positions)
         self.requests = 0  # constrained requests seen (every PROBE_EVERY-th uses the head)
+        # per request row: the head's seconds spent on the steps since the request's last
+        # verify (its prefill's catch-up included), each step's whole time charged to every
+        # row it ran for (`charge`)
+        self.head_seconds: dict[int, float] = {}
 
     def enabled_for(self, batch_size: int) -> None:
         """The step's batch size: the n-gram speculator's learning budget is shared by it."""
@@ -189,12 +211,18 @@ class ConstrainedLookup:
         return use
 
     def _head_pays(self) -> bool:
-        """A constrained request uses the head while the head earns such requests at least
-        HEAD_MIN_GAIN tokens a verify (`head_gain`; a head round costs ~0.4 of a b1 decode
-        step on the bundled model, and the n-gram draft it displaces costs nothing), and
-        every PROBE_EVERY-th request anyway, to re-measure."""
+        """A constrained request uses the head while the head earns such requests more than
+        the n-gram draft it displaces, net of its cost (`head_gain` >= 0), and every
+        PROBE_EVERY-th request anyway, to re-measure."""
         self.requests += 1
-        return self.head_gain >= HEAD_MIN_GAIN or self.requests % PROBE_EVERY == 1
+        return self.head_gain >= 0.0 or self.requests % PROBE_EVERY == 1
+
+    def charge(self, rows: list[int], seconds: float) -> None:
+        """The head ran `seconds` after a step over request rows `rows` (those it skips
+        aside): each pays the whole of it (`_net_gain` prices it at the row's own rate)."""
+        for row in rows:
+            if row not in self.headless:
+                self.head_seconds[row] = self.head_seconds.get(row, 0.0) + seconds
 
     def head_expected(self, forced: int, tokens: list[int], parents: list[int]) -> float:
         """forced + sum over the head's draft depths past the forced text of the products of
@@ -209,6 +237,7 @@ class ConstrainedLookup:
         if isinstance(draft, DraftTree):  # breadth > 1: keep its deepest chain's estimate
             draft = list(draft.tokens) if draft.is_chain else []
         expected = req.spec_state.expected if draft else 0.0
+        req.ngram_expected = expected  # what the head's draft must beat (`_net_gain`)
         return list(draft), expected
 
     def take_ngram(self, req, ngram: list[int], expected: float, forced: int) -> list[int]:
@@ -224,18 +253,20 @@ class ConstrainedLookup:
         req.draft_source = "ngram"
         return self.ngram.draft_prefill(req, room)
 
-    def on_verified(self, req, drafted: int, accepted: int) -> None:
-        """Route a verify's outcome to the source that drafted it."""
+    def on_verified(self, req, drafted: int, accepted: int, step_seconds: float = 0.0) -> None:
+        """Route a verify's outcome to the source that drafted it; `step_seconds`: the
+        target's forward time of the verify step (prices the head's time, `_net_gain`)."""
         source = getattr(req, "draft_source", None)
         req.draft_source = None
-        earned = 0  # by the head's draft past the forced text (none: the n-gram draft won)
         if source == "ngram":
             self.ngram.on_verified(req, drafted, accepted)
         elif source == "head":
             _update(self.head_rates, drafted, accepted, req.draft_forced)
-            earned = max(0, accepted - req.draft_forced)
+        spent = self.head_seconds.pop(req.req_pool_idx, 0.0)
         if req.grammar is not None and getattr(req, "spec_head", False):
-            self.head_gain += GAIN_DECAY * (earned - self.head_gain)
+            net = _net_gain(source, accepted, getattr(req, "ngram_expected", 0.0), spent,
+                            step_seconds)  # fmt: skip
+            self.head_gain += GAIN_DECAY * (net - self.head_gain)
 
     def on_finished(self, req) -> None:
         self.ngram.on_finished(req)  # a request that drafted through the trie teaches it
@@ -245,6 +276,7 @@ class ConstrainedLookup:
         # features then, but runs no catch-up (it samples nothing)
         self.headed.discard(req.req_pool_idx)
         self.headless.discard(req.req_pool_idx)
+        self.head_seconds.pop(req.req_pool_idx, None)
 
     def summary(self) -> dict:
         return {
