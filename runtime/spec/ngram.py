@@ -15,127 +15,41 @@ continues past one window (at most MAX_REMATCHES times a draft). Where the answe
 word from its prompt at that context (a JSON value: `ngram_copy.PromptCopy`), the draft takes
 this prompt's word and goes on as the trie went on after another request's value there.
 
-Bounded: at most `capacity` nodes, the least recently touched evicted first, approximately
-(an evicted node's subtree is cut off with it and ages out of the queue in turn): the queue
-holds nodes in creation order and a touch only stamps the node; eviction gives a node touched
-since it was queued a second chance at the back (CLOCK), so a token seen costs no queue move
-per node (`move_to_end` was a quarter of an insert). A prompt contributes at most its last
-`MAX_PROMPT_TOKENS` tokens, so the first draft of a request costs O(that x depth).
+The trie (`ngram_store.NgramTrie`: node ids, out of the cyclic collector's sight) holds at
+most `capacity` nodes, the least recently touched evicted first. A prompt contributes at most
+its last `MAX_PROMPT_TOKENS` tokens, so the first draft of a request costs O(that x depth).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from loom.runtime.spec.ngram_copy import CONTEXT, PromptCopy
+from loom.runtime.spec.ngram_store import CUT, NgramTrie
+
+__all__ = ["MAX_PROMPT_TOKENS", "NgramDrafter", "NgramState", "NgramTrie"]
 
 MAX_PROMPT_TOKENS = 2048
 SKIP_MIN_CONTEXT = 2  # tokens of context a skip-gram match needs
 SKIP_SCAN = 32  # siblings a skip-gram match looks at
 CATCHUP_TOKENS = 24  # tokens a request returning to drafting inserts at most (`catch_up`)
 MAX_REMATCHES = 2  # times a draft chain that ran out is matched again from its last tokens
-SECOND_CHANCES = 64  # queue moves an eviction makes at most per node it evicts
-
-
-class _Node:
-    __slots__ = ("children", "count", "stamp", "ostamp", "queued", "parent", "token", "depth")
-
-    def __init__(self, parent: _Node | None, token: int, depth: int, clock: int = 0):
-        self.children: dict[int, _Node] = {}
-        self.count = 0
-        self.stamp = 0
-        self.queued = clock  # the clock when it took its place in the eviction queue
-        self.ostamp = 0  # the clock when last seen as a generated token (0: prompts only)
-        self.parent = parent
-        self.token = token
-        self.depth = depth
-
-
-class NgramTrie:
-    def __init__(self, depth: int, capacity: int):
-        self.depth = depth
-        self.capacity = capacity
-        self.root = _Node(None, -1, 0)
-        # every node, oldest queue place first (`_evict`); a touch does not move it
-        self.lru: OrderedDict[_Node, None] = OrderedDict()
-        self.clock = 0
-
-    def __len__(self) -> int:
-        return len(self.lru)
-
-    def extend(self, pointers: list[_Node], token: int, generated: bool = False) -> list[_Node]:
-        """Append `token` after every suffix in `pointers` (ascending depth); returns the new
-        suffix pointers (ascending depth, the full-length window left out). `generated`: the
-        token is a model output (not prompt text)."""
-        self.clock += 1
-        clock, depth, lru = self.clock, self.depth, self.lru
-        out = []
-        # inlined (no call per node): a prompt's first draft inserts ~depth nodes a token
-        for node in (self.root, *pointers):
-            child = node.children.get(token)
-            if child is None:
-                child = _Node(node, token, node.depth + 1, clock)
-                node.children[token] = child
-                lru[child] = None
-            child.count += 1
-            child.stamp = clock
-            if generated:
-                child.ostamp = clock
-            if child.depth < depth:
-                out.append(child)
-        if len(lru) > self.capacity:
-            self._evict(len(lru) - self.capacity)
-        return out
-
-    def _evict(self, n: int) -> None:
-        """Evict n nodes from the front of the queue; a node touched since it was queued goes
-        to the back instead (at most SECOND_CHANCES x n moves, then the front goes whatever
-        its stamp, so one call stays bounded)."""
-        lru, chances = self.lru, SECOND_CHANCES * n
-        while n > 0 and lru:
-            node, _ = lru.popitem(last=False)
-            if node.stamp > node.queued and chances > 0:
-                chances -= 1
-                node.queued = self.clock
-                lru[node] = None
-                continue
-            n -= 1
-            parent = node.parent
-            if parent is not None and parent.children.get(node.token) is node:
-                del parent.children[node.token]
-            node.parent = None
-
-    @staticmethod
-    def walk(node: _Node | None, tokens: Sequence[int]) -> _Node | None:
-        for t in tokens:
-            if node is None:
-                return None
-            node = node.children.get(t)
-        return node
-
-
-def _recency(node: _Node) -> tuple[int, int]:
-    """BFS order among a node's children: what a model generated there most recently first,
-    then what was seen there most recently (prompt text). A model's answers follow its own
-    earlier answers' shape (`\nQ: What's the capital city of`) over the prompt's, which
-    the newest request's prompt would otherwise win by recency alone."""
-    return (node.ostamp, node.stamp)
 
 
 def _recent_sibling(
-    parent: _Node, other_than: _Node | None = None, generated: bool = False
-) -> _Node | None:
+    trie: NgramTrie, parent: int, other_than: int = -1, generated: bool = False
+) -> int | None:
     """Among the first SKIP_SCAN children of `parent` that have a continuation (and are not
-    `other_than`; with `generated`, that a model wrote), the most recent (`_recency`)."""
+    `other_than`; with `generated`, that a model wrote), the most recent (`trie.recency`)."""
+    kids, ostamp, recency = trie.kids, trie.ostamp, trie.recency
     best = None
-    for n, sib in enumerate(parent.children.values()):
+    for n, sib in enumerate(kids[parent].values()):
         if n >= SKIP_SCAN:
             break
-        if sib is other_than or not sib.children or (generated and not sib.ostamp):
+        if sib == other_than or not kids[sib] or (generated and not ostamp[sib]):
             continue
-        if best is None or _recency(sib) > _recency(best):
+        if best is None or recency(sib) > recency(best):
             best = sib
     return best
 
@@ -146,6 +60,7 @@ class NgramState:
 
     __slots__ = (
         "pointers",
+        "at",
         "seen",
         "rates",
         "steps",
@@ -158,7 +73,8 @@ class NgramState:
     )
 
     def __init__(self, num_positions: int):
-        self.pointers: list[_Node] = []
+        self.pointers: list[int] = []  # trie node ids (`NgramTrie.extend`)
+        self.at = 0  # the trie's clock when `pointers` were made (`NgramTrie.fresh`)
         self.seen = 0
         # per draft position: running acceptance rate (given the draft reached it)
         self.rates = [1.0] * num_positions
@@ -204,6 +120,8 @@ class NgramDrafter:
         last `prompt_tail` tokens; at most `limit` tokens this call). Returns whether it
         has seen them all."""
         n = req.seq_len
+        trie = self.trie
+        state.pointers, state.at = trie.fresh(state.pointers, state.at), trie.clock
         if state.seen > n:  # the tail was rewritten: start the suffixes afresh
             state.pointers, state.seen = [], 0
         if state.seen == 0:
@@ -213,8 +131,8 @@ class NgramDrafter:
             pointers = state.pointers
             n_prompt = len(req.origin_input_ids)
             for i, t in enumerate(req.tokens(state.seen, end), state.seen):
-                pointers = self.trie.extend(pointers, t, i >= n_prompt)
-            state.pointers = pointers
+                pointers = trie.extend(pointers, t, i >= n_prompt)
+            state.pointers, state.at = pointers, trie.clock
             state.seen = end
         return end == n
 
@@ -246,6 +164,8 @@ class NgramDrafter:
         draft: list[int] = []
         rematches = 0
         copy = self.copy
+        kids, token = self.trie.kids, self.trie.token
+        rank = self.trie.frequency if self.by_count else self.trie.recency
         if copy is not None:  # the last CONTEXT tokens before the next draft token
             n = req.seq_len
             context = (req.tokens(max(0, n - CONTEXT), n) + list(after))[-CONTEXT:]
@@ -255,7 +175,7 @@ class NgramDrafter:
         while node is not None and len(draft) < max_len:
             word = copy.draft(prompt, state.prompt_index, tuple(context)) if copy else None
             if word:
-                child = node.children.get(word[0])
+                child = kids[node].get(word[0])
                 if child is None:  # a value no request wrote here: the trie goes on
                     word = word[: max_len - len(draft)]  # as it did after another's
                     draft += word
@@ -263,35 +183,35 @@ class NgramDrafter:
                     node = self._after_value(node)
                     continue
                 node = child
-            elif not node.children:
+            elif not kids[node]:
                 if not draft or rematches >= MAX_REMATCHES:
                     break
                 rematches += 1
                 node = self._rematch(req, after, draft)
                 continue
-            elif self.by_count:
-                node = max(node.children.values(), key=lambda c: (c.count, c.stamp))
             else:
-                node = max(node.children.values(), key=_recency)
-            draft.append(node.token)
+                node = max(kids[node].values(), key=rank)
+            draft.append(token[node])
             if copy is not None:
-                context = (context + [node.token])[-CONTEXT:]
+                context = (context + [token[node]])[-CONTEXT:]
         return draft
 
-    def _after_value(self, slot: _Node) -> _Node | None:
+    def _after_value(self, slot: int) -> int | None:
         """Where the trie goes on after a copied word at `slot`: the most recently generated
         value there (a child with a continuation), followed through its word pieces (`4`
         `8` of an age), so its node's children are what came after it (`,` then the next
         key; `"}` after a city). None: no value there was followed by anything."""
-        node = _recent_sibling(slot)
-        while node is not None and node.children:
-            nxt = max(node.children.values(), key=_recency)
-            if not self.copy.is_piece(nxt.token):
+        trie = self.trie
+        kids = trie.kids
+        node = _recent_sibling(trie, slot)
+        while node is not None and kids[node]:
+            nxt = max(kids[node].values(), key=trie.recency)
+            if not self.copy.is_piece(trie.token[nxt]):
                 return node
             node = nxt
         return None
 
-    def _rematch(self, req, after: Sequence[int], draft: list[int]) -> _Node | None:
+    def _rematch(self, req, after: Sequence[int], draft: list[int]) -> int | None:
         """The deepest node with a continuation for the last max_window tokens of the
         request's tokens + `after` + `draft` (None: no window of them has one)."""
         w = self.max_window
@@ -302,7 +222,7 @@ class NgramDrafter:
         tail = tail[-w:]
         for k in range(len(tail), self.min_window - 1, -1):
             node = self.trie.walk(self.trie.root, tail[len(tail) - k :])
-            if node is not None and node.children:
+            if node is not None and self.trie.kids[node]:
                 return node
         return None
 
@@ -328,32 +248,32 @@ class NgramDrafter:
         if start is None or max_nodes <= 0 or max_depth <= 0:
             return tokens, parents
         lo, hi = breadth
-        heap: list[tuple[float, int, _Node, int, int]] = []
+        heap: list[tuple[float, int, int, int, int]] = []
         tie = 0
+        trie = self.trie
+        children, count = trie.kids, trie.count
+        rank = trie.frequency if self.by_count else trie.recency
 
-        def push(node: _Node, parent: int, depth: int, chance: float) -> None:
+        def push(node: int, parent: int, depth: int, chance: float) -> None:
             nonlocal tie
-            if depth >= max_depth or not node.children:
+            if depth >= max_depth or not children[node]:
                 return
-            kids = list(node.children.values())
-            total = sum(c.count for c in kids)
-            rank = (lambda c: (c.count, c.stamp)) if self.by_count else _recency
+            kids = list(children[node].values())
+            total = sum(count[c] for c in kids)
             kids.sort(key=rank, reverse=True)
             for c in kids[: max(lo, hi >> depth)]:
                 tie += 1
-                heapq.heappush(heap, (-chance * c.count / total, tie, c, parent, depth))
+                heapq.heappush(heap, (-chance * count[c] / total, tie, c, parent, depth))
 
         push(start, -1, 0, 1.0)
         while heap and len(tokens) < max_nodes:
             neg, _, node, parent, depth = heapq.heappop(heap)
-            tokens.append(node.token)
+            tokens.append(trie.token[node])
             parents.append(parent)
             push(node, len(tokens) - 1, depth + 1, -neg)
         return tokens, parents
 
-    def _match(
-        self, pointers: list[_Node], after: Sequence[int], skip: bool = True
-    ) -> _Node | None:
+    def _match(self, pointers: list[int], after: Sequence[int], skip: bool = True) -> int | None:
         """The deepest node (suffix length in the match window) of current tokens + `after`
         that has a continuation; or, when the last token is new after a longer context
         (a name, a number), a sibling's node (see `_skip_match`)."""
@@ -366,27 +286,28 @@ class NgramDrafter:
                 node = self.trie.walk(pointers[i], after)
             else:
                 node = self.trie.walk(self.trie.root, after[k - w :])
-            if node is not None and node.children:
+            if node is not None and self.trie.kids[node]:
                 return self._skip_match(pointers, w) if k == 0 and skip else node
         return self._skip_match(pointers, 0) if k == 0 and skip else None
 
-    def _skip_match(self, pointers: list[_Node], exact: int) -> _Node | None:
+    def _skip_match(self, pointers: list[int], exact: int) -> int | None:
         """Skip-gram fallback: the context before the last token (at least SKIP_MIN_CONTEXT
         and more than `exact` tokens, the exact match's window) was seen, the last token
         after it was not (`"name": "` then a new name): continue as the most recently seen
         other token after that context did (`", "age": `). Returns that sibling's node
         (its children are the draft), or the exact match's (None: no sibling found)."""
         exact_node = pointers[exact - 1] if 0 < exact <= len(pointers) else None
+        trie = self.trie
+        kids, parent = trie.kids, trie.parent
         lo = max(exact, SKIP_MIN_CONTEXT - 1)
         # first a sibling a model generated (any context length, longest first: an answer's
         # `<city>\nQ:` follows the earlier answers', not the prompt's `The capital of`), then any
         for generated in (True, False):
             for i in range(min(len(pointers), self.max_window) - 1, lo, -1):
                 mine = pointers[i]  # the suffix of i + 1 tokens; its parent: the i before the last
-                context = mine.parent
-                if context is None or mine.children:
+                if parent[mine] == CUT or kids[mine]:
                     continue  # evicted, or not new here (the exact match covers it)
-                best = _recent_sibling(context, mine, generated)
+                best = _recent_sibling(trie, parent[mine], mine, generated)
                 if best is not None:
                     return best
         return exact_node
