@@ -97,39 +97,50 @@ class SamplingInfo:
         distributions (None: one-hot)."""
         drafts = drafts or [[] for _ in reqs]
         parents = parents or [None] * len(reqs)
-        # per row: (request, the draft tokens before it on its path, the token it verifies)
+        # per row: (request, the draft tokens before it on its path, the token it verifies);
+        # a request's rows are consecutive (`counts` of them) and share its parameters, so the
+        # per-request facts below are read once a request, not once a row
         rows: list[tuple[Req, list[int], int]] = []
+        steps: list[int] = []  # per row: the sequence position it samples (the noise counter)
         trees = []
         if not any(drafts) and all(p is None for p in parents):  # one row per request
             rows = [(r, [], -1) for r in reqs]
+            steps = [r.seq_len for r in reqs]
             drafts = parents = ()
+            counts = [1] * len(reqs)
+        else:
+            counts = [1 + len(d) for d in drafts]
         for i, (r, d, par) in enumerate(zip(reqs, drafts, parents)):
+            seq = r.seq_len
             if par is None:
                 rows.extend((r, d[:j], d[j] if j < len(d) else -1) for j in range(1 + len(d)))
+                steps.extend(range(seq, seq + 1 + len(d)))
                 continue
             trees.append((len(rows), d, par, draft_probs[i] if draft_probs else None))
             rows.append((r, [], -1))
+            steps.append(seq)
             paths: list[list[int]] = []
             for t, pa in zip(d, par):
                 paths.append((paths[pa] if pa >= 0 else []) + [t])
                 rows.append((r, paths[-1], -1))
-        ps = [r.sampling_params for r, _, _ in rows]
-        greedy = [p.is_greedy for p in ps]
+                steps.append(seq + len(paths[-1]))
+        params = [r.sampling_params for r in reqs]
+        greedy = [p.is_greedy for p in params]
         dev = torch.device(device)
         temps, top_ps, min_ps, top_ks, seeds, greedy_t = _row_params(
-            rows, ps, greedy, vocab_size, dev, shared=not trees
+            reqs, params, greedy, counts, vocab_size, dev, shared=not trees
         )
-        steps = host_tensor([r.seq_len + len(path) for r, path, _ in rows], torch.int64)
+        steps_t = host_tensor(steps, torch.int64)
         f32 = dict(dtype=torch.float32, device=dev)
         i64 = dict(dtype=torch.int64, device=dev)
         logit_bias = None
-        if any(p.logit_bias for p in ps):
+        if any(p.logit_bias for p in params):
             logit_bias = torch.zeros(len(rows), vocab_size, **f32)
-            for i, p in enumerate(ps):
-                for tok, bias in (p.logit_bias or {}).items():
+            for i, (r, _, _) in enumerate(rows):
+                for tok, bias in (r.sampling_params.logit_bias or {}).items():
                     logit_bias[i, tok] = bias
         banned_rows, banned_ids = [], []
-        for i, (r, path, _) in enumerate(rows):
+        for i, (r, path, _) in enumerate(rows if any(p.min_new_tokens > 0 for p in params) else ()):
             if len(r.output_ids) + len(path) < r.sampling_params.min_new_tokens:
                 stops = set(r.sampling_params.stop_token_ids or ()) | set(r.eos_token_ids)
                 for t in stops:
@@ -140,10 +151,18 @@ class SamplingInfo:
         if banned_rows:
             banned = (torch.tensor(banned_rows, **i64), torch.tensor(banned_ids, **i64))
         draft_tokens = None
-        if any(x >= 0 for _, _, x in rows):
-            draft_tokens = torch.tensor([x for _, _, x in rows], **i64)
+        tokens = [x for _, _, x in rows]
+        if max(tokens, default=-1) >= 0:
+            draft_tokens = host_tensor(tokens, torch.int64)
+            if dev.type != "cpu":
+                draft_tokens = draft_tokens.to(dev, non_blocking=True)
         all_greedy = all(greedy)
-        penalty = _penalty_tensors(rows, vocab_size, dev)
+        penalty = None
+        if any(
+            p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1
+            for p in params
+        ):
+            penalty = _penalty_tensors(rows, vocab_size, dev)
         return cls(
             temperatures=temps,
             top_ps=top_ps,
@@ -151,9 +170,9 @@ class SamplingInfo:
             min_ps=min_ps,
             greedy=greedy_t,
             seeds=seeds,
-            steps=steps if dev.type == "cpu" else steps.to(dev, non_blocking=True),
-            need_top_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in ps),
-            need_min_p=any(p.min_p > 0 for p in ps),
+            steps=steps_t if dev.type == "cpu" else steps_t.to(dev, non_blocking=True),
+            need_top_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
+            need_min_p=any(p.min_p > 0 for p in params),
             all_greedy=all_greedy,
             logit_bias=logit_bias,
             penalty=penalty,
@@ -184,24 +203,28 @@ _ROW_PARAMS: dict = {}
 ROW_PARAMS_KEPT = 32
 
 
-def _row_params(rows, ps, greedy: list[bool], vocab_size: int, dev, shared: bool) -> tuple:
-    """(temperatures [N, 1], top_ps, min_ps, top_ks, seeds, greedy) for the rows. With
-    `shared`, the tensors may be the ones an earlier call with the same values returned, so
-    they are read-only (the sampler never writes them); a draft tree's info gets its own."""
+def _row_params(
+    reqs, params, greedy: list[bool], counts: list[int], vocab_size: int, dev, shared: bool
+) -> tuple:
+    """(temperatures [N, 1], top_ps, min_ps, top_ks, seeds, greedy) for the rows: request i's
+    values on its `counts[i]` rows. With `shared`, the tensors may be the ones an earlier
+    call with the same values returned, so they are read-only (the sampler never writes
+    them); a draft tree's info gets its own."""
     values = tuple(
         (1.0 if g else p.temperature, p.top_p, p.min_p,
-         vocab_size if p.top_k < 0 else min(p.top_k, vocab_size), r.seed, g)
-        for (r, _, _), p, g in zip(rows, ps, greedy)
+         vocab_size if p.top_k < 0 else min(p.top_k, vocab_size), r.seed, g, c)
+        for r, p, g, c in zip(reqs, params, greedy, counts)
     )  # fmt: skip
     key = (dev, values)
     if shared:
         hit = _ROW_PARAMS.get(key)  # one read: another thread may clear the dict meanwhile
         if hit is not None:
             return hit
-    n = len(values)
-    floats = host_tensor([v[:3] for v in values], torch.float32).reshape(n, 3)
-    ints = host_tensor([v[3:5] for v in values], torch.int64).reshape(n, 2)
-    flags = host_tensor(greedy, torch.bool)
+    n = sum(counts)
+    floats = host_tensor([v[:3] for v in values for _ in range(v[6])], torch.float32)
+    ints = host_tensor([v[3:5] for v in values for _ in range(v[6])], torch.int64)
+    floats, ints = floats.reshape(n, 3), ints.reshape(n, 2)
+    flags = host_tensor([v[5] for v in values for _ in range(v[6])], torch.bool)
     if dev.type != "cpu":
         floats, ints, flags = (t.to(dev, non_blocking=True) for t in (floats, ints, flags))
     out = (floats[:, 0:1], floats[:, 1], floats[:, 2], ints[:, 0], ints[:, 1], flags)
@@ -213,14 +236,10 @@ def _row_params(rows, ps, greedy: list[bool], vocab_size: int, dev, shared: bool
 
 
 def _penalty_tensors(rows: list[tuple[Req, list[int], int]], vocab_size: int, dev):
-    """Penalty state per row: a draft row counts the draft tokens on its path as output
-    (penalties apply token by token over an accepted run)."""
+    """Penalty state per row (`from_reqs` calls it when some request has a penalty): a draft
+    row counts the draft tokens on its path as output (penalties apply token by token over
+    an accepted run)."""
     ps = [r.sampling_params for r, _, _ in rows]
-    if all(
-        p.frequency_penalty == 0 and p.presence_penalty == 0 and p.repetition_penalty == 1
-        for p in ps
-    ):
-        return None
     n = len(rows)
     out_counts = torch.zeros(n, vocab_size, dtype=torch.float32)
     seen = torch.zeros(n, vocab_size, dtype=torch.bool)

@@ -127,9 +127,11 @@ def test_decode_slots_land_in_the_request_rows(model):
     assert torch.equal(table, before)  # nothing else written
 
 
-def test_plain_decode_input_is_the_general_one(model):
-    """A decode step without drafts or logprobs builds its ModelInput on a shorter path: every
-    field equals the general path's (a finishing request that samples nothing included)."""
+def test_decode_input_is_the_general_one(model):
+    """A decode step without trees or logprobs builds its ModelInput on a shorter path: every
+    field equals the general path's, for a plain decode step (a finishing request that samples
+    nothing included) and for a verify step of draft chains (a request without a draft
+    among them)."""
     import dataclasses
 
     from loom.runtime.scheduler.batch import ScheduleBatch
@@ -139,21 +141,34 @@ def test_plain_decode_input_is_the_general_one(model):
         submit(sched, f"r{i}", list(range(3, 3 + n)), greedy(8, temperature=0.5 * i))
     sched.step()  # the prefill
     reqs = list(sched.decode.running)
-    reqs[1].finished_reason = {"type": "length", "length": 1}  # rides a step, samples nothing
+    v = sched.vocab_size
+
+    def same(batch):
+        fast, general = batch._build_decode(v), batch._build_general(v)
+        for f in dataclasses.fields(fast):
+            a, b = getattr(fast, f.name), getattr(general, f.name)
+            if f.name == "sampling":
+                for g in dataclasses.fields(a):
+                    x, y = getattr(a, g.name), getattr(b, g.name)
+                    assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, g.name
+            elif isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), f.name
+            else:
+                assert a == b, f.name
+        return fast
+
+    for r, draft in zip(reqs, ([5, 6, 7], [], [4])):
+        r.draft_ids, r.extend_len = draft, 1 + len(draft)
+    batch = ScheduleBatch(reqs, is_decode=True)
+    batch.out_cache_loc = torch.arange(7, 14)
+    verify = same(batch)
+    assert verify.sample_counts == [4, 1, 2] and verify.mode.name == "EXTEND"
+    assert verify.positions.tolist()[:4] == list(range(reqs[0].kv_len, reqs[0].kv_len + 4))
+    assert verify.sampling.draft_tokens.tolist() == [5, 6, 7, -1, -1, 4, -1]
     for r in reqs:
-        r.extend_len = 1
+        r.draft_ids, r.extend_len = [], 1
+    reqs[1].finished_reason = {"type": "length", "length": 1}  # rides a step, samples nothing
     batch = ScheduleBatch(reqs, is_decode=True)
     batch.out_cache_loc = torch.tensor([7, 8, 9])
-    v = sched.vocab_size
-    fast, general = batch._build_plain_decode(v), batch._build_general(v)
-    assert fast.sample_counts == [1, 0, 1]
-    for f in dataclasses.fields(fast):
-        a, b = getattr(fast, f.name), getattr(general, f.name)
-        if f.name == "sampling":
-            for g in dataclasses.fields(a):
-                x, y = getattr(a, g.name), getattr(b, g.name)
-                assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, g.name
-        elif isinstance(a, torch.Tensor):
-            assert torch.equal(a, b), f.name
-        else:
-            assert a == b, f.name
+    decode = same(batch)
+    assert decode.sample_counts == [1, 0, 1] and decode.mode.name == "DECODE"

@@ -34,13 +34,25 @@ class ScheduleBatch:
             return ForwardMode.DECODE
         return ForwardMode.EXTEND  # prompts, jump-forward text and draft verification
 
+    def _slots(self) -> torch.Tensor:
+        """The step's KV slots in order: the decode allocation's, else each request's
+        `new_slots` (one request's own tensor as it is: the forward only reads them)."""
+        if self.out_cache_loc is not None:
+            return self.out_cache_loc
+        if len(self.reqs) == 1:
+            return self.reqs[0].new_slots
+        return torch.cat([r.new_slots for r in self.reqs])
+
     def build_input(self, vocab_size: int) -> ModelInput:
         """The step's tokens, positions and KV slots, what each request samples and with
         which parameters (grammar masks filled here, where the grammars live)."""
         if self.is_decode and all(
-            r.extend_len == 1 and not r.draft_ids and not r.return_logprob for r in self.reqs
+            r.draft_parents is None
+            and r.extend_len == 1 + len(r.draft_ids)
+            and not r.return_logprob
+            for r in self.reqs
         ):
-            return self._build_plain_decode(vocab_size)
+            return self._build_decode(vocab_size)
         return self._build_general(vocab_size)
 
     def _build_general(self, vocab_size: int) -> ModelInput:
@@ -95,9 +107,7 @@ class ScheduleBatch:
             mode=self.mode,
             input_ids=ids_t,
             positions=positions_t,
-            out_cache_loc=self.out_cache_loc
-            if self.out_cache_loc is not None
-            else torch.cat([r.new_slots for r in self.reqs]),
+            out_cache_loc=self._slots(),
             req_pool_indices=rows_t,
             seq_lens=seq_lens,
             seq_lens_tensor=seq_lens_t,
@@ -112,45 +122,54 @@ class ScheduleBatch:
         )
         return self.model_input
 
-    def _build_plain_decode(self, vocab_size: int) -> ModelInput:
-        """`build_input` for a decode step with no drafts and no logprobs: each request feeds
-        its token at position kv_len and samples unless it is finishing. The same ModelInput,
-        with a third of the per-request work (a batch-1 step's build is ~50 us of the ~300
-        outside its forward)."""
+    def _build_decode(self, vocab_size: int) -> ModelInput:
+        """`build_input` for a decode step whose requests feed their last token and a draft
+        chain or none (no tree, no logprobs): each request computes positions kv_len ..
+        kv_len + len(draft) and samples 1 + len(draft) rows unless it is finishing. The same
+        ModelInput as `_build_general`, with a third of the per-request work (a batch-1
+        decode step's build is ~50 us of the ~300 outside its forward)."""
         reqs = self.reqs
-        ids, positions, seq_lens, counts, sampling_reqs = [], [], [], [], []
+        ids, positions, prefix_lens, seq_lens, counts, sampling_reqs = [], [], [], [], [], []
+        chains = False
         for req in reqs:
             pos = req.kv_len
+            draft = req.draft_ids
             ids.extend(req.tokens(pos, pos + 1))
-            positions.append(pos)
-            seq_lens.append(pos + 1)
+            prefix_lens.append(pos)
+            if draft:  # a verify: the chain after the last token
+                chains = True
+                ids.extend(draft)
+                positions.extend(range(pos, pos + 1 + len(draft)))
+            else:
+                positions.append(pos)
+            seq_lens.append(pos + 1 + len(draft))
             if req.samples_at(pos + 1):
-                counts.append(1)
+                counts.append(1 + len(draft))
                 sampling_reqs.append(req)
             else:
+                assert not draft, "draft tokens for a request that does not sample"
                 counts.append(0)
         sampling = None
         if sampling_reqs:
-            sampling = SamplingInfo.from_reqs(sampling_reqs, vocab_size)
+            drafts = [r.draft_ids for r in sampling_reqs] if chains else None
+            sampling = SamplingInfo.from_reqs(sampling_reqs, vocab_size, drafts=drafts)
             # no trees, no logprobs here: greedy grammar rows are masked only if needed
             _fill_grammar_mask(sampling_reqs, sampling, vocab_size, lazy_ok=True)
-        b = len(reqs)
+        t, b = len(ids), len(reqs)
         index = host_tensor(
             ids + positions + [r.req_pool_idx for r in reqs] + seq_lens, torch.int64
         )
         self.model_input = ModelInput(
-            mode=ForwardMode.DECODE,
-            input_ids=index[:b],
-            positions=index[b : 2 * b],
-            out_cache_loc=self.out_cache_loc
-            if self.out_cache_loc is not None
-            else torch.cat([r.new_slots for r in reqs]),
-            req_pool_indices=index[2 * b : 3 * b],
+            mode=ForwardMode.EXTEND if chains else ForwardMode.DECODE,
+            input_ids=index[:t],
+            positions=index[t : 2 * t],
+            out_cache_loc=self._slots(),
+            req_pool_indices=index[2 * t : 2 * t + b],
             seq_lens=seq_lens,
-            seq_lens_tensor=index[3 * b :],
-            prefix_lens=positions,
+            seq_lens_tensor=index[2 * t + b :],
+            prefix_lens=prefix_lens,
             sample_counts=counts,
-            draft_ids=[[] for _ in reqs],
+            draft_ids=[r.draft_ids for r in reqs],
             sampling=sampling,
             logprob_top_nums=[None] * b,
             input_logprob_starts=[0] * b,
