@@ -69,6 +69,7 @@ def test_the_head_runs_for_constrained_requests_while_it_earns():
         lk.charge([0, 7], 2e-4)
         lk.on_verified(first, 4, 2, 1e-3)
     assert lk.head_gain < 0 and 0 not in lk.head_seconds  # paid at each verify
+    assert lk.priced == {0}  # row 7 (no request) was charged nothing
     assert lk.uses_head(first)  # decided once, kept
     uses = [lk.uses_head(req(1 + i)) for i in range(2 * PROBE_EVERY)]
     # the first request was the counter's 1st, so the probes are its 17th and 33rd
@@ -78,6 +79,8 @@ def test_the_head_runs_for_constrained_requests_while_it_earns():
     assert 2 not in lk.head_seconds  # a row the head skips is charged nothing
     free = req(2, constrained=False)  # a free request in a row a skipped one held
     assert lk.uses_head(free) and 2 in lk.headed and 2 not in lk.headless
+    lk.charge([2], 1e-3)
+    assert 2 not in lk.head_seconds and 2 not in lk.priced  # nor one of a free request
     lk.on_finished(free)
     assert 2 not in lk.headed and 2 not in lk.headless
     skipped = req(3)

@@ -139,7 +139,8 @@ class HeadDrafter(Drafter):
         """Count the head's wall time since `t0` (perf_counter) after the step `inp`."""
         dt = time.perf_counter() - t0
         self.draft_seconds += dt
-        self.lookup.charge(inp.req_pool_indices.tolist(), dt)
+        if self.lookup.priced:  # constrained requests that use the head pay for it
+            self.lookup.charge(inp.req_pool_indices.tolist(), dt)
         if all(s - p == c for s, p, c in zip(inp.seq_lens, inp.prefix_lens, inp.sample_counts)):
             self.draft_decode_seconds += dt
 

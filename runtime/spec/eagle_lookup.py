@@ -188,9 +188,11 @@ class ConstrainedLookup:
         # until measured: a fresh server tries the head)
         self.head_gain = float(positions)
         self.requests = 0  # constrained requests seen (every PROBE_EVERY-th uses the head)
-        # per request row: the head's seconds spent on the steps since the request's last
-        # verify (its prefill's catch-up included), each step's whole time charged to every
-        # row it ran for (`charge`)
+        # rows of constrained requests that use the head (`priced`) and, per such row, the
+        # head's seconds spent on the steps since the request's last verify (its prefill's
+        # catch-up included), each step's whole time charged to every row it ran for
+        # (`charge`; free requests, which the head drafts whatever it costs, pay nothing)
+        self.priced: set[int] = set()
         self.head_seconds: dict[int, float] = {}
 
     def enabled_for(self, batch_size: int) -> None:
@@ -208,6 +210,10 @@ class ConstrainedLookup:
         if row is not None:
             (self.headed if use else self.headless).add(row)
             (self.headless if use else self.headed).discard(row)
+            if use and req.grammar is not None:
+                self.priced.add(row)
+            else:
+                self.priced.discard(row)
         return use
 
     def _head_pays(self) -> bool:
@@ -218,10 +224,11 @@ class ConstrainedLookup:
         return self.head_gain >= 0.0 or self.requests % PROBE_EVERY == 1
 
     def charge(self, rows: list[int], seconds: float) -> None:
-        """The head ran `seconds` after a step over request rows `rows` (those it skips
-        aside): each pays the whole of it (`_net_gain` prices it at the row's own rate)."""
+        """The head ran `seconds` after a step over request rows `rows`: each constrained
+        request among them that uses the head pays the whole of it (`_net_gain` prices it at
+        the row's own rate)."""
         for row in rows:
-            if row not in self.headless:
+            if row in self.priced:
                 self.head_seconds[row] = self.head_seconds.get(row, 0.0) + seconds
 
     def head_expected(self, forced: int, tokens: list[int], parents: list[int]) -> float:
@@ -276,6 +283,7 @@ class ConstrainedLookup:
         # features then, but runs no catch-up (it samples nothing)
         self.headed.discard(req.req_pool_idx)
         self.headless.discard(req.req_pool_idx)
+        self.priced.discard(req.req_pool_idx)
         self.head_seconds.pop(req.req_pool_idx, None)
 
     def summary(self) -> dict:
