@@ -35,18 +35,19 @@ def _tracked() -> int:
 
 
 def test_growing_the_trie_adds_no_tracked_objects_per_node():
-    """20,000+ nodes (a `_Node` with its dict each used to be two tracked objects) add at
-    most a few dozen objects to the collector's lists, created or evicted."""
+    """20,000+ nodes (a `_Node` with its dict each used to be two tracked objects: ~46,000
+    here) add at most a few dozen objects to the collector's lists, created or evicted (the
+    bound leaves room for whatever another thread of the test process allocates meanwhile)."""
     rng = random.Random(0)
     before = _tracked()
     trie = NgramTrie(depth=8, capacity=30_000)
     pointers = _fill(trie, 3_000, rng)
     assert len(trie) > 20_000
     grown = _tracked()
-    assert grown - before < 64
+    assert grown - before < 256
     pointers = _fill(trie, 3_000, rng)  # at capacity: evictions and reused ids
     assert len(trie) == 30_000 and trie.evicted_at > 0
-    assert _tracked() - grown < 16
+    assert _tracked() - grown < 256
     del pointers
     trie.check()
 

@@ -87,14 +87,9 @@ class NgramTrie:
         depth, the full-length window left out). `generated`: the token is a model output
         (not prompt text)."""
         self.clock += 1
-        clock, kids, count, stamp, ostamp = (
-            self.clock,
-            self.kids,
-            self.count,
-            self.stamp,
-            self.ostamp,
-        )
-        free, nxt, tail, added = self.free, self.nxt, self.tail, 0
+        clock, kids, free, nxt, tail = self.clock, self.kids, self.free, self.nxt, self.tail
+        added = 0
+        count, stamp, ostamp = self.count, self.stamp, self.ostamp
         out = []
         # inlined (no call per node): a prompt's first draft inserts ~depth nodes a token
         for node in (ROOT, *pointers):
