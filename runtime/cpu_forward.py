@@ -25,7 +25,7 @@ import torch
 
 from loom.runtime import cpu_kernels
 from loom.runtime.cpu_forward_kernel import SOURCE
-from loom.runtime.forward_batch import ForwardBatch
+from loom.runtime.forward_batch import ForwardBatch, host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,7 @@ class CpuForward:
         # bytes held in packed copies (the weights the C path reads a second time)
         self.packed_bytes = PACK_BUDGET - budget[0]
         self._model_ptr = ctypes.addressof(self._struct)
+        self._aux_ids: dict[tuple[int, ...], torch.Tensor] = {}  # capture_layers -> its ids
 
     @classmethod
     def build(cls, model, pool, *, tp_size: int, pp_size: int) -> CpuForward | None:
@@ -211,7 +212,7 @@ class CpuForward:
                     offs[i] = at
                     at += m.numel()
             masks = torch.cat(parts) if parts else None
-        meta = torch.tensor([*starts, *seq, *offs], dtype=torch.int64)
+        meta = host_tensor([*starts, *seq, *offs], torch.int64)
         ids = batch.input_ids.contiguous()
         pos = batch.positions.contiguous()
         slots = batch.out_cache_loc.contiguous()
@@ -224,8 +225,10 @@ class CpuForward:
         capture = inner.capture_layers
         if capture is not None:  # LlamaModel.forward's contract: (final hidden, [aux per layer])
             hidden = torch.empty((ids.numel(), self._struct.hidden), dtype=torch.float32)
-            if capture:
-                aux_ids = torch.tensor(capture, dtype=torch.int64)
+            if capture:  # the same few tuples every step (a drafter's aux layers)
+                aux_ids = self._aux_ids.get(capture)
+                if aux_ids is None:
+                    aux_ids = self._aux_ids[capture] = torch.tensor(capture, dtype=torch.int64)
                 aux = torch.empty(
                     (len(capture), ids.numel(), self._struct.hidden), dtype=torch.float32
                 )
@@ -237,8 +240,10 @@ class CpuForward:
             logits.data_ptr(), torch.get_num_threads(), _ptr(self.profile), _ptr(hidden),
             0 if aux is None else len(capture), _ptr(aux_ids), _ptr(aux),
         )  # fmt: skip
-        if hidden is not None:
-            inner.captured = (hidden, [] if aux is None else list(aux.unbind(0)))
+        if hidden is not None:  # a plain attribute (nn.Module.__setattr__ is ~10x dearer)
+            object.__setattr__(
+                inner, "captured", (hidden, [] if aux is None else list(aux.unbind(0)))
+            )
         if rc == -1:
             raise IndexError(f"position {int(pos.max())} is past the rotary table")
         if rc == -2:

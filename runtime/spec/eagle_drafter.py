@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
+from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context, host_tensor
 from loom.runtime.spec import DraftTree, HeadDrafter, tree_depths
 from loom.runtime.spec.eagle_lookup import (
     ConstrainedLookup,
@@ -224,7 +224,7 @@ class EagleSpeculator(HeadDrafter):
         starts = [0] + [r + 1 for r in plan.last_rows]
         drafting = plan.drafting if levels else []
         tokens, _, _ = self.compiled.run(
-            torch.tensor(plan.next_ids, dtype=torch.int64),
+            host_tensor(plan.next_ids, torch.int64),
             _rows(batch.positions, plan.rows), _rows(batch.out_cache_loc, plan.slot_rows),
             _rows(feats, plan.rows).float(),
             starts, plan.req_rows, plan.seq_lens, self.runner.req_to_token_pool.req_to_token,
