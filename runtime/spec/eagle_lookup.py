@@ -29,8 +29,10 @@ skips drafts n-gram chains only: its rows (`headless`) get no catch-up, a forwar
 requests alone keeps no features for the head, and a batch of their chains alone is cut and
 judged by the n-gram speculator's own rule (`NgramSpeculator.worth_verifying`), as NGRAM's.
 On bench_spec's ten JSON jobs with the bundled model's heads, every request using them, the
-heads earn 0.14 (EAGLE), 0.21 (Medusa) and 0.38 (EAGLE-3) tokens a verify, so after a fresh
-server's first requests those jobs run as NGRAM's.
+heads earn 0.14 (EAGLE), 0.21 (Medusa) and 0.38 (EAGLE-3) tokens a verify past the forced text,
+while the n-gram chains they displace earn ~5 (prompt copies), so after a fresh server's first
+requests those jobs run as NGRAM's (`head_gain` after bench_spec's two warm-up jobs: EAGLE-3
+-0.5, EAGLE -2.7, Medusa -0.5).
 
 `HeadGate` is the head drafters' off-switch by measured costs: server-wide acceptance rates of
 the head's free drafts per position, the expected gain of each request's draft from them, the
