@@ -90,6 +90,7 @@ class NgramTrie:
         clock, kids, free, nxt, tail = self.clock, self.kids, self.free, self.nxt, self.tail
         added = 0
         count, stamp, ostamp = self.count, self.stamp, self.ostamp
+        queued, parent, tokens = self.queued, self.parent, self.token
         out = []
         # inlined (no call per node): a prompt's first draft inserts ~depth nodes a token
         for node in (ROOT, *pointers):
@@ -102,9 +103,9 @@ class NgramTrie:
                 kids[child] = {}
                 count[child] = 1
                 ostamp[child] = clock if generated else 0
-                self.queued[child] = clock
-                self.parent[child] = node
-                self.token[child] = token
+                queued[child] = clock
+                parent[child] = node
+                tokens[child] = token
                 nxt[tail] = child  # to the queue's back
                 tail = child
                 added += 1
