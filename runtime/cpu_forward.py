@@ -221,29 +221,29 @@ class CpuForward:
         want = batch.logits_indices.contiguous()
         logits = torch.empty((want.numel(), self._struct.vocab), dtype=torch.float32)
         inner = self.model.model
-        hidden = aux = aux_ids = None
+        feats = aux_ids = None
+        n_aux = 0
         capture = inner.capture_layers
         if capture is not None:  # LlamaModel.forward's contract: (final hidden, [aux per layer])
-            hidden = torch.empty((ids.numel(), self._struct.hidden), dtype=torch.float32)
+            n_aux = len(capture)
             if capture:  # the same few tuples every step (a drafter's aux layers)
                 aux_ids = self._aux_ids.get(capture)
                 if aux_ids is None:
                     aux_ids = self._aux_ids[capture] = torch.tensor(capture, dtype=torch.int64)
-                aux = torch.empty(
-                    (len(capture), ids.numel(), self._struct.hidden), dtype=torch.float32
-                )
+            # the final hidden states [T, hidden], then each aux layer's: one allocation
+            feats = torch.empty((1 + n_aux, ids.numel(), self._struct.hidden), dtype=torch.float32)
+        aux_ptr = feats.data_ptr() + 4 * ids.numel() * self._struct.hidden if n_aux else None
         base = meta.data_ptr()
         rc = self.lib.loom_forward_f32(
             self._model_ptr, ids.numel(), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(),
             b, base, rows.data_ptr(), base + 8 * (b + 1), table.data_ptr(), table.stride(0),
             _ptr(masks), base + 8 * (2 * b + 1), want.numel(), want.data_ptr(),
-            logits.data_ptr(), torch.get_num_threads(), _ptr(self.profile), _ptr(hidden),
-            0 if aux is None else len(capture), _ptr(aux_ids), _ptr(aux),
+            logits.data_ptr(), torch.get_num_threads(), _ptr(self.profile), _ptr(feats),
+            n_aux, _ptr(aux_ids), aux_ptr,
         )  # fmt: skip
-        if hidden is not None:  # a plain attribute (nn.Module.__setattr__ is ~10x dearer)
-            object.__setattr__(
-                inner, "captured", (hidden, [] if aux is None else list(aux.unbind(0)))
-            )
+        if feats is not None:  # a plain attribute (nn.Module.__setattr__ is ~10x dearer)
+            hidden, *aux = feats.unbind(0)
+            object.__setattr__(inner, "captured", (hidden, aux))
         if rc == -1:
             raise IndexError(f"position {int(pos.max())} is past the rotary table")
         if rc == -2:
