@@ -104,6 +104,7 @@ class HeadGate:
 
         self.cost = extra_cost
         self.per_level = per_level
+        self._memo: dict = {}
         self.rates = [1.0] * max(1, positions)  # the head's free drafts, server-wide
         self.declined = 0
         self.rounds = 0  # drafting rounds (every PROBE_EVERY-th drafts every position)
@@ -111,15 +112,34 @@ class HeadGate:
         self.probe = False  # a probe: two steps enabled, their drafts verified whatever the gain
         self.probe_left = 0
 
-    def gains(self, n: int) -> list[float]:
+    @property
+    def rates(self) -> list[float]:
+        """Acceptance per draft position of the head's free drafts (read-only: `record` and
+        the setter move them)."""
+        return self._rates
+
+    @rates.setter
+    def rates(self, rates: list[float]) -> None:
+        # `gains` and `_cut` are kept by argument until the rates move: a b1 step asks for
+        # them ~5 times (enabled, levels, each draft's expected gain) between two verifies
+        self._rates = rates
+        self._memo.clear()
+
+    def gains(self, n: int) -> tuple[float, ...]:
         """The chance each of the first n draft positions is accepted."""
-        return _chances(self.rates, n)
+        out = self._memo.get(n)
+        if out is None:
+            out = self._memo[n] = tuple(_chances(self._rates, n))
+        return out
 
     def _cut(self, b: int, n: int) -> int:
         """Positions (of n) whose chance pays one more verify token and one more head level
         at batch size b (chances only fall with depth: a prefix)."""
-        per_position = self.cost(b, 1) - self.cost(b, 0) + self.per_level / b
-        return sum(1 for g in self.gains(n) if g >= per_position)
+        out = self._memo.get((b, n))
+        if out is None:
+            per_position = self.cost(b, 1) - self.cost(b, 0) + self.per_level / b
+            out = self._memo[(b, n)] = sum(1 for g in self.gains(n) if g >= per_position)
+        return out
 
     def enabled(self, batch_size: int, longest: int) -> bool:
         """The cut of a `longest` draft at the measured rates pays its verify at this batch
@@ -154,7 +174,8 @@ class HeadGate:
         return self.declined % PROBE_EVERY == 1
 
     def record(self, drafted: int, accepted: int) -> None:
-        _update(self.rates, drafted, accepted, 0)
+        _update(self._rates, drafted, accepted, 0)
+        self._memo.clear()
 
 
 def _net_gain(source, accepted: int, ngram_expected: float, spent: float, step: float) -> float:

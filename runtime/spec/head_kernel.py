@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from array import array
 
 import torch
 
@@ -673,8 +674,9 @@ class CompiledEagleHead:
         tokens = torch.empty((nd, steps), dtype=torch.int64)
         logits = torch.empty((steps, nd, self.dvocab)) if want_logits else None
         hidden = torch.empty((n, self._struct.hidden)) if want_hidden else None
-        meta = torch.tensor([*starts, *rows, *seq_lens, *draft_reqs], dtype=torch.int64)
-        base = meta.data_ptr()
+        # the integer arguments as one int64 buffer (an array: ~1 us where a tensor was ~5)
+        meta = array("q", [*starts, *rows, *seq_lens, *draft_reqs])
+        base = meta.buffer_info()[0]
         rc = self.lib.loom_eagle_round(
             self._ptr, n, ids.data_ptr(), pos.data_ptr(), slots.data_ptr(), feats.data_ptr(),
             feats.stride(0), b, base, base + 8 * (b + 1), base + 8 * (2 * b + 1),
