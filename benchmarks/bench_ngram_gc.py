@@ -20,42 +20,19 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import random
 import resource
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def load_trie(rev: str | None):
-    """NgramTrie of this tree (rev None) or of revision `rev`'s ngram.py (its own module)."""
-    if rev is None:
-        from loom.runtime.spec.ngram import NgramTrie
-
-        return NgramTrie
-    src = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:runtime/spec/ngram.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / f"ngram_{rev}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"ngram_{rev}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.NgramTrie
+from bench_ngram_trie import load_ngram  # this tree's or a revision's ngram module
 
 
 def measure(rev: str | None, depth: int, capacity: int, fill: int, churn: int, vocab: int):
-    NgramTrie = load_trie(rev)
+    NgramTrie = load_ngram(rev).NgramTrie
     gc.collect()
     gc.freeze()
     times: dict[int, list[float]] = {0: [], 1: [], 2: []}
