@@ -49,25 +49,51 @@ def _random_head(target, variant: str, **overrides):
 PREFIX, NEW, ROWS = [6, 9], [3, 1], [2, 0]
 
 
+def _round_bf16_inputs(head) -> list:
+    """Forward pre-hooks rounding the input of every head matmul whose weights are all
+    bfloat16 values to bfloat16: the products the compiled head takes with
+    `bf16_inputs` (exact in float32 either way; only the summation order differs)."""
+    hooks = []
+    for mod in head.modules():
+        w = getattr(mod, "weight", None)
+        if (
+            isinstance(w, torch.Tensor)
+            and w.dim() == 2
+            and w.shape[1] % 2 == 0
+            and not isinstance(mod, torch.nn.Embedding)
+            and torch.equal(w.to(torch.bfloat16).float(), w)
+        ):
+            hooks.append(
+                mod.register_forward_pre_hook(
+                    lambda m, args: (args[0].to(torch.bfloat16).float(), *args[1:])
+                )
+            )
+    return hooks
+
+
 @pytest.mark.parametrize(
-    "variant, overrides, bf16",
+    "variant, overrides, bf16, inputs16",
     [
-        ("eagle", {}, False),
-        ("eagle", {"num_hidden_layers": 2, "fc_bias": True}, False),
-        ("eagle", {"draft_vocab_size": 150}, False),
-        ("eagle3", {"draft_vocab_size": 150}, False),
-        ("eagle3", {"draft_vocab_size": 150}, True),
-        ("eagle", {"num_hidden_layers": 2, "fc_bias": True}, True),
+        ("eagle", {}, False, False),
+        ("eagle", {"num_hidden_layers": 2, "fc_bias": True}, False, False),
+        ("eagle", {"draft_vocab_size": 150}, False, False),
+        ("eagle3", {"draft_vocab_size": 150}, False, False),
+        ("eagle3", {"draft_vocab_size": 150}, True, False),
+        ("eagle", {"num_hidden_layers": 2, "fc_bias": True}, True, False),
+        ("eagle3", {"draft_vocab_size": 150}, True, True),
+        ("eagle", {"num_hidden_layers": 2, "fc_bias": True}, True, True),
     ],
     ids=[
         "eagle", "eagle-2-layers-fc-bias", "eagle-reduced-vocab", "eagle3-reduced-vocab",
         "eagle3-bf16-weights", "eagle-2-layers-bf16-weights",
+        "eagle3-bf16-weights-and-inputs", "eagle-2-layers-bf16-weights-and-inputs",
     ],
 )  # fmt: skip
-def test_compiled_round_matches_the_eager_head(target, variant, overrides, bf16):
+def test_compiled_round_matches_the_eager_head(target, variant, overrides, bf16, inputs16):
     """bf16: every head weight a bfloat16 value (a bf16 checkpoint's), so an AVX-512 build
     reads the head's matmuls from bfloat16 panels (EAGLE-1's LM head, the target's float32
-    rows, stays float32)."""
+    rows, stays float32). inputs16: those matmuls also round their inputs to bfloat16 (the
+    default where the build has VDPBF16PS), against an eager head whose same matmuls do."""
     head = _random_head(target, variant, **overrides)
     if bf16:
         with torch.no_grad():
@@ -96,9 +122,16 @@ def test_compiled_round_matches_the_eager_head(target, variant, overrides, bf16)
     steps = 4
     snapshot = [b.clone() for b in kv.k_buffers + kv.v_buffers]
 
-    compiled = CompiledEagleHead.build(head, kv, topk=1)
+    compiled = CompiledEagleHead.build(head, kv, topk=1, bf16_inputs=inputs16)
     assert compiled is not None
     assert compiled.bf16 == (bf16 and compiled.lib.loom_isa_bits() == 512)
+    assert compiled.bf16_inputs == (
+        compiled.bf16 and inputs16 and compiled.lib.loom_head_bf16_dot() == 1
+    )
+    if inputs16 and not compiled.bf16_inputs:
+        pytest.skip("this build has no VDPBF16PS (AVX512_BF16)")
+    if compiled.bf16_inputs:
+        _round_bf16_inputs(head)
     starts = [0, NEW[0], sum(NEW)]
     tokens, logits, hidden = compiled.run(
         ids, pos, slots, feats, starts, ROWS, seq, table.req_to_token, [0, 1], steps,

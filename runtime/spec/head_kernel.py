@@ -127,23 +127,117 @@ static void gemm_bf16(const float* x, int64_t T, int64_t K, int64_t ldx, const u
         }
     }
 }
+#if defined(__AVX512BF16__)
+static inline uint32_t bf16_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u; /* NaN stays NaN */
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+/* x's rows as bfloat16 pairs, rounded to nearest even: xb[t * K/2 + j] = (x[t][2j] low,
+   x[t][2j + 1] high), the lane layout VDPBF16PS pairs with a bf16 panel's (row, k pair) */
+static void bf16_pairs(const float* x, int64_t T, int64_t K, int64_t ldx, uint32_t* xb) {
+    for (int64_t t = 0; t < T; t++) {
+        const float* r = x + t * ldx;
+        uint32_t* o = xb + t * (K / 2);
+        int64_t k = 0;
+        for (; k + 32 <= K; k += 32) {
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(r + k + 16), _mm512_loadu_ps(r + k));
+            _mm512_storeu_si512((void*)(o + k / 2), (__m512i)v);
+        }
+        for (; k < K; k += 2) o[k / 2] = bf16_rne(r[k]) | (bf16_rne(r[k + 1]) << 16);
+    }
+}
+static void gemm_bf16dp(const float* x, int64_t T, int64_t K, int64_t ldx, const uint16_t* wb,
+                        const float* b, int64_t N, float* y, int64_t ldy, int accumulate) {
+    const int64_t K2 = K / 2, panels = (N + PANEL - 1) / PANEL, J4 = K2 & ~(int64_t)3;
+    uint32_t stack_xb[8192];
+    uint32_t* xb = T * K2 <= 8192 ? stack_xb : malloc(sizeof(uint32_t) * T * K2);
+    bf16_pairs(x, T, K, ldx, xb);
+    for (int64_t t0 = 0; t0 < T; t0 += 4) {
+        const int64_t nt = T - t0 < 4 ? T - t0 : 4;
+        const uint32_t* xr[4];
+        for (int t = 0; t < 4; t++) xr[t] = xb + (t0 + (t < nt ? t : 0)) * K2;
+        for (int64_t p = 0; p < panels; p++) {
+            const uint32_t* w = (const uint32_t*)(wb + p * K * PANEL);
+            __m512 acc[4][4];
+            for (int u = 0; u < 4; u++)
+                for (int t = 0; t < 4; t++) acc[u][t] = _mm512_setzero_ps();
+            int64_t j = 0;
+            if (nt == 1) {
+                for (; j < J4; j += 4) {
+                    #pragma GCC unroll 4
+                    for (int u = 0; u < 4; u++)
+                        acc[u][0] = _mm512_dpbf16_ps(acc[u][0],
+                            (__m512bh)_mm512_loadu_si512((const void*)(w + (j + u) * PANEL)),
+                            (__m512bh)_mm512_set1_epi32((int)xr[0][j + u]));
+                }
+            } else {
+                for (; j < J4; j += 4) {
+                    #pragma GCC unroll 4
+                    for (int u = 0; u < 4; u++) {
+                        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(w + (j + u) * PANEL));
+                        #pragma GCC unroll 4
+                        for (int t = 0; t < 4; t++)
+                            acc[u & 1][t] = _mm512_dpbf16_ps(acc[u & 1][t], wv,
+                                (__m512bh)_mm512_set1_epi32((int)xr[t][j + u]));
+                    }
+                }
+            }
+            for (; j < K2; j++) {
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void*)(w + j * PANEL));
+                for (int t = 0; t < 4; t++)
+                    acc[0][t] = _mm512_dpbf16_ps(acc[0][t], wv, (__m512bh)_mm512_set1_epi32((int)xr[t][j]));
+            }
+            const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
+            const __mmask16 m = nn >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
+            const __m512 bias = b ? _mm512_maskz_loadu_ps(m, b + n0) : _mm512_setzero_ps();
+            for (int t = 0; t < nt; t++) {
+                float* o = y + (t0 + t) * ldy + n0;
+                __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]),
+                                         _mm512_add_ps(acc[2][t], acc[3][t]));
+                v = _mm512_add_ps(v, bias);
+                if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), v);
+                _mm512_mask_storeu_ps(o, m, v);
+            }
+        }
+    }
+    if (xb != stack_xb) free(xb);
+}
 #endif
+#endif
+
+/* whether this build takes bfloat16 products with VDPBF16PS (Head.bf16_inputs can be 1) */
+int loom_head_bf16_dot(void) {
+#if ISA_BITS == 512 && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* A head matmul: the bfloat16 panels (wb) where this build has their kernel and the call runs
    on one thread, else the forward's matmul (`mm`: the float32 packed panels wp, one
    sequential stream a panel as the target's steps read, else the row-major tiles w). */
-static inline void hmm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w,
+static inline void hmm(int64_t act16, const float* x, int64_t T, int64_t K, int64_t ldx, const float* w,
                        const float* wp, const uint16_t* wb, const float* b, int64_t N, float* y,
                        int64_t ldy, int accumulate, int nthreads) {
     const int nt = head_threads(T, K, N, nthreads);
 #if ISA_BITS == 512
     if (wb && nt == 1) {
+#if defined(__AVX512BF16__)
+        if (act16) {
+            gemm_bf16dp(x, T, K, ldx, wb, b, N, y, ldy, accumulate);
+            return;
+        }
+#endif
         gemm_bf16(x, T, K, ldx, wb, b, N, y, ldy, accumulate);
         return;
     }
 #else
     (void)wb;
 #endif
+    (void)act16;
     mm(x, T, K, ldx, w, wp, b, N, y, ldy, accumulate, nt);
 }
 
@@ -165,6 +259,9 @@ typedef struct {
        then per layer qkv, o, gate_up, down */
     const uint16_t *fc_bf, *lm_bf;
     const uint16_t* const* layer_bf; /* [layers * 4] */
+    /* 1: the bfloat16 panels' matmuls round their inputs to bfloat16 too (VDPBF16PS, where the
+       build has it); 0: float32 inputs against the widened panels */
+    int64_t bf16_inputs;
 } Head;
 
 /* scores then softmax-weighted V over `len` pool columns (cols -> slots) and `n_extra` entries
@@ -250,9 +347,9 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
             memcpy(hin + t * 2 * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
             memcpy(hin + t * 2 * Hd + Hd, feat + t * ldf, sizeof(float) * Hd);
         }
-        hmm(hin, T, 2 * Hd, 2 * Hd, m->fc_w, m->fc_p, m->fc_bf, m->fc_b, Hd, x, Hd, 0, nthreads);
+        hmm(m->bf16_inputs, hin, T, 2 * Hd, 2 * Hd, m->fc_w, m->fc_p, m->fc_bf, m->fc_b, Hd, x, Hd, 0, nthreads);
     } else if (fused) {
-        hmm(feat, T, m->fc_in, ldf, m->fc_w, m->fc_p, m->fc_bf, m->fc_b, Hd, x, Hd, 0, nthreads);
+        hmm(m->bf16_inputs, feat, T, m->fc_in, ldf, m->fc_w, m->fc_p, m->fc_bf, m->fc_b, Hd, x, Hd, 0, nthreads);
     } else {
         for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, feat + t * ldf, sizeof(float) * Hd);
     }
@@ -270,7 +367,7 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
                 memcpy(hr, x + t * Hd, sizeof(float) * Hd);
             }
         }
-        hmm(hin, T, Kin, Kin, L->qkv_w, L->qkv_p, bf[0], L->qkv_b, QKV, qkv, QKV, 0, nthreads);
+        hmm(m->bf16_inputs, hin, T, Kin, Kin, L->qkv_w, L->qkv_p, bf[0], L->qkv_b, QKV, qkv, QKV, 0, nthreads);
         /* the target forward's q/k RMSNorm + RoPE (cpu_forward_kernel.SOURCE) */
         qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
         for (int64_t t = 0; t < T; t++) { /* every row's K/V first: the attention reads them */
@@ -304,11 +401,11 @@ static void head_stack(const Head* m, int64_t T, const int64_t* ids, const int64
             }
         }
         if (n == 0) continue;
-        hmm(att, n, H * D, H * D, L->o_w, L->o_p, bf[1], L->o_b, Hd, xo, Hd, 1, nthreads);
+        hmm(m->bf16_inputs, att, n, H * D, H * D, L->o_w, L->o_p, bf[1], L->o_b, Hd, xo, Hd, 1, nthreads);
         for (int64_t j = 0; j < n; j++) rms(xo + j * Hd, L->ln2, Hd, m->eps, hin + j * Hd);
-        hmm(hin, n, Hd, Hd, L->gu_w, L->gu_p, bf[2], L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
+        hmm(m->bf16_inputs, hin, n, Hd, Hd, L->gu_w, L->gu_p, bf[2], L->gu_b, 2 * I, gu, 2 * I, 0, nthreads);
         for (int64_t j = 0; j < n; j++) silu_mul(gu + j * 2 * I, gu + j * 2 * I + I, I);
-        hmm(gu, n, I, 2 * I, L->down_w, L->down_p, bf[3], L->down_b, Hd, xo, Hd, 1, nthreads);
+        hmm(m->bf16_inputs, gu, n, I, 2 * I, L->down_w, L->down_p, bf[3], L->down_b, Hd, xo, Hd, 1, nthreads);
         if (last)
             for (int64_t j = 0; j < n; j++) memcpy(x + keep[j] * Hd, xs + j * Hd, sizeof(float) * Hd);
     }
@@ -325,7 +422,7 @@ static void head_pick(const Head* m, const float* x, int64_t n, float* logits, f
         for (int64_t i = 0; i < n; i++) rms(x + i * Hd, m->norm, Hd, m->eps, normed + i * Hd);
         in = normed;
     }
-    hmm(in, n, Hd, Hd, m->lm_head, m->lm_p, m->lm_bf, NULL, V, logits, V, 0, nthreads);
+    hmm(m->bf16_inputs, in, n, Hd, Hd, m->lm_head, m->lm_p, m->lm_bf, NULL, V, logits, V, 0, nthreads);
     for (int64_t i = 0; i < n; i++) {
         const float* r = logits + i * V;
         int64_t best = 0;
@@ -431,13 +528,13 @@ void loom_medusa_heads(const float* h, int64_t n, int64_t Hd, int64_t k, int64_t
         memcpy(xi, h, sizeof(float) * n * Hd);
         for (int64_t j = 0; j < nl; j++) {
             const int64_t at = i * nl + j;
-            hmm(xi, n, Hd, Hd, NULL, res_p + at * res_ld, NULL, res_b + at * Hd, Hd, y, Hd, 0, nthreads);
+            hmm(0, xi, n, Hd, Hd, NULL, res_p + at * res_ld, NULL, res_b + at * Hd, Hd, y, Hd, 0, nthreads);
             for (int64_t e = 0; e < n * Hd; e++) xi[e] += y[e] / (1.f + expf(-y[e]));
         }
-        if (own_lm) hmm(xi, n, Hd, Hd, NULL, lm_p + i * lm_ld, NULL, NULL, V, lg + i * n * V, V, 0, nthreads);
+        if (own_lm) hmm(0, xi, n, Hd, Hd, NULL, lm_p + i * lm_ld, NULL, NULL, V, lg + i * n * V, V, 0, nthreads);
     }
     /* a shared LM head: one pass over its weights for all k * n rows */
-    if (!own_lm) hmm(x, k * n, Hd, Hd, NULL, lm_p, NULL, NULL, V, lg, V, 0, nthreads);
+    if (!own_lm) hmm(0, x, k * n, Hd, Hd, NULL, lm_p, NULL, NULL, V, lg, V, 0, nthreads);
     for (int64_t i = 0; i < k; i++)
         for (int64_t r = 0; r < n; r++) {
             const float* row = lg + (i * n + r) * V;
@@ -484,6 +581,7 @@ class _Head(ctypes.Structure):
         ],
         ("layer", ctypes.POINTER(_Layer)),
         *[(n, ctypes.c_void_p) for n in ("fc_p", "lm_p", "fc_bf", "lm_bf", "layer_bf")],
+        ("bf16_inputs", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -502,6 +600,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes += [ctypes.c_int]
     lib.loom_isa_bits.restype = ctypes.c_int
     lib.loom_isa_bits.argtypes = []
+    lib.loom_head_bf16_dot.restype = ctypes.c_int
+    lib.loom_head_bf16_dot.argtypes = []
 
 
 def load() -> ctypes.CDLL | None:
@@ -578,7 +678,7 @@ class CompiledEagleHead:
     """The C draft round bound to one head and its KV pool; `build` returns None (logged) where
     the eager head must run."""
 
-    def __init__(self, lib: ctypes.CDLL, head, pool):
+    def __init__(self, lib: ctypes.CDLL, head, pool, bf16_inputs: bool = True):
         self.lib, self.head, self.pool = lib, head, pool
         self.profile = torch.zeros(2, dtype=torch.float64)  # wall s: catch-up, draft loop
         self._keep: list[torch.Tensor] = []
@@ -645,11 +745,17 @@ class CompiledEagleHead:
         # which matmuls read bfloat16 panels (the shipped heads: all but EAGLE-1's LM head,
         # the float32 target's rows)
         self.bf16 = bf16 and any(self._layer_bf)
+        # and whether those round their inputs to bfloat16 as well, for VDPBF16PS (two products
+        # a lane, no widening of the panels: a draft round 285 -> 224 us, the bundled EAGLE-3
+        # head at batch 1). The drafts are then a bfloat16 model's, as a GPU runs a bf16 head;
+        # verification is the target's, so only acceptance can move.
+        self.bf16_inputs = self.bf16 and bf16_inputs and bool(lib.loom_head_bf16_dot())
+        self._struct.bf16_inputs = int(self.bf16_inputs)
         self._ptr = ctypes.addressof(self._struct)
         self.dvocab = dvocab
 
     @classmethod
-    def build(cls, head, pool, topk: int) -> CompiledEagleHead | None:
+    def build(cls, head, pool, topk: int, bf16_inputs: bool = True) -> CompiledEagleHead | None:
         reason = eagle_unsupported(head, pool, topk)
         lib = None if reason else load()
         if reason is None and lib is None:
@@ -657,7 +763,7 @@ class CompiledEagleHead:
         if reason:
             logger.info("compiled EAGLE head off: %s; the eager head runs", reason)
             return None
-        return cls(lib, head, pool)
+        return cls(lib, head, pool, bf16_inputs)
 
     def run(
         self, ids, pos, slots, feats, starts, rows, seq_lens, table, draft_reqs, steps,
