@@ -16,7 +16,11 @@ start-up heap is (`process.freeze_startup_heap`): unfrozen, a full collection sc
 all (~0.2 s, several times a row) inside whichever side's timed run it fell.
 
     python benchmarks/bench_spec.py [--rounds 5] [--no-plot] [--ngram-breadth 4]
-        [--algorithms NGRAM,EAGLE,EAGLE3]
+        [--algorithms NGRAM,EAGLE,EAGLE3] [--one-process]
+
+Each row (algorithm, workload, batch) runs in a fresh process of its own, one after another
+(`--one-process`: all in this one, as before session 11): in one process a row's figures
+depended on how many schedulers had run before it.
 
 `--algorithms`: one row per algorithm (default NGRAM); a model-based drafter's rows also split
 the on side's wall time into target forwards, the head's own work (`spec_draft_seconds`) and
@@ -193,6 +197,12 @@ def main() -> None:
         ap.add_argument(f"--eagle-{name}", type=int, default=None)
     ap.add_argument("--plot-path", default="docs/img/spec_acceptance.png")
     ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="run every row in this process (default: each row in a fresh one)",
+    )
+    ap.add_argument("--curves-json", default=None, help=argparse.SUPPRESS)  # a child's curve
+    ap.add_argument(
         "--min-seconds",
         type=float,
         default=2.0,
@@ -220,6 +230,11 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]
         for name in args.workloads.split(",")
     ]
+    if not args.one_process and len(rows) > 1:
+        curves = run_isolated(args, rows)
+        if not args.no_plot and curves:
+            plot(curves, Path(__file__).resolve().parents[1] / args.plot_path)
+        return
     for algo, batch, name in rows:
         all_jobs = loads[name]
         warm, base_jobs = all_jobs[-2:], all_jobs[:-2]
@@ -320,8 +335,41 @@ def main() -> None:
             f"{os.getloadavg()[0]:.1f}",
             flush=True,
         )
+    if args.curves_json:
+        Path(args.curves_json).write_text(json.dumps(curves))
     if not args.no_plot and curves:
         plot(curves, Path(__file__).resolve().parents[1] / args.plot_path)
+
+
+def run_isolated(args, rows) -> dict[str, list[float]]:
+    """Each row in a fresh process (this script, that row alone, the same options), its line
+    printed as it ends; returns the rows' acceptance curves. In one process a row's figures
+    depended on its place: the same model's decode forward ran 0.40-0.54 ms a step in the
+    first schedulers and 0.62-0.79 ms after a dozen (docs/benchmarks.md, session 10), so late
+    rows' ratios moved."""
+    import subprocess
+    import sys
+    import tempfile
+
+    curves: dict[str, list[float]] = {}
+    passed = ["--rounds", str(args.rounds), "--min-seconds", str(args.min_seconds)]
+    passed += ["--ngram-breadth", str(args.ngram_breadth), "--no-plot", "--one-process"]
+    for name in ("steps", "topk", "draft_tokens"):
+        value = getattr(args, f"eagle_{name}")
+        if value is not None:
+            passed += [f"--eagle-{name.replace('_', '-')}", str(value)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (algo, batch, name) in enumerate(rows):
+            out = Path(tmp) / f"row{i}.json"
+            cmd = [sys.executable, __file__, "--algorithms", algo, "--workloads", name]
+            cmd += ["--batches", str(batch), "--curves-json", str(out), *passed]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"row {algo} {name} batch {batch} failed:\n{res.stderr[-3000:]}")
+            for line in res.stdout.splitlines()[1:]:  # its header repeats this process's
+                print(line, flush=True)
+            curves.update(json.loads(out.read_text()))
+    return curves
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> None:
