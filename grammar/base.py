@@ -81,6 +81,12 @@ class Grammar(ABC):
         `accept_token`, which an engine may make looser than its mask there."""
         return self.jump_forward() is not None
 
+    def forced_token(self) -> int | None:
+        """At a forced state (`is_forced`), the token the mask allows for the forced text's
+        start, when the engine knows it (llguidance: its canonical tokenization's first
+        token); None otherwise, and then only the mask says which tokens it allows."""
+        return None
+
     @abstractmethod
     def copy(self) -> Grammar:
         """A fresh object at the same position, sharing the compiled tables (for n > 1)."""

@@ -332,10 +332,13 @@ def _resolve_lazy_grammars(logits: torch.Tensor, ids: list[int], lazy: list) -> 
     is a chain with no draft: its argmax is kept when the grammar accepts it, else masked.
     EOS and ids past the vocabulary always take the mask (a grammar is not asked to accept
     EOS; the mask allows it only where the grammar may end), and so does every row whose
-    state has forced bytes next (`is_forced()`), a draft token there too: llguidance's mask
-    then allows only the forced text's own tokenization while its accept (the walk's check)
-    takes any token spelling a prefix of it (after `{"name` the mask allows `":` alone,
-    accept also takes `"`)."""
+    state has forced bytes next (`is_forced()`): llguidance's mask then allows only the
+    forced text's own tokenization while its accept (the walk's check) takes any token
+    spelling a prefix of it (after `{"name` the mask allows `":` alone, accept also takes
+    `"`). A draft token there that is that tokenization's first token
+    (`grammar.forced_token()`) is allowed by the mask, so as the argmax it is the masked
+    argmax too: accepted without the mask (a schema's keys and punctuation arrive as such
+    drafts, one mask each before)."""
     from loom.grammar.base import allocate_token_bitmask
 
     vocab = logits.shape[-1]
@@ -344,7 +347,11 @@ def _resolve_lazy_grammars(logits: torch.Tensor, ids: list[int], lazy: list) -> 
         for j in range(len(draft) + 1):
             r = row + j
             forced = grammar.is_forced()
-            if j < len(draft) and ids[r] == draft[j] and not forced:
+            if (
+                j < len(draft)
+                and ids[r] == draft[j]
+                and (not forced or grammar.forced_token() == draft[j])
+            ):
                 grammar.accept_token(draft[j])
                 n += 1
                 continue

@@ -512,3 +512,43 @@ def test_is_forced_covers_jump_forward_and_a_cut_character(setup):
         assert g.jump_forward() is None and g.is_forced()
     g = backend.compile("regex", "(a|b)x")
     assert g.jump_forward() is None and not g.is_forced()
+
+
+def test_forced_token_is_one_the_mask_allows(setup):
+    """`forced_token` (the lazy greedy rows accept a draft token equal to it at a forced state
+    without computing the mask): wherever an engine names one, its mask allows it. Checked at
+    every state of every schema's valid documents and of random walks through them."""
+    backend, tok = setup
+    n = backend.vocab_size
+    if backend.engine_name != "llguidance":  # the others name none: the mask always decides
+        assert backend.compile("json_schema", SCHEMAS[0][0]).forced_token() is None
+        return
+    named = 0
+    for i, (schema, good, _) in enumerate(SCHEMAS):
+        g = backend.compile("json_schema", schema)
+        paths = [_encode(tok, json.dumps(v, ensure_ascii=False)) for v in good]
+        rng = random.Random(i)
+        for _ in range(3):  # random walks, steered like _walk's
+            w, path = g.copy(), []
+            for _ in range(120):
+                allowed = _allowed(w, n)
+                allowed[tok.eos_token_id] = False
+                ids = allowed.nonzero()[:, 0]
+                if not len(ids):
+                    break
+                t = int(ids[rng.randrange(len(ids))])
+                w.accept_token(t)
+                path.append(t)
+            paths.append(path)
+        for path in paths:
+            w = g.copy()
+            for t in path:
+                forced = w.forced_token()
+                if forced is not None:
+                    assert w.is_forced()
+                    assert _allowed(w, n)[forced], (schema, forced)
+                    named += 1
+                if not _allowed(w, n)[t]:
+                    break
+                w.accept_token(t)
+    assert named > 20  # the schemas' keys and punctuation are forced text

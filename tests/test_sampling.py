@@ -314,6 +314,14 @@ class _ModGrammar:
     def is_forced(self) -> bool:
         return self.jump_forward() is not None
 
+    def forced_token(self) -> int | None:
+        """At a forced state, the one token its mask allows (as llguidance names its forced
+        text's first token)."""
+        if self.jump_forward() is None:
+            return None
+        self.named = getattr(self, "named", 0) + 1
+        return next(u for u in range(40) if self._accepts(u))
+
     def allowed(self, t: int) -> bool:
         if self.jump_forward() is not None:
             return t == next(u for u in range(40) if self._accepts(u))
@@ -357,7 +365,7 @@ def test_lazy_grammar_rows_verify_as_fully_masked_rows():
 
     vocab, rng = 40, random.Random(0)
     g = torch.Generator().manual_seed(1)
-    masks_lazy = masks_full = went_on = 0
+    masks_lazy = masks_full = went_on = named = 0
     for trial in range(300):
         grammar = _ModGrammar()
         grammar.tokens = [rng.randrange(vocab) for _ in range(rng.randrange(3))]
@@ -399,7 +407,9 @@ def test_lazy_grammar_rows_verify_as_fully_masked_rows():
         got_k = next((j for j, a in enumerate(got_acc[: len(draft)]) if not a), len(draft))
         assert (got_k, got[: k + 1]) == (k, ids[: k + 1]), trial
         assert grammar.tokens == start
+        named += getattr(grammar, "named", 0)
     assert went_on > 20  # masked rows that accepted their draft after an illegal argmax
+    assert named > 3  # forced states whose argmax draft token was checked by forced_token
     assert masks_lazy <= 300 + went_on < masks_full
 
 
