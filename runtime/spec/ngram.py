@@ -26,7 +26,7 @@ import heapq
 from collections.abc import Sequence
 
 from loom.runtime.spec.ngram_copy import CONTEXT, PromptCopy
-from loom.runtime.spec.ngram_store import CUT, NgramTrie
+from loom.runtime.spec.ngram_store import NgramTrie
 
 __all__ = ["MAX_PROMPT_TOKENS", "NgramDrafter", "NgramState", "NgramTrie"]
 
@@ -35,23 +35,6 @@ SKIP_MIN_CONTEXT = 2  # tokens of context a skip-gram match needs
 SKIP_SCAN = 32  # siblings a skip-gram match looks at
 CATCHUP_TOKENS = 24  # tokens a request returning to drafting inserts at most (`catch_up`)
 MAX_REMATCHES = 2  # times a draft chain that ran out is matched again from its last tokens
-
-
-def _recent_sibling(
-    trie: NgramTrie, parent: int, other_than: int = -1, generated: bool = False
-) -> int | None:
-    """Among the first SKIP_SCAN children of `parent` that have a continuation (and are not
-    `other_than`; with `generated`, that a model wrote), the most recent (`trie.recency`)."""
-    kids, ostamp, recency = trie.kids, trie.ostamp, trie.recency
-    best = None
-    for n, sib in enumerate(kids[parent].values()):
-        if n >= SKIP_SCAN:
-            break
-        if sib == other_than or not kids[sib] or (generated and not ostamp[sib]):
-            continue
-        if best is None or recency(sib) > recency(best):
-            best = sib
-    return best
 
 
 class NgramState:
@@ -106,6 +89,7 @@ class NgramDrafter:
         capacity: int,
         match_type: str = "BFS",
     ):
+        assert 1 <= min_window <= max_window
         self.min_window = min_window
         self.max_window = max_window
         self.branch_length = branch_length
@@ -128,11 +112,10 @@ class NgramDrafter:
             state.seen = max(0, len(req.origin_input_ids) - prompt_tail)
         end = min(n, state.seen + limit)
         if state.seen < end:
-            pointers = state.pointers
-            n_prompt = len(req.origin_input_ids)
-            for i, t in enumerate(req.tokens(state.seen, end), state.seen):
-                pointers = trie.extend(pointers, t, i >= n_prompt)
-            state.pointers, state.at = pointers, trie.clock
+            tokens = req.tokens(state.seen, end)
+            generated_from = len(req.origin_input_ids) - state.seen  # outputs from there on
+            state.pointers = trie.extend_many(state.pointers, tokens, generated_from)
+            state.at = trie.clock
             state.seen = end
         return end == n
 
@@ -164,8 +147,8 @@ class NgramDrafter:
         draft: list[int] = []
         rematches = 0
         copy = self.copy
-        kids, token = self.trie.kids, self.trie.token
-        rank = self.trie.frequency if self.by_count else self.trie.recency
+        trie, by_count = self.trie, self.by_count
+        token = trie.token
         if copy is not None:  # the last CONTEXT tokens before the next draft token
             n = req.seq_len
             context = (req.tokens(max(0, n - CONTEXT), n) + list(after))[-CONTEXT:]
@@ -175,7 +158,7 @@ class NgramDrafter:
         while node is not None and len(draft) < max_len:
             word = copy.draft(prompt, state.prompt_index, tuple(context)) if copy else None
             if word:
-                child = kids[node].get(word[0])
+                child = trie.child(node, word[0])
                 if child is None:  # a value no request wrote here: the trie goes on
                     word = word[: max_len - len(draft)]  # as it did after another's
                     draft += word
@@ -183,14 +166,15 @@ class NgramDrafter:
                     node = self._after_value(node)
                     continue
                 node = child
-            elif not kids[node]:
-                if not draft or rematches >= MAX_REMATCHES:
-                    break
-                rematches += 1
-                node = self._rematch(req, after, draft)
-                continue
             else:
-                node = max(kids[node].values(), key=rank)
+                child = trie.best_child(node, by_count)
+                if child is None:
+                    if not draft or rematches >= MAX_REMATCHES:
+                        break
+                    rematches += 1
+                    node = self._rematch(req, after, draft)
+                    continue
+                node = child
             draft.append(token[node])
             if copy is not None:
                 context = (context + [token[node]])[-CONTEXT:]
@@ -202,10 +186,11 @@ class NgramDrafter:
         `8` of an age), so its node's children are what came after it (`,` then the next
         key; `"}` after a city). None: no value there was followed by anything."""
         trie = self.trie
-        kids = trie.kids
-        node = _recent_sibling(trie, slot)
-        while node is not None and kids[node]:
-            nxt = max(kids[node].values(), key=trie.recency)
+        node = trie.recent_child(slot, scan=SKIP_SCAN)
+        while node is not None:
+            nxt = trie.best_child(node)
+            if nxt is None:
+                return None
             if not self.copy.is_piece(trie.token[nxt]):
                 return node
             node = nxt
@@ -219,12 +204,7 @@ class NgramDrafter:
         if len(tail) < w:
             n = req.seq_len
             tail = req.tokens(max(0, n - (w - len(tail))), n) + tail
-        tail = tail[-w:]
-        for k in range(len(tail), self.min_window - 1, -1):
-            node = self.trie.walk(self.trie.root, tail[len(tail) - k :])
-            if node is not None and self.trie.kids[node]:
-                return node
-        return None
+        return self.trie.deepest(tail[-w:], self.min_window)
 
     def propose_tree(
         self,
@@ -251,14 +231,14 @@ class NgramDrafter:
         heap: list[tuple[float, int, int, int, int]] = []
         tie = 0
         trie = self.trie
-        children, count = trie.kids, trie.count
+        count = trie.count
         rank = trie.frequency if self.by_count else trie.recency
 
         def push(node: int, parent: int, depth: int, chance: float) -> None:
             nonlocal tie
-            if depth >= max_depth or not children[node]:
+            if depth >= max_depth or not trie.has_kids(node):
                 return
-            kids = list(children[node].values())
+            kids = trie.children(node)
             total = sum(count[c] for c in kids)
             kids.sort(key=rank, reverse=True)
             for c in kids[: max(lo, hi >> depth)]:
@@ -276,38 +256,13 @@ class NgramDrafter:
     def _match(self, pointers: list[int], after: Sequence[int], skip: bool = True) -> int | None:
         """The deepest node (suffix length in the match window) of current tokens + `after`
         that has a continuation; or, when the last token is new after a longer context
-        (a name, a number), a sibling's node (see `_skip_match`)."""
-        k = len(after)
-        for w in range(self.max_window, self.min_window - 1, -1):
-            if w > k:
-                i = w - k - 1  # pointer of the suffix of length w - k (ascending depth)
-                if i >= len(pointers):
-                    continue
-                node = self.trie.walk(pointers[i], after)
-            else:
-                node = self.trie.walk(self.trie.root, after[k - w :])
-            if node is not None and self.trie.kids[node]:
-                return self._skip_match(pointers, w) if k == 0 and skip else node
-        return self._skip_match(pointers, 0) if k == 0 and skip else None
-
-    def _skip_match(self, pointers: list[int], exact: int) -> int | None:
-        """Skip-gram fallback: the context before the last token (at least SKIP_MIN_CONTEXT
-        and more than `exact` tokens, the exact match's window) was seen, the last token
-        after it was not (`"name": "` then a new name): continue as the most recently seen
-        other token after that context did (`", "age": `). Returns that sibling's node
-        (its children are the draft), or the exact match's (None: no sibling found)."""
-        exact_node = pointers[exact - 1] if 0 < exact <= len(pointers) else None
-        trie = self.trie
-        kids, parent = trie.kids, trie.parent
-        lo = max(exact, SKIP_MIN_CONTEXT - 1)
-        # first a sibling a model generated (any context length, longest first: an answer's
-        # `<city>\nQ:` follows the earlier answers', not the prompt's `The capital of`), then any
-        for generated in (True, False):
-            for i in range(min(len(pointers), self.max_window) - 1, lo, -1):
-                mine = pointers[i]  # the suffix of i + 1 tokens; its parent: the i before the last
-                if parent[mine] == CUT or kids[mine]:
-                    continue  # evicted, or not new here (the exact match covers it)
-                best = _recent_sibling(trie, parent[mine], mine, generated)
-                if best is not None:
-                    return best
-        return exact_node
+        (a name, a number), a sibling's node (skip-gram fallback, `skip` and no `after`):
+        the context before the last token (at least SKIP_MIN_CONTEXT and more than the
+        exact match's window) was seen, the last token after it was not (`"name": "` then
+        a new name): continue as the most recently seen other token after that context did
+        (`", "age": `), a sibling a model generated first (any context length, longest
+        first: an answer's `<city>\nQ:` follows the earlier answers', not the prompt's `The
+        capital of`), then any; else the exact match's node. One store call
+        (`NgramTrie.match`: in C, the loops cost one call)."""
+        windows = (self.min_window, self.max_window)
+        return self.trie.match(pointers, after, windows, skip, SKIP_MIN_CONTEXT, SKIP_SCAN)

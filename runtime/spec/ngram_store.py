@@ -1,5 +1,12 @@
 """The n-gram trie's node store: nodes as integer ids, out of the cyclic collector's sight.
 
+`NgramTrie` returns the C store (`ngram_store_c.CNgramTrie`: the same ids, fields and
+eviction in C arrays, no Python object per node) where a C compiler is found; the Python
+store below (`PyNgramTrie`) is the fallback and the reference it is tested against. Both
+answer the drafter's queries through the same methods (`extend_many`, `match`, `deepest`,
+`best_child`, `recent_child`, `child`, `children`, `has_kids`), so no reader indexes a
+store's containers.
+
 A long-running scheduler's trie holds up to `capacity` (1,000,000) nodes. As objects (a
 `__slots__` node with a children dict each) they were ~2 M containers the cyclic collector
 tracked outside the frozen start-up heap: one full collection at capacity took ~750 ms, a
@@ -34,8 +41,36 @@ CUT = -1  # the parent of a node cut off by its parent's eviction
 _GROW = 4096  # ids added to the store at a time
 
 
-class NgramTrie:
-    """Per node id: `kids` (token -> child id; None: a free id), `count` (times seen),
+def NgramTrie(depth: int, capacity: int) -> PyNgramTrie:
+    """The trie's store: the C one (`ngram_store_c.CNgramTrie`, same ids, fields and
+    eviction, no Python object per node) where a C compiler is found, else `PyNgramTrie`."""
+    from loom.runtime.spec import ngram_store_c
+
+    if ngram_store_c.load() is not None:
+        return ngram_store_c.CNgramTrie(depth, capacity)
+    return PyNgramTrie(depth, capacity)
+
+
+def check_store(trie) -> None:
+    """A store's invariants (tests), through the interface both stores share: every id is
+    the root, queued once, or free; a queued node is its parent's child for its token unless
+    cut off; a free id is dead."""
+    order, free_ids = list(trie.queue()), trie.free_ids()
+    queued, free = set(order), set(free_ids)
+    assert len(queued) == len(order) == trie.size and len(free) == len(free_ids)
+    assert trie.tail == (order[-1] if order else ROOT)
+    assert not queued & free and queued | free | {ROOT} == set(range(trie.n_ids))
+    for x in queued:
+        p = trie.parent[x]
+        assert trie.alive(x)
+        assert p < 0 or trie.child(p, trie.token[x]) == x
+        assert all(trie.parent[c] == x for c in trie.children(x))
+    assert not any(trie.alive(x) for x in free)
+
+
+class PyNgramTrie:
+    """The store in Python objects: the reference the C store is tested against, and the
+    store where no C compiler is found. Per node id: `kids` (token -> child id; None: a free id), `count` (times seen),
     `stamp` (clock when last seen), `ostamp` (clock when last seen as a generated token; 0:
     prompts only), `queued` (clock when it took its place in the eviction queue), `nxt` (the
     next id in the queue; the root's: the queue's front, 0: its end), `parent` (CUT: cut off
@@ -69,6 +104,120 @@ class NgramTrie:
 
     def __len__(self) -> int:
         return self.size
+
+    @property
+    def n_ids(self) -> int:
+        """Ids made so far (root, queued and free)."""
+        return len(self.kids)
+
+    def free_ids(self) -> list[int]:
+        return self.free.tolist()
+
+    def alive(self, node: int) -> bool:
+        return self.kids[node] is not None
+
+    def child(self, node: int, token: int) -> int | None:
+        return self.kids[node].get(token)
+
+    def has_kids(self, node: int) -> bool:
+        return bool(self.kids[node])
+
+    def children(self, node: int) -> list[int]:
+        """Its children, in insertion order."""
+        return list(self.kids[node].values())
+
+    def best_child(self, node: int, by_count: bool = False) -> int | None:
+        """The child ranked highest (`frequency` with by_count, else `recency`), the first
+        inserted among equals; None: no child."""
+        kids = self.kids[node]
+        return (
+            max(kids.values(), key=self.frequency if by_count else self.recency) if kids else None
+        )
+
+    def recent_child(
+        self, parent: int, other_than: int = -1, generated: bool = False, scan: int = 1 << 62
+    ) -> int | None:
+        """Among the first `scan` children of `parent` that have a continuation (and are not
+        `other_than`; with `generated`, that a model wrote), the most recent (`recency`)."""
+        kids, ostamp, recency = self.kids, self.ostamp, self.recency
+        best = None
+        for n, sib in enumerate(kids[parent].values()):
+            if n >= scan:
+                break
+            if sib == other_than or not kids[sib] or (generated and not ostamp[sib]):
+                continue
+            if best is None or recency(sib) > recency(best):
+                best = sib
+        return best
+
+    def match(
+        self,
+        pointers: list[int],
+        after: Sequence[int],
+        windows: tuple[int, int],
+        skip: bool,
+        skip_min_context: int,
+        skip_scan: int,
+    ) -> int | None:
+        """`NgramDrafter._match`'s search (the policy is described there): the deepest
+        window w of `windows` (min, max; min >= 1) of the suffix `pointers` (the nodes of
+        the suffixes of 1, 2, .. tokens) + `after` whose node has a continuation; with
+        `skip` and no `after`, a sibling of a new last token after a known context
+        instead (`_skip_sibling`). None: none."""
+        k = len(after)
+        for w in range(windows[1], windows[0] - 1, -1):
+            if w > k:
+                i = w - k - 1  # pointer of the suffix of length w - k (ascending depth)
+                if i >= len(pointers):
+                    continue
+                node = self.walk(pointers[i], after)
+            else:
+                node = self.walk(ROOT, after[k - w :])
+            if node is not None and self.kids[node]:
+                if k == 0 and skip:
+                    return self._skip_sibling(pointers, w, windows[1], skip_min_context, skip_scan)
+                return node
+        if k == 0 and skip:
+            return self._skip_sibling(pointers, 0, windows[1], skip_min_context, skip_scan)
+        return None
+
+    def _skip_sibling(
+        self, pointers: list[int], exact: int, max_window: int, min_context: int, scan: int
+    ) -> int | None:
+        """For the suffixes longer than `exact` (and than min_context - 1 tokens of context)
+        whose last token is new after their context, longest first and a model's siblings
+        before any: the most recent sibling (`recent_child` over the first `scan`); else the
+        node of the exact match's window (None: none)."""
+        exact_node = pointers[exact - 1] if 0 < exact <= len(pointers) else None
+        parent, kids = self.parent, self.kids
+        lo = max(exact, min_context - 1)
+        for generated in (True, False):
+            for i in range(min(len(pointers), max_window) - 1, lo, -1):
+                mine = pointers[i]  # the suffix of i + 1 tokens; its parent: the i before the last
+                if parent[mine] == CUT or kids[mine]:
+                    continue  # evicted, or not new here (the exact match covers it)
+                best = self.recent_child(parent[mine], mine, generated, scan)
+                if best is not None:
+                    return best
+        return exact_node
+
+    def deepest(self, tokens: Sequence[int], min_window: int) -> int | None:
+        """The node of the longest suffix of `tokens` (at least min_window >= 1 long) that
+        the trie holds with a continuation (None: none)."""
+        for k in range(len(tokens), min_window - 1, -1):
+            node = self.walk(ROOT, tokens[len(tokens) - k :])
+            if node is not None and self.kids[node]:
+                return node
+        return None
+
+    def extend_many(
+        self, pointers: list[int], tokens: Sequence[int], generated_from: int
+    ) -> list[int]:
+        """`extend` for each of `tokens` in turn, tokens[i] generated when i >=
+        generated_from; returns the last pointers."""
+        for i, t in enumerate(tokens):
+            pointers = self.extend(pointers, t, i >= generated_from)
+        return pointers
 
     def _grow(self) -> None:
         """_GROW more free ids (fields 0: each is set as its node is created)."""
@@ -185,19 +334,7 @@ class NgramTrie:
             x = self.nxt[x]
 
     def check(self) -> None:
-        """The store's invariants (tests): every id is the root, queued once, or free; a
-        queued node is its parent's child for its token unless cut off; a free id is dead."""
-        order, free = list(self.queue()), set(self.free)
-        queued = set(order)
-        assert len(queued) == len(order) == self.size and len(free) == len(self.free)
-        assert self.tail == (order[-1] if order else ROOT)
-        assert not queued & free and queued | free | {ROOT} == set(range(len(self.kids)))
-        for x in queued:
-            p = self.parent[x]
-            assert self.kids[x] is not None
-            assert p < 0 or self.kids[p][self.token[x]] == x
-            assert all(self.parent[c] == x for c in self.kids[x].values())
-        assert all(self.kids[x] is None for x in free)
+        check_store(self)
 
     def walk(self, node: int, tokens: Sequence[int]) -> int | None:
         """The node `tokens` lead to from `node` (None: none)."""
