@@ -9,13 +9,17 @@ thread time of:
   with a `PromptCopy`, as a scheduler drafts them: a `propose(req, state, 7)` before each
   output token, the finished request learnt (`PromptCopy.learn`); the drafts of both tries
   must be identical (checked every repeat);
-- extend: the text inserted into a fresh `NgramTrie(19, 1 M)` (no eviction);
+- extend: the text inserted into a fresh `NgramTrie(19, 1 M)` (no eviction; one
+  `extend_many` call where the store has it);
 - walk: every 12-token window of the text walked from the root of that trie;
 - churn: the text inserted into a trie of 50,000 nodes (evicting a node per node created).
 
 Prints per measure this tree's time / the baseline's, median and range over the repeats.
+`--baseline py`: this tree with the Python node store (`PyNgramTrie`) against this tree's
+default store (the C one where a compiler is found).
 
-    python benchmarks/bench_ngram_trie.py [--baseline 367b78f] [--repeats 7] [--text-tokens 60000]
+    python benchmarks/bench_ngram_trie.py [--baseline 367b78f|py] [--repeats 7]
+        [--text-tokens 60000]
 """
 
 from __future__ import annotations
@@ -35,24 +39,53 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def _git_show(rev: str, path: str) -> str | None:
+    res = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True
+    )
+    return res.stdout if res.returncode == 0 else None
+
+
+def _module(name: str, src: str, deps: dict | None = None):
+    """`src` run as module `name`, with `deps` (module name -> module) in sys.modules while
+    it imports."""
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    saved = {k: sys.modules.get(k) for k in deps or {}}
+    sys.modules.update(deps or {})
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return module
+
+
 def load_ngram(rev: str | None):
-    """The `ngram` module of this tree (rev None) or revision `rev`'s (its own module)."""
+    """The `ngram` module of this tree (rev None), this tree's with the Python store as its
+    own module (rev "py"), or revision `rev`'s (its own module, over that revision's
+    `ngram_store.py` where it has one)."""
     if rev is None:
         from loom.runtime.spec import ngram
 
         return ngram
-    src = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:runtime/spec/ngram.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / f"ngram_{rev}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"ngram_{rev}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if rev == "py":
+        from loom.runtime.spec.ngram_store import PyNgramTrie
+
+        module = _module("ngram_py", (REPO / "runtime/spec/ngram.py").read_text())
+        module.NgramTrie = PyNgramTrie
+        return module
+    src = _git_show(rev, "runtime/spec/ngram.py")
+    store = _git_show(rev, "runtime/spec/ngram_store.py")
+    deps = {}
+    if store is not None:
+        deps["loom.runtime.spec.ngram_store"] = _module(f"ngram_store_{rev}", store)
+    return _module(f"ngram_{rev}", src, deps)
 
 
 class Req:
@@ -104,6 +137,12 @@ def job_streams() -> tuple[object, list[tuple[list[int], list[int]]]]:
 
 
 def extend_all(ngram, trie, tokens) -> None:
+    """Each token in turn, as `NgramDrafter.observe` inserts a request's new tokens: one
+    `extend_many` call where the store has it (the C store's loop is in C), else `extend`
+    token by token (older revisions)."""
+    if hasattr(trie, "extend_many"):
+        trie.extend_many([], tokens, len(tokens))
+        return
     pointers = []
     for t in tokens:
         pointers = trie.extend(pointers, t)
