@@ -181,14 +181,15 @@ def test_the_c_store_matches_the_python_store(seed):
 
 
 @needs_c
-def test_drafts_are_the_same_from_either_store():
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+def test_drafts_are_the_same_from_either_store(match_type):
     """A drafter over each store, the same requests (shared history, skip-grams, rematches,
-    trees, evictions): the same drafts."""
+    trees, evictions; most recent or most frequent child): the same drafts."""
     rng = random.Random(5)
     words = [[rng.randrange(50) for _ in range(rng.randrange(1, 5))] for _ in range(40)]
     drafters = []
     for store in (PyNgramTrie, ngram_store_c.CNgramTrie):
-        d = NgramDrafter(1, 4, 3, capacity=400)
+        d = NgramDrafter(1, 4, 3, capacity=400, match_type=match_type)
         d.trie = store(d.trie.depth, 400)
         drafters.append(d)
     for _ in range(30):
