@@ -55,6 +55,22 @@ static inline int head_threads(int64_t T, int64_t K, int64_t N, int nthreads) {
    bounded the level). Tokens go four at a time (two: a pass of two; three: the spare
    accumulators repeat the first token), k in four interleaved chains, so 16 FMA chains stay
    in flight. */
+/* a panel's outputs n0 .. n0 + 15 (those under N) for tokens 0 .. nt - 1: the four k chains'
+   sums (acc[chain][token]), plus the bias, stored (or added to y) */
+static inline void panel_out(__m512 acc[4][4], int64_t nt, int64_t n0, int64_t N,
+                             const float* b, float* y, int64_t ldy, int accumulate) {
+    const int64_t nn = N - n0 < PANEL ? N - n0 : PANEL;
+    const __mmask16 m = nn >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
+    const __m512 bias = b ? _mm512_maskz_loadu_ps(m, b + n0) : _mm512_setzero_ps();
+    for (int t = 0; t < nt; t++) {
+        float* o = y + t * ldy + n0;
+        __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]),
+                                 _mm512_add_ps(acc[2][t], acc[3][t]));
+        v = _mm512_add_ps(v, bias);
+        if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), v);
+        _mm512_mask_storeu_ps(o, m, v);
+    }
+}
 static inline void bf16_pair(const uint16_t* p, __m512* lo, __m512* hi) {
     const __m512i v = _mm512_loadu_si512((const void*)p);
     *lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -113,17 +129,7 @@ static void gemm_bf16(const float* x, int64_t T, int64_t K, int64_t ldx, const u
                     for (int t = 0; t < 4; t++)
                         acc[0][t] = _mm512_fmadd_ps(wv[k - K4], _mm512_set1_ps(xr[t][k]), acc[0][t]);
             }
-            const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
-            const __mmask16 m = nn >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
-            const __m512 bias = b ? _mm512_maskz_loadu_ps(m, b + n0) : _mm512_setzero_ps();
-            for (int t = 0; t < nt; t++) {
-                float* o = y + (t0 + t) * ldy + n0;
-                __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]),
-                                         _mm512_add_ps(acc[2][t], acc[3][t]));
-                v = _mm512_add_ps(v, bias);
-                if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), v);
-                _mm512_mask_storeu_ps(o, m, v);
-            }
+            panel_out(acc, nt, p * PANEL, N, b, y + t0 * ldy, ldy, accumulate);
         }
     }
 }
@@ -189,17 +195,7 @@ static void gemm_bf16dp(const float* x, int64_t T, int64_t K, int64_t ldx, const
                 for (int t = 0; t < 4; t++)
                     acc[0][t] = _mm512_dpbf16_ps(acc[0][t], wv, (__m512bh)_mm512_set1_epi32((int)xr[t][j]));
             }
-            const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
-            const __mmask16 m = nn >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
-            const __m512 bias = b ? _mm512_maskz_loadu_ps(m, b + n0) : _mm512_setzero_ps();
-            for (int t = 0; t < nt; t++) {
-                float* o = y + (t0 + t) * ldy + n0;
-                __m512 v = _mm512_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]),
-                                         _mm512_add_ps(acc[2][t], acc[3][t]));
-                v = _mm512_add_ps(v, bias);
-                if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), v);
-                _mm512_mask_storeu_ps(o, m, v);
-            }
+            panel_out(acc, nt, p * PANEL, N, b, y + t0 * ldy, ldy, accumulate);
         }
     }
     if (xb != stack_xb) free(xb);

@@ -51,6 +51,27 @@ def NgramTrie(depth: int, capacity: int) -> PyNgramTrie:
     return PyNgramTrie(depth, capacity)
 
 
+def fresh_pointers(trie, pointers: list[int], at: int) -> list[int]:
+    """A store's `fresh`: `pointers` as made at clock `at`, up to the first node evicted
+    since (its id may name a newer node now)."""
+    if trie.evicted_at <= at:
+        return pointers
+    died = trie.died
+    for i, p in enumerate(pointers):
+        if died[p] > at:
+            return pointers[:i]
+    return pointers
+
+
+def store_queue(trie) -> Iterator[int]:
+    """A store's eviction queue, front first (both stores chain it through `nxt`)."""
+    nxt = trie.nxt
+    x = nxt[ROOT]
+    while x != ROOT:
+        yield x
+        x = nxt[x]
+
+
 def check_store(trie) -> None:
     """A store's invariants (tests), through the interface both stores share: every id is
     the root, queued once, or free; a queued node is its parent's child for its token unless
@@ -275,15 +296,7 @@ class PyNgramTrie:
         return out
 
     def fresh(self, pointers: list[int], at: int) -> list[int]:
-        """`pointers` as made at clock `at`, up to the first node evicted since (its id may
-        name a newer node now)."""
-        if self.evicted_at <= at:
-            return pointers
-        died = self.died
-        for i, p in enumerate(pointers):
-            if died[p] > at:
-                return pointers[:i]
-        return pointers
+        return fresh_pointers(self, pointers, at)
 
     def _evict(self, n: int) -> bool:
         """Evict n nodes from the front of the queue; a node touched since it was queued goes
@@ -327,11 +340,7 @@ class PyNgramTrie:
         return touched
 
     def queue(self) -> Iterator[int]:
-        """The eviction queue, front first."""
-        x = self.nxt[ROOT]
-        while x != ROOT:
-            yield x
-            x = self.nxt[x]
+        return store_queue(self)
 
     def check(self) -> None:
         check_store(self)

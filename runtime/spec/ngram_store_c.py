@@ -29,7 +29,15 @@ from array import array
 from collections.abc import Iterator, Sequence
 
 from loom.runtime import cpu_kernels
-from loom.runtime.spec.ngram_store import _GROW, CUT, ROOT, SECOND_CHANCES, check_store
+from loom.runtime.spec.ngram_store import (
+    _GROW,
+    CUT,
+    ROOT,
+    SECOND_CHANCES,
+    check_store,
+    fresh_pointers,
+    store_queue,
+)
 
 # header slots (int64) at the start of the mapping, then the fields, max_ids entries each
 _H = ("depth", "capacity", "max_ids", "n_ids", "size", "tail", "clock", "evicted_at",
@@ -547,13 +555,7 @@ class CNgramTrie:
         return self._buf[:n].tolist()
 
     def fresh(self, pointers: list[int], at: int) -> list[int]:
-        if self._h[_EVICTED_AT] <= at:
-            return pointers
-        died = self.died
-        for i, p in enumerate(pointers):
-            if died[p] > at:
-                return pointers[:i]
-        return pointers
+        return fresh_pointers(self, pointers, at)
 
     def walk(self, node: int, tokens: Sequence[int]) -> int | None:
         if not tokens:
@@ -615,10 +617,7 @@ class CNgramTrie:
         return self._lib.ngt_recent(self._addr, parent, other_than, generated, scan) or None
 
     def queue(self) -> Iterator[int]:
-        x = self.nxt[ROOT]
-        while x != ROOT:
-            yield x
-            x = self.nxt[x]
+        return store_queue(self)
 
     def check(self) -> None:
         assert self._lib.ngt_check(self._addr) == 0, self._lib.ngt_check(self._addr)
