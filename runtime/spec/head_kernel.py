@@ -46,15 +46,6 @@ static inline int head_threads(int64_t T, int64_t K, int64_t N, int nthreads) {
     return T * K * N >= ((int64_t)1 << 22) ? nthreads : 1;
 }
 #if ISA_BITS == 512
-/* y[t, n] (+)= sum_k x[t, k] w[n, k] + b[n] over panels stored in bfloat16 (wb, `_pack_bf16`:
-   the packed layout's panels with k in pairs, [panels, K / 2, 16, 2], each float's upper 16
-   bits): half the bytes of the float32 panels, for weights that are bfloat16 values (a bf16
-   checkpoint), so the products are the same. One 64-byte load holds rows 0..15 of k and k + 1
-   in each 32-bit lane's two halves, widened to two float lines by a shift and a mask (no
-   cross-lane widening: at one token a row, that widening, not the ~1.6 MB a draft level reads,
-   bounded the level). Tokens go four at a time (two: a pass of two; three: the spare
-   accumulators repeat the first token), k in four interleaved chains, so 16 FMA chains stay
-   in flight. */
 /* a panel's outputs n0 .. n0 + 15 (those under N) for tokens 0 .. nt - 1: the four k chains'
    sums (acc[chain][token]), plus the bias, stored (or added to y) */
 static inline void panel_out(__m512 acc[4][4], int64_t nt, int64_t n0, int64_t N,
@@ -71,6 +62,15 @@ static inline void panel_out(__m512 acc[4][4], int64_t nt, int64_t n0, int64_t N
         _mm512_mask_storeu_ps(o, m, v);
     }
 }
+/* y[t, n] (+)= sum_k x[t, k] w[n, k] + b[n] over panels stored in bfloat16 (wb, `_pack_bf16`:
+   the packed layout's panels with k in pairs, [panels, K / 2, 16, 2], each float's upper 16
+   bits): half the bytes of the float32 panels, for weights that are bfloat16 values (a bf16
+   checkpoint), so the products are the same. One 64-byte load holds rows 0..15 of k and k + 1
+   in each 32-bit lane's two halves, widened to two float lines by a shift and a mask (no
+   cross-lane widening: at one token a row, that widening, not the ~1.6 MB a draft level reads,
+   bounded the level). Tokens go four at a time (two: a pass of two; three: the spare
+   accumulators repeat the first token), k in four interleaved chains, so 16 FMA chains stay
+   in flight. */
 static inline void bf16_pair(const uint16_t* p, __m512* lo, __m512* hi) {
     const __m512i v = _mm512_loadu_si512((const void*)p);
     *lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));

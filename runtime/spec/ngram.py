@@ -236,9 +236,9 @@ class NgramDrafter:
 
         def push(node: int, parent: int, depth: int, chance: float) -> None:
             nonlocal tie
-            if depth >= max_depth or not trie.has_kids(node):
+            kids = trie.children(node) if depth < max_depth else []
+            if not kids:
                 return
-            kids = trie.children(node)
             total = sum(count[c] for c in kids)
             kids.sort(key=rank, reverse=True)
             for c in kids[: max(lo, hi >> depth)]:
