@@ -6,7 +6,17 @@
 
 from __future__ import annotations
 
+import sys as _sys
+
 __version__ = "0.1.0"
+
+# loom.runtime, loom.grammar, loom.radix and loom.kernels are namespace packages (folders without
+# __init__.py): from the checkout's root a bare folder name such as `kernels` must never shadow an
+# installed distribution of that name (transformers imports Hugging Face's `kernels`), and a
+# namespace portion always loses to a regular package later on sys.path. In a wheel they sit
+# inside loom/. In an editable install setuptools reaches namespace packages through a path hook
+# on a placeholder entry it adds to sys.path, which a regular parent's __path__ must carry too.
+__path__ += [p for p in _sys.path if p.startswith("__editable__.loom-") and p.endswith("__path_hook__")]
 
 # Bound eagerly: the submodule `loom.global_config` shares the name, and whichever import of it
 # came first would otherwise decide whether `loom.global_config` is the module or the object.

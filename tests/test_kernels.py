@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-from loom.kernels import load_interpreted
+from loom.kernels.interpret import load_interpreted
 
 # compiled kernels on CUDA (scripts/gpu_check.sh), the interpreter elsewhere
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

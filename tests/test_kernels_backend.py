@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.kernels import load_interpreted
+from loom.kernels.interpret import load_interpreted
 from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
 
 PROMPTS = {

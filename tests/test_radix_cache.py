@@ -14,7 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loom.radix import BasePrefixCache, ChunkCache, RadixCache
+from loom.radix.base import BasePrefixCache
+from loom.radix.cache import RadixCache
+from loom.radix.chunk_cache import ChunkCache
 
 MAX_REQS, MAX_CONTEXT = 8, 64
 

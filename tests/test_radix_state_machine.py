@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from loom.radix import RadixTree
+from loom.radix.tree import RadixTree
 
 EXTRA_KEYS = [None, "lora-a"]
 NUM_PAGES = 24

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loom.radix import MatchResult, RadixTree
+from loom.radix.tree import MatchResult, RadixTree
 
 
 def slots(*xs: int) -> torch.Tensor:

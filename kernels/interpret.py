@@ -41,10 +41,10 @@ def load_interpreted(name: str) -> ModuleType:
     # kernels defined before without the interpreter are rebuilt in place, so modules that
     # reach them through their module object (cascade -> decode_attention) follow
     for dep in MODULES:
-        loaded = sys.modules.get(f"{__name__}.{dep}")
+        loaded = sys.modules.get(f"{__package__}.{dep}")
         if loaded is not None and not getattr(loaded, "INTERPRETED", False):
             importlib.reload(loaded)
-    return importlib.import_module(f"{__name__}.{name}")
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def _interpret_triton_language() -> None:
