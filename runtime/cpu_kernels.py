@@ -28,7 +28,11 @@ from pathlib import Path
 
 import torch
 
+from loom.runtime.server_args import env_flag
+
 logger = logging.getLogger(__name__)
+
+STRICT_NATIVE_ENV = "LOOM_STRICT_NATIVE"
 
 # exp(x) for x <= 0 in arithmetic that vectorizes, shared by every C source here (this
 # library's softmax, cpu_forward_kernel's attention); it needs <stdint.h> and <string.h>
@@ -349,8 +353,7 @@ def build(source: str, name: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | 
     without a working compiler. Callers declare the functions' argtypes."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: %s falls back to torch", name)
-        return None
+        return _unavailable(name, "no C compiler found")
     errors = []
     for extra in _VARIANTS:
         all_flags = [*_FLAGS, *flags, *extra]
@@ -362,7 +365,16 @@ def build(source: str, name: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | 
             return ctypes.CDLL(str(target))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             errors.append(str(e))
-    logger.warning("%s unavailable (%s): falling back to torch", name, errors)
+    return _unavailable(name, "; ".join(errors))
+
+
+def _unavailable(name: str, why: str) -> None:
+    """A library that did not build: None (callers fall back to torch), or, under
+    LOOM_STRICT_NATIVE=1 (CI sets it), an error, so that a broken C edit fails its tests
+    instead of turning them into skips."""
+    if env_flag(STRICT_NATIVE_ENV):
+        raise RuntimeError(f"{name} did not build ({STRICT_NATIVE_ENV}=1): {why}")
+    logger.warning("%s unavailable (%s): falling back to torch", name, why)
     return None
 
 
