@@ -9,8 +9,8 @@ whose vocabulary is Llama 3's real tokenizer (128,256 rows; hidden size 32, one 
 scheduler, so they go through the real path: grammar queue and compile workers, one packed
 bitmask for the batch in the sampler, grammar advance and jump-forward.
 
-The subset: every STRIDE[vocab]-th file of ../shared/data/maskbench in sorted order (spread
-through the sorted list). A schema that does not compile (GrammarError: the request finishes
+The subset: every 43rd (toy) / 113th (llama3) file of MaskBench in sorted order (spread through
+the sorted list), vendored in tests/data. A schema that does not compile (GrammarError: the request finishes
 with a 400 abort) is counted, not failed: compile coverage is measured by test_maskbench.py
 and benchmarks/maskbench_coverage.py. At least COMPILED_FLOOR of the subset must compile, so
 this cannot pass vacuously.
@@ -44,10 +44,10 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.maskbench_data import DATA, subset
 from tests.runtime_helpers import make_scheduler, run_all, submit
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "maskbench")
-STRIDE = {"toy": 43, "llama3": 113}  # 11,305 files -> 263 / 101 schemas
+# every 43rd / 113th file of the full corpus: 263 / 101 schemas
 COMPILED_FLOOR = 0.80  # measured 233 of 259 (0.90) with the tiny model's tokenizer
 CLOSE_BIAS = {"toy": 4.0, "llama3": 9.0}
 # at 128k a number has ~1,100 digit-group tokens to go on with: "," ends it as often as "}"
@@ -58,8 +58,7 @@ PROMPT = [5, 6, 7, 8, 9]
 
 
 def _subset(vocab: str) -> list[str]:
-    files = sorted(f for f in os.listdir(DATA) if f.endswith(".json"))
-    return files[:: STRIDE[vocab]]
+    return subset(f"generation_{vocab}")
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +106,6 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-@pytest.mark.skipif(not os.path.isdir(DATA), reason="MaskBench data not present")
 @pytest.mark.parametrize("vocab", ["toy", "llama3"])
 def test_maskbench_schemas_generate_valid_documents(vocab, tiny_model_dir, request, one_thread):
     from jsonschema.validators import validator_for

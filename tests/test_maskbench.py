@@ -1,7 +1,7 @@
 """MaskBench on a fixed subset, at Llama 3's 128k vocabulary, with MaskBench's own walk rules.
 
-The subset is every STRIDE-th schema file in sorted name order (all of MaskBench's subsets are
-spread through the sorted list). Each schema is compiled by loom's GrammarBackend (the default
+The subset is every 40th schema file of the full corpus in sorted name order (all of MaskBench's
+subsets are spread through the sorted list), vendored in tests/data (see tests/data/README.md). Each schema is compiled by loom's GrammarBackend (the default
 engine) and every test instance walked through benchmarks/maskbench_coverage.py's harness, the
 one the full-corpus figures in docs/benchmarks.md come from: `json.dumps` with its default
 separators, a valid instance must have every token allowed, an invalid one some token rejected.
@@ -14,17 +14,14 @@ measured. A schema that does not compile must fail with a GrammarError that says
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from tests.file_modules import load_file
+from tests.maskbench_data import DATA, subset
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data" / "maskbench"
-STRIDE = 40  # 11,305 files -> 283 schemas, under a minute at 128k tokens on one core
+# 11,305 files -> 283 schemas, under a minute at 128k tokens on one core
 # Invalid instances a token mask accepts and why (MaskBench has no end-of-output check, so an
 # instance that is a prefix of a valid one is accepted by every engine).
 PINNED: dict[str, str] = {
@@ -39,14 +36,12 @@ def _harness():
 
 
 def _subset() -> list[str]:
-    return sorted(f for f in os.listdir(DATA) if f.endswith(".json"))[::STRIDE]
+    return subset("maskbench")
 
 
 @pytest.fixture(scope="module")
 def llama3_loom():
     """(harness, tokenizer, loom engine) at Llama 3's vocabulary, shared by this file's tests."""
-    if not DATA.is_dir():
-        pytest.skip("MaskBench data not present")
     pytest.importorskip("llama_models")
     from tests.real_tokenizers import llama3_tokenizer
 
