@@ -49,7 +49,7 @@ from tests.tiny_models import build_tiny_model, build_tokenizer, random_model
 mode, out = sys.argv[1], Path(sys.argv[2])
 dry = mode == "dry"
 if dry:
-    from loom.kernels import load_interpreted
+    from loom.kernels.interpret import load_interpreted
 
     load_interpreted("decode_attention")  # the backend's kernels, through the interpreter
     os.environ["TRITON_INTERPRET"] = "1"  # this process only: ServerArgs admits triton on CPU
