@@ -69,6 +69,7 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="loom-grammar")
         self._inflight: dict[tuple, _Job] = {}
+        self._closers: OrderedDict[tuple, Future] = OrderedDict()
         self._translators = None
         if compile_timeout is not None:
             from .translation import TranslatorPool
@@ -125,6 +126,33 @@ class GrammarBackend:
         out.compile_started = lambda: job.started
         job.future.add_done_callback(lambda f: _resolve(out, f.result()))
         return out
+
+    def closer_async(self, kind: str, spec: Any) -> Future:
+        """The budget closer of (kind, spec) (closing.py), built once on the compile pool and
+        cached beside the grammars; the future raises GrammarError naming
+        `close_within_budget` for grammars without a regular form."""
+        from .closing import Closer, closing_regex
+
+        try:
+            key = self._key(kind, spec)
+        except GrammarError as e:
+            out: Future = Future()
+            out.set_exception(e)
+            return out
+
+        def build() -> Closer:
+            schema = json.loads(key[1]) if kind == "json_schema" else spec
+            return Closer(closing_regex(kind, schema, self.json_options), self.vocab)
+
+        with self._lock:
+            fut = self._closers.get(key)
+            if fut is None:
+                fut = self._closers[key] = self._pool.submit(build)
+                while len(self._closers) > self.cache_size:
+                    self._closers.popitem(last=False)
+            else:
+                self._closers.move_to_end(key)
+        return fut
 
     def give_up(self, kind: str, spec: Any, message: str) -> None:
         """A compile ran past its caller's deadline: later requests for the spec fail fast with

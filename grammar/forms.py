@@ -9,6 +9,7 @@ This is the part of structured generation loom owns, whatever engine computes th
                     small (llguidance: up to 10k characters; xgrammar: 200k)
                     or Form("json_schema", ...) (outlines translates per schema itself)
     ebnf (GBNF)  -> Form("lark", ...)                            (loom's GBNF translation)
+    ebnf (Lark)  -> Form("lark", text)                           (as outlines' CFG sends it)
     lark         -> Form("lark", text)
 
 `translate` is a pure function of its arguments (a picklable result, no vocabulary), so the
@@ -18,6 +19,7 @@ deadline.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,12 +79,32 @@ def translate(
         # unfused terminals: the Lark engines here lex greedily or per character
         return Form("lark", json_schema_to_lark(spec, json_options, fuse=False))
     if kind == "ebnf":
-        return Form("lark", gbnf_as_lark(spec))
+        if is_lark(spec):  # outlines' CFG type (and others) send Lark as SGLang's `ebnf`
+            return Form("lark", spec)
+        try:
+            return Form("lark", gbnf_as_lark(spec))
+        except GrammarError as e:
+            raise GrammarError(f"{e} (ebnf accepts GBNF, `root ::= ...`, or a Lark grammar "
+                               "with a `start` rule)") from None  # fmt: skip
     if kind == "lark":
         if not spec.strip():
             raise GrammarError("lark grammar: empty grammar")
         return Form("lark", spec)
     raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {KINDS}")
+
+
+_LARK_RULE = re.compile(r"(?m)^[ \t]*[?!]?[A-Za-z_]\w*(\.-?\d+)?[ \t]*:(?!:)")
+
+
+def is_lark(text: str) -> bool:
+    """A grammar written in Lark (`name: ...` definitions, a `start` rule), not GBNF (whose
+    rules are `name ::= ...`)."""
+    return (
+        isinstance(text, str)
+        and "::=" not in text
+        and re.search(r"(?m)^[ \t]*[?!]?start[ \t]*:", text) is not None
+        and _LARK_RULE.search(text) is not None
+    )
 
 
 def gbnf_as_lark(text: str) -> str:

@@ -38,6 +38,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # steer the grammar to a complete output within max_new_tokens (grammar/closing.py).
+    # None: on where it can be (json_schema and regex: tool calls, response_format), never
+    # failing the request; True: refused (400) where it cannot be (ebnf, recursive schemas)
+    close_within_budget: bool | None = None
     stream_interval: int | None = None  # stream every k tokens (the TokenizerManager)
 
     @property
@@ -51,6 +55,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             if value:
                 return kind, value
         return None
+
+    @property
+    def closes_within_budget(self) -> bool:
+        spec = self.grammar_spec
+        if spec is None or self.close_within_budget is False:
+            return False
+        return self.close_within_budget or spec[0] in ("json_schema", "regex")
 
     @property
     def max_stop_str_len(self) -> int:
@@ -80,6 +91,7 @@ _BOOL_FIELDS = {
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "no_stop_trim",
+    "close_within_budget",
 }
 
 
@@ -207,6 +219,10 @@ def _validate(p: SamplingParams, vocab_size: int | None) -> None:
     need(
         len(specs) <= 1,
         f"regex, json_schema, ebnf: only one constraint may be set, got {', '.join(specs)}",
+    )
+    need(
+        not p.close_within_budget or bool(specs),
+        "close_within_budget: needs a constraint to close (regex or json_schema)",
     )
     if vocab_size is not None:
         for t in p.stop_token_ids or ():

@@ -532,6 +532,8 @@ class TokenizerManager:
             "decode_batch_max": state.meta.get("decode_batch_max", 0),
             "e2e_latency": time.monotonic() - state.created,
         }
+        if (state.finished_reason or {}).get("budget_closed"):
+            meta["budget_closed"] = True  # grammar/closing.py steered the output shut
         if r.return_logprob:
             wt = state.with_text
             meta["input_token_logprobs"] = self._triples(state.input_token_logprobs, wt)

@@ -8,6 +8,13 @@ running. `engine` is `--grammar-backend`. The timeout counts from when the
 compile starts (a burst of distinct specs queues for the compile workers); waiting for a worker
 is bounded separately (QUEUE_WAIT_FACTOR timeouts). A spec that timed out fails fast after that,
 so retries cannot pile more runaway compiles onto the workers.
+
+A request that closes within its budget (`close_within_budget`, grammar/closing.py) also waits
+for the spec's closer; its grammar is then wrapped to steer onto a complete output in the
+tokens left. A closer that cannot be built fails the request when the field was asked for,
+and leaves the grammar unwrapped when it was only the default; a default one that takes
+longer than CLOSER_WAIT lets the request start and is attached between two steps once built
+(`attach_late`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from concurrent.futures import Future
 from loom.runtime.req import Req
 
 QUEUE_WAIT_FACTOR = 4
+# seconds a request closing by default waits for its closer before it starts without one
+CLOSER_WAIT = 2.0
 
 
 class GrammarQueue:
@@ -31,6 +40,9 @@ class GrammarQueue:
         self.timeout = timeout
         self._backend = None
         self.pending: list[tuple[Req, Future, float]] = []
+        self.closers: dict[int, Future] = {}  # id(req) -> its closer, while it compiles
+        # requests that started before their (default) closer was built: (req, its closer)
+        self.late: list[tuple[Req, Future]] = []
 
     @property
     def backend(self):
@@ -59,6 +71,8 @@ class GrammarQueue:
         if self.tokenizer is None:
             return f"{kind}: grammar-constrained decoding needs the tokenizer (skip_tokenizer_init is set)"
         self.pending.append((req, self.backend.compile_async(kind, spec), time.monotonic()))
+        if getattr(req.sampling_params, "closes_within_budget", False):
+            self.closers[id(req)] = self.backend.closer_async(kind, spec)
         return None
 
     def poll(self) -> tuple[list[Req], list[tuple[Req, str]]]:
@@ -68,17 +82,39 @@ class GrammarQueue:
         for req, fut, admitted in self.pending:
             kind, spec = req.sampling_params.grammar_spec or ("grammar", None)
             started = fut.compile_started()
-            if fut.done():
+            closer = self.closers.get(id(req))
+            if fut.done() and (closer is None or closer.done() or fut.exception() is not None):
+                self.closers.pop(id(req), None)
                 try:
                     req.grammar = fut.result()
-                    ready.append(req)
                 except Exception as e:  # noqa: BLE001 - any compile failure is the request's error
                     failed.append((req, f"{kind}: {e}"))
+                    continue
+                error = _close(req, closer)
+                if error is None:
+                    ready.append(req)
+                else:
+                    failed.append((req, error))
+            elif (
+                fut.done()
+                and not req.sampling_params.close_within_budget
+                and (now - admitted > CLOSER_WAIT)
+            ):  # closing by default: start without the closer, attach it when it is built
+                self.closers.pop(id(req), None)
+                req.grammar = fut.result()
+                self.late.append((req, closer))
+                ready.append(req)
+            elif fut.done() and now - admitted > self.timeout:  # asked for, and late
+                self.closers.pop(id(req), None)
+                failed.append((req, f"close_within_budget: building the closer took longer "
+                               f"than {self.timeout:g} s"))  # fmt: skip
             elif started is not None and now - started > self.timeout:
                 msg = f"compiling took longer than {self.timeout:g} s"
+                self.closers.pop(id(req), None)
                 self.backend.give_up(kind, spec, msg)
                 failed.append((req, f"{kind}: {msg}"))
             elif started is None and now - admitted > QUEUE_WAIT_FACTOR * self.timeout:
+                self.closers.pop(id(req), None)
                 failed.append((req, f"{kind}: every grammar compile worker stayed busy for "
                                f"{QUEUE_WAIT_FACTOR * self.timeout:g} s"))  # fmt: skip
             else:
@@ -86,7 +122,49 @@ class GrammarQueue:
         self.pending = still
         return ready, failed
 
+    def attach_late(self) -> None:
+        """Wrap the grammars of running requests whose closer is now built (between steps:
+        the wrapper replays the output so far through the closer)."""
+        if not self.late:
+            return
+        still = []
+        for req, closer in self.late:
+            if req.finished or req.grammar is None:
+                continue
+            if not closer.done():
+                still.append((req, closer))
+            elif closer.exception() is None:
+                from loom.grammar.closing import ClosingGrammar
+
+                req.grammar = ClosingGrammar.attach(
+                    req.grammar, closer.result(), req.sampling_params.max_new_tokens,
+                    req.output_ids,
+                )  # fmt: skip
+        self.late = still
+
     def remove(self, rid: str) -> list[Req]:
         gone = [r for r, _, _ in self.pending if rid in ("", r.rid)]
+        for r in gone:
+            self.closers.pop(id(r), None)
+        self.late = [(r, c) for r, c in self.late if rid not in ("", r.rid)]
         self.pending = [p for p in self.pending if p[0] not in gone]
         return gone
+
+
+def _close(req: Req, closer: Future | None) -> str | None:
+    """Wrap `req.grammar` with its closer; the error message when the request asked for
+    closing and the spec has no closer."""
+    if closer is None:
+        return None
+    try:
+        built = closer.result()
+    except Exception as e:  # noqa: BLE001 - a GrammarError naming the field, or a build failure
+        if req.sampling_params.close_within_budget:
+            msg = str(e)
+            return msg if msg.startswith("close_within_budget") else f"close_within_budget: {msg}"
+        return None
+    from loom.grammar.closing import ClosingGrammar
+
+    budget = req.sampling_params.max_new_tokens - len(req.output_ids)
+    req.grammar = ClosingGrammar(req.grammar, built, budget)
+    return None

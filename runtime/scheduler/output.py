@@ -192,7 +192,12 @@ class OutputProcessor:
                 req.finished_reason = {"type": "stop", "matched": token}
                 return
             if req.grammar is not None and req.grammar.is_terminated():
-                req.finished_reason = {"type": "stop", "matched": None}
+                if getattr(req.grammar, "budget_closed", False):
+                    # steered shut by the budget (grammar/closing.py): the model was cut
+                    # short, so it reads as a length stop, with the document complete
+                    req.finished_reason = _closed(len(req.output_ids))
+                else:
+                    req.finished_reason = {"type": "stop", "matched": None}
                 return
             if (p.stop or getattr(p, "stop_regex", None)) and self.tokenizer is not None:
                 matched = self._match_stop(req)
@@ -200,7 +205,10 @@ class OutputProcessor:
                     req.finished_reason = {"type": "stop", "matched": matched}
                     return
         if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
-            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+            if getattr(req.grammar, "budget_closed", False):
+                req.finished_reason = _closed(len(req.output_ids))
+            else:
+                req.finished_reason = {"type": "length", "length": len(req.output_ids)}
 
     def _match_stop(self, req: Req) -> str | None:
         """The stop string, or the stop_regex pattern, found in the output's decoded tail.
@@ -285,3 +293,7 @@ class OutputProcessor:
             out.output_token_logprobs = lp.output_token_logprobs[start:]
             out.output_top_logprobs = lp.output_top_logprobs[start:] if lp.top_num else None
         return out
+
+
+def _closed(length: int) -> dict:
+    return {"type": "length", "length": length, "budget_closed": True}

@@ -266,6 +266,7 @@ class Scheduler:
                 self.output.pending.append(req)
 
     def _poll_grammars(self) -> None:
+        self.grammar_queue.attach_late()
         if len(self.grammar_queue):
             ready, failed = self.grammar_queue.poll()
             for req in ready:

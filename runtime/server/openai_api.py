@@ -119,12 +119,16 @@ def usage(outs: list[dict], n: int) -> dict:
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in firsts)
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
     cached = sum(o["meta_info"].get("cached_tokens", 0) for o in firsts)
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    closed = sum(bool(o["meta_info"].get("budget_closed")) for o in outs)
+    if closed:  # loom: choices whose output was steered shut within max_tokens
+        out["budget_closed"] = closed
+    return out
 
 
 def _stream_usage(req: _SamplingExtras) -> tuple[bool, bool]:

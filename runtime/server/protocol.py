@@ -131,6 +131,7 @@ class _SamplingExtras(_Lenient):
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
+    close_within_budget: bool | None = None  # loom: see SamplingParams
     response_format: ResponseFormat | None = None
     rid: str | None = None
     # prefill/decode disaggregation (SGLang's names; set by `loom router --pd-disaggregation`)
