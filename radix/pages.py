@@ -73,9 +73,7 @@ def encode_page(key: bytes, kv: torch.Tensor) -> bytes:
     """kv: [2, layers, block, kv_heads, head_dim] on the CPU, contiguous."""
     payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
     checksum = hashlib.blake2b(payload, digest_size=DIGEST).digest()
-    header = _HEADER.pack(
-        MAGIC, key, _DTYPES.index(kv.dtype), *kv.shape, len(payload), checksum
-    )
+    header = _HEADER.pack(MAGIC, key, _DTYPES.index(kv.dtype), *kv.shape, len(payload), checksum)
     return header + payload
 
 

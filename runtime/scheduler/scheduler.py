@@ -330,7 +330,9 @@ class Scheduler:
     def handle_pin(self, msg: PinReq) -> ControlOut:
         """Pinned prefixes (CAG): pin / unpin / list; needs --enable-hierarchical-cache."""
         if not self.kv.hierarchical:
-            return ControlOut(msg.request_id, False, "pin_prefix: needs --enable-hierarchical-cache")
+            return ControlOut(
+                msg.request_id, False, "pin_prefix: needs --enable-hierarchical-cache"
+            )
         cache = self.tree_cache
         if msg.action == "pin":
             try:
@@ -339,7 +341,9 @@ class Scheduler:
                 return ControlOut(msg.request_id, False, str(e))
             return ControlOut(msg.request_id, True, state={"name": msg.name, "tokens": n})
         if msg.action == "unpin":
-            if msg.name not in cache.pins and msg.name not in {p["name"] for p in cache.list_pinned()}:
+            if msg.name not in cache.pins and msg.name not in {
+                p["name"] for p in cache.list_pinned()
+            }:
                 return ControlOut(msg.request_id, False, f"name: no prefix pinned as {msg.name!r}")
             cache.unpin(msg.name)
             return ControlOut(msg.request_id, True, state={"name": msg.name})
