@@ -314,3 +314,81 @@ def test_pins_are_never_evicted_and_come_back_after_a_restart(model, tmp_path):
     assert not again.handle_message(PinReq(5, "unpin", "doc")).ok
     # a prefix that is not cached cannot be pinned
     assert not again.handle_message(PinReq(6, "pin", "x", _ids(50, 11))).ok
+
+
+# ------------------------------------------------------------------------------ servers
+DOC = " ".join(f"Fact {i}: the {w} of item {i} is {i * 7 % 13}." for i, w in
+               enumerate(["color", "size", "weight", "price", "age"] * 8)) + "\n"  # fmt: skip
+
+
+def test_pin_prefix_over_http(model, tmp_path):
+    import requests
+
+    from loom.runtime.server.runtime_client import Runtime
+
+    with Runtime(model, max_total_tokens=1024, enable_metrics=True,
+                 enable_hierarchical_cache=True, hicache_storage_backend="file",
+                 hicache_storage_dir=str(tmp_path)) as rt:  # fmt: skip
+        url = rt.url
+        r = requests.post(url + "/pin_prefix", json={"name": "doc", "text": DOC})
+        assert r.status_code == 200, r.text
+        pinned = r.json()["tokens"]
+        assert pinned == r.json()["prompt_tokens"] > 100
+        listed = requests.get(url + "/list_pinned").json()["pinned"]
+        assert listed == [{"name": "doc", "tokens": pinned, "text": DOC, "resident": True}]
+        r = requests.post(
+            url + "/v1/completions",
+            json={"model": model, "prompt": DOC + "Question: what is", "max_tokens": 4},
+        )
+        assert r.status_code == 200, r.text
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert pinned - 2 <= cached <= pinned
+        for body, field in (
+            ({"name": "a b", "text": "x"}, "name"),
+            ({"name": "ok"}, "text"),
+            ({"name": "ok", "text": "x", "input_ids": [1]}, "text"),
+            ({"name": "ok", "input_ids": [10**9]}, "input_ids"),
+        ):
+            r = requests.post(url + "/pin_prefix", json=body)
+            assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
+        metrics = requests.get(url + "/metrics").text
+        assert "loom:hicache_hit_tokens{model_name=" in metrics
+        info = requests.get(url + "/server_info").json()
+        assert info["hicache_pinned_tokens"] == pinned and info["hicache_l3_write_bytes"] > 0
+        assert requests.post(url + "/unpin_prefix", json={"name": "doc"}).status_code == 200
+        r = requests.post(url + "/unpin_prefix", json={"name": "doc"})
+        assert r.status_code == 400 and "name" in r.json()["error"]["message"]
+        assert requests.get(url + "/list_pinned").json()["pinned"] == []
+
+
+@needs_redis
+def test_dp_replicas_share_the_redis_tier(model, redis_server):
+    import redis
+    import requests
+
+    from loom.runtime.server.runtime_client import Runtime
+
+    client = redis.Redis.from_url(redis_server.url)
+    doc = _ids(200, 7)
+    with Runtime(model, max_total_tokens=1024, dp_size=2, load_balance_method="round_robin",
+                 enable_hierarchical_cache=True, hicache_storage_backend="redis",
+                 hicache_storage_url=redis_server.url) as rt:  # fmt: skip
+        sp = {"max_new_tokens": 4, "temperature": 0}
+        first = requests.post(
+            rt.url + "/generate", json={"input_ids": doc + [5], "sampling_params": sp}
+        )
+        assert first.status_code == 200 and first.json()["meta_info"]["cached_tokens"] == 0
+        deadline = time.monotonic() + 20  # the writer thread stores the six pages
+        while len(list(client.scan_iter(match="loom:kv:*"))) < 6:
+            assert time.monotonic() < deadline, "pages never reached redis"
+            time.sleep(0.1)
+        second = requests.post(
+            rt.url + "/generate", json={"input_ids": doc + [6], "sampling_params": sp}
+        )
+        assert second.json()["meta_info"]["cached_tokens"] == 192
+        states = requests.get(rt.url + "/server_info").json()["internal_states"]
+        assert sorted(s["hicache_l3_hit_tokens"] for s in states) == [0, 192]
+        r = requests.post(rt.url + "/pin_prefix", json={"name": "doc", "input_ids": doc})
+        assert r.status_code == 200 and len(r.json()["workers"]) == 2, r.text
+        listed = requests.get(rt.url + "/list_pinned").json()["pinned"]
+        assert [p["name"] for p in listed] == ["doc"]
