@@ -318,7 +318,7 @@ def test_pins_are_never_evicted_and_come_back_after_a_restart(model, tmp_path):
 
 # ------------------------------------------------------------------------------ servers
 DOC = " ".join(f"Fact {i}: the {w} of item {i} is {i * 7 % 13}." for i, w in
-               enumerate(["color", "size", "weight", "price", "age"] * 8)) + "\n"  # fmt: skip
+               enumerate(["color", "size", "weight", "price", "age"] * 4)) + "\n"  # fmt: skip
 
 
 def test_pin_prefix_over_http(model, tmp_path):
@@ -351,6 +351,22 @@ def test_pin_prefix_over_http(model, tmp_path):
         ):
             r = requests.post(url + "/pin_prefix", json=body)
             assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
+        # the language: a program starts from the pinned prefix
+        import loom as sgl
+
+        @sgl.function
+        def ask(s, q):
+            s += sgl.pinned("doc")
+            s += "Question: " + q
+            s += sgl.gen("a", max_tokens=4, temperature=0)
+
+        backend = sgl.RuntimeEndpoint(url)
+        state = ask.run(q="what is the size of item 1?", backend=backend)
+        assert state.text().startswith(DOC)
+        meta = state.get_meta_info("a")  # the pin, and more: the completion above shares more
+        assert pinned <= meta["cached_tokens"] < meta["prompt_tokens"]
+        with pytest.raises(Exception, match="no prefix pinned as 'nope'"):
+            sgl.function(lambda s: s.__iadd__(sgl.pinned("nope"))).run(backend=backend).sync()
         metrics = requests.get(url + "/metrics").text
         assert "loom:hicache_hit_tokens{model_name=" in metrics
         info = requests.get(url + "/server_info").json()
