@@ -145,17 +145,41 @@ class HiRadixCache(RadixCache):
             self._roots[extra_key] = root
         return root
 
+    @staticmethod
+    def _run(slots: torch.Tensor) -> slice | None:
+        """`slots` as a slice when they are consecutive (fresh pages usually are): a slice
+        copy runs at memory speed, an indexed copy was ~10x slower on the CPU."""
+        n = len(slots)
+        first = int(slots[0])
+        if n and int(slots[-1]) - first == n - 1 and bool((slots[1:] - slots[:-1] == 1).all()):
+            return slice(first, first + n)
+        return None
+
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         """The KV of `slots` as [2, layers, n, kv_heads, head_dim] (a copy)."""
         pool = self.kv_pool
-        k = torch.stack([buf[slots] for buf in pool.k_buffers])
-        v = torch.stack([buf[slots] for buf in pool.v_buffers])
-        return torch.stack([k, v])
+        run = self._run(slots)
+        out = torch.empty(
+            self.page_shape[:2] + (len(slots),) + self.page_shape[3:], dtype=self.dtype
+        )
+        for layer, (kb, vb) in enumerate(zip(pool.k_buffers, pool.v_buffers)):
+            if run is not None:
+                out[0, layer].copy_(kb[run])
+                out[1, layer].copy_(vb[run])
+            else:
+                torch.index_select(kb, 0, slots, out=out[0, layer])
+                torch.index_select(vb, 0, slots, out=out[1, layer])
+        return out
 
     def _scatter(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        run = self._run(slots)
         for layer, (kb, vb) in enumerate(zip(self.kv_pool.k_buffers, self.kv_pool.v_buffers)):
-            kb[slots] = kv[0, layer]
-            vb[slots] = kv[1, layer]
+            if run is not None:
+                kb[run].copy_(kv[0, layer])
+                vb[run].copy_(kv[1, layer])
+            else:
+                kb.index_copy_(0, slots, kv[0, layer])
+                vb.index_copy_(0, slots, kv[1, layer])
 
     def _store_pages(self, tokens: list[int], slots: torch.Tensor, first: int, extra_key,
                      to_l3: bool) -> None:  # fmt: skip
