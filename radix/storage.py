@@ -111,7 +111,12 @@ class RedisStorage(StorageBackend):
     name = "redis"
 
     def __init__(self, url: str, namespace: str = "loom:", timeout: float = 0.5):
-        import redis
+        try:
+            import redis
+        except ImportError as e:
+            raise ValueError(
+                "hicache_storage_backend: 'redis' needs the redis client (pip install redis)"
+            ) from e
 
         self.ns = namespace
         self.client = redis.Redis.from_url(
