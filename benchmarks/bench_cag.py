@@ -165,6 +165,12 @@ def main() -> None:
     base = rows["(a) no cache"]["ttft_p50"]
     for name in list(rows)[1:]:
         print(f"TTFT (a) / {name}: {base / rows[name]['ttft_p50']:.1f}x")
+    k = len(rows["(a) no cache"]["answers"])
+    same = all(
+        rows[name]["answers"][:k] == rows["(a) no cache"]["answers"]
+        for name in ("(b) CAG from L1", "(c) CAG from L3 after restart")
+    )
+    print(f"greedy answers of (b) and (c) identical to (a) on its {k} questions: {same}")
     print("sample answers (c):", rows["(c) CAG from L3 after restart"]["answers"][:3])
 
 

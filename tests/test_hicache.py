@@ -408,3 +408,15 @@ def test_dp_replicas_share_the_redis_tier(model, redis_server):
         assert r.status_code == 200 and len(r.json()["workers"]) == 2, r.text
         listed = requests.get(rt.url + "/list_pinned").json()["pinned"]
         assert [p["name"] for p in listed] == ["doc"]
+
+
+def test_bundled_model_greedy_outputs_identical():
+    """The bundled (trained) model: L2 and L3 hits change nothing in greedy outputs."""
+    heads = [_ids(200, 40 + t) for t in range(3)]
+    prompts = [heads[i % 3] + _ids(8, 60 + i) for i in range(9)]
+    off = [r.ids for r in _run(make_scheduler(None, max_total_tokens=256), prompts)]
+    on = make_scheduler(None, max_total_tokens=256, enable_hierarchical_cache=True,
+                        hicache_ratio=4.0)  # fmt: skip
+    res = _run(on, prompts)
+    assert [r.ids for r in res] == off
+    assert [r.cached_tokens for r in res[3:]] == [192] * 6
