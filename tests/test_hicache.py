@@ -420,3 +420,39 @@ def test_bundled_model_greedy_outputs_identical():
     res = _run(on, prompts)
     assert [r.ids for r in res] == off
     assert [r.cached_tokens for r in res[3:]] == [192] * 6
+
+
+def test_flags_parse_and_bad_combinations_are_refused_by_name():
+    import argparse
+
+    from loom.runtime.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    argv = ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-size", "2",
+            "--hicache-write-policy", "write_back", "--hicache-storage-backend", "redis",
+            "--hicache-storage-url", "redis://10.0.0.1:6379/1"]  # fmt: skip
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    assert (args.hicache_ratio, args.hicache_size, args.hicache_write_policy) == (
+        3.0,
+        2,
+        "write_back",
+    )
+    assert args.hicache_storage_url == "redis://10.0.0.1:6379/1"
+    for kw, field in (
+        (dict(hicache_storage_backend="file"), "hicache_storage_backend: needs"),
+        (dict(enable_hierarchical_cache=True, hicache_storage_backend="s3"), "hicache_storage_backend: must"),
+        (dict(enable_hierarchical_cache=True, hicache_write_policy="later"), "hicache_write_policy"),
+        (dict(enable_hierarchical_cache=True, hicache_storage_dir="/x"), "hicache_storage_dir"),
+        (dict(enable_hierarchical_cache=True, hicache_ratio=0), "hicache_ratio"),
+        (dict(enable_hierarchical_cache=True, disable_radix_cache=True), "enable_hierarchical_cache"),
+        (dict(enable_hierarchical_cache=True, tp_size=2), "enable_hierarchical_cache: .*not supported yet"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{field}"):
+            ServerArgs(**kw)
+
+
+def test_pins_need_the_hierarchy(model):
+    sched = make_scheduler(model, max_total_tokens=400)
+    reply = sched.handle_message(PinReq(1, "pin", "doc", _ids(40, 1)))
+    assert not reply.ok and "enable-hierarchical-cache" in reply.message
