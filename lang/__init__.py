@@ -16,7 +16,9 @@ __version__ = "0.1.0"
 # namespace portion always loses to a regular package later on sys.path. In a wheel they sit
 # inside loom/. In an editable install setuptools reaches namespace packages through a path hook
 # on a placeholder entry it adds to sys.path, which a regular parent's __path__ must carry too.
-__path__ += [p for p in _sys.path if p.startswith("__editable__.loom-") and p.endswith("__path_hook__")]
+__path__ += [
+    p for p in _sys.path if p.startswith("__editable__.loom-") and p.endswith("__path_hook__")
+]
 
 # Bound eagerly: the submodule `loom.global_config` shares the name, and whichever import of it
 # came first would otherwise decide whether `loom.global_config` is the module or the object.
@@ -41,6 +43,8 @@ _LAZY = {
     "set_default_backend": "loom.api:set_default_backend",
     "flush_cache": "loom.api:flush_cache",
     "get_server_info": "loom.api:get_server_info",
+    "pin_prefix": "loom.api:pin_prefix",
+    "pinned": "loom.api:pinned",
     "Runtime": "loom.runtime.server:Runtime",
     "ProgramState": "loom.state:ProgramState",
     "ProgramStateGroup": "loom.fork:ProgramStateGroup",

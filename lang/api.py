@@ -50,6 +50,18 @@ def flush_cache(backend: Any = None):
     return _backend(backend).flush_cache()
 
 
+def pin_prefix(name: str, text: str, backend: Any = None) -> dict:
+    """Compute and pin `text` on the server (CAG); programs start from it with `pinned(name)`."""
+    return _backend(backend).pin_prefix(name, text)
+
+
+def pinned(name: str):
+    """The pinned prefix `name` as program text: `s += loom.pinned("manual")`."""
+    from loom.ir import SglPinned
+
+    return SglPinned(name)
+
+
 def get_server_info(backend: Any = None) -> dict:
     return _backend(backend).get_server_info()
 

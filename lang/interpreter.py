@@ -20,6 +20,7 @@ from loom.ir import (
     SglExpr,
     SglExprList,
     SglGen,
+    SglPinned,
     SglRoleBegin,
     SglRoleEnd,
     SglSamplingParams,
@@ -150,6 +151,8 @@ class StreamExecutor(QueueWorker):
                 yield from self._execute(e)
         elif isinstance(expr, SglConstantText):
             self._fill(expr.value)
+        elif isinstance(expr, SglPinned):
+            self._fill((yield ("call", "pinned_text", (expr.name,))))
         elif isinstance(expr, SglGen):
             yield from self._execute_gen(expr)
         elif isinstance(expr, SglToolGen):

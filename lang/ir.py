@@ -189,6 +189,17 @@ class SglConstantText(SglExpr):
         return f"Constant({self.value!r})"
 
 
+class SglPinned(SglExpr):
+    """The text of a prefix pinned on the server (`/pin_prefix`, CAG): appended like constant
+    text, so the program's first request extends the pinned KV instead of prefilling it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Pinned({self.name!r})"
+
+
 class SglGen(SglExpr):
     def __init__(self, name: str | None, sampling_params: SglSamplingParams):
         self.name = name

@@ -98,10 +98,14 @@ class RadixTree:
         self,
         page_size: int = 1,
         on_free: Callable[[torch.Tensor], None] | None = None,
+        on_evict: Callable[[TreeNode], None] | None = None,
     ) -> None:
         assert page_size >= 1, page_size
         self.page_size = page_size
         self.on_free = on_free
+        # called with each node about to be evicted, its ancestors still attached (the
+        # hierarchical cache copies the node's KV to a lower tier before the slots are freed)
+        self.on_evict = on_evict
         self.reset()
 
     # ---- state ----------------------------------------------------------------------------
@@ -264,6 +268,8 @@ class RadixTree:
             node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None and node.lock_ref == 0 and not node.children
+            if self.on_evict is not None:
+                self.on_evict(node)
             del parent.children[self._child_key(node.extra_key, node.key, 0)]
             self._evictable -= len(node.key)
             freed += len(node.key)

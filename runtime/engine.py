@@ -148,6 +148,21 @@ class Engine:
         self._check_open()
         return self._call(self.tokenizer_manager.flush_cache()).ok
 
+    def pin_prefix(
+        self, name: str, text: str | None = None, input_ids: list[int] | None = None
+    ) -> dict:
+        """CAG: compute and pin a prefix (needs enable_hierarchical_cache); see /pin_prefix."""
+        self._check_open()
+        return self._call(self.tokenizer_manager.pin_prefix(name, text, input_ids))
+
+    def unpin_prefix(self, name: str) -> dict:
+        self._check_open()
+        return self._call(self.tokenizer_manager.unpin_prefix(name))
+
+    def list_pinned(self) -> list[dict]:
+        self._check_open()
+        return self._call(self.tokenizer_manager.list_pinned())
+
     def get_server_info(self) -> dict:
         self._check_open()
         state = self._call(self.tokenizer_manager.get_internal_state())

@@ -1,7 +1,7 @@
 """Wire messages between the processes (msgspec msgpack; no pickle on any socket).
 
 Topology (see docs/architecture.md; ZMQ PUSH for requests, runtime/channel.py for outputs):
-  TokenizerManager --PUSH--> Scheduler      TokenizedGenerateReq, AbortReq, FlushCacheReq, StateReq
+  TokenizerManager --PUSH--> Scheduler      TokenizedGenerateReq, AbortReq, FlushCacheReq, StateReq, PinReq
   Scheduler        --chan--> Detokenizer    BatchTokenIDOut, ControlOut
   Detokenizer      --chan--> TokenizerManager  BatchStrOut, ControlOut
 """
@@ -182,6 +182,18 @@ class StateReq(msgspec.Struct, tag=True):
     list_rids: bool = False
 
 
+class PinReq(msgspec.Struct, tag=True):
+    """Pinned prefixes (CAG, radix/hicache.py): action "pin" locks the cached `input_ids`
+    under `name` (the TokenizerManager prefilled them first), "unpin" releases `name`, "list"
+    lists them. The reply's state carries the result."""
+
+    request_id: int
+    action: str
+    name: str = ""
+    input_ids: list[int] | None = None
+    text: str | None = None
+
+
 class ReqOutput(msgspec.Struct, array_like=True):
     """What one request gained in one step. Logprob entries are (logprob | None, token id)."""
 
@@ -232,7 +244,7 @@ class ControlOut(msgspec.Struct, tag=True):
     state: dict | None = None
 
 
-ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | StateReq
+ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | StateReq | PinReq
 ToDetokenizer = BatchTokenIDOut | ControlOut
 ToTokenizer = BatchStrOut | ControlOut
 

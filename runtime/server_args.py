@@ -36,6 +36,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp
 # --kv-cache-dtype (SGLang's values): the KV pool's storage dtype, "auto" = the model dtype
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
 KV_CACHE_DTYPES_NOT_YET = ("fp8_e5m2", "fp8_e4m3", "fp4_e2m1")
+# hierarchical KV cache (radix/hicache.py), SGLang's names
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+HICACHE_STORAGE_BACKENDS = ("file", "redis")
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,15 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "zmq"
     disaggregation_timeout: float = 30.0
+
+    # Hierarchical KV cache (radix/hicache.py; see _validate_hicache)
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0  # GB of host memory for L2; 0: hicache_ratio x the KV pool
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None  # None: no L3
+    hicache_storage_dir: str | None = None  # file backend; None: ~/.cache/loom/hicache
+    hicache_storage_url: str | None = None  # redis backend; None: redis://127.0.0.1:6379/0
 
     # Process layout
     skip_tokenizer_init: bool = False
@@ -249,6 +261,37 @@ class ServerArgs:
         )
         self._validate_speculative(need)
         self._validate_disaggregation(need)
+        self._validate_hicache(need)
+
+    def _validate_hicache(self, need) -> None:
+        on = self.enable_hierarchical_cache
+        if not on:
+            for name in ("hicache_storage_backend", "hicache_storage_dir", "hicache_storage_url"):
+                need(getattr(self, name) is None, name, "needs --enable-hierarchical-cache")
+            return
+        need(not self.disable_radix_cache, "enable_hierarchical_cache",
+             "needs the radix cache (drop --disable-radix-cache)")  # fmt: skip
+        need(self.tp_size == 1 and self.pp_size == 1, "enable_hierarchical_cache",
+             "with tp_size or pp_size > 1 is not supported yet")  # fmt: skip
+        need(self.disaggregation_mode == "null", "enable_hierarchical_cache",
+             "with --disaggregation-mode is not supported yet")  # fmt: skip
+        need(self.hicache_ratio > 0, "hicache_ratio", f"must be > 0, got {self.hicache_ratio}")
+        need(self.hicache_size >= 0, "hicache_size", f"must be >= 0, got {self.hicache_size}")
+        need(
+            self.hicache_write_policy in HICACHE_WRITE_POLICIES,
+            "hicache_write_policy",
+            f"must be one of {HICACHE_WRITE_POLICIES}, got {self.hicache_write_policy!r}",
+        )
+        backend = self.hicache_storage_backend
+        need(
+            backend is None or backend in HICACHE_STORAGE_BACKENDS,
+            "hicache_storage_backend",
+            f"must be one of {HICACHE_STORAGE_BACKENDS}, got {backend!r}",
+        )
+        need(self.hicache_storage_dir is None or backend == "file", "hicache_storage_dir",
+             "needs --hicache-storage-backend file")  # fmt: skip
+        need(self.hicache_storage_url is None or backend == "redis", "hicache_storage_url",
+             "needs --hicache-storage-backend redis")  # fmt: skip
 
     def _validate_disaggregation(self, need) -> None:
         mode = self.disaggregation_mode
@@ -597,6 +640,8 @@ class ServerArgs:
                 kwargs["choices"] = MOE_A2A_BACKENDS
             if f.name == "cpu_forward":
                 kwargs["choices"] = CPU_FORWARD_MODES
+            if f.name == "hicache_write_policy":
+                kwargs["choices"] = HICACHE_WRITE_POLICIES
             parser.add_argument(flag, **kwargs)
 
     @classmethod
@@ -669,6 +714,13 @@ _HELP = {
     "disaggregation_bootstrap_port": "Prefill server: the TCP port decode servers send their KV requests to (SGLang's default 8998)",
     "disaggregation_transfer_backend": "How KV pages move between prefill and decode servers: zmq (tensor buffers over TCP; mooncake and nixl are not built)",
     "disaggregation_timeout": "Seconds a decode server waits for a request's KV, and a prefill server holds computed KV for a decode peer that has not asked for it, before failing the request and freeing its KV",
+    "enable_hierarchical_cache": "KV tiers under the radix tree: prefixes evicted from the KV pool go to host memory (L2) and, with --hicache-storage-backend, to files or Redis (L3); a prefix match loads them back (radix/hicache.py)",
+    "hicache_ratio": "L2 (host) size as a multiple of the KV pool's tokens",
+    "hicache_size": "L2 (host) size in GB; 0: --hicache-ratio decides",
+    "hicache_write_policy": "write_through: pages go to L2 and L3 when first cached; write_back: to L2 when the KV pool evicts them, to L3 when L2 does",
+    "hicache_storage_backend": "L3 backend: file (memory-mapped files under --hicache-storage-dir) or redis (a Redis/Valkey server at --hicache-storage-url, shared by replicas); default none",
+    "hicache_storage_dir": "Directory of the file backend (default ~/.cache/loom/hicache)",
+    "hicache_storage_url": "URL of the redis backend (default redis://127.0.0.1:6379/0)",
     "skip_tokenizer_init": "Take and return token ids only",
     "watchdog_timeout": "Seconds the runtime may go without answering while requests wait before it is declared stuck (the server then exits)",
     "max_batch_request": "Most generations one request body may expand to (prompts x n)",

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -20,9 +21,11 @@ from loom.runtime.io_struct import (
     ControlOut,
     FlushCacheReq,
     GenerateReqInput,
+    PinReq,
     StateReq,
     TokenizedGenerateReq,
     ToTokenizer,
+    decode_generate_request,
     decoder,
     encode,
 )
@@ -41,6 +44,9 @@ MAX_TOP_LOGPROBS = 128  # top_logprobs_num bound: each one costs a top-k per tok
 # a probe is either listed in its reply or its final output arrived before the reply.
 PROBE_QUIET_S = 2.0
 LOST_AFTER_PROBES = 2
+
+
+PIN_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
 class RequestError(ValueError):
@@ -567,6 +573,45 @@ class TokenizerManager:
 
     async def flush_cache(self) -> ControlOut:
         return await self._control(FlushCacheReq)
+
+    async def pin_prefix(
+        self, name: str, text: str | None = None, input_ids: list[int] | None = None
+    ) -> dict:
+        """CAG: compute the prefix (a prefill-only request puts it in the cache), then pin it
+        under `name` (radix/hicache.py). Retried once if the cache evicted it in between."""
+        if not self.args.enable_hierarchical_cache:
+            raise RequestError("pin_prefix: needs --enable-hierarchical-cache")
+        if not isinstance(name, str) or not PIN_NAME.fullmatch(name):
+            raise RequestError("name: 1-128 characters of letters, digits, '_', '-' or '.'")
+        if (text is None) == (input_ids is None):
+            raise RequestError("text: give exactly one of text or input_ids")
+        ids = (
+            input_ids
+            if text is None
+            else (await self.off_loop(self._encode_all, [text], "text"))[0]
+        )
+        self._check_prompt(ids, "input_ids" if text is None else "text")
+        out = None
+        for _ in range(2):
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}}
+            await self.generate(decode_generate_request(body))
+            out = await self._control(lambda rid: PinReq(rid, "pin", name, ids, text))
+            if out.ok:
+                return {"name": name, "tokens": out.state["tokens"], "prompt_tokens": len(ids)}
+        raise RequestError(out.message or "pin_prefix: failed")
+
+    async def unpin_prefix(self, name: str) -> dict:
+        if not self.args.enable_hierarchical_cache:
+            raise RequestError("unpin_prefix: needs --enable-hierarchical-cache")
+        out = await self._control(lambda rid: PinReq(rid, "unpin", name))
+        if not out.ok:
+            raise RequestError(out.message)
+        return {"name": name, "unpinned": True}
+
+    async def list_pinned(self) -> list[dict]:
+        if not self.args.enable_hierarchical_cache:
+            return []
+        return (await self._control(lambda rid: PinReq(rid, "list"))).state["pinned"]
 
     async def get_internal_state(self) -> dict:
         return (await self._control(StateReq)).state or {}

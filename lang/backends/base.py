@@ -54,6 +54,22 @@ class BaseBackend(ABC):
     def flush_cache(self) -> Any:
         return None
 
+    def pin_prefix(self, name: str, text: str) -> dict:
+        """Compute and pin `text`'s KV on the server under `name` (CAG)."""
+        raise NotImplementedError(f"{type(self).__name__} has no pinned prefixes")
+
+    def list_pinned(self) -> list[dict]:
+        raise NotImplementedError(f"{type(self).__name__} has no pinned prefixes")
+
+    def pinned_text(self, name: str) -> str:
+        """The text pinned under `name` (what `loom.pinned(name)` appends)."""
+        for rec in self.list_pinned():
+            if rec["name"] == name:
+                if rec.get("text") is None:
+                    raise ValueError(f"pinned prefix {name!r} was pinned by input_ids, no text")
+                return rec["text"]
+        raise ValueError(f"no prefix pinned as {name!r}")
+
     def get_server_info(self) -> dict:
         return {}
 
@@ -75,6 +91,9 @@ class BaseBackend(ABC):
         return await asyncio.to_thread(
             self.select, prompt, choices, temperature, choices_method, messages
         )
+
+    async def apinned_text(self, name: str) -> str:
+        return await asyncio.to_thread(self.pinned_text, name)
 
     async def acache_prefix(self, prompt: str) -> None:
         await asyncio.to_thread(self.cache_prefix, prompt)

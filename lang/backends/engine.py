@@ -56,6 +56,12 @@ class EngineBackend(NativeBackend):
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()
 
+    def pin_prefix(self, name: str, text: str) -> dict:
+        return self.engine.pin_prefix(name, text=text)
+
+    def list_pinned(self) -> list[dict]:
+        return self.engine.list_pinned()
+
     def get_server_info(self) -> dict:
         return self.engine.get_server_info()
 

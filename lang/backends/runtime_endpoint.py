@@ -89,6 +89,14 @@ class RuntimeEndpoint(NativeBackend):
     def flush_cache(self) -> bool:
         return self._post("/flush_cache", {}).status_code == 200
 
+    def pin_prefix(self, name: str, text: str) -> dict:
+        res = self._post("/pin_prefix", {"name": name, "text": text})
+        self._check(res)
+        return res.json()
+
+    def list_pinned(self) -> list[dict]:
+        return self._get("/list_pinned")["pinned"]
+
     def get_server_info(self) -> dict:
         return self._get("/get_server_info")
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import json
 import time
 
 import httpx
@@ -32,6 +33,7 @@ _ANY_WORKER_GET = (
     "/model_info",
     "/get_model_info",
     "/health_generate",
+    "/list_pinned",  # pin records live in the shared L3: any replica lists them all
 )
 _ANY_WORKER_POST = ("/tokenize", "/detokenize")
 # /get_server_info: reported per worker, and summed over the pool at the top level
@@ -159,6 +161,21 @@ def create_app(args: RouterArgs) -> FastAPI:
         if request.url.path == "/flush_cache":
             return PlainTextResponse("Cache flushed.\n")
         return JSONResponse({"workers": [url for url, _, _ in results]})
+
+    @app.post("/pin_prefix")
+    @app.post("/unpin_prefix")
+    async def pin_all(request: Request):
+        """Every replica pins (the first prefills it and writes it to the shared L3 before it
+        answers; the others load it from there): each keeps its own copy locked."""
+        raw = await request.body()
+        results = await proxy(request).broadcast("POST", request.url.path, raw, request.headers)
+        for url, status, text in results:
+            if status >= 300:
+                return error_response(status if status < 500 else 502, f"{url}: {text[:500]}")
+        if not results:
+            return error_response(503, "no healthy worker")
+        body = json.loads(results[0][2])
+        return JSONResponse({**body, "workers": [url for url, _, _ in results]})
 
     @app.get("/list_workers")
     async def list_workers():

@@ -35,6 +35,39 @@ class KVManager:
         self._table_np = None  # (req_to_token, its numpy view) on the CPU (alloc_decode)
 
     @property
+    def hierarchical(self) -> bool:
+        return getattr(self.tree_cache, "hierarchical", False)
+
+    def _alloc_cached(self, n: int) -> torch.Tensor | None:
+        """Fresh slots for n tokens the prefix cache loads from a lower tier (they enter the
+        tree at once, so they are cached, never owned by a request); evicts if needed."""
+        need = -(-n // self.page_size) * self.page_size
+        if need > self.allocator.available_size():
+            self.tree_cache.evict(need - self.allocator.available_size())
+        return self.allocator.alloc(n)
+
+    # ------------------------------------------------------------ pinned prefixes (CAG)
+    def pin(self, name: str, input_ids: list[int], text: str | None) -> int:
+        """Pin the cached prefix `input_ids` (loading lower tiers' pages first); returns the
+        tokens pinned. ValueError when the prefix is not cached."""
+        self.tree_cache.load_back(input_ids, None, self._alloc_cached)
+        return self.tree_cache.pin(name, list(input_ids), text)
+
+    def restore_pins(self) -> int:
+        """Re-lock the pins recorded in L3 (a restart, another replica's pins); returns how
+        many. A pin whose pages are gone is left to its next /pin_prefix."""
+        restored = 0
+        for rec in self.tree_cache.stored_pins():
+            ids = rec["input_ids"]
+            self.tree_cache.load_back(ids, rec.get("extra_key"), self._alloc_cached)
+            try:
+                self.tree_cache.pin(rec["name"], ids, rec.get("text"), persist=False)
+                restored += 1
+            except ValueError:
+                continue
+        return restored
+
+    @property
     def size(self) -> int:
         return self.allocator.size
 
@@ -58,6 +91,8 @@ class KVManager:
             return False
         req.req_pool_idx = row
         limit = max(0, limit) // self.page_size * self.page_size
+        if self.hierarchical:  # lower tiers' pages of this prefix come back into the pool
+            self.tree_cache.load_back(req.fill_ids[:limit], req.extra_key, self._alloc_cached)
         match = self.tree_cache.match_prefix(req.fill_ids[:limit], extra_key=req.extra_key)
         req.prefix_indices, req.last_node = match.indices, match.last_node
         self.tree_cache.inc_lock_ref(req.last_node)

@@ -16,6 +16,7 @@ from loom.runtime.io_struct import (
     AbortReq,
     ControlOut,
     FlushCacheReq,
+    PinReq,
     ReqOutput,
     StateReq,
     TokenizedGenerateReq,
@@ -48,6 +49,8 @@ class Scheduler:
         self.vocab_size = r.vocab_size
         self.tree_cache = _make_tree_cache(args, r)
         self.kv = KVManager(r.req_to_token_pool, r.allocator, self.tree_cache, args.page_size)
+        if self.kv.hierarchical:
+            self.kv.restore_pins()
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(args)
         self.eos_token_ids = _eos_ids(args.model_path, self.tokenizer)
         self.stats = dict.fromkeys(
@@ -184,6 +187,8 @@ class Scheduler:
         elif isinstance(msg, FlushCacheReq):
             ok, message = self.flush_cache()
             return ControlOut(msg.request_id, ok, message)
+        elif isinstance(msg, PinReq):
+            return self.handle_pin(msg)
         elif isinstance(msg, StateReq):
             state = self.get_state()
             if getattr(msg, "list_rids", False):
@@ -323,6 +328,28 @@ class Scheduler:
         self.check_integrity()
         return True, "cache flushed"
 
+    def handle_pin(self, msg: PinReq) -> ControlOut:
+        """Pinned prefixes (CAG): pin / unpin / list; needs --enable-hierarchical-cache."""
+        if not self.kv.hierarchical:
+            return ControlOut(
+                msg.request_id, False, "pin_prefix: needs --enable-hierarchical-cache"
+            )
+        cache = self.tree_cache
+        if msg.action == "pin":
+            try:
+                n = self.kv.pin(msg.name, msg.input_ids or [], msg.text)
+            except ValueError as e:
+                return ControlOut(msg.request_id, False, str(e))
+            return ControlOut(msg.request_id, True, state={"name": msg.name, "tokens": n})
+        if msg.action == "unpin":
+            if msg.name not in cache.pins and msg.name not in {
+                p["name"] for p in cache.list_pinned()
+            }:
+                return ControlOut(msg.request_id, False, f"name: no prefix pinned as {msg.name!r}")
+            cache.unpin(msg.name)
+            return ControlOut(msg.request_id, True, state={"name": msg.name})
+        return ControlOut(msg.request_id, True, state={"pinned": cache.list_pinned()})
+
     def _log_prefill(self, batch: ScheduleBatch) -> None:
         now = time.monotonic()
         if now - self._last_log < 1.0:
@@ -370,6 +397,7 @@ class Scheduler:
             "gc_frozen_objects": gc.get_freeze_count(),
             "gc_collections": [g["collections"] for g in gc.get_stats()],
             **(self.decode.drafter.summary() if self.decode.drafter is not None else {}),
+            **(self.tree_cache.summary() if self.kv.hierarchical else {}),
             **st,
         }
 
@@ -384,9 +412,41 @@ def _make_tree_cache(args: ServerArgs, runner):
         from loom.radix.chunk_cache import ChunkCache
 
         return ChunkCache(runner.req_to_token_pool, runner.allocator, args.page_size)
+    if args.enable_hierarchical_cache:
+        return _make_hicache(args, runner)
     from loom.radix.cache import RadixCache
 
     return RadixCache(runner.req_to_token_pool, runner.allocator, args.page_size)
+
+
+def _make_hicache(args: ServerArgs, runner):
+    import json
+
+    from loom.radix.hicache import HiRadixCache
+    from loom.radix.pages import model_identity
+    from loom.radix.storage import create_storage
+
+    pool = runner.token_to_kv_pool
+    if args.hicache_size > 0:
+        host_tokens = int(args.hicache_size * 1e9) // pool.bytes_per_token()
+    else:
+        host_tokens = int(args.hicache_ratio * runner.allocator.size)
+    storage = None
+    if args.hicache_storage_backend is not None:
+        storage = create_storage(
+            args.hicache_storage_backend, args.hicache_storage_dir, args.hicache_storage_url
+        )
+    config = json.dumps(runner.config.to_dict(), sort_keys=True, default=str)
+    return HiRadixCache(
+        runner.req_to_token_pool,
+        runner.allocator,
+        pool,
+        args.page_size,
+        identity=model_identity(args.model_path, config),
+        host_tokens=host_tokens,
+        storage=storage,
+        write_policy=args.hicache_write_policy,
+    )
 
 
 def _load_tokenizer(args: ServerArgs):

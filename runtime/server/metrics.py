@@ -105,6 +105,32 @@ class Metrics:
             registry=reg,
         )
 
+        # hierarchical KV cache (radix/hicache.py): totals since start, read on each scrape
+        self.hicache_hit_tokens = Gauge(
+            "loom:hicache_hit_tokens", "Prompt tokens found per KV tier", [*labels, "tier"],
+            registry=reg,
+        )  # fmt: skip
+        self.hicache_bytes = Gauge(
+            "loom:hicache_bytes", "KV bytes moved per tier and direction",
+            [*labels, "tier", "direction"], registry=reg,
+        )  # fmt: skip
+        self.hicache_load_seconds = lab(
+            Gauge(
+                "loom:hicache_load_seconds",
+                "Seconds spent loading KV from L2/L3",
+                labels,
+                registry=reg,
+            )  # fmt: skip
+        )
+        self.hicache_corrupt = lab(
+            Gauge(
+                "loom:hicache_corrupt_pages",
+                "Stored pages rejected (recomputed)",
+                labels,
+                registry=reg,
+            )  # fmt: skip
+        )
+
     def on_output(self, state, num_new: int, now: float) -> None:
         """TokenizerManager hook: called for each output a request receives."""
         if num_new:
@@ -134,6 +160,18 @@ class Metrics:
         total = s.get("max_total_tokens") or 0
         if total:
             self.kv_usage.set(1.0 - s.get("kv_available_tokens", total) / total)
+        if "hicache_loads" in s:
+            for tier in ("l1", "l2", "l3"):
+                self.hicache_hit_tokens.labels(**self.labels, tier=tier).set(
+                    s[f"hicache_{tier}_hit_tokens"]
+                )
+            for tier in ("l2", "l3"):
+                for direction in ("read", "write"):
+                    self.hicache_bytes.labels(**self.labels, tier=tier, direction=direction).set(
+                        s[f"hicache_{tier}_{direction}_bytes"]
+                    )
+            self.hicache_load_seconds.set(s["hicache_load_seconds"])
+            self.hicache_corrupt.set(s["hicache_corrupt_pages"])
         if "spec_accept_length" in s:
             self.spec_accept_length.set(s["spec_accept_length"])
             for outcome in ("proposed", "accepted"):

@@ -17,7 +17,9 @@ from loom.runtime.server.protocol import (
     AbortRequest,
     ConcateAndAppendRequest,
     DetokenizeRequest,
+    PinPrefixRequest,
     TokenizeRequest,
+    UnpinPrefixRequest,
 )
 
 router = APIRouter()
@@ -222,6 +224,27 @@ async def flush_cache(request: Request):
 
 # SGLang also answers GET; keep it out of the schema (one operation per path and method).
 router.add_api_route("/flush_cache", flush_cache, methods=["GET"], include_in_schema=False)
+
+
+# ---------------------------------------------------------------- pinned prefixes (CAG)
+@router.post("/pin_prefix")
+async def pin_prefix(body: PinPrefixRequest, request: Request):
+    state = server_state(request)
+    if state.tm.dead_reason:
+        raise APIError(503, f"server unavailable: {state.tm.dead_reason}")
+    return await state.tm.pin_prefix(body.name, body.text, body.input_ids)
+
+
+@router.post("/unpin_prefix")
+async def unpin_prefix(body: UnpinPrefixRequest, request: Request):
+    state = server_state(request)
+    return await control(state, state.tm.unpin_prefix(body.name))
+
+
+@router.get("/list_pinned")
+async def list_pinned(request: Request):
+    state = server_state(request)
+    return {"pinned": await control(state, state.tm.list_pinned())}
 
 
 @router.post("/abort_request")

@@ -38,6 +38,16 @@ class DetokenizeRequest(_Body):
     skip_special_tokens: bool = True
 
 
+class PinPrefixRequest(_Body):
+    name: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+
+
+class UnpinPrefixRequest(_Body):
+    name: str
+
+
 class AbortRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
