@@ -211,6 +211,7 @@ def main() -> None:
     ap.add_argument("--engine-rounds", type=int, default=1, help="Engine rounds; 0: none")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold (no warm-up) pair")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--warmup-tokens", type=int, default=64, help="max new tokens a warm-up")
     ap.add_argument("--algorithm", default="NGRAM", help="NGRAM, EAGLE, EAGLE3, MEDUSA")
     ap.add_argument("--draft", default=None, help="--speculative-draft-model-path (heads)")
     ap.add_argument("--num-draft-tokens", type=int, default=None)
@@ -236,7 +237,7 @@ def main() -> None:
     params = {"max_new_tokens": args.max_new_tokens}
     qs = load_questions(args.questions, args.per_category)
     jobs = [(cat, _ids(chat_ids(tok, text)), params, qid) for cat, text, qid in qs]
-    warm = [(_ids(chat_ids(tok, t)), params) for t in WARMUP]
+    warm = [(_ids(chat_ids(tok, t)), {"max_new_tokens": args.warmup_tokens}) for t in WARMUP]
     check_distinct([tuple(ids) for _, ids, _, _ in jobs])
     disable_by = ServerArgs().speculative_disable_by_batch_size
     print(
@@ -247,7 +248,10 @@ def main() -> None:
     )
     figures: dict = {"label": label, "algorithm": args.algorithm, "rows": {}}
     for batch in args.batch_list:
+        groups = [min(batch, len(jobs) - i) for i in range(0, len(jobs), batch)]
         what = f"{label} {args.algorithm} batch {batch}"
+        if batch > 1:  # what ran at once: the prompts go in groups of `batch`
+            what += f" (groups of {'+'.join(map(str, groups))} prompts)"
         gate = gate_label(batch, disable_by)
         steady, engine, cold = [], [], []
         leak = ""

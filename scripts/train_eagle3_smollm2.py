@@ -135,8 +135,13 @@ def main() -> None:
     data.parent.mkdir(parents=True, exist_ok=True)
     if not data.exists():
         engine = _engine(args.target)
+        cached = args.work / "data" / "prompts.json"  # stage 1's output, kept across runs
         try:
-            prompts = make_prompts(engine, args.prompts)
+            prompts = json.loads(cached.read_text()) if cached.exists() else []
+            if len(prompts) < args.prompts:
+                prompts = make_prompts(engine, args.prompts)
+                cached.write_text(json.dumps(prompts))
+            prompts = prompts[: args.prompts]
             if args.spec_bench:
                 share = contamination(prompts, args.spec_bench, engine.tokenizer)
                 print(f"prompts' 8-grams found in Spec-Bench: {share:.2%}", flush=True)
