@@ -1,32 +1,42 @@
-"""Speculative decoding (NGRAM) against plain decoding on the bundled model.
+"""Speculative decoding against plain decoding on the BUNDLED model, under the protocol in
+spec_protocol.py (warm-ups from another source with a printed, enforced 8-gram leakage limit;
+each timed prompt once per scheduler; outputs compared token by token; in-process and Engine
+clocks; cold beside steady state; gated rows labelled).
 
-Workloads (greedy, chat template): JSON extraction with a schema (forced keys and punctuation
-arrive as drafts), free text that copies from its prompt (few-shot fact blocks whose answer
-repeats the prompt's sentences), and free chat (stories, greetings, tool traces). Each runs at
-batch 1 (requests one after another) and batch 16 (all at once), speculation off (the default
-runtime: jump-forward on) and on, in one process, each round on fresh schedulers with the
-side that runs first alternating, the jobs repeated (fresh schedulers again) until the off side
-ran --min-seconds (2 s: a batch-1 row's jobs take ~0.3 s); the ratio is tokens/s on / off per
-round, median and range printed, wall time and process CPU time (the second is steadier on a
-shared machine), and the scheduler steps each side took per repeat (the work itself,
-independent of the load). Prints accepted tokens per verify and acceptance by
-draft position, and writes docs/img/spec_acceptance.png. Before each repeat's timed runs the
-process's objects are frozen out of the garbage collector's sight, as a serving scheduler's
-start-up heap is (`process.freeze_startup_heap`): unfrozen, a full collection scanned them
-all (~0.2 s, several times a row) inside whichever side's timed run it fell.
+What these rows are: the workloads are the bundled 3.9M-parameter model's own training
+distribution (scripts/bundled/), 16 distinct prompts each, greedy, chat template:
+  bundled-json     extraction with a JSON schema (keys and punctuation arrive as forced drafts)
+  bundled-fewshot  a few-shot block of capital Q/A lines and one more question (was "copy";
+                   its answer is a memorised training line, not a copy of the prompt)
+  bundled-chat     stories, greetings, weather questions (the toy model's stories repeat each
+                   other: later timed prompts are drafted from earlier timed outputs, which is
+                   real steady-state serving of such traffic, and says little about real text)
+Real-model figures: benchmarks/bench_specbench.py (SmolLM2 on Spec-Bench).
+
+Each runs at batch 1 (requests one after another) and batch 16 (all at once; at the default
+--speculative-disable-by-batch-size 8 the on side does not draft while >= 8 decode: the row is
+labelled DRAFTING GATED), speculation off (the default runtime: jump-forward on) and on. A
+round: a cold pair (fresh schedulers, no warm-up, the jobs once), then steady pairs (fresh
+schedulers warmed on WARMUP, arithmetic and currency questions, then the jobs) repeated until
+the off side ran --min-seconds; the side that runs first alternates. The ratio is tokens/s on /
+off per round, median and range, wall and process CPU time; then --engine-rounds rounds through
+`Engine` (fresh warmed Engines a side, wall clock). Prints accepted tokens per verify and
+acceptance by draft position, and writes docs/img/spec_acceptance.png. Before each repeat's
+timed runs the process's objects are frozen out of the garbage collector's sight, as a serving
+scheduler's start-up heap is (`process.freeze_startup_heap`).
 
     python benchmarks/bench_spec.py [--rounds 5] [--no-plot] [--ngram-breadth 4]
-        [--algorithms NGRAM,EAGLE,EAGLE3] [--one-process]
+        [--algorithms NGRAM,EAGLE,EAGLE3] [--one-process] [--engine-rounds 2]
 
 Each row (algorithm, workload, batch) runs in a fresh process of its own, one after another
-(`--one-process`: all in this one, as before session 11): in one process a row's figures
-depended on how many schedulers had run before it.
+(`--one-process`: all in this one): in one process a row's figures depended on how many
+schedulers had run before it.
 
 `--algorithms`: one row per algorithm (default NGRAM); a model-based drafter's rows also split
 the on side's wall time into target forwards, the head's own work (`spec_draft_seconds`) and
-everything else, then the decode (verify) steps alone, prefills aside: each side's step time,
-the on side's as target forward + head + outside, and what an on-side step may cost for issue
-14's ratio (1.8x chat / 2.0x JSON at batch 1, 0.95x at batch 16).
+everything else, then the decode (verify) steps alone, prefills aside. The heads shipped with
+the bundled model were trained on the same generator as these prompts (issue 33's audit): their
+rows are in-distribution figures.
 """
 
 from __future__ import annotations
@@ -35,18 +45,28 @@ import argparse
 import gc
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from spec_protocol import (
+    check_distinct,
+    check_leak,
+    compare_outputs,
+    gate_label,
+    run_engine,
+    run_scheduler,
+    spread,
+)
 
-from loom.runtime.io_struct import TokenizedGenerateReq
 from loom.runtime.process import freeze_startup_heap
-from loom.runtime.sampling_params import make_sampling_params
 from loom.runtime.scheduler.scheduler import Scheduler
 from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
 
+# Timed jobs: 16 distinct prompts per workload (batch 1 runs them one after another, batch 16
+# all at once; each prompt is seen once per scheduler). They are the BUNDLED MODEL'S OWN TRAINING
+# DISTRIBUTION (scripts/bundled/: extraction, few-shot capital blocks, stories / small talk), so
+# these rows say how the drafters behave on text the toy model has memorised, not on real
+# traffic; benchmarks/bench_specbench.py measures a real model on Spec-Bench.
 PEOPLE = [
     ("Alice", 31, "Paris"),
     ("Bob", 45, "Berlin"),
@@ -58,6 +78,12 @@ PEOPLE = [
     ("Hugo", 23, "Lisbon"),
     ("Ines", 35, "Dublin"),
     ("Jonas", 41, "Oslo"),
+    ("Karin", 29, "Athens"),
+    ("Leo", 57, "Warsaw"),
+    ("Mara", 33, "Prague"),
+    ("Nils", 48, "Helsinki"),
+    ("Olga", 22, "Budapest"),
+    ("Pablo", 60, "Amsterdam"),
 ]
 SCHEMA = {
     "type": "object",
@@ -80,6 +106,12 @@ COUNTRIES = [
     ("Austria", "Vienna"),
     ("Ireland", "Dublin"),
     ("Norway", "Oslo"),
+    ("Greece", "Athens"),
+    ("Poland", "Warsaw"),
+    ("Sweden", "Stockholm"),
+    ("Hungary", "Budapest"),
+    ("Finland", "Helsinki"),
+    ("Denmark", "Copenhagen"),
 ]
 CHAT = [
     "Write a short story about a brave fox.",
@@ -92,6 +124,23 @@ CHAT = [
     "Hi there!",
     "Write a short story about a kind bear.",
     "What's the weather in Berlin?",
+    "Write a short story about a shy owl.",
+    "Good morning!",
+    "What's the weather in Madrid?",
+    "Tell me a story about a sleepy turtle.",
+    "What is the capital of Japan?",
+    "Write a short story about a tiny mouse.",
+]
+# Warm-up jobs: a different generator from every timed workload (arithmetic and currency
+# questions), so that a warmed trie has seen the model's style but not the timed answers
+# (spec_protocol.check_leak verifies it on the outputs). The JSON rows also send the timed
+# schema once with max_new_tokens 1 (one "{" token: nothing to learn), so its grammar is
+# compiled before the clock starts, on both sides.
+WARMUP = [
+    "What is 17 + 25?",
+    "What currency is used in Sweden?",
+    "What is 9 times 7?",
+    "Which currency do people use in Japan?",
 ]
 
 
@@ -102,6 +151,7 @@ def _chat(tok, text: str) -> str:
 
 
 def workloads(tok) -> dict[str, list[tuple[str, dict]]]:
+    """The timed jobs by workload: (prompt text, sampling params)."""
     json_jobs = [
         (
             _chat(tok, f"Extract the name, age and city as JSON: {n} is {a} and lives in {c}."),
@@ -109,50 +159,41 @@ def workloads(tok) -> dict[str, list[tuple[str, dict]]]:
         )
         for n, a, c in PEOPLE
     ]
-    copy_jobs = []
+    # "fewshot" (called "copy" before issue 33): a few-shot block of capital Q/A lines and one
+    # more question. The answer is a memorised training line, not a copy of the prompt (12% of
+    # its output 4-grams occur in the prompt): it measures recall of the training corpus.
+    fewshot_jobs = []
     for i in range(len(COUNTRIES)):
         shots = (COUNTRIES[i:] + COUNTRIES[:i])[:8]
         text = "".join(
             f"Q: What is the capital of {c}?\nA: The capital of {c} is {cap}.\n"
             for c, cap in shots[:-1]
         )
-        copy_jobs.append(
+        fewshot_jobs.append(
             (text + f"Q: What is the capital of {shots[-1][0]}?\nA:", {"max_new_tokens": 96})
         )
     chat_jobs = [(_chat(tok, t), {"max_new_tokens": 96}) for t in CHAT]
-    # the last two of each list warm the schedulers up; the first eight are measured
-    return {"json": json_jobs, "copy": copy_jobs, "chat": chat_jobs}
+    return {"json": json_jobs, "fewshot": fewshot_jobs, "chat": chat_jobs}
 
 
-def run_once(sched: Scheduler, jobs, batch: int) -> tuple[int, float, float]:
-    """(output tokens, wall seconds, CPU seconds) for the jobs, `batch` at a time; the
-    scheduler steps they took and the target model's forward seconds are left in
-    `sched.bench_steps` and `sched.bench_model_seconds`."""
+def warmups(tok, name: str) -> list[tuple[str, dict]]:
+    jobs = [(_chat(tok, t), {"max_new_tokens": 64}) for t in WARMUP]
+    if name == "json":
+        jobs.append(
+            (_chat(tok, WARMUP[0]), {"max_new_tokens": 1, "json_schema": json.dumps(SCHEMA)})
+        )
+    return jobs
+
+
+def run_once(sched: Scheduler, jobs, batch: int) -> tuple[dict[str, list[int]], float, float]:
+    """(outputs {rid: ids}, wall seconds, CPU seconds) for the jobs (prompt text, params),
+    `batch` at a time; the scheduler steps they took and the target model's forward seconds
+    are left in `sched.bench_steps` and `sched.bench_model_seconds`."""
     tok = sched.tokenizer
-    total = 0
-    steps0 = sched.stats["steps"]
-    model_seconds = 0.0
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-    for start in range(0, len(jobs), batch):
-        group = jobs[start : start + batch]
-        for i, (prompt, params) in enumerate(group):
-            sched.add_request(
-                TokenizedGenerateReq(
-                    rid=f"r{start + i}",
-                    input_ids=tok.encode(prompt),
-                    sampling_params=make_sampling_params({"temperature": 0, **params}),
-                    seed=0,
-                )
-            )
-        while not sched.is_idle:
-            before = sched.stats["steps"]
-            for out in sched.step():
-                total += len(out.new_ids)
-            if sched.stats["steps"] > before:  # the step ran a forward
-                model_seconds += sched.runner.last_model_seconds
-    sched.bench_steps = sched.stats["steps"] - steps0
-    sched.bench_model_seconds = model_seconds
-    return total, time.perf_counter() - wall0, time.process_time() - cpu0
+    ids = [(tok.encode(prompt), params) for prompt, params in jobs]
+    outs, wall, cpu, model_s, steps = run_scheduler(sched, ids, batch)
+    sched.bench_steps, sched.bench_model_seconds = steps, model_s
+    return outs, wall, cpu
 
 
 def decode_totals(sched: Scheduler) -> list[float]:
@@ -167,23 +208,59 @@ TARGETS_B1 = {"chat": 1.8, "json": 2.0}
 TARGET_B16 = 0.95
 
 
-def make(spec: bool, breadth: int = 1, algorithm: str = "NGRAM", eagle=None, **kw) -> Scheduler:
+def spec_kwargs(spec: bool, breadth: int = 1, algorithm: str = "NGRAM", eagle=None) -> dict:
     """`eagle`: EAGLE / EAGLE3 shape flags (speculative_num_steps, ...; None = defaults)."""
-    extra = {}
+    extra = {"dtype": "float32"}
     if spec:
-        extra = {"speculative_algorithm": algorithm}
+        extra["speculative_algorithm"] = algorithm
         if algorithm == "NGRAM":
             extra["speculative_ngram_max_bfs_breadth"] = breadth
         if algorithm in ("EAGLE", "EAGLE3"):
             extra.update({k: v for k, v in (eagle or {}).items() if v is not None})
-    return Scheduler(ServerArgs(model_path=BUNDLED_MODEL_PATH, dtype="float32", **extra, **kw))
+    return extra
+
+
+def make(spec: bool, breadth: int = 1, algorithm: str = "NGRAM", eagle=None, **kw) -> Scheduler:
+    extra = spec_kwargs(spec, breadth, algorithm, eagle)
+    return Scheduler(ServerArgs(model_path=BUNDLED_MODEL_PATH, **extra, **kw))
+
+
+def engine_figure(args, algo, eagle, tok, warm, jobs, batch, rounds) -> list[float]:
+    """Engine wall-clock ratios (off / on), one per round: a fresh Engine a side (its own
+    scheduler and detokenizer processes), warmed on the warm-up jobs, then the timed jobs once,
+    the side that runs first alternating; outputs compared token by token."""
+    from loom.runtime.engine import Engine
+
+    warm_ids = [(tok.encode(p), q) for p, q in warm]
+    ids = [(tok.encode(p), q) for p, q in jobs]
+    ratios = []
+    for rnd in range(rounds):
+        engines = {
+            side: Engine(
+                BUNDLED_MODEL_PATH, **spec_kwargs(side == "on", args.ngram_breadth, algo, eagle)
+            )
+            for side in ("off", "on")
+        }
+        try:
+            for e in engines.values():
+                run_engine(e, warm_ids, len(warm_ids))
+            order = ("on", "off") if rnd % 2 else ("off", "on")
+            res = {side: run_engine(engines[side], ids, batch) for side in order}
+        finally:
+            for e in engines.values():
+                e.shutdown()
+        compare_outputs(res["off"][0], res["on"][0], f"Engine {algo} batch {batch}")
+        ratios.append(res["off"][1] / res["on"][1])
+    return ratios
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-plot", action="store_true")
-    ap.add_argument("--workloads", default="json,copy,chat")
+    ap.add_argument(
+        "--workloads", default="json,fewshot,chat", help="json, fewshot, chat (bundled model's)"
+    )
     ap.add_argument("--batches", default="1,16")
     ap.add_argument(
         "--ngram-breadth", type=int, default=1, help="--speculative-ngram-max-bfs-breadth (trees)"
@@ -208,7 +285,15 @@ def main() -> None:
         default=2.0,
         help="a round repeats the jobs (fresh schedulers) until the off side ran this long",
     )
+    ap.add_argument(
+        "--engine-rounds",
+        type=int,
+        default=2,
+        help="rounds of the Engine wall-clock figure (fresh Engines a side each); 0: none",
+    )
     args = ap.parse_args()
+    if "copy" in args.workloads.split(","):
+        ap.error("--workloads: 'copy' is now 'fewshot' (its answers are recalled, not copied)")
     eagle = {
         "speculative_num_steps": args.eagle_steps,
         "speculative_eagle_topk": args.eagle_topk,
@@ -236,21 +321,35 @@ def main() -> None:
             plot(curves, Path(__file__).resolve().parents[1] / args.plot_path)
         return
     for algo, batch, name in rows:
-        all_jobs = loads[name]
-        warm, base_jobs = all_jobs[-2:], all_jobs[:-2]
-        jobs = base_jobs * (2 if batch == 16 else 1)  # 16 at once
-        ratios_wall, ratios_cpu, st = [], [], {}
+        jobs = loads[name]
+        warm = warmups(tok, name)
+        check_distinct([p for p, _ in jobs])
+        gate = gate_label(batch, ServerArgs().speculative_disable_by_batch_size)
+        ratios_wall, ratios_cpu, cold, st = [], [], [], {}
         steps = {}
+        leak = ""
+        what = f"{algo} {name} batch {batch}"
         for rnd in range(args.rounds):
-            # each side runs the jobs `reps` times a round (fresh schedulers each time, so a
-            # repeat's trie never holds the same jobs' answers): at least --min-seconds of the
-            # off side's wall time, so one round is not one ~0.3 s sample; same work both sides
+            # cold: fresh schedulers, no warm-up (an empty trie, the grammar compiled inside
+            # the timed run), the jobs once a side
+            off, on = make(False), make(True, args.ngram_breadth, algo, eagle)
+            order = (on, off) if rnd % 2 else (off, on)
+            res = {id(s): run_once(s, jobs, batch) for s in order}
+            compare_outputs(res[id(off)][0], res[id(on)][0], what + " (cold)")
+            cold.append(res[id(off)][1] / res[id(on)][1])
+            off.close()
+            on.close()
+            # steady state: each side runs the jobs `reps` times a round, on fresh schedulers
+            # warmed on WARMUP each time (so each timed prompt is seen once per scheduler): at
+            # least --min-seconds of the off side's wall time, so one round is not one ~0.3 s
+            # sample; same work both sides
             tot = {"w_on": 0.0, "w_off": 0.0, "c_on": 0.0, "c_off": 0.0}
             reps = 0
             while reps == 0 or tot["w_off"] < args.min_seconds:
                 off, on = make(False), make(True, args.ngram_breadth, algo, eagle)
-                run_once(off, warm, 2)  # compiles the grammar, teaches the trie other jobs
-                run_once(on, warm, 2)
+                warm_off, _, _ = run_once(off, warm, len(warm))
+                warm_on, _, _ = run_once(on, warm, len(warm))
+                compare_outputs(warm_off, warm_on, what + " (warm-up)")
                 # as a serving scheduler does after start-up (process.freeze_startup_heap): the
                 # two schedulers' and the process's objects leave the collector's sight, so a
                 # full collection (~0.2 s here) does not land in one side's timed run
@@ -262,12 +361,16 @@ def main() -> None:
                 # alternate which side runs first, so a load change within a round does not
                 # always favour the same side
                 if (rnd + reps) % 2:
-                    n_on, w_on, c_on = run_once(on, jobs, batch)
-                    n_off, w_off, c_off = run_once(off, jobs, batch)
+                    outs_on, w_on, c_on = run_once(on, jobs, batch)
+                    outs_off, w_off, c_off = run_once(off, jobs, batch)
                 else:
-                    n_off, w_off, c_off = run_once(off, jobs, batch)
-                    n_on, w_on, c_on = run_once(on, jobs, batch)
-                assert n_on == n_off, (name, n_on, n_off)
+                    outs_off, w_off, c_off = run_once(off, jobs, batch)
+                    outs_on, w_on, c_on = run_once(on, jobs, batch)
+                compare_outputs(outs_off, outs_on, what)
+                if not leak:  # greedy: every repeat's outputs are these
+                    leak = check_leak(list(outs_off.values()), list(warm_off.values()), what)
+                    print(leak, flush=True)
+                n_on = sum(len(v) for v in outs_on.values())
                 for k, v in (("w_on", w_on), ("w_off", w_off), ("c_on", c_on), ("c_off", c_off)):
                     tot[k] += v
                 reps += 1
@@ -289,6 +392,11 @@ def main() -> None:
             # step, its target forward, the head's work after it, the rest
             dec = {k: [b - a for a, b in zip(dec0[k], decode_totals(s))] for k, s in (("off", off), ("on", on))}  # fmt: skip
             head_dec = st.get("spec_draft_decode_seconds", 0.0) - head0
+        engine = (
+            engine_figure(args, algo, eagle, tok, warm, jobs, batch, args.engine_rounds)
+            if args.engine_rounds
+            else []
+        )
         by_pos = [
             a / p if p else 0.0
             for a, p in zip(st["spec_accepted_by_position"], st["spec_proposed_by_position"])
@@ -323,9 +431,10 @@ def main() -> None:
                 if want:  # what an on-side decode step may cost for the target ratio
                     head += f"; {want}x needs <= {s_off / want / n_dec * 1e3:.2f} ms"
         print(
-            f"{'' if algo == 'NGRAM' else algo + ' '}{name:5s} batch {batch:2d}: tokens/s on/off wall {statistics.median(ratios_wall):.2f}x "
-            f"[{min(ratios_wall):.2f}-{max(ratios_wall):.2f}], CPU {statistics.median(ratios_cpu):.2f}x "
-            f"[{min(ratios_cpu):.2f}-{max(ratios_cpu):.2f}] | {n_on} tokens, "
+            f"{'' if algo == 'NGRAM' else algo + ' '}bundled-{name} batch {batch:2d}{gate}: "
+            f"tokens/s on/off in-process wall {spread(ratios_wall)}, CPU {spread(ratios_cpu)}, "
+            f"cold {spread(cold)}, Engine wall {spread(engine)} | outputs identical token by "
+            f"token on {len(jobs)} distinct prompts | {n_on} tokens, "
             f"{st['spec_accept_length']:.2f} tokens/verify over {st['spec_verify_ct']} verifies, "
             f"forced {st.get('spec_forced_accepted', 0)}/{st.get('spec_forced_proposed', 0)}, "
             f"no-draft request-steps {st.get('spec_skipped', 0)}, steps off/on {steps['off']}/{steps['on']} "
@@ -353,6 +462,7 @@ def run_isolated(args, rows) -> dict[str, list[float]]:
 
     curves: dict[str, list[float]] = {}
     passed = ["--rounds", str(args.rounds), "--min-seconds", str(args.min_seconds)]
+    passed += ["--engine-rounds", str(args.engine_rounds)]
     passed += ["--ngram-breadth", str(args.ngram_breadth), "--no-plot", "--one-process"]
     for name in ("steps", "topk", "draft_tokens"):
         value = getattr(args, f"eagle_{name}")

@@ -10,6 +10,7 @@ ratio to the decode step of the same batch, then the least-squares fit of the co
 decode step, a + b_ B + c d + e B d (the form of `extra_cost`), beside the model in use.
 
     python benchmarks/bench_verify_cost.py [--rounds 3] [--batches 1,2,4,6,8] [--drafts 3,7]
+        [--model DIR]   # another model folder, e.g. SmolLM2 (the fit is the bundled model's)
 """
 
 from __future__ import annotations
@@ -82,13 +83,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", default="1,2,4,6,8")
     ap.add_argument("--drafts", default="3,7")
+    ap.add_argument("--model", default=None, help="a model folder (default: the bundled model)")
     args = ap.parse_args()
+    model = args.model or BUNDLED_MODEL_PATH
     torch.set_num_threads(ServerArgs().effective_cpu_threads)
     batches = [int(b) for b in args.batches.split(",")]
     drafts = [int(d) for d in args.drafts.split(",")]
-    make = lambda: Scheduler(ServerArgs(model_path=BUNDLED_MODEL_PATH, dtype="float32"))  # noqa: E731
+    make = lambda: Scheduler(ServerArgs(model_path=model, dtype="float32"))  # noqa: E731
     off, on = make(), make()
-    print(f"bundled model, torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}")
+    name = "bundled model" if args.model is None else args.model
+    print(f"{name}, torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}")
     ms: dict[tuple[int, int], list[float]] = {}
     split: dict[tuple[int, int], list[list[float]]] = {}
     for _ in range(args.rounds):
