@@ -38,6 +38,7 @@ from loom.runtime.cpu_forward import PANEL, _Layer, _ptr, pack
 
 logger = logging.getLogger(__name__)
 
+
 class _Head(ctypes.Structure):
     _fields_ = [
         *[

@@ -35,6 +35,7 @@ from loom.runtime.spec.ngram_store import (
     CUT,
     ROOT,
     SECOND_CHANCES,
+    PyNgramTrie,
     check_store,
     fresh_pointers,
     store_queue,
@@ -51,6 +52,7 @@ _N_IDS, _SIZE, _TAIL, _CLOCK, _EVICTED_AT, _NFREE = (
 _FIELDS = ("parent", "token", "count", "stamp", "ostamp", "queued", "nxt", "died",
            "first", "last", "next", "prev", "nkids", "live")  # fmt: skip
 _RECORD = 16
+
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
@@ -220,4 +222,12 @@ class CNgramTrie:
         check_store(self)
 
 
-__all__ = ["CNgramTrie", "CUT", "load"]
+def new_ngram_store(depth: int, capacity: int) -> CNgramTrie | PyNgramTrie:
+    """A trie's node store: the C one (`CNgramTrie`: same ids, fields and eviction as the
+    Python store, no Python object per node) where the C library builds, else `PyNgramTrie`."""
+    if load() is not None:
+        return CNgramTrie(depth, capacity)
+    return PyNgramTrie(depth, capacity)
+
+
+__all__ = ["CNgramTrie", "CUT", "load", "new_ngram_store"]
