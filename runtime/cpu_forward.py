@@ -11,8 +11,9 @@ one rank; steps of more than `MAX_TOKENS` tokens go to the eager forward, and so
 the C code does not cover (`CpuForward.build` says why, once). Every step reads a copy of the
 projection and LM-head weights packed into 16-row panels (`pack`; `PACK_BUDGET` bounds its
 bytes): one sequential stream a panel, the only copy a decode step touches (the row-major
-parameters stay for the eager path), so 15.7 MB of the bundled model stays in L3 where two
-copies did not; every loaded weight vector serves up to 16 tokens (6 without AVX-512).
+parameters stay for the eager path), so the bytes a step streams are one copy of the weights,
+which is what keeps a small model's weights in the last-level cache; every loaded weight
+vector serves up to 16 tokens (6 without AVX-512).
 `--cpu-forward eager` turns it off; the eager modules stay the reference it is tested against.
 """
 
@@ -29,12 +30,9 @@ from loom.runtime.forward_batch import ForwardBatch, host_tensor
 
 logger = logging.getLogger(__name__)
 
-# tokens per step up to which the C forward runs. With the packed multi-token matmul and the
-# blocked causal attention, C took less CPU time than the eager forward at every size measured
-# (one thread, bundled model, load 5-8): one request's extend of 8 / 128 / 1024 / 2048 tokens
-# in ~0.3x / 0.7x / 0.65x / 0.65x of eager's, the prefill step of 64 prompts of 128 tokens
-# (8192) in 0.65x; docs/benchmarks.md "Session 5: multi-token kernel". Past the largest
-# measured step, eager.
+# tokens per step up to which the C forward runs: the largest step measured, and C took less
+# CPU time than the eager forward at every size measured up to it (docs/benchmarks.md,
+# "Session 5: multi-token kernel"); past it, eager.
 MAX_TOKENS = 8192
 
 _P = ctypes.c_void_p
