@@ -28,11 +28,11 @@ import subprocess
 import sys
 import time
 
-from bench_ngram_trie import load_ngram  # this tree's or a revision's ngram module
+from bench_ngram_trie import load_ngram, new_store  # this tree's or a revision's ngram
 
 
 def measure(rev: str | None, depth: int, capacity: int, fill: int, churn: int, vocab: int):
-    NgramTrie = load_ngram(rev).NgramTrie
+    NgramTrie = new_store(load_ngram(rev))
     # a serving process builds its first trie at start-up: the C store's library (and the
     # kernels module it is built by, with torch) load before the heap is frozen, not inside
     # the fill's figures

@@ -78,7 +78,7 @@ def load_ngram(rev: str | None):
         from loom.runtime.spec.ngram_store import PyNgramTrie
 
         module = _module("ngram_py", (REPO / "runtime/spec/ngram.py").read_text())
-        module.NgramTrie = PyNgramTrie
+        module.new_ngram_store = module.NgramTrie = PyNgramTrie
         return module
     src = _git_show(rev, "runtime/spec/ngram.py")
     store = _git_show(rev, "runtime/spec/ngram_store.py")
@@ -86,6 +86,12 @@ def load_ngram(rev: str | None):
     if store is not None:
         deps["loom.runtime.spec.ngram_store"] = _module(f"ngram_store_{rev}", store)
     return _module(f"ngram_{rev}", src, deps)
+
+
+def new_store(ngram):
+    """The store factory of an `ngram` module: `new_ngram_store` (NgramTrie before it had
+    that name)."""
+    return getattr(ngram, "new_ngram_store", None) or ngram.NgramTrie
 
 
 class Req:
@@ -205,12 +211,12 @@ def main() -> None:
         drafts = {}
         for name in order:
             ngram = tries[name]
-            trie = ngram.NgramTrie(19, 1_000_000)
+            trie = new_store(ngram)(19, 1_000_000)
             for measure, fn, *fn_args in (
                 ("serve", serve_n, 3, ngram, PromptCopy, tok, streams),
                 ("extend", extend_all, ngram, trie, tokens),
                 ("walk", walk_all, trie, tokens),
-                ("churn", extend_all, ngram, ngram.NgramTrie(19, 50_000), tokens),
+                ("churn", extend_all, ngram, new_store(ngram)(19, 50_000), tokens),
             ):
                 s, out = timed(fn, *fn_args)
                 secs.setdefault((name, measure), []).append(s)

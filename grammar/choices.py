@@ -1,8 +1,9 @@
-"""A fixed set of strings as a grammar: an escaped alternation, compiled like any regex."""
+"""A fixed set of strings as a grammar: an escaped alternation (grammar/forms.py compiles it
+like any regex)."""
 
 from __future__ import annotations
 
-from .base import Grammar, GrammarError
+from .base import GrammarError
 from .json_schema.strings import escape
 
 
@@ -14,9 +15,3 @@ def choices_to_regex(choices: list[str]) -> str:
     # longest first keeps the alternation readable; the DFA does not care about order
     alts = sorted(dict.fromkeys(choices), key=lambda c: (-len(c), c))
     return "(?:" + "|".join(escape(c) for c in alts) + ")"
-
-
-def compile_choices(choices: list[str], vocab) -> Grammar:
-    from .regex_grammar import CompiledRegex, RegexGrammar
-
-    return RegexGrammar(CompiledRegex(choices_to_regex(choices), vocab))

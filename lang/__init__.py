@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import sys as _sys
 
-__version__ = "0.1.0"
-
 # loom.runtime, loom.grammar, loom.radix and loom.kernels are namespace packages (folders without
 # __init__.py): from the checkout's root a bare folder name such as `kernels` must never shadow an
 # installed distribution of that name (transformers imports Hugging Face's `kernels`), and a
@@ -23,6 +21,7 @@ __path__ += [
 # Bound eagerly: the submodule `loom.global_config` shares the name, and whichever import of it
 # came first would otherwise decide whether `loom.global_config` is the module or the object.
 from loom.global_config import global_config  # noqa: E402, F401  (light: no torch)
+from loom.runtime.version import __version__  # noqa: E402, F401 (after __path__; in __all__)
 
 _LAZY = {
     # language

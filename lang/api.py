@@ -41,7 +41,7 @@ def set_default_backend(backend: Any) -> None:
 
 
 def _backend(backend: Any):
-    from loom.program import resolve_backend
+    from loom.backends.engine import resolve_backend
 
     return resolve_backend(backend)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loom.interpreter import _GatherJoin
 from loom.ir import SglConcateAndAppend, SglExpr, as_expr
-from loom.state import ProgramState
+
+if TYPE_CHECKING:  # annotations only: state.py imports this module to fork
+    from loom.state import ProgramState
 
 
 class ProgramStateGroup:

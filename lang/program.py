@@ -184,9 +184,6 @@ def _takes_var_kwargs(func) -> bool:
 
 
 def resolve_backend(backend: Any):
-    from loom.backends.engine import as_backend
+    from loom.backends.engine import resolve_backend
 
-    backend = as_backend(backend if backend is not None else global_config.default_backend)
-    if backend is None:
-        raise ValueError("no backend: pass backend=... or call loom.set_default_backend(...) first")
-    return backend
+    return resolve_backend(backend)

@@ -85,7 +85,7 @@ def round_regex(tools: list[Tool], required: bool) -> str:
     """One round's output: free text without "Action:", then (optionally) one valid call;
     `required`: a call, after at most one "Thought: ..." line of up to 100 characters."""
     from loom.grammar.json_schema import json_schema_to_regex
-    from loom.runtime.server.tools import FORMATS, avoid_regex
+    from loom.runtime.tool_formats import FORMATS, avoid_regex
 
     react = FORMATS["react"]  # the call format the OpenAI API's react parser reads
     calls = "|".join(react.call_regex(t.name, json_schema_to_regex(t.parameters)) for t in tools)
@@ -111,6 +111,6 @@ def parse_call(text: str) -> tuple[str, dict] | None:
 
 def system_prompt(tools: list[Tool]) -> str:
     """A system prompt in the bundled model's ReAct wording, listing `tools`."""
-    from loom.runtime.server.tools import react_system_prompt
+    from loom.runtime.tool_formats import react_system_prompt
 
     return react_system_prompt([t.as_openai() for t in tools])

@@ -101,8 +101,8 @@ class TracerProgramState:
 
 
 def trace_program(program, kwargs: dict, backend: Any = None) -> TracerProgramState:
+    from loom.backends.engine import resolve_backend
     from loom.chat_template import get_chat_template
-    from loom.program import resolve_backend
 
     try:
         template = resolve_backend(backend).get_chat_template()

@@ -2,7 +2,7 @@
 
 At batch 1 the eager forward of a small model is mostly overhead: a few hundred small aten
 calls and Python module calls per step, several times the matmuls themselves. This path runs
-the step's whole forward in one C function (cpu_forward_kernel.SOURCE: norms, QKV, q/k norm,
+the step's whole forward in one C function (kernels/cpu/forward.c: norms, QKV, q/k norm,
 RoPE, the KV store into the pool, paged attention read in place through the req-to-token
 table, causal or under a draft tree's mask, O projection, the SiLU MLP, the final norm and
 the LM head for the rows that need logits), reading the weights in place from the model's
@@ -11,30 +11,28 @@ one rank; steps of more than `MAX_TOKENS` tokens go to the eager forward, and so
 the C code does not cover (`CpuForward.build` says why, once). Every step reads a copy of the
 projection and LM-head weights packed into 16-row panels (`pack`; `PACK_BUDGET` bounds its
 bytes): one sequential stream a panel, the only copy a decode step touches (the row-major
-parameters stay for the eager path), so 15.7 MB of the bundled model stays in L3 where two
-copies did not; every loaded weight vector serves up to 16 tokens (6 without AVX-512).
+parameters stay for the eager path), so the bytes a step streams are one copy of the weights,
+which is what keeps a small model's weights in the last-level cache; every loaded weight
+vector serves up to 16 tokens (6 without AVX-512).
 `--cpu-forward eager` turns it off; the eager modules stay the reference it is tested against.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 import torch
 
-from loom.runtime import cpu_kernels
-from loom.runtime.cpu_forward_kernel import SOURCE
+from loom.runtime import native
 from loom.runtime.forward_batch import ForwardBatch, host_tensor
 
 logger = logging.getLogger(__name__)
 
-# tokens per step up to which the C forward runs. With the packed multi-token matmul and the
-# blocked causal attention, C took less CPU time than the eager forward at every size measured
-# (one thread, bundled model, load 5-8): one request's extend of 8 / 128 / 1024 / 2048 tokens
-# in ~0.3x / 0.7x / 0.65x / 0.65x of eager's, the prefill step of 64 prompts of 128 tokens
-# (8192) in 0.65x; docs/benchmarks.md "Session 5: multi-token kernel". Past the largest
-# measured step, eager.
+# tokens per step up to which the C forward runs: the largest step measured, and C took less
+# CPU time than the eager forward at every size measured up to it (docs/benchmarks.md,
+# "Session 5: multi-token kernel"); past it, eager.
 MAX_TOKENS = 8192
 
 _P = ctypes.c_void_p
@@ -65,32 +63,17 @@ class _Model(ctypes.Structure):
     ]
 
 
-# Instruction-set variants of the library. "native": -march=native as the build machine's
-# cpuid reports it (AVX-512F where present: one zmm per 16-output panel, 16-token passes);
-# "avx2": the same with AVX-512 off (two ymm per panel, 6-token passes), the path of CPUs
-# without it, built here so that tests exercise both.
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.loom_forward_f32
-    fn.restype = ctypes.c_int
-    # model, T, ids, pos, slots, B, starts, rows, seq_lens, table, stride, masks,
-    # mask_offs, N, logit_rows, logits, threads, prof
-    fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
-    fn.argtypes += [ctypes.c_int, _P, _P]  # threads, prof, hidden_out
-    fn.argtypes += [_I64, _P, _P]  # n_aux, aux_layers, aux_out
-    for fn in (lib.loom_linear_f32, lib.loom_linear_packed_f32):
-        fn.restype = None
-        fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
-    lib.loom_isa_bits.restype = ctypes.c_int
-    lib.loom_isa_bits.argtypes = []
-
-
+@functools.cache
 def load(isa: str = "native") -> ctypes.CDLL | None:
-    """The compiled forward library for the `isa` variant (cpu_kernels.build_or_none: built
-    once per machine, cached); None without a working C compiler."""
-    return cpu_kernels.build_or_none(SOURCE, "loom_forward", _declare, ISA_FLAGS[isa])
+    """loom's C library for the `isa` variant (native.ISA_FLAGS; native.load: built once per
+    machine, cached), its Layer / Model checked against these ctypes structs; None without a
+    working C compiler."""
+    lib = native.load(isa)
+    if lib is not None:
+        native.check_layout(lib, "Layer", _Layer)
+        native.check_layout(lib, "Model", _Model)
+        native.check_constants(lib, {"PANEL": PANEL})
+    return lib
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -165,8 +165,10 @@ class Engine:
 
     def get_server_info(self) -> dict:
         self._check_open()
+        from loom.runtime.server.common import public_args
+
         state = self._call(self.tokenizer_manager.get_internal_state())
-        return {**_public_args(self.server_args), **state}
+        return {**public_args(self.server_args), **state}
 
     def abort_request(self, rid: str = "") -> None:
         self._loop.call_soon_threadsafe(self.tokenizer_manager.abort_request, rid)
@@ -215,11 +217,3 @@ def _request(prompt, sampling_params, input_ids, fields: dict) -> GenerateReqInp
         raise TypeError(f"generate: unexpected keyword argument(s) {', '.join(unknown)}")
     body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params}
     return decode_generate_request({**body, **fields})
-
-
-def _public_args(args: ServerArgs) -> dict:
-    import dataclasses
-
-    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "extra"}
-    out.pop("api_key", None)
-    return out

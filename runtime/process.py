@@ -47,10 +47,10 @@ def configure_logging(level: str) -> None:
 
 
 def freeze_startup_heap() -> None:
-    """Move every object alive after start-up (torch, transformers, the model, the tokenizer:
-    ~220,000 in a scheduler) out of the garbage collector's sight. A full collection scanned
-    them all, ~90 ms once every ~2,000 decode steps at batch 1 in a scheduler (0.05 ms a step
-    on average, and a 90 ms gap in every stream); what is allocated later is still collected."""
+    """Move every object alive after start-up (torch, transformers, the model, the tokenizer)
+    out of the garbage collector's sight: they live as long as the process, and a full
+    collection would scan them all, a gap in every stream (measured: docs/benchmarks.md,
+    "Figures moved out of module docstrings"); what is allocated later is still collected."""
     gc.collect()
     gc.freeze()
 
@@ -187,27 +187,6 @@ def wait_ready(proc: mp.Process, reader, timeout: float) -> dict:
             break
     code = proc.exitcode
     raise RuntimeError(f"{proc.name} process exited during start-up (exit code {code})")
-
-
-def start_scheduler_ranks(args, ipc) -> list[tuple[mp.Process, object]]:
-    """Start this node's ranks: rank 0 (on node 0) is the scheduler and owns the ZMQ sockets,
-    the others run the model on the steps it broadcasts. Returns (process, ready pipe) pairs,
-    rank order."""
-    from loom.runtime.distributed import free_local_addr
-    from loom.runtime.parallel_worker import run_worker_process
-    from loom.runtime.scheduler.loop import run_scheduler_process
-
-    addr = args.dist_init_addr
-    if addr is None and args.world_size > 1:
-        addr = free_local_addr()
-    started = []
-    for rank in args.node_ranks:
-        if rank == 0:
-            started.append(start_process(run_scheduler_process, (args, ipc, addr), "scheduler"))
-        else:
-            target, name = run_worker_process, f"scheduler-rank{rank}"
-            started.append(start_process(target, (args, rank, addr), name))
-    return started
 
 
 def wait_all_ready(started: list, timeout: float) -> list[dict]:

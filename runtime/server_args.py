@@ -9,6 +9,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# --tool-call-parser's choices: the formats' own names and aliases (one list)
+from loom.runtime.tool_formats import PARSER_NAMES as TOOL_CALL_PARSERS
+
 API_KEY_ENV = "LOOM_API_KEY"
 BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
 
@@ -24,7 +27,6 @@ CPU_FORWARD_MODES = ("auto", "eager")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DISAGGREGATION_TRANSFER_BACKENDS = ("zmq",)  # mooncake / nixl: not built
 # OpenAI tool calls and reasoning (runtime/server/tools.py, reasoning.py), SGLang's names
-TOOL_CALL_PARSERS = ("hermes", "llama3", "llama4", "mistral", "qwen", "qwen25", "qwen3", "react")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "MEDUSA")  # others: refused by name
 SPECULATIVE_NOT_YET = ("NEXTN", "STANDALONE")
@@ -680,7 +682,7 @@ _HELP = {
     "disable_radix_cache": "Turn off the radix prefix cache",
     "attention_backend": "Attention implementation: torch (the plain reference) or cpu_paged (CPU decode reads K/V in place; the CPU default; extends as torch); or triton (the Triton kernels of loom.kernels, the CUDA default; on the CPU only under TRITON_INTERPRET=1, for tests)",
     "random_seed": "Seed of the server's random state",
-    "cpu_forward": "CPU forward: auto (steps of up to 32 tokens run as one compiled C call per step for dense Llama/Mistral/Qwen2/Qwen3 float32 models on one rank with the cpu_paged attention backend; larger steps and anything else run eager) or eager (always the torch modules, the reference)",
+    "cpu_forward": "CPU forward: auto (steps of up to 8192 tokens (cpu_forward.MAX_TOKENS) run as one compiled C call per step for dense Llama/Mistral/Qwen2/Qwen3 float32 models on one rank with the cpu_paged attention backend; larger steps and anything else run eager) or eager (always the torch modules, the reference)",
     "cpu_threads": "Torch threads of the scheduler on CPU; default: the physical cores this process may use (affinity, cgroup quota, SMT siblings once) - 1 (one core is left to the tokenizer and detokenizer processes)",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying CUDA graphs (graphs are captured on CUDA with the triton backend only; never on the CPU)",
     "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph (sizes 1, 2, 4, 8, then every 8 up to it; larger batches run eagerly); default 160, capped by max running requests. Validated on the CPU too, where no graph is captured",

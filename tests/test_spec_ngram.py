@@ -115,7 +115,7 @@ def test_eviction_spares_what_was_touched_since_it_was_queued():
     """The trie evicts the least recently touched first, though a touch does not move a node
     in the queue (second chance at eviction): windows seen again after newer ones outlive
     those newer ones; a window never seen again goes first; the size stays bounded."""
-    from loom.runtime.spec.ngram import NgramTrie
+    from loom.runtime.spec.ngram_store_c import new_ngram_store
 
     def insert(trie, tokens):
         pointers = []
@@ -123,7 +123,7 @@ def test_eviction_spares_what_was_touched_since_it_was_queued():
             pointers = trie.extend(pointers, t)
 
     old, newer, fresh = [1, 2, 3], [4, 5, 6], [7, 8, 9]
-    trie = NgramTrie(depth=3, capacity=12)
+    trie = new_ngram_store(depth=3, capacity=12)
     insert(trie, old)  # 6 nodes: 1 2 3, 2 3, 3
     insert(trie, newer)  # 6 more, the trie is full
     insert(trie, old)  # touched again: now more recent than `newer`, still first in the queue

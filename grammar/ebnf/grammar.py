@@ -111,7 +111,3 @@ class EBNFGrammar(Grammar):
 
     def copy(self) -> EBNFGrammar:
         return EBNFGrammar(self.compiled, list(self._history))
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self._history) - 1

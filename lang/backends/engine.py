@@ -104,3 +104,13 @@ def as_backend(backend: Any) -> Any:
             backend._loom_lang_backend = wrapped
         return wrapped
     return backend
+
+
+def resolve_backend(backend: Any):
+    """`backend` as a backend object, or the default one (loom.set_default_backend)."""
+    from loom.global_config import global_config
+
+    backend = as_backend(backend if backend is not None else global_config.default_backend)
+    if backend is None:
+        raise ValueError("no backend: pass backend=... or call loom.set_default_backend(...) first")
+    return backend

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation: a prefill server computes a prompt's KV and first token and
 sends the KV to a decode server, which continues the request there (docs/architecture.md,
-"Prefill/decode disaggregation")."""
+"Prefill/decode disaggregation"). The package holds `Side`, the type both sides share;
+`factory.create_side` builds one (the sides import this package, so it imports none of them)."""
 
 
 class Side:
@@ -16,20 +17,3 @@ class Side:
         self.timeout = timeout
         self.stats = stats
         stats.update(disagg_transfers=0, disagg_kv_tokens=0, disagg_kv_bytes=0)
-
-
-def create_side(args, kv, kv_pool, output, stats):
-    """The scheduler's owner of disaggregated requests for --disaggregation-mode prefill or
-    decode, over the transfer backend the flags name."""
-    from loom.runtime.disagg.transfer import create_transfer
-
-    transfer = create_transfer(args)
-    if args.disaggregation_mode == "prefill":
-        from loom.runtime.disagg.prefill import PrefillSide
-
-        side = PrefillSide(kv, kv_pool, output, transfer, args.disaggregation_timeout, stats)
-        output.hold_for_transfer = side.hold
-        return side
-    from loom.runtime.disagg.decode import DecodeSide
-
-    return DecodeSide(kv, kv_pool, output, transfer, args.disaggregation_timeout, stats)

@@ -80,7 +80,10 @@ class DecodeManager:
                 else:
                     req.draft_ids = draft
                 req.extend_len = 1 + len(draft)
-                assert self.kv.alloc(req, req.extend_len) is not None
+                # a statement, not an assert: under `python -O` an assert and the allocation
+                # inside it do not run. The loop above made room (pages_short <= 0): None is a bug
+                if self.kv.alloc(req, req.extend_len) is None:
+                    raise RuntimeError(f"{req.rid}: no KV for its drafts though the pool had room")
         else:
             for req in reqs:
                 req.extend_len = 1

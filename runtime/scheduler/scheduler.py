@@ -67,7 +67,7 @@ class Scheduler:
             self.kv, args, r.max_running_requests, random.Random(args.random_seed)
         )
         if drafter is None:
-            from loom.runtime.spec import create_drafter
+            from loom.runtime.spec.factory import create_drafter
 
             drafter = create_drafter(
                 args, self.tokenizer, self.vocab_size, self.eos_token_ids, runner=self.runner
@@ -89,7 +89,7 @@ class Scheduler:
         # prefill/decode disaggregation (runtime/disagg/): the prefill or decode side
         self.disagg = None
         if args.disaggregation_mode != "null":
-            from loom.runtime.disagg import create_side
+            from loom.runtime.disagg.factory import create_side
 
             self.disagg = create_side(args, self.kv, r.token_to_kv_pool, self.output, self.stats)
         self.check_integrity_every_step = False

@@ -1,4 +1,5 @@
-"""The FastAPI application: shared server state, error handling, auth, and the routers.
+"""The FastAPI application: error handling, auth, and the routers (the state and response types
+the routes share are in server/common.py: the routers import it, not this module).
 
 Every failure leaves as `{"error": {"message": ...}}`: 4xx for bad input (the message names
 the field), 503 when a runtime process died, 500 only for genuine bugs (logged with a
@@ -8,81 +9,20 @@ traceback).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hmac
-import json
 import logging
-import math
-import time
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loom.runtime.server.common import APIError, ServerState
 from loom.runtime.tokenizer_manager import RequestError
 
 logger = logging.getLogger(__name__)
 
 _AUTH_EXEMPT = ("/health", "/metrics")
-
-
-@dataclasses.dataclass
-class ServerState:
-    """What the routes share: the args, the TokenizerManager and the runtime's facts."""
-
-    args: Any
-    tm: Any
-    scheduler_info: dict
-    procs: list = dataclasses.field(default_factory=list)
-    chat_template: str | None = None
-    metrics: Any = None
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    on_shutdown: Any = None  # called in the lifespan's shutdown (stops the child processes)
-
-    @property
-    def tokenizer(self):
-        return self.tm.tokenizer
-
-    @property
-    def context_len(self) -> int:
-        return self.tm.context_len
-
-
-class APIError(Exception):
-    """An error with an explicit HTTP status (404 model_not_found, 503, ...)."""
-
-    def __init__(self, status_code: int, message: str, code: str | None = None):
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.code = code
-
-
-def _finite(obj: Any) -> Any:
-    """-inf logprobs (masked tokens) become None: JSON has no infinities."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def json_dumps(obj: Any) -> str:
-    try:
-        return json.dumps(obj, ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False)
-
-
-class JSONOut(JSONResponse):
-    """JSON that never fails on a non-finite float."""
-
-    def render(self, content: Any) -> bytes:
-        return json_dumps(content).encode("utf-8")
 
 
 def error_body(message: str, status: int, code: str | None = None) -> dict:
@@ -204,8 +144,8 @@ class _BodyLimitMiddleware:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    from loom import __version__
     from loom.runtime.server import native, openai_api
+    from loom.runtime.version import __version__
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

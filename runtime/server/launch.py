@@ -34,7 +34,7 @@ _BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE}
 
 def load_chat_template(value: str | None) -> str | None:
     """--chat-template: a .jinja/.json file, the template text itself, or a built-in name
-    (`chatml`, or any name in loom.chat_template's registry, turned into Jinja)."""
+    (`chatml`, or any name in runtime/chat_template.py's registry, turned into Jinja)."""
     if not value:
         return None
     if value in _BUILTIN_TEMPLATES:
@@ -50,7 +50,7 @@ def load_chat_template(value: str | None) -> str | None:
         return text
     if "{{" in value or "{%" in value:
         return value
-    from loom.chat_template import get_chat_template
+    from loom.runtime.chat_template import get_chat_template
 
     try:
         return jinja_from_roles(get_chat_template(value))
@@ -61,7 +61,7 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def jinja_from_roles(template) -> str:
-    """A Jinja chat template from the language's role prefixes/suffixes (loom.chat_template)."""
+    """A Jinja chat template from a registry template's role prefixes/suffixes."""
     roles = template.role_prefix_and_suffix
     parts = ["{% for message in messages %}"]
     for i, (role, (prefix, suffix)) in enumerate(roles.items()):
@@ -76,11 +76,33 @@ def jinja_from_roles(template) -> str:
     return "".join(parts)
 
 
+def start_scheduler_ranks(args, ipc) -> list[tuple]:
+    """Start this node's ranks: rank 0 (on node 0) is the scheduler and owns the ZMQ sockets,
+    the others run the model on the steps it broadcasts. Returns (process, ready pipe) pairs,
+    rank order."""
+    from loom.runtime.distributed import free_local_addr
+    from loom.runtime.parallel_worker import run_worker_process
+    from loom.runtime.process import start_process
+    from loom.runtime.scheduler.loop import run_scheduler_process
+
+    addr = args.dist_init_addr
+    if addr is None and args.world_size > 1:
+        addr = free_local_addr()
+    started = []
+    for rank in args.node_ranks:
+        if rank == 0:
+            started.append(start_process(run_scheduler_process, (args, ipc, addr), "scheduler"))
+        else:
+            target, name = run_worker_process, f"scheduler-rank{rank}"
+            started.append(start_process(target, (args, rank, addr), name))
+    return started
+
+
 def start_runtime_processes(args: ServerArgs, ipc, procs: list):
     """Start the scheduler ranks and the detokenizer on `ipc` (appended to `procs` as they
     start); returns (scheduler info, tokenizer)."""
     from loom.runtime.detokenizer import run_detokenizer_process
-    from loom.runtime.process import start_process, start_scheduler_ranks, wait_all_ready
+    from loom.runtime.process import start_process, wait_all_ready
     from loom.runtime.tokenizer import load_tokenizer
 
     ranks = start_scheduler_ranks(args, ipc)
@@ -97,7 +119,7 @@ def serve_other_node(args: ServerArgs) -> int:
     one of them exits; returns 1 then (0 on SIGTERM/SIGINT)."""
     from multiprocessing.connection import wait
 
-    from loom.runtime.process import IPCNames, start_scheduler_ranks, wait_all_ready
+    from loom.runtime.process import IPCNames, wait_all_ready
 
     procs: list = []
     ipc = IPCNames.fresh()
@@ -141,7 +163,8 @@ def launch_server(args: ServerArgs) -> int:
     from loom.runtime.distributed import check_layout
     from loom.runtime.model_loader import load_config
     from loom.runtime.process import IPCNames, configure_logging, yield_to_scheduler
-    from loom.runtime.server.app import ServerState, create_app
+    from loom.runtime.server.app import create_app
+    from loom.runtime.server.common import ServerState
     from loom.runtime.tokenizer_manager import TokenizerManager
 
     configure_logging(args.log_level)

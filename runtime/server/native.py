@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from loom.runtime.io_struct import GenerateReqInput, decode_generate_request
-from loom.runtime.server.app import APIError, JSONOut, ServerState, json_dumps
+from loom.runtime.server.common import APIError, JSONOut, ServerState, json_dumps, public_args
 from loom.runtime.server.disconnect import unless_disconnected as _unless_disconnected
 from loom.runtime.server.protocol import (
     AbortRequest,
@@ -198,13 +198,12 @@ async def get_model_info(request: Request):
 @router.get("/server_info")
 @router.get("/get_server_info")
 async def get_server_info(request: Request):
-    from loom import __version__
-    from loom.runtime.engine import _public_args
+    from loom.runtime.version import __version__
 
     state = server_state(request)
     internal = await control(state, state.tm.get_internal_state())
     return {
-        **_public_args(state.args),
+        **public_args(state.args),
         **internal,
         "internal_states": [internal],
         "process_pids": {p.name: p.pid for p in state.procs},

@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 from loom.runtime.io_struct import GenerateReqInput
 from loom.runtime.sampling_params import SamplingParams
-from loom.runtime.server.app import APIError, JSONOut, ServerState
 from loom.runtime.server.chat import ReplyParser, ToolPlan, constrain, render_messages
+from loom.runtime.server.common import APIError, JSONOut, ServerState
 from loom.runtime.server.native import (
     prime,
     server_state,

@@ -12,15 +12,10 @@ response_format or tool grammar applies after the thinking, not to it.
 
 from __future__ import annotations
 
-from loom.runtime.server.tools import _partial_suffix, avoid_regex, lit
+from loom.runtime.server.tools import _partial_suffix
+from loom.runtime.tool_formats import avoid_regex, lit
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("deepseek-r1", "qwen3")
-
-
-def check_parser(name: str | None) -> None:
-    if name is not None and name not in PARSERS:
-        raise ValueError(f"reasoning_parser: {name!r} is not one of {PARSERS}")
 
 
 def think_regex(parser: str) -> str:

@@ -1,8 +1,9 @@
 """Speculative decoding: drafters propose tokens, one target forward verifies them.
 
 `Drafter` is the interface the scheduler sees (the decode owner asks for drafts, result
-processing reports what was accepted); `create_drafter(args, ...)` builds the one named by
-`--speculative-algorithm` (lazy imports: nothing here loads unless speculation is on).
+processing reports what was accepted); `factory.create_drafter(args, ...)` builds the one
+named by `--speculative-algorithm`. The package holds the shared types only and imports none
+of its modules: the drafters import it, so importing them from here would be a cycle.
 """
 
 from __future__ import annotations
@@ -43,15 +44,6 @@ def tree_depths(parents: list[int]) -> list[int]:
     for p in parents:
         depths.append(0 if p < 0 else depths[p] + 1)
     return depths
-
-
-def tree_path(parents: list[int], node: int) -> list[int]:
-    """The nodes from the root's child down to `node` (inclusive); [] for node -1."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 class Drafter(ABC):
@@ -195,25 +187,3 @@ class HeadDrafter(Drafter):
             "spec_draft_decode_seconds": round(self.draft_decode_seconds, 4),
             **self.lookup.summary(),
         }
-
-
-def create_drafter(args, tokenizer, vocab_size: int, eos_token_ids, runner=None) -> Drafter | None:
-    """`runner`: the ModelRunner (model-based drafters run their head beside the target; the
-    n-gram drafter needs none)."""
-    algo = (args.speculative_algorithm or "").upper()
-    if not algo:
-        return None
-    if algo == "NGRAM":
-        from loom.runtime.spec.speculator import NgramSpeculator
-
-        return NgramSpeculator(args, tokenizer, vocab_size, eos_token_ids)
-    if algo == "MEDUSA":
-        from loom.runtime.spec.medusa_drafter import MedusaSpeculator
-
-        return MedusaSpeculator(args, tokenizer=tokenizer, runner=runner, vocab_size=vocab_size,
-                                eos_token_ids=eos_token_ids)  # fmt: skip
-    if algo in ("EAGLE", "EAGLE3"):
-        from loom.runtime.spec.eagle_drafter import EagleSpeculator
-
-        return EagleSpeculator(args, runner, tokenizer, vocab_size, eos_token_ids)
-    raise ValueError(f"speculative_algorithm: unknown algorithm {args.speculative_algorithm!r}")

@@ -23,16 +23,14 @@ request, at its first draft, from `head_gain`, a running average per verify of s
 of the head's tokens past the n-gram's (its realised length where its draft was verified,
 its estimate where the head's was) less the tokens the n-gram alone would have earned in
 the head's time (`_net_gain`), with every PROBE_EVERY-th constrained request using it anyway
-to re-measure. Comparing the head with nothing (its tokens past the forced text) let it run
-where the n-gram's chains earned ~5 tokens a verify without it. A request it
+to re-measure. The comparison is with the n-gram draft, not with nothing (the head's tokens
+past the forced text): where the n-gram's chains earn several tokens a verify, a head that
+beats nothing still loses to them. A request it
 skips drafts n-gram chains only: its rows (`headless`) get no catch-up, a forward of such
 requests alone keeps no features for the head, and a batch of their chains alone is cut and
 judged by the n-gram speculator's own rule (`NgramSpeculator.worth_verifying`), as NGRAM's.
-On bench_spec's ten JSON jobs with the bundled model's heads, every request using them, the
-heads earn 0.14 (EAGLE), 0.21 (Medusa) and 0.38 (EAGLE-3) tokens a verify past the forced text,
-while the n-gram chains they displace earn ~5 (prompt copies), so after a fresh server's first
-requests those jobs run as NGRAM's (`head_gain` after bench_spec's two warm-up jobs: EAGLE-3
--0.5, EAGLE -2.7, Medusa -0.5).
+(What the bundled heads earn on bench_spec's JSON jobs against the n-gram chains, and their
+`head_gain`: docs/benchmarks.md, "Figures moved out of module docstrings".)
 
 `HeadGate` is the head drafters' off-switch by measured costs: server-wide acceptance rates of
 the head's free drafts per position, the expected gain of each request's draft from them, the
@@ -49,9 +47,9 @@ re-measure.
 
 The head's fixed cost per round (the catch-up) is not in the on/off decision: a decline stops
 drafting until the next probe, PROBE_EVERY steps on, and the server-wide rates swing from one
-request to the next, so at batch 1 on the bundled model (drafting near break-even) counting it
-declined often and cost more than it saved (bench_spec's EAGLE3 chat b1, 10 paired rounds:
-0.83x with it, 0.97x without).
+request to the next, so where drafting is near break-even (batch 1 on the bundled model)
+counting it declined often and cost more than it saved (the paired rounds: docs/benchmarks.md,
+"Figures moved out of module docstrings").
 """
 
 from __future__ import annotations

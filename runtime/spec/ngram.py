@@ -15,7 +15,7 @@ continues past one window (at most MAX_REMATCHES times a draft). Where the answe
 word from its prompt at that context (a JSON value: `ngram_copy.PromptCopy`), the draft takes
 this prompt's word and goes on as the trie went on after another request's value there.
 
-The trie (`ngram_store.NgramTrie`: node ids, out of the cyclic collector's sight) holds at
+The trie (`ngram_store_c.new_ngram_store`: node ids, out of the cyclic collector's sight) holds at
 most `capacity` nodes, the least recently touched evicted first. A prompt contributes at most
 its last `MAX_PROMPT_TOKENS` tokens, so the first draft of a request costs O(that x depth).
 """
@@ -26,9 +26,9 @@ import heapq
 from collections.abc import Sequence
 
 from loom.runtime.spec.ngram_copy import CONTEXT, PromptCopy
-from loom.runtime.spec.ngram_store import NgramTrie
+from loom.runtime.spec.ngram_store_c import new_ngram_store
 
-__all__ = ["MAX_PROMPT_TOKENS", "NgramDrafter", "NgramState", "NgramTrie"]
+__all__ = ["MAX_PROMPT_TOKENS", "NgramDrafter", "NgramState", "new_ngram_store"]
 
 MAX_PROMPT_TOKENS = 2048
 SKIP_MIN_CONTEXT = 2  # tokens of context a skip-gram match needs
@@ -56,8 +56,8 @@ class NgramState:
     )
 
     def __init__(self, num_positions: int):
-        self.pointers: list[int] = []  # trie node ids (`NgramTrie.extend`)
-        self.at = 0  # the trie's clock when `pointers` were made (`NgramTrie.fresh`)
+        self.pointers: list[int] = []  # trie node ids (the store's `extend`)
+        self.at = 0  # the trie's clock when `pointers` were made (the store's `fresh`)
         self.seen = 0
         # per draft position: running acceptance rate (given the draft reached it)
         self.rates = [1.0] * num_positions
@@ -93,7 +93,7 @@ class NgramDrafter:
         self.min_window = min_window
         self.max_window = max_window
         self.branch_length = branch_length
-        self.trie = NgramTrie(max_window + branch_length, capacity)
+        self.trie = new_ngram_store(max_window + branch_length, capacity)
         self.by_count = match_type.upper() == "PROB"
         self.copy: PromptCopy | None = None
 
@@ -263,6 +263,6 @@ class NgramDrafter:
         (`", "age": `), a sibling a model generated first (any context length, longest
         first: an answer's `<city>\nQ:` follows the earlier answers', not the prompt's `The
         capital of`), then any; else the exact match's node. One store call
-        (`NgramTrie.match`: in C, the loops cost one call)."""
+        (the store's `match`: in C, the loops cost one call)."""
         windows = (self.min_window, self.max_window)
         return self.trie.match(pointers, after, windows, skip, SKIP_MIN_CONTEXT, SKIP_SCAN)

@@ -1,8 +1,9 @@
 """The n-gram trie's node store: nodes as integer ids, out of the cyclic collector's sight.
 
-`NgramTrie` returns the C store (`ngram_store_c.CNgramTrie`: the same ids, fields and
-eviction in C arrays, no Python object per node) where a C compiler is found; the Python
-store below (`PyNgramTrie`) is the fallback and the reference it is tested against. Both
+`ngram_store_c.new_ngram_store` returns the C store (`ngram_store_c.CNgramTrie`: the same
+ids, fields and eviction in C arrays, no Python object per node) where a C compiler is found;
+the Python store below (`PyNgramTrie`) is the fallback and the reference it is tested
+against. Both
 answer the drafter's queries through the same methods (`extend_many`, `match`, `deepest`,
 `best_child`, `recent_child`, `child`, `children`, `has_kids`), so no reader indexes a
 store's containers.
@@ -15,7 +16,7 @@ collection (an eviction unlinks its node), so here a node is an id (the root is 
 fields are entries of int arrays and lists, and its children a dict token -> id: a dict whose
 keys and values are all ints is not tracked, an array holds no objects, a list of ints is one
 tracked object however long, so the store is a handful of tracked objects at any size (a full
-collection still reads each entry of the lists: ~45 ms at capacity, `NgramTrie.__init__`).
+collection still reads each entry of the lists: ~45 ms at capacity, `PyNgramTrie.__init__`).
 An evicted id goes to a free list and is reused by a later node.
 
 A request's suffix pointers (`extend`) are ids, and an id names another node once reused, so
@@ -39,16 +40,6 @@ SECOND_CHANCES = 64  # queue moves an eviction makes at most per node it evicts
 ROOT = 0
 CUT = -1  # the parent of a node cut off by its parent's eviction
 _GROW = 4096  # ids added to the store at a time
-
-
-def NgramTrie(depth: int, capacity: int) -> PyNgramTrie:
-    """The trie's store: the C one (`ngram_store_c.CNgramTrie`, same ids, fields and
-    eviction, no Python object per node) where a C compiler is found, else `PyNgramTrie`."""
-    from loom.runtime.spec import ngram_store_c
-
-    if ngram_store_c.load() is not None:
-        return ngram_store_c.CNgramTrie(depth, capacity)
-    return PyNgramTrie(depth, capacity)
 
 
 def fresh_pointers(trie, pointers: list[int], at: int) -> list[int]:

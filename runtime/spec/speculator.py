@@ -13,13 +13,10 @@ Adaptive length: each request keeps a running acceptance rate per draft position
 draft reached it); the chance position j is accepted is the product of the rates up to j.
 A request drafts the positions whose chance is at least TOKEN_COST, and its expected gain
 is the sum of those chances (+1 per forced token). A verify step costs more than a decode
-step for the whole batch: measured on the bundled model with the compiled CPU forward
-(`benchmarks/bench_verify_cost.py`: process CPU time of whole steps, decode step = 1,
-session 7, 29 rounds over three runs), 1 / 3 / 5 / 7 draft tokens cost 1.31 / 1.34 / 1.58 /
-1.79 at batch 1, 1.46 / 1.77 / 1.95 / 2.30 at batch 2, 1.76 / 1.99 / 2.63 / 3.05 at batch
-4, 1.89 / 2.38 / 3.00 / 3.43 at batch 6 and 1.80 / 2.23 / 2.81 / 3.47 at batch 8 (one
-draft already switches each request's attention to the blocked multi-row path; every
-further row costs like a prefill row); `extra_cost` models that.
+step for the whole batch, growing with the batch size and the draft length (one draft
+already switches each request's attention to the multi-row path; every further row costs
+like a prefill row); `extra_cost` models that cost, fitted to `benchmarks/bench_verify_cost.py`
+(the measured table: docs/benchmarks.md, "Figures moved out of module docstrings").
 The batch verifies when the gains of all its requests pay b x extra_cost (b tokens per
 decode step), else the step decodes plainly. Every PROBE_EVERY steps a request drafts its
 full length, verified whatever its expected gain, to re-measure. Decode batches of

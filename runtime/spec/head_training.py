@@ -25,6 +25,77 @@ LOSS_DECAY = (
 CHECKPOINT_EVERY = 50  # steps
 
 
+# ------------------------------------------------------------------ data
+def read_documents(path: Path, tokenizer) -> list[str]:
+    files = sorted(
+        f for f in ([path] if path.is_file() else path.rglob("*")) if f.suffix in (".txt", ".jsonl")
+    )
+    if not files:
+        raise SystemExit(f"--data: no .txt or .jsonl files in {path}")
+    docs: list[str] = []
+    for f in files:
+        if f.suffix == ".txt":
+            docs.extend(d for d in f.read_text().split("\n\n") if d.strip())
+            continue
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if "messages" in obj:
+                docs.append(tokenizer.apply_chat_template(obj["messages"], tokenize=False))
+            elif "text" in obj:
+                docs.append(obj["text"])
+            else:
+                raise SystemExit(f"--data: {f}:{n} has neither 'text' nor 'messages'")
+    return docs
+
+
+def pack_rows(docs: list[str], tokenizer, seq_len: int):
+    import torch
+
+    sep = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    flat: list[int] = []
+    for d in docs:
+        flat.extend(tokenizer.encode(d, add_special_tokens=False))
+        flat.append(sep)
+    n = len(flat) // seq_len
+    if n < 2:
+        raise SystemExit(f"--data: only {len(flat)} tokens; need at least {2 * seq_len}")
+    return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def eval_prompts(rows, tokenizer, n: int, max_len: int = 96) -> list[list[int]]:
+    """Held-out prompts: up to and including an assistant header when a row has one (chat
+    data), else the first 32 tokens."""
+    header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    prompts = []
+    for row in rows.tolist():
+        cut = 32
+        for i in range(len(row) - len(header)):
+            if row[i : i + len(header)] == header and 8 <= i + len(header) <= max_len:
+                cut = i + len(header)
+                break
+        prompts.append(row[:cut])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def greedy_generate(model, prompt: list[int], n: int, eos: set[int]) -> list[int]:
+    import torch
+
+    from loom.runtime.spec.eagle_unroll import target_pass
+
+    seq = list(prompt)
+    for _ in range(n):
+        logits, _ = target_pass(model, torch.tensor([seq]), None)
+        nxt = int(logits[0, -1].argmax())
+        seq.append(nxt)
+        if nxt in eos:
+            break
+    return seq
+
+
 def prepare(args):
     """The frozen target, its config and tokenizer, and the packed rows split into training
     and held-out parts (`args`: train_eagle's parsed arguments)."""
@@ -32,7 +103,6 @@ def prepare(args):
     import transformers
 
     from loom.runtime.model_loader import load_config, load_model
-    from loom.train_eagle import pack_rows, read_documents
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -58,8 +128,6 @@ def prepare(args):
 def heldout_continuations(model, tokenizer, hold_rows, args) -> list[tuple[int, list[int]]]:
     """(prompt length, prompt + the target's greedy continuation) for held-out prompts."""
     import torch
-
-    from loom.train_eagle import eval_prompts, greedy_generate
 
     eos = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")
            if t in tokenizer.get_vocab()}  # fmt: skip

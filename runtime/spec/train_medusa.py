@@ -109,7 +109,7 @@ def main(args) -> int:
     """`args`: train_eagle's parsed arguments (with --medusa)."""
     import torch
 
-    from loom.head_training import cast_copy, heldout_continuations, prepare, train
+    from loom.runtime.spec.head_training import cast_copy, heldout_continuations, prepare, train
     from loom.runtime.spec.medusa import build_medusa_heads, save_medusa_heads
 
     if args.medusa_heads < 1 or args.medusa_layers < 1:
