@@ -22,8 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
 #define LOOM_Q_VNNI 1
 #else
 #define LOOM_Q_VNNI 0
@@ -34,8 +37,14 @@ enum { LOOM_Q_INT8 = 0, LOOM_Q_F32 = 1 };
 
 #define GROUP 16 /* values sharing one (s, b) after decoding */
 #define ABLOCK 32 /* activation values sharing one int8 scale */
+#define GEMV_MAX 8 /* tokens up to which LOOM_Q_INT8 takes the int8 dot products */
 
 static inline float f16_to_f32(const uint8_t* p) {
+#if defined(__F16C__)
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v);
+#else
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -58,6 +67,7 @@ static inline float f16_to_f32(const uint8_t* p) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
 
 /* Q4_K's packed 6-bit scale and min of sub-block j (0..7), as ggml's get_scale_min_k4. */
@@ -214,13 +224,6 @@ static inline float dot_int8(const uint8_t* u, const float* s, const float* b, c
     return acc + off;
 }
 
-static inline float dot_f32(const float* w, const float* x, int64_t K) {
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t k = 0; k < K; k++) acc += w[k] * x[k];
-    return acc;
-}
-
 static inline void dequant_into(const uint8_t* u, const float* s, const float* b, int64_t K,
                                 float* w) {
     for (int64_t g = 0; g < K / GROUP; g++) {
@@ -233,8 +236,103 @@ static inline void dequant_into(const uint8_t* u, const float* s, const float* b
 /* 1 where this build has the VNNI int8 path, 0 on the portable one. */
 int loom_q_vnni(void) { return LOOM_Q_VNNI; }
 
+#if LOOM_Q_VNNI
+/* One row of 32-value blocks (Q8_0, Q4_0, Q4_1) against T <= GEMV_MAX int8 token rows, each
+   block's codes expanded in a register (never stored) and reused by every token. */
+static void gemv32_vnni(int qtype, const uint8_t* row, int64_t K, int64_t T, const int8_t* xq,
+                        const float* dx, const float* xs, float* out) {
+    const int64_t nb = K / 32, G = K / GROUP;
+    const int bb = block_bytes(qtype);
+    __m256 acc[GEMV_MAX];
+    float off[GEMV_MAX];
+    for (int64_t t = 0; t < T; t++) {
+        acc[t] = _mm256_setzero_ps();
+        off[t] = 0.f;
+    }
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t* blk = row + i * bb;
+        const float d = f16_to_f32(blk);
+        float m;
+        __m256i u;
+        if (qtype == LOOM_Q8_0) { /* int8 q + 128 as unsigned is q ^ 0x80 */
+            u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)),
+                                 _mm256_set1_epi8((char)0x80));
+            m = -128.f * d;
+        } else {
+            const __m128i q = _mm_loadu_si128((const __m128i*)(blk + (qtype == LOOM_Q4_1 ? 4 : 2)));
+            const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+            u = _mm256_set_m128i(hi, lo);
+            m = qtype == LOOM_Q4_1 ? f16_to_f32(blk + 2) : -8.f * d;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + t * K + 32 * i));
+            const __m256i is = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * dx[t * nb + i]),
+                                     acc[t]);
+            off[t] += m * (xs[t * G + 2 * i] + xs[t * G + 2 * i + 1]);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[t] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + off[t];
+    }
+}
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+
+/* (macros, not functions: a 64-byte vector argument or result changes the ABI without
+   AVX-512, which -Wpsabi reports) */
+#define LD16(v, p) memcpy(&(v), (p), sizeof(v16))
+
+/* y[t, n0 + r] (+)= wf[r] . x[t] for R <= 4 dequantized rows wf [R, K] and all T tokens: tiles
+   of 4 rows x 4 tokens, 16 vector accumulators, so each loaded weight vector feeds 4 FMAs and
+   each token vector 4 (the rows stay in L1 while the tokens pass). */
+static void gemm_rows(const float* wf, int R, int64_t K, const float* x, int64_t ldx, int64_t T,
+                      const float* bias, int64_t n0, float* y, int64_t ldy, int accumulate) {
+    for (int64_t t0 = 0; t0 < T; t0 += 4) {
+        const int tt = T - t0 < 4 ? (int)(T - t0) : 4;
+        v16 acc[4][4];
+        memset(acc, 0, sizeof(acc));
+        const float* xr[4];
+        const float* wr[4];
+        for (int j = 0; j < 4; j++) xr[j] = x + (t0 + (j < tt ? j : 0)) * ldx;
+        for (int r = 0; r < 4; r++) wr[r] = wf + (r < R ? r : 0) * K;
+        for (int64_t k = 0; k < K; k += 16) {
+            v16 w0, w1, w2, w3;
+            LD16(w0, wr[0] + k);
+            LD16(w1, wr[1] + k);
+            LD16(w2, wr[2] + k);
+            LD16(w3, wr[3] + k);
+            for (int j = 0; j < 4; j++) {
+                v16 xv;
+                LD16(xv, xr[j] + k);
+                acc[0][j] += w0 * xv;
+                acc[1][j] += w1 * xv;
+                acc[2][j] += w2 * xv;
+                acc[3][j] += w3 * xv;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float bn = bias ? bias[n0 + r] : 0.f;
+            for (int j = 0; j < tt; j++) {
+                float* yo = y + (t0 + j) * ldy + n0 + r;
+                float sum = 0.f;
+                for (int i = 0; i < 16; i++) sum += acc[r][j][i];
+                *yo = (accumulate ? *yo : 0.f) + sum + bn;
+            }
+        }
+    }
+}
+
 /* y[t, n] (+)= sum_k W[n, k] x[t, k] + bias[n] for x [T, K] f32 with rows ldx apart, y rows
-   ldy apart; accumulate: add to y instead of storing; bias NULL: none.
+   ldy apart; accumulate: add to y instead of storing; bias NULL: none. mode LOOM_Q_INT8 takes
+   the int8-activation dot products for T <= GEMV_MAX (decode: the weights stream once, the
+   integer dots are the cheapest per byte); larger T, and mode LOOM_Q_F32, dequantize 4 rows at
+   a time to f32 and run the register-tiled FMA kernel over all tokens (prefill: the decode cost
+   is shared by T tokens, and the activations are not rounded).
    Returns 0, or -1 for an unknown qtype / K not whole blocks, -2 when out of memory. */
 int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                   const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
@@ -242,9 +340,10 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
     const int bv = block_values(qtype);
     if (bv == 0 || block_bytes(qtype) == 0 || K % bv || row_bytes != K / bv * block_bytes(qtype))
         return -1;
+    const int int8 = mode == LOOM_Q_INT8 && T <= GEMV_MAX;
     int8_t* xq = NULL;
     float *dx = NULL, *xs = NULL;
-    if (mode == LOOM_Q_INT8) {
+    if (int8) {
         xq = malloc((size_t)(T * K + 64));
         dx = malloc(sizeof(float) * (size_t)(T * K / ABLOCK + 1));
         xs = malloc(sizeof(float) * (size_t)(T * K / GROUP + 1));
@@ -259,28 +358,47 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
     }
     int failed = 0;
     if (threads < 1) threads = 1;
+    const int64_t tiles = (N + 3) / 4;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         uint8_t* u = malloc((size_t)K + 64);
         float* s = malloc(sizeof(float) * (size_t)(K / GROUP + 1));
         float* b = malloc(sizeof(float) * (size_t)(K / GROUP + 1));
-        float* wf = mode == LOOM_Q_F32 ? malloc(sizeof(float) * (size_t)K) : NULL;
-        if (!u || !s || !b || (mode == LOOM_Q_F32 && !wf)) {
+        float* wf = int8 ? NULL : malloc(sizeof(float) * (size_t)(4 * K));
+        if (!u || !s || !b || (!int8 && !wf)) {
             failed = 1;
-        } else {
+        } else if (int8) {
+            float part[GEMV_MAX];
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++) {
-                decode_row(qtype, w + n * row_bytes, K, u, s, b);
-                const float bn = bias ? bias[n] : 0.f;
-                if (mode == LOOM_Q_F32) dequant_into(u, s, b, K, wf);
-                for (int64_t t = 0; t < T; t++) {
-                    const float v = mode == LOOM_Q_F32
-                                        ? dot_f32(wf, x + t * ldx, K)
-                                        : dot_int8(u, s, b, xq + t * K, dx + t * K / ABLOCK,
-                                                   xs + t * K / GROUP, K);
-                    float* yo = y + t * ldy + n;
-                    *yo = (accumulate ? *yo : 0.f) + v + bn;
+                const uint8_t* row = w + n * row_bytes;
+#if LOOM_Q_VNNI
+                if (bv == 32) {
+                    gemv32_vnni(qtype, row, K, T, xq, dx, xs, part);
+                } else
+#endif
+                {
+                    decode_row(qtype, row, K, u, s, b);
+                    for (int64_t t = 0; t < T; t++)
+                        part[t] = dot_int8(u, s, b, xq + t * K, dx + t * K / ABLOCK,
+                                           xs + t * K / GROUP, K);
                 }
+                const float bn = bias ? bias[n] : 0.f;
+                for (int64_t t = 0; t < T; t++) {
+                    float* yo = y + t * ldy + n;
+                    *yo = (accumulate ? *yo : 0.f) + part[t] + bn;
+                }
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                const int64_t n0 = 4 * tile;
+                const int R = N - n0 < 4 ? (int)(N - n0) : 4;
+                for (int r = 0; r < R; r++) {
+                    decode_row(qtype, w + (n0 + r) * row_bytes, K, u, s, b);
+                    dequant_into(u, s, b, K, wf + r * K);
+                }
+                gemm_rows(wf, R, K, x, ldx, T, bias, n0, y, ldy, accumulate);
             }
         }
         free(u);
