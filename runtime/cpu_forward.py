@@ -280,6 +280,8 @@ def unsupported(model, pool, *, tp_size: int, pp_size: int) -> str | None:
     if act != "silu":
         return f"hidden_act {act!r}"
     params = list(model.parameters())
+    if any(getattr(t, "quant", None) is not None for t in params):
+        return "quantized weights"
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in params):
         return "weights are not float32 on the CPU"
     if any(

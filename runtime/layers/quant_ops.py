@@ -64,12 +64,14 @@ def matmul(
     bias: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
-    mode: str = DEFAULT_MODE,
+    mode: str | None = None,
     isa: str = "native",
 ) -> torch.Tensor:
     """x [..., cols] -> float32 [..., rows] = x @ W.T (+ bias). `out`: a float32 view [T, rows]
-    whose rows may be strided (a column slice of a wider output)."""
+    whose rows may be strided (a column slice of a wider output). mode: MODES (None: the
+    module's DEFAULT_MODE)."""
     rows, cols = qt.shape
+    mode = mode or DEFAULT_MODE
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols).to(torch.float32).contiguous()
     t = x2.shape[0]
