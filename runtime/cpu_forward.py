@@ -2,7 +2,7 @@
 
 At batch 1 the eager forward of a small model is mostly overhead: a few hundred small aten
 calls and Python module calls per step, several times the matmuls themselves. This path runs
-the step's whole forward in one C function (cpu_forward_kernel.SOURCE: norms, QKV, q/k norm,
+the step's whole forward in one C function (kernels/cpu/forward.c: norms, QKV, q/k norm,
 RoPE, the KV store into the pool, paged attention read in place through the req-to-token
 table, causal or under a draft tree's mask, O projection, the SiLU MLP, the final norm and
 the LM head for the rows that need logits), reading the weights in place from the model's
@@ -19,12 +19,12 @@ copies did not; every loaded weight vector serves up to 16 tokens (6 without AVX
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 import torch
 
-from loom.runtime import cpu_kernels
-from loom.runtime.cpu_forward_kernel import SOURCE
+from loom.runtime import native
 from loom.runtime.forward_batch import ForwardBatch, host_tensor
 
 logger = logging.getLogger(__name__)
@@ -65,32 +65,17 @@ class _Model(ctypes.Structure):
     ]
 
 
-# Instruction-set variants of the library. "native": -march=native as the build machine's
-# cpuid reports it (AVX-512F where present: one zmm per 16-output panel, 16-token passes);
-# "avx2": the same with AVX-512 off (two ymm per panel, 6-token passes), the path of CPUs
-# without it, built here so that tests exercise both.
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.loom_forward_f32
-    fn.restype = ctypes.c_int
-    # model, T, ids, pos, slots, B, starts, rows, seq_lens, table, stride, masks,
-    # mask_offs, N, logit_rows, logits, threads, prof
-    fn.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P]
-    fn.argtypes += [ctypes.c_int, _P, _P]  # threads, prof, hidden_out
-    fn.argtypes += [_I64, _P, _P]  # n_aux, aux_layers, aux_out
-    for fn in (lib.loom_linear_f32, lib.loom_linear_packed_f32):
-        fn.restype = None
-        fn.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, ctypes.c_int]  # x, T, K, w, b, N, y
-    lib.loom_isa_bits.restype = ctypes.c_int
-    lib.loom_isa_bits.argtypes = []
-
-
+@functools.cache
 def load(isa: str = "native") -> ctypes.CDLL | None:
-    """The compiled forward library for the `isa` variant (cpu_kernels.build_or_none: built
-    once per machine, cached); None without a working C compiler."""
-    return cpu_kernels.build_or_none(SOURCE, "loom_forward", _declare, ISA_FLAGS[isa])
+    """loom's C library for the `isa` variant (native.ISA_FLAGS; native.load: built once per
+    machine, cached), its Layer / Model checked against these ctypes structs; None without a
+    working C compiler."""
+    lib = native.load(isa)
+    if lib is not None:
+        native.check_layout(lib, "Layer", _Layer)
+        native.check_layout(lib, "Model", _Model)
+        native.check_constants(lib, {"PANEL": PANEL})
+    return lib
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

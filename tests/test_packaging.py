@@ -54,3 +54,6 @@ def test_wheel_contains_every_subpackage(wheel):
             assert f"{dest}/{rel.as_posix()}" in names, f"{src}/{rel} missing from the wheel"
     assert any(n.startswith("loom/runtime/bundled/") and n.endswith("config.json") for n in names)
     assert any(n.endswith("model.safetensors") for n in names)
+    # the C sources loom.runtime.native builds at run time
+    for name in ("loom_cpu.h", "blocks.h", "forward.c", "heads.c", "layout.c", ".clang-format"):
+        assert f"loom/kernels/cpu/{name}" in names, f"kernels/cpu/{name} missing from the wheel"

@@ -18,9 +18,7 @@
 
    Threads: rows split statically over an OpenMP team (the pragmas are ignored without it). */
 
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "loom_cpu.h"
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>

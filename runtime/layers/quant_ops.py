@@ -10,44 +10,23 @@ dequantizes each weight row into L1 and multiplies by FMA, without rounding the 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from loom.runtime import cpu_kernels
+from loom.runtime import native
 from loom.runtime.layers.quant_types import QuantizedTensor
 
 QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}
 MODES = {"int8": 0, "f32": 1}
 DEFAULT_MODE = "int8"
-# instruction-set variants: "native" (-march=native: the VNNI path on CPUs with AVX-512 VNNI),
-# "portable" (AVX-512 off: the plain C path every other CPU takes; built here so tests run it)
-ISA_FLAGS = {"native": ("-Wall", "-Werror"), "portable": ("-Wall", "-Werror", "-mno-avx512f")}
-
-
-def source() -> str:
-    """The kernel's C source, read from the installed package (kernels/cpu/quant.c)."""
-    import loom.kernels.quant_ref as ref  # its folder holds cpu/ (namespace packages have no
-    # single importlib.resources root under an editable install)
-
-    return (Path(ref.__file__).parent / "cpu" / "quant.c").read_text()
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    # qtype, mode, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate, threads
-    lib.loom_q_matmul.argtypes = [i32, i32, p, i64, i64, i64, p, i64, i64, p, p, i64, i32, i32]
-    lib.loom_q_matmul.restype = i32
-    # qtype, w, N, K, row_bytes, ids, T, out, threads
-    lib.loom_q_rows.argtypes = [i32, p, i64, i64, i64, p, i64, p, i32]
-    lib.loom_q_rows.restype = i32
-    lib.loom_q_vnni.argtypes = []
-    lib.loom_q_vnni.restype = i32
+# instruction-set variants (native.ISA_FLAGS): "native" takes the VNNI path on CPUs with
+# AVX-512 VNNI; "avx2" (AVX-512 off) the plain C path every other CPU takes
 
 
 def load(isa: str = "native") -> ctypes.CDLL | None:
-    """The compiled library (built once per machine, cached); None without a C compiler."""
-    return cpu_kernels.build_or_none(source(), "loom_quant", _declare, ISA_FLAGS[isa])
+    """loom's C library (runtime/native.py: kernels/cpu/*.c, quant.c among them) for the `isa`
+    variant; None without a C compiler."""
+    return native.load(isa)
 
 
 # multiply-adds per thread below which another thread costs more than it saves

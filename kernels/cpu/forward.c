@@ -1,38 +1,32 @@
-"""C source of the compiled CPU forward (runtime/cpu_forward.py builds and calls it).
+/* The compiled CPU forward (runtime/cpu_forward.py builds and calls it).
 
-One call runs a llama-style dense decoder stack over a step's T tokens: embedding, then per
-layer RMSNorm, the fused QKV projection (+ bias), the per-head q/k RMSNorm (Qwen3), neox RoPE,
-the K/V store into the pool slots, paged attention reading K/V in place through the
-req-to-token table (causal, or a request's custom tree mask), O projection + residual,
-RMSNorm, the SiLU-gated MLP + residual; then the final RMSNorm and the LM head for the rows
-that need logits only. Norm weights and biases are read in place from the torch tensors; the
-projections and the LM head from a copy packed into panels of 16 output rows, K-major
-(CpuForward packs it once), at every step size: a panel is one sequential 64-byte-a-k stream,
-and the weights the forward keeps hot are that one copy. A pass over a panel takes up to 16
-tokens (AVX-512: one zmm accumulator a token) or 6 (AVX2: two ymm), so each loaded weight
-vector feeds that many FMAs; passes of 1-3 tokens spread k over several accumulator sets to
-keep enough FMA chains in flight. Without a packed copy (past cpu_forward.PACK_BUDGET) the
-row-major dot-product tiles run (4 output rows x 1-3 tokens). GCC/clang vector extensions,
-AVX-512 / FMA intrinsics where the target has them.
-"""
+   One call runs a llama-style dense decoder stack over a step's T tokens: embedding, then per
+   layer RMSNorm, the fused QKV projection (+ bias), the per-head q/k RMSNorm (Qwen3), neox RoPE,
+   the K/V store into the pool slots, paged attention reading K/V in place through the
+   req-to-token table (causal, or a request's custom tree mask), O projection + residual,
+   RMSNorm, the SiLU-gated MLP + residual; then the final RMSNorm and the LM head for the rows
+   that need logits only. Norm weights and biases are read in place from the torch tensors; the
+   projections and the LM head from a copy packed into panels of 16 output rows, K-major
+   (CpuForward packs it once), at every step size: a panel is one sequential 64-byte-a-k stream,
+   and the weights the forward keeps hot are that one copy. A pass over a panel takes up to 16
+   tokens (AVX-512: one zmm accumulator a token) or 6 (AVX2: two ymm), so each loaded weight
+   vector feeds that many FMAs; passes of 1-3 tokens spread k over several accumulator sets to
+   keep enough FMA chains in flight. Without a packed copy (past cpu_forward.PACK_BUDGET) the
+   row-major dot-product tiles run (4 output rows x 1-3 tokens). GCC/clang vector extensions,
+   AVX-512 / FMA intrinsics where the target has them. gemm and gemm_packed serve heads.c too
+   (declared in loom_cpu.h, not exported), and so do the row blocks of blocks.h. */
+#include "loom_cpu.h"
 
-from loom.runtime.cpu_kernels import FAST_EXP_C
+#include "blocks.h"
 
-SOURCE = r"""
-#define _GNU_SOURCE
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
-#if defined(__AVX__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-""" + FAST_EXP_C + r"""
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-static inline v8 ld(const float* p) { v8 v; memcpy(&v, p, sizeof(v)); return v; }
+static inline v8 ld(const float* p) {
+    v8 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
 static inline float hsum(v8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -48,7 +42,8 @@ static inline v8 fma8(v8 a, v8 b, v8 c) {
 /* {hsum(a), hsum(b), hsum(c), hsum(d)} */
 static inline v4 hsum4(v8 a, v8 b, v8 c, v8 d) {
 #if defined(__AVX__)
-    const __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b), cd = _mm256_hadd_ps((__m256)c, (__m256)d);
+    const __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b),
+                 cd = _mm256_hadd_ps((__m256)c, (__m256)d);
     const __m256 s = _mm256_hadd_ps(ab, cd); /* a01+a23, b.., c.., d.. | the same of 4..7 */
     return (v4)_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 #else
@@ -56,37 +51,22 @@ static inline v4 hsum4(v8 a, v8 b, v8 c, v8 d) {
 #endif
 }
 
-typedef struct {
-    const float *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b;
-    const float *ln2, *gu_w, *gu_b, *down_w, *down_b;
-    float *k_cache, *v_cache; /* [slots, Hkv, D] */
-    /* the projections packed into panels (pack layout above gemm_packed), or NULL: gemm */
-    const float *qkv_p, *o_p, *gu_p, *down_p;
-} Layer;
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers, max_pos;
-    float eps, scale;
-    const float *embed, *norm, *lm_head, *cos, *sin; /* cos/sin [max_pos, D] */
-    const Layer* layer;
-    const float* lm_head_p; /* the LM head packed, or NULL */
-} Model;
-
 /* y[t, n] (+)= sum_k x[t, k] w[n, k] + b[n] for t < T, n < N; rows of x are ldx apart, of y ldy.
    Tiles of 4 weight rows; each tile runs over the tokens three at a time (12 accumulators: a
    loaded weight vector feeds 3 FMAs, a token vector 4), then a pair, then one token. The tile's
    rows (4 K floats) stay in L1 while the tokens pass, so the weights stream from memory once. */
-static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w, const float* b,
-                 int64_t N, float* y, int64_t ldy, int accumulate, int nthreads) {
+void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w, const float* b,
+          int64_t N, float* y, int64_t ldy, int accumulate, int nthreads) {
     const int64_t K8 = K & ~(int64_t)7, tiles = (N + 3) / 4;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t tile = 0; tile < tiles; tile++) {
         const int64_t n0 = tile * 4, nn = N - n0 < 4 ? N - n0 : 4;
         const float* wr[4];
         for (int r = 0; r < 4; r++) wr[r] = w + (n0 + (r < nn ? r : 0)) * K;
         const float *w0p = wr[0], *w1p = wr[1], *w2p = wr[2], *w3p = wr[3];
-        const v4 bias = b ? (v4){b[n0], b[n0 + (nn > 1)], b[n0 + 2 * (nn > 2)], b[n0 + 3 * (nn > 3)]}
-                          : (v4){0.f, 0.f, 0.f, 0.f};
+        const v4 bias =
+            b ? (v4){b[n0], b[n0 + (nn > 1)], b[n0 + 2 * (nn > 2)], b[n0 + 3 * (nn > 3)]}
+              : (v4){0.f, 0.f, 0.f, 0.f};
         int64_t t = 0;
         for (; t + 3 <= T; t += 3) {
             const float *x0 = x + t * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx;
@@ -94,19 +74,36 @@ static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float*
             v8 a20 = {0}, a21 = {0}, a22 = {0}, a30 = {0}, a31 = {0}, a32 = {0};
             for (int64_t k = 0; k < K8; k += 8) {
                 if (t == 0 && !(k & 15)) { /* first token triple: the next tile's rows */
-                    __builtin_prefetch(w0p + k + 4 * K); __builtin_prefetch(w1p + k + 4 * K);
-                    __builtin_prefetch(w2p + k + 4 * K); __builtin_prefetch(w3p + k + 4 * K);
+                    __builtin_prefetch(w0p + k + 4 * K);
+                    __builtin_prefetch(w1p + k + 4 * K);
+                    __builtin_prefetch(w2p + k + 4 * K);
+                    __builtin_prefetch(w3p + k + 4 * K);
                 }
                 const v8 u = ld(x0 + k), v = ld(x1 + k), z = ld(x2 + k);
-                v8 wv = ld(w0p + k); a00 = fma8(wv, u, a00); a01 = fma8(wv, v, a01); a02 = fma8(wv, z, a02);
-                wv = ld(w1p + k); a10 = fma8(wv, u, a10); a11 = fma8(wv, v, a11); a12 = fma8(wv, z, a12);
-                wv = ld(w2p + k); a20 = fma8(wv, u, a20); a21 = fma8(wv, v, a21); a22 = fma8(wv, z, a22);
-                wv = ld(w3p + k); a30 = fma8(wv, u, a30); a31 = fma8(wv, v, a31); a32 = fma8(wv, z, a32);
+                v8 wv = ld(w0p + k);
+                a00 = fma8(wv, u, a00);
+                a01 = fma8(wv, v, a01);
+                a02 = fma8(wv, z, a02);
+                wv = ld(w1p + k);
+                a10 = fma8(wv, u, a10);
+                a11 = fma8(wv, v, a11);
+                a12 = fma8(wv, z, a12);
+                wv = ld(w2p + k);
+                a20 = fma8(wv, u, a20);
+                a21 = fma8(wv, v, a21);
+                a22 = fma8(wv, z, a22);
+                wv = ld(w3p + k);
+                a30 = fma8(wv, u, a30);
+                a31 = fma8(wv, v, a31);
+                a32 = fma8(wv, z, a32);
             }
-            v4 s[3] = {hsum4(a00, a10, a20, a30), hsum4(a01, a11, a21, a31), hsum4(a02, a12, a22, a32)};
+            v4 s[3] = {hsum4(a00, a10, a20, a30), hsum4(a01, a11, a21, a31),
+                       hsum4(a02, a12, a22, a32)};
             for (int64_t k = K8; k < K; k++)
                 for (int r = 0; r < 4; r++) {
-                    s[0][r] += wr[r][k] * x0[k]; s[1][r] += wr[r][k] * x1[k]; s[2][r] += wr[r][k] * x2[k];
+                    s[0][r] += wr[r][k] * x0[k];
+                    s[1][r] += wr[r][k] * x1[k];
+                    s[2][r] += wr[r][k] * x2[k];
                 }
             for (int j = 0; j < 3; j++) {
                 float* o = y + (t + j) * ldy + n0;
@@ -116,21 +113,35 @@ static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float*
         }
         for (; t + 2 <= T; t += 2) {
             const float *x0 = x + t * ldx, *x1 = x0 + ldx;
-            v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+            v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0},
+               a31 = {0};
             for (int64_t k = 0; k < K8; k += 8) {
                 if (t == 0 && !(k & 15)) {
-                    __builtin_prefetch(w0p + k + 4 * K); __builtin_prefetch(w1p + k + 4 * K);
-                    __builtin_prefetch(w2p + k + 4 * K); __builtin_prefetch(w3p + k + 4 * K);
+                    __builtin_prefetch(w0p + k + 4 * K);
+                    __builtin_prefetch(w1p + k + 4 * K);
+                    __builtin_prefetch(w2p + k + 4 * K);
+                    __builtin_prefetch(w3p + k + 4 * K);
                 }
                 const v8 u = ld(x0 + k), v = ld(x1 + k);
-                v8 wv = ld(w0p + k); a00 = fma8(wv, u, a00); a01 = fma8(wv, v, a01);
-                wv = ld(w1p + k); a10 = fma8(wv, u, a10); a11 = fma8(wv, v, a11);
-                wv = ld(w2p + k); a20 = fma8(wv, u, a20); a21 = fma8(wv, v, a21);
-                wv = ld(w3p + k); a30 = fma8(wv, u, a30); a31 = fma8(wv, v, a31);
+                v8 wv = ld(w0p + k);
+                a00 = fma8(wv, u, a00);
+                a01 = fma8(wv, v, a01);
+                wv = ld(w1p + k);
+                a10 = fma8(wv, u, a10);
+                a11 = fma8(wv, v, a11);
+                wv = ld(w2p + k);
+                a20 = fma8(wv, u, a20);
+                a21 = fma8(wv, v, a21);
+                wv = ld(w3p + k);
+                a30 = fma8(wv, u, a30);
+                a31 = fma8(wv, v, a31);
             }
             v4 s[2] = {hsum4(a00, a10, a20, a30), hsum4(a01, a11, a21, a31)};
             for (int64_t k = K8; k < K; k++)
-                for (int r = 0; r < 4; r++) { s[0][r] += wr[r][k] * x0[k]; s[1][r] += wr[r][k] * x1[k]; }
+                for (int r = 0; r < 4; r++) {
+                    s[0][r] += wr[r][k] * x0[k];
+                    s[1][r] += wr[r][k] * x1[k];
+                }
             for (int j = 0; j < 2; j++) {
                 float* o = y + (t + j) * ldy + n0;
                 const v4 val = s[j] + bias;
@@ -144,19 +155,27 @@ static void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float*
             int64_t k = 0;
             for (; k + 16 <= K8; k += 16) {
                 if (t == 0) { /* the next tile's rows: 4K floats on */
-                    __builtin_prefetch(w0p + k + 4 * K); __builtin_prefetch(w1p + k + 4 * K);
-                    __builtin_prefetch(w2p + k + 4 * K); __builtin_prefetch(w3p + k + 4 * K);
+                    __builtin_prefetch(w0p + k + 4 * K);
+                    __builtin_prefetch(w1p + k + 4 * K);
+                    __builtin_prefetch(w2p + k + 4 * K);
+                    __builtin_prefetch(w3p + k + 4 * K);
                 }
                 const v8 u = ld(x0 + k), v = ld(x0 + k + 8);
-                a0 = fma8(ld(w0p + k), u, a0); a1 = fma8(ld(w1p + k), u, a1);
-                a2 = fma8(ld(w2p + k), u, a2); a3 = fma8(ld(w3p + k), u, a3);
-                b0 = fma8(ld(w0p + k + 8), v, b0); b1 = fma8(ld(w1p + k + 8), v, b1);
-                b2 = fma8(ld(w2p + k + 8), v, b2); b3 = fma8(ld(w3p + k + 8), v, b3);
+                a0 = fma8(ld(w0p + k), u, a0);
+                a1 = fma8(ld(w1p + k), u, a1);
+                a2 = fma8(ld(w2p + k), u, a2);
+                a3 = fma8(ld(w3p + k), u, a3);
+                b0 = fma8(ld(w0p + k + 8), v, b0);
+                b1 = fma8(ld(w1p + k + 8), v, b1);
+                b2 = fma8(ld(w2p + k + 8), v, b2);
+                b3 = fma8(ld(w3p + k + 8), v, b3);
             }
             for (; k < K8; k += 8) {
                 const v8 u = ld(x0 + k);
-                a0 = fma8(ld(w0p + k), u, a0); a1 = fma8(ld(w1p + k), u, a1);
-                a2 = fma8(ld(w2p + k), u, a2); a3 = fma8(ld(w3p + k), u, a3);
+                a0 = fma8(ld(w0p + k), u, a0);
+                a1 = fma8(ld(w1p + k), u, a1);
+                a2 = fma8(ld(w2p + k), u, a2);
+                a3 = fma8(ld(w3p + k), u, a3);
             }
             v4 s = hsum4(a0 + b0, a1 + b1, a2 + b2, a3 + b3);
             for (int64_t k = K8; k < K; k++)
@@ -178,17 +197,8 @@ void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const
    16p + 15 K-major (rows past N are zero), so the 16 outputs of one k are one 64-byte line:
    a panel is one sequential stream for the hardware prefetcher (the row-major tiles read four
    1 KB row streams a tile), and with every step reading only this copy a decode step's
-   matmuls went from 1.22 to 0.31 CPU ms; docs/benchmarks.md "Session 6: the matmuls (K)". */
-#define PANEL 16
-/* Tokens per pass over a panel: every loaded weight vector feeds MT FMAs. AVX-512: one zmm
-   per token (16 accumulators of 32 registers); AVX2: two ymm per token (12 of 16). */
-#if defined(__AVX512F__)
-#define ISA_BITS 512
-#define MT_MAX 16
-#else
-#define ISA_BITS 256
-#define MT_MAX 6
-#endif
+   matmuls went from 1.22 to 0.31 CPU ms; docs/benchmarks.md "Session 6: the matmuls (K)".
+   PANEL, and MT_MAX (tokens per pass), are in loom_cpu.h. */
 /* Accumulator sets over k (k mod U) for a pass of MT tokens, so that eight or more FMA chains
    are in flight (an FMA's latency is 4 cycles, two issue a cycle): a single token would
    otherwise wait on its own chain(s). */
@@ -210,38 +220,40 @@ int loom_isa_bits(void) { return ISA_BITS; }
 /* MT tokens x one panel's 16 outputs; xs the tokens' x transposed, xs[k * MT + t] (for one
    token: the x row itself). y rows ldy apart, nn <= 16 of the outputs valid. */
 #if ISA_BITS == 512
-static inline __attribute__((always_inline)) void panel_block(
-    const float* xs, int64_t K, const float* wp, const float* b, int64_t nn, float* y,
-    int64_t ldy, int accumulate, const int MT) {
+static inline
+    __attribute__((always_inline)) void panel_block(const float* xs, int64_t K, const float* wp,
+                                                    const float* b, int64_t nn, float* y,
+                                                    int64_t ldy, int accumulate, const int MT) {
     const int U = USETS(MT);
     const int64_t pf = PF_LINES(MT);
     __m512 acc[2 * MT_MAX];
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int i = 0; i < U * MT; i++) acc[i] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + U <= K; k += U) {
-        #pragma GCC unroll 8
+#pragma GCC unroll 8
         for (int u = 0; u < U; u++) {
             if (pf) _mm_prefetch((const char*)(wp + (k + u + pf) * PANEL), _MM_HINT_T0);
             const __m512 w = _mm512_loadu_ps(wp + (k + u) * PANEL);
             const float* xk = xs + (k + u) * MT;
-            #pragma GCC unroll 16
+#pragma GCC unroll 16
             for (int t = 0; t < MT; t++)
                 acc[u * MT + t] = _mm512_fmadd_ps(w, _mm512_set1_ps(xk[t]), acc[u * MT + t]);
         }
     }
     for (; k < K; k++) {
         const __m512 w = _mm512_loadu_ps(wp + k * PANEL);
-        #pragma GCC unroll 16
-        for (int t = 0; t < MT; t++) acc[t] = _mm512_fmadd_ps(w, _mm512_set1_ps(xs[k * MT + t]), acc[t]);
+#pragma GCC unroll 16
+        for (int t = 0; t < MT; t++)
+            acc[t] = _mm512_fmadd_ps(w, _mm512_set1_ps(xs[k * MT + t]), acc[t]);
     }
-    #pragma GCC unroll 8
+#pragma GCC unroll 8
     for (int u = 1; u < U; u++)
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
         for (int t = 0; t < MT; t++) acc[t] = _mm512_add_ps(acc[t], acc[u * MT + t]);
     const __mmask16 m = nn >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << nn) - 1);
     const __m512 bias = b ? _mm512_maskz_loadu_ps(m, b) : _mm512_setzero_ps();
-    #pragma GCC unroll 16
+#pragma GCC unroll 16
     for (int t = 0; t < MT; t++) {
         float* o = y + t * ldy;
         __m512 v = _mm512_add_ps(acc[t], bias);
@@ -250,22 +262,23 @@ static inline __attribute__((always_inline)) void panel_block(
     }
 }
 #else
-static inline __attribute__((always_inline)) void panel_block(
-    const float* xs, int64_t K, const float* wp, const float* b, int64_t nn, float* y,
-    int64_t ldy, int accumulate, const int MT) {
+static inline
+    __attribute__((always_inline)) void panel_block(const float* xs, int64_t K, const float* wp,
+                                                    const float* b, int64_t nn, float* y,
+                                                    int64_t ldy, int accumulate, const int MT) {
     const int U = USETS(MT);
     const int64_t pf = PF_LINES(MT);
     v8 acc[MT_MAX][2];
-    #pragma GCC unroll 6
+#pragma GCC unroll 6
     for (int i = 0; i < U * MT; i++) acc[i][0] = acc[i][1] = (v8){0};
     int64_t k = 0;
     for (; k + U <= K; k += U) {
-        #pragma GCC unroll 4
+#pragma GCC unroll 4
         for (int u = 0; u < U; u++) {
             if (pf) __builtin_prefetch(wp + (k + u + pf) * PANEL);
             const v8 w0 = ld(wp + (k + u) * PANEL), w1 = ld(wp + (k + u) * PANEL + 8);
             const float* xk = xs + (k + u) * MT;
-            #pragma GCC unroll 6
+#pragma GCC unroll 6
             for (int t = 0; t < MT; t++) {
                 const float xv = xk[t];
                 const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -276,7 +289,7 @@ static inline __attribute__((always_inline)) void panel_block(
     }
     for (; k < K; k++) {
         const v8 w0 = ld(wp + k * PANEL), w1 = ld(wp + k * PANEL + 8);
-        #pragma GCC unroll 6
+#pragma GCC unroll 6
         for (int t = 0; t < MT; t++) {
             const float xv = xs[k * MT + t];
             const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -284,22 +297,24 @@ static inline __attribute__((always_inline)) void panel_block(
             acc[t][1] = fma8(w1, xb, acc[t][1]);
         }
     }
-    #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int u = 1; u < U; u++)
-        #pragma GCC unroll 6
+#pragma GCC unroll 6
         for (int t = 0; t < MT; t++) {
             acc[t][0] += acc[u * MT + t][0];
             acc[t][1] += acc[u * MT + t][1];
         }
-    #pragma GCC unroll 6
+#pragma GCC unroll 6
     for (int t = 0; t < MT; t++) {
         float* o = y + t * ldy;
         if (nn == PANEL && !accumulate && !b) {
-            memcpy(o, &acc[t][0], 32); memcpy(o + 8, &acc[t][1], 32);
+            memcpy(o, &acc[t][0], 32);
+            memcpy(o + 8, &acc[t][1], 32);
             continue;
         }
         float s[PANEL];
-        memcpy(s, &acc[t][0], 32); memcpy(s + 8, &acc[t][1], 32);
+        memcpy(s, &acc[t][0], 32);
+        memcpy(s + 8, &acc[t][1], 32);
         for (int64_t r = 0; r < nn; r++) {
             const float val = s[r] + (b ? b[r] : 0.f);
             o[r] = accumulate ? o[r] + val : val;
@@ -342,7 +357,7 @@ static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, co
         }
     }
     const int64_t panels = (N + PANEL - 1) / PANEL;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1)
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t n0 = p * PANEL, nn = N - n0 < PANEL ? N - n0 : PANEL;
         const float* w = wp + p * ldp;
@@ -351,39 +366,44 @@ static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, co
             const int64_t s0 = j * q + (j < r ? j : r), mt = q + (j < r);
             const float* xj = xs + s0 * K;
             float* yj = y + s0 * ldy + n0;
-#define PB(n) case n: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, n); break;
+            /* one case per pass size: panel_block inlines with MT a constant */
+            // clang-format off
             switch (mt) {
-                PB(1) PB(2) PB(3) PB(4) PB(5) PB(6)
+            case 1: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 1); break;
+            case 2: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 2); break;
+            case 3: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 3); break;
+            case 4: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 4); break;
+            case 5: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 5); break;
+            case 6: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 6); break;
 #if MT_MAX > 6
-                PB(7) PB(8) PB(9) PB(10) PB(11) PB(12) PB(13) PB(14) PB(15) PB(16)
+            case 7: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 7); break;
+            case 8: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 8); break;
+            case 9: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 9); break;
+            case 10: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 10); break;
+            case 11: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 11); break;
+            case 12: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 12); break;
+            case 13: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 13); break;
+            case 14: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 14); break;
+            case 15: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 15); break;
+            case 16: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 16); break;
 #endif
-                default: break;
+            default: break;
             }
-#undef PB
+            // clang-format on
         }
     }
     if (xs != x && xs != stack_xs) free(xs);
 }
 
 /* the matmul over packed weights (every step size) */
-static void gemm_packed(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp,
-                        const float* b, int64_t N, float* y, int64_t ldy, int accumulate,
-                        int nthreads) {
+void gemm_packed(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp, const float* b,
+                 int64_t N, float* y, int64_t ldy, int accumulate, int nthreads) {
     gemm_packed_ld(x, T, K, ldx, wp, K * PANEL, b, N, y, ldy, accumulate, nthreads);
 }
 
-void loom_linear_packed_f32(const float* x, int64_t T, int64_t K, const float* wp,
-                            const float* b, int64_t N, float* y, int nthreads) {
+void loom_linear_packed_f32(const float* x, int64_t T, int64_t K, const float* wp, const float* b,
+                            int64_t N, float* y, int nthreads) {
     gemm_packed(x, T, K, K, wp, b, N, y, N, 0, nthreads);
-}
-
-/* The forward's matmul: the packed panels where there are any, at every token count (one copy
-   of the weights is read, so only it has to stay in cache), else the row-major tiles. */
-static inline void mm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w,
-                      const float* wp, const float* b, int64_t N, float* y, int64_t ldy,
-                      int accumulate, int nthreads) {
-    if (wp) gemm_packed(x, T, K, ldx, wp, b, N, y, ldy, accumulate, nthreads);
-    else gemm(x, T, K, ldx, w, b, N, y, ldy, accumulate, nthreads);
 }
 
 static inline double cpu_seconds(void) {
@@ -393,81 +413,12 @@ static inline double cpu_seconds(void) {
 }
 /* with prof != NULL: prof[0] += the calling thread's CPU seconds in matmuls, prof[1] in
    attention (the benchmark's step split) */
-#define TIMED(slot, stmt) do { const double t0_ = prof ? cpu_seconds() : 0.;                 \
-    stmt; if (prof) prof[slot] += cpu_seconds() - t0_; } while (0)
-
-/* out[D] = w * x / rms(x); out may alias x */
-static void rms(const float* x, const float* w, int64_t D, float eps, float* out) {
-    float ss = 0.f;
-    #pragma omp simd reduction(+:ss)
-    for (int64_t d = 0; d < D; d++) ss += x[d] * x[d];
-    const float inv = 1.f / sqrtf(ss / (float)D + eps);
-    #pragma omp simd
-    for (int64_t d = 0; d < D; d++) out[d] = w[d] * (x[d] * inv);
-}
-
-static void rope(float* x, const float* c, const float* s, int64_t D) {
-    const int64_t half = D / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const float a = x[i], b = x[i + half];
-        x[i] = a * c[i] - b * s[i];
-        x[i + half] = b * c[i + half] + a * s[i + half];
-    }
-}
-
-/* The attention inputs of T tokens in place: token t's H query heads at qkv + t * ld, its Hkv
-   key heads right after them (head_dim D); each head RMSNormed by q_norm / k_norm where not
-   NULL (Qwen3), then neox-rotated at position pos[t] (cos / sin [max_pos, D]). */
-static void qk_norm_rope(float* qkv, int64_t T, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
-                         const float* q_norm, const float* k_norm, float eps, const float* cos,
-                         const float* sin, const int64_t* pos) {
-    for (int64_t t = 0; t < T; t++) {
-        float* q = qkv + t * ld;
-        float* k = q + H * D;
-        const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
-        for (int64_t i = 0; i < H; i++) {
-            if (q_norm) rms(q + i * D, q_norm, D, eps, q + i * D);
-            rope(q + i * D, c, s, D);
-        }
-        for (int64_t i = 0; i < Hkv; i++) {
-            if (k_norm) rms(k + i * D, k_norm, D, eps, k + i * D);
-            rope(k + i * D, c, s, D);
-        }
-    }
-}
-
-/* g[i] = silu(g[i]) * u[i]: AVX2 eight at a time (the exp above in intrinsics, on -g clamped
-   at 80: GCC does not vectorize the scalar loop), libm's expf for the rest */
-static void silu_mul(float* g, const float* u, int64_t I) {
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= I; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 x = _mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), _mm256_set1_ps(80.f));
-        const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f))),
-                                       _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
-        __m256 p = _mm256_set1_ps(1.f / 720.f);
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-        p = _mm256_fmadd_ps(p, r, one);
-        p = _mm256_fmadd_ps(p, r, one);
-        const __m256i e = _mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_max_ps(n, _mm256_set1_ps(-126.f))),
-                             _mm256_set1_epi32(127)), 23);
-        /* exp(x), 0 where x < -87 (g > 87) */
-        const __m256 ex = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)),
-                                        _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_GE_OQ));
-        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, ex)),
-                                              _mm256_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-}
+#define TIMED(slot, stmt)                                                                          \
+    do {                                                                                           \
+        const double t0_ = prof ? cpu_seconds() : 0.;                                              \
+        stmt;                                                                                      \
+        if (prof) prof[slot] += cpu_seconds() - t0_;                                               \
+    } while (0)
 
 /* Attention of one request's n query tokens (n >= loom_block_attn_min) for kv head kh, as two
    matmuls on the packed kernel: its S K rows gathered into panels (keys as the output rows),
@@ -485,8 +436,8 @@ static void silu_mul(float* g, const float* u, int64_t I) {
 int loom_block_attn_min = 2;
 static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
-                            int64_t kh, int64_t G, int64_t D, float scale, float* out,
-                            int64_t ldo, int nthreads, const uint8_t* mask) {
+                            int64_t kh, int64_t G, int64_t D, float scale, float* out, int64_t ldo,
+                            int nthreads, const uint8_t* mask) {
     const int64_t Sp = (S + PANEL - 1) / PANEL * PANEL, Dp = (D + PANEL - 1) / PANEL * PANEL;
     float* kp = calloc((size_t)(Sp * D), sizeof(float)); /* [Sp / 16, D, 16] */
     float* vp = calloc((size_t)(Dp * S), sizeof(float)); /* [Dp / 16, S, 16] */
@@ -512,25 +463,27 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                 for (int64_t c = 0; c < S; c++) row[c] = mr[c] ? row[c] : -INFINITY;
             }
             float mx = -INFINITY;
-            #pragma omp simd reduction(max:mx)
+#pragma omp simd reduction(max : mx)
             for (int64_t c = 0; c < len; c++) mx = row[c] > mx ? row[c] : mx;
             if (mx == -INFINITY) mx = 0.f; /* nothing visible: every exp below is 0 */
             float sum = 0.f;
-            #pragma omp simd reduction(+:sum)
+#pragma omp simd reduction(+ : sum)
             for (int64_t c = 0; c < len; c++) {
                 const float e = fast_expf((row[c] - mx) * scale);
                 row[c] = e;
                 sum += e;
             }
             const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            #pragma omp simd
+#pragma omp simd
             for (int64_t c = 0; c < len; c++) row[c] *= inv;
             for (int64_t c = len; c < keys; c++) row[c] = 0.f;
         }
         gemm_packed_ld(sc, rows, keys, keys, vp, S * PANEL, NULL, D,
                        out + j0 * ldo + (kh * G + g) * D, ldo, 0, nthreads);
     }
-    free(kp); free(vp); free(sc);
+    free(kp);
+    free(vp);
+    free(sc);
 }
 
 /* Attention of one request's n query tokens (2 <= n <= loom_small_attn_max: a verify step's
@@ -549,8 +502,8 @@ int loom_small_attn_max = 32;
 static inline int small_path(int64_t n) { return n >= 2 && n <= loom_small_attn_max; }
 static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
-                            int64_t kh, int64_t G, int64_t D, float scale, float* out,
-                            int64_t ldo, const uint8_t* mask, float* qt, float* sc, float* acc) {
+                            int64_t kh, int64_t G, int64_t D, float scale, float* out, int64_t ldo,
+                            const uint8_t* mask, float* qt, float* sc, float* acc) {
     const int64_t R = n * G, RP = (R + SMALL_LANES - 1) / SMALL_LANES * SMALL_LANES;
     const int64_t first = S - n; /* columns before it are seen by every row (causal) */
     memset(qt, 0, sizeof(float) * D * RP);
@@ -573,7 +526,7 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                 const float* qd = qt + d * RP + r0;
                 for (int64_t u = 0; u < SMALL_COLS; u++) {
                     const float kd = kr[u][d];
-                    #pragma omp simd
+#pragma omp simd
                     for (int64_t i = 0; i < SMALL_LANES; i++) a[u][i] += qd[i] * kd;
                 }
             }
@@ -589,7 +542,7 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
             } else if (c > first) { /* rows j < c - first do not see it yet */
                 for (int64_t r = 0; r < (c - first) * G; r++) s[r] = -INFINITY;
             }
-            #pragma omp simd
+#pragma omp simd
             for (int64_t r = 0; r < RP; r++) mx[r] = s[r] > mx[r] ? s[r] : mx[r];
         }
     }
@@ -600,7 +553,7 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
     }
     for (int64_t c = 0; c < S; c++) {
         float* s = sc + c * RP;
-        #pragma omp simd
+#pragma omp simd
         for (int64_t r = 0; r < RP; r++) {
             const float e = fast_expf(s[r] - mx[r]);
             s[r] = e;
@@ -621,7 +574,7 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
             const float p0 = p[r], p1 = p[RP + r], p2 = p[2 * RP + r], p3 = p[3 * RP + r];
             if (p0 == 0.f && p1 == 0.f && p2 == 0.f && p3 == 0.f) continue; /* invisible */
             float* a = acc + r * D;
-            #pragma omp simd
+#pragma omp simd
             for (int64_t d = 0; d < D; d++)
                 a[d] += p0 * vr[0][d] + p1 * vr[1][d] + p2 * vr[2][d] + p3 * vr[3][d];
         }
@@ -630,7 +583,7 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
         for (int64_t g = 0; g < G; g++) {
             const int64_t r = j * G + g;
             float* o = out + j * ldo + (kh * G + g) * D;
-            #pragma omp simd
+#pragma omp simd
             for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv[r];
         }
 }
@@ -648,8 +601,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                      const int64_t* seq_lens, const int64_t* table, int64_t stride,
                      const uint8_t* masks, const int64_t* mask_offs, int64_t N,
                      const int64_t* logit_rows, float* logits, int nthreads, double* prof,
-                     float* hidden_out, int64_t n_aux, const int64_t* aux_layers,
-                     float* aux_out) {
+                     float* hidden_out, int64_t n_aux, const int64_t* aux_layers, float* aux_out) {
     const int64_t Hd = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
     const int64_t G = H / Hkv, I = m->inter, QKV = (H + 2 * Hkv) * D;
     for (int64_t t = 0; t < T; t++) {
@@ -661,13 +613,14 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     int64_t* tok_req = malloc(sizeof(int64_t) * (T > 0 ? T : 1));
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = starts[b]; t < starts[b + 1]; t++) tok_req[t] = b;
-    float* x = malloc(sizeof(float) * T * Hd);     /* residual stream */
-    float* h = malloc(sizeof(float) * T * Hd);     /* normed input of a block */
+    float* x = malloc(sizeof(float) * T * Hd); /* residual stream */
+    float* h = malloc(sizeof(float) * T * Hd); /* normed input of a block */
     float* qkv = malloc(sizeof(float) * T * QKV);
     float* att = malloc(sizeof(float) * T * H * D);
     float* gu = malloc(sizeof(float) * T * 2 * I);
     for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
     const int attn_threads = nthreads > 1 && T * Hkv * max_len * H * D > (1 << 17) ? nthreads : 1;
+    (void)attn_threads; /* read by an OpenMP pragma only: unused in a build without OpenMP */
     const int64_t block_min = loom_block_attn_min > 1 ? loom_block_attn_min : 1;
     /* a request of 2 .. loom_small_attn_max tokens takes small_attention (small_path), else
        one of block_min or more tokens block_attention, else the per-token loop; small_rp:
@@ -695,17 +648,17 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             if (n >= block_min && !small_path(n))
                 for (int64_t kh = 0; kh < Hkv; kh++)
                     block_attention(qkv + starts[b] * QKV, QKV, starts[b + 1] - starts[b],
-                                    seq_lens[b], table + rows[b] * stride, L->k_cache,
-                                    L->v_cache, Hkv, kh, G, D, m->scale, att + starts[b] * H * D,
-                                    H * D, nthreads,
-                                    mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL);
+                                    seq_lens[b], table + rows[b] * stride, L->k_cache, L->v_cache,
+                                    Hkv, kh, G, D, m->scale, att + starts[b] * H * D, H * D,
+                                    nthreads, mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL);
         }
-        #pragma omp parallel num_threads(attn_threads) if(attn_threads > 1)
+#pragma omp parallel num_threads(attn_threads) if (attn_threads > 1)
         {
-            float* sc = malloc(sizeof(float) * (G > small_rp ? G : small_rp) * (max_len + SMALL_COLS));
+            float* sc =
+                malloc(sizeof(float) * (G > small_rp ? G : small_rp) * (max_len + SMALL_COLS));
             float* acc = malloc(sizeof(float) * (G > small_rp ? G : small_rp) * D);
             float* qt = small_rp ? malloc(sizeof(float) * small_rp * D) : NULL;
-            #pragma omp for schedule(dynamic)
+#pragma omp for schedule(dynamic)
             for (int64_t w = 0; w < T * Hkv; w++) {
                 const int64_t t = w / Hkv, kh = w % Hkv, b = tok_req[t];
                 const int64_t S = seq_lens[b], j = t - starts[b];
@@ -713,10 +666,10 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 const int64_t* cols = table + rows[b] * stride;
                 if (small_path(n_tok)) { /* the request's kv head kh at once */
                     if (j == 0)
-                        small_attention(qkv + t * QKV, QKV, n_tok, S, cols, L->k_cache,
-                                        L->v_cache, Hkv, kh, G, D, m->scale, att + t * H * D,
-                                        H * D, mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL,
-                                        qt, sc, acc);
+                        small_attention(qkv + t * QKV, QKV, n_tok, S, cols, L->k_cache, L->v_cache,
+                                        Hkv, kh, G, D, m->scale, att + t * H * D, H * D,
+                                        mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL, qt, sc,
+                                        acc);
                     continue;
                 }
                 if (n_tok >= block_min) continue; /* done above */
@@ -726,12 +679,15 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 float mx[G], den[G];
                 for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
                 for (int64_t c = 0; c < len; c++) {
-                    if (mrow && !mrow[c]) { for (int64_t g = 0; g < G; g++) sc[g * len + c] = -INFINITY; continue; }
+                    if (mrow && !mrow[c]) {
+                        for (int64_t g = 0; g < G; g++) sc[g * len + c] = -INFINITY;
+                        continue;
+                    }
                     const float* kp = L->k_cache + (cols[c] * Hkv + kh) * D;
                     for (int64_t g = 0; g < G; g++) {
                         const float* qg = qb + g * D;
                         float dot = 0.f;
-                        #pragma omp simd reduction(+:dot)
+#pragma omp simd reduction(+ : dot)
                         for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];
                         dot *= m->scale;
                         sc[g * len + c] = dot;
@@ -740,9 +696,10 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 }
                 for (int64_t g = 0; g < G; g++) {
                     float sum = 0.f;
-                    #pragma omp simd reduction(+:sum)
+#pragma omp simd reduction(+ : sum)
                     for (int64_t c = 0; c < len; c++) {
-                        const float e = sc[g * len + c] == -INFINITY ? 0.f : fast_expf(sc[g * len + c] - mx[g]);
+                        const float e =
+                            sc[g * len + c] == -INFINITY ? 0.f : fast_expf(sc[g * len + c] - mx[g]);
                         sc[g * len + c] = e;
                         sum += e;
                     }
@@ -755,7 +712,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                     for (int64_t g = 0; g < G; g++) {
                         const float p = sc[g * len + c];
                         float* a = acc + g * D;
-                        #pragma omp simd
+#pragma omp simd
                         for (int64_t d = 0; d < D; d++) a[d] += p * vp[d];
                     }
                 }
@@ -786,8 +743,13 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     if (hidden_out)
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, m->norm, Hd, m->eps, hidden_out + t * Hd);
     for (int64_t r = 0; r < N; r++) rms(x + logit_rows[r] * Hd, m->norm, Hd, m->eps, h + r * Hd);
-    TIMED(0, mm(h, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab, logits, m->vocab, 0, nthreads));
-    free(tok_req); free(x); free(h); free(qkv); free(att); free(gu);
+    TIMED(0, mm(h, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab, logits, m->vocab, 0,
+                nthreads));
+    free(tok_req);
+    free(x);
+    free(h);
+    free(qkv);
+    free(att);
+    free(gu);
     return 0;
 }
-"""

@@ -1,0 +1,261 @@
+/* loom's CPU kernels: one shared library, built at run time by loom.runtime.native from the .c
+   files of this folder (attention.c, forward.c, heads.c, ngram_store.c, quant.c, layout.c).
+
+   This header is the contract with Python. Every function Python calls is declared here with
+   LOOM_API, and native.py generates the ctypes signatures from these prototypes (pointers:
+   c_void_p; int64_t, int, float, double: their ctypes), so a prototype and its ctypes call
+   cannot disagree. Every struct Python also lays out (ctypes.Structure: Layer, Model, Head;
+   the n-gram store's Node records and header slots, read through memoryviews) is defined here
+   and listed in layout.c, whose sizes and offsets native.check_layout compares with the
+   Python side at load. Everything else here is shared between the .c files only. */
+#ifndef LOOM_CPU_H
+#define LOOM_CPU_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* clock_gettime's CLOCK_THREAD_CPUTIME_ID under -std=c11 */
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__AVX__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+/* the library is built with -fvisibility=hidden: only these symbols are exported */
+#define LOOM_API __attribute__((visibility("default")))
+
+/* ---- helpers shared by the .c files ------------------------------------------------------ */
+
+/* exp(x) for a softmax (x <= 0: a score minus its row max), in arithmetic that vectorizes
+   (libm's expf does not without -ffast-math): 2^n * e^r with |r| <= ln2 / 2 and a degree-6
+   Taylor polynomial, relative error ~2e-7; exactly 0 below -87 (and for -inf: masked). */
+static inline float fast_expf(float x) {
+    const float n = __builtin_rintf(x * 1.44269504f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t e = ((int32_t)(n < -126.f ? -126.f : n) + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return x < -87.f ? 0.f : p * scale;
+}
+
+/* A K or V row as f32: in place for an f32 pool, else widened into `buf` (bf16 -> f32 is a
+   16-bit shift, which vectorizes; an element-wise load inside the dot products does not). */
+static inline const float* row_f32(const float* p, float* buf, int64_t n) {
+    (void)buf;
+    (void)n;
+    return p;
+}
+static inline const float* row_bf16(const uint16_t* p, float* buf, int64_t n) {
+    /* the bits go through memcpy, not a uint32_t* store into the floats: that store's type
+       punning breaks strict aliasing (GCC then saw the float reads as of uninitialized
+       memory); the copy compiles to the same vector shift and store */
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t u = (uint32_t)p[i] << 16;
+        float f;
+        memcpy(&f, &u, sizeof(f));
+        buf[i] = f;
+    }
+    return buf;
+}
+
+/* Output rows per packed panel: the projections and LM heads are packed into panels of 16
+   output rows, K-major (cpu_forward.pack), one sequential stream a panel. */
+#define PANEL 16
+/* Tokens per pass over a panel: every loaded weight vector feeds MT FMAs. AVX-512: one zmm
+   per token (16 accumulators of 32 registers); AVX2: two ymm per token (12 of 16). */
+#if defined(__AVX512F__)
+#define ISA_BITS 512
+#define MT_MAX 16
+#else
+#define ISA_BITS 256
+#define MT_MAX 6
+#endif
+
+/* ---- structs Python lays out too (ctypes; checked through layout.c) ---------------------- */
+
+/* one decoder layer of the forward (cpu_forward._Layer) */
+typedef struct {
+    const float *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b;
+    const float *ln2, *gu_w, *gu_b, *down_w, *down_b;
+    float *k_cache, *v_cache; /* [slots, Hkv, D] */
+    /* the projections packed into panels (forward.c, above gemm_packed), or NULL: gemm */
+    const float *qkv_p, *o_p, *gu_p, *down_p;
+} Layer;
+
+/* the forward's model (cpu_forward._Model) */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers, max_pos;
+    float eps, scale;
+    const float *embed, *norm, *lm_head, *cos, *sin; /* cos/sin [max_pos, D] */
+    const Layer* layer;
+    const float* lm_head_p; /* the LM head packed, or NULL */
+} Model;
+
+/* an EAGLE / EAGLE-3 draft head (head_kernel._Head) */
+typedef struct {
+    int64_t variant; /* 0 EAGLE (fc over [emb; feature], n layers, target LM head), 1 EAGLE-3 */
+    int64_t hidden, heads, kv_heads, head_dim, inter, layers, max_pos, vocab, dvocab, fc_in;
+    float eps, scale;
+    const float *embed, *fc_w, *fc_b, *in_norm, *hidden_norm, *norm, *lm_head, *cos, *sin;
+    const int64_t* d2t;       /* EAGLE-3: target id = draft id + d2t[draft id] */
+    const Layer* layer;       /* its qkv_p / o_p / gu_p / down_p: the packed projections */
+    const float *fc_p, *lm_p; /* fc and the LM head packed (cpu_forward.pack) */
+    /* the same in bfloat16 (NULL: a matrix that is not all bfloat16 values): fc, the LM head,
+       then per layer qkv, o, gate_up, down */
+    const uint16_t *fc_bf, *lm_bf;
+    const uint16_t* const* layer_bf; /* [layers * 4] */
+    /* 1: the bfloat16 panels' matmuls round their inputs to bfloat16 too (VDPBF16PS, where the
+       build has it); 0: float32 inputs against the widened panels */
+    int64_t bf16_inputs;
+} Head;
+
+/* The n-gram store (ngram_store.c, ngram_store_c.CNgramTrie): one mapping of int64 words,
+   NGT_HEADER header slots, then max_ids Node records, then the free stack (max_ids ids). */
+enum {
+    NGT_DEPTH,
+    NGT_CAPACITY,
+    NGT_MAX_IDS,
+    NGT_N_IDS,
+    NGT_SIZE,
+    NGT_TAIL,
+    NGT_CLOCK,
+    NGT_EVICTED_AT,
+    NGT_NFREE,
+    NGT_TABLE,
+    NGT_MASK,
+    NGT_HEADER = 16
+};
+#define NGT_ROOT 0
+#define NGT_CUT (-1)
+/* the Python store's _GROW and SECOND_CHANCES (ngram_store.py; checked at load) */
+#define NGT_GROW 4096
+#define NGT_SECOND_CHANCES 64
+
+/* a node's record, two cache lines: what a token or an eviction reads first, the links */
+typedef struct {
+    int64_t parent, token, count, stamp, ostamp, queued, nxt, died;
+    int64_t first, last, next, prev, nkids, live, pad0, pad1;
+} Node;
+
+/* ---- forward.c's matmuls, which heads.c runs too (hidden: not exported) --------------------- */
+
+/* y[t, n] (+)= sum_k x[t, k] w[n, k] + b[n]: row-major weights w [N, K] */
+void gemm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w, const float* b,
+          int64_t N, float* y, int64_t ldy, int accumulate, int nthreads);
+/* the same over weights packed into panels (wp: cpu_forward.pack's layout) */
+void gemm_packed(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp, const float* b,
+                 int64_t N, float* y, int64_t ldy, int accumulate, int nthreads);
+
+/* The forward's matmul: the packed panels where there are any, at every token count (one copy
+   of the weights is read, so only it has to stay in cache), else the row-major tiles. */
+static inline void mm(const float* x, int64_t T, int64_t K, int64_t ldx, const float* w,
+                      const float* wp, const float* b, int64_t N, float* y, int64_t ldy,
+                      int accumulate, int nthreads) {
+    if (wp)
+        gemm_packed(x, T, K, ldx, wp, b, N, y, ldy, accumulate, nthreads);
+    else
+        gemm(x, T, K, ldx, w, b, N, y, ldy, accumulate, nthreads);
+}
+
+/* ---- the API Python calls (ctypes signatures are generated from these) ------------------- */
+
+/* attention.c: paged attention reading K/V in place through the req-to-token table, and the
+   fused norm / RoPE of the eager layers (cpu_kernels.py) */
+LOOM_API void loom_decode_f32(const float* q, const float* k, const float* v, const int64_t* table,
+                              int64_t stride, const int64_t* rows, const int64_t* lens, float* out,
+                              int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t Dv, float scale,
+                              int64_t max_len, int nthreads);
+LOOM_API void loom_decode_bf16(const float* q, const uint16_t* k, const uint16_t* v,
+                               const int64_t* table, int64_t stride, const int64_t* rows,
+                               const int64_t* lens, float* out, int64_t B, int64_t H, int64_t Hkv,
+                               int64_t D, int64_t Dv, float scale, int64_t max_len, int nthreads);
+LOOM_API void loom_extend_f32(const float* q, const float* k, const float* v, const int64_t* table,
+                              int64_t stride, const int64_t* rows, const int64_t* lens,
+                              const int64_t* exts, const int64_t* qstart, const uint8_t* mask,
+                              const int64_t* mask_off, float* out, int64_t B, int64_t H,
+                              int64_t Hkv, int64_t D, int64_t Dv, float scale, int64_t max_len,
+                              int64_t max_ext, int nthreads);
+LOOM_API void loom_extend_bf16(const float* q, const uint16_t* k, const uint16_t* v,
+                               const int64_t* table, int64_t stride, const int64_t* rows,
+                               const int64_t* lens, const int64_t* exts, const int64_t* qstart,
+                               const uint8_t* mask, const int64_t* mask_off, float* out, int64_t B,
+                               int64_t H, int64_t Hkv, int64_t D, int64_t Dv, float scale,
+                               int64_t max_len, int64_t max_ext, int nthreads);
+LOOM_API void loom_rms_norm_f32(const float* x, int64_t no, int64_t ni, int64_t so, int64_t si,
+                                int64_t D, const float* res, float* res_out, const float* w,
+                                float eps, float* out, int nthreads);
+LOOM_API void loom_rope_f32(const float* x, int64_t T, int64_t H, int64_t st, int64_t sh, int64_t D,
+                            const int64_t* pos, const float* cos, const float* sin, float* out,
+                            int nthreads);
+
+/* forward.c: the compiled forward (cpu_forward.py) */
+LOOM_API int loom_isa_bits(void);
+LOOM_API void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const float* b,
+                              int64_t N, float* y, int nthreads);
+LOOM_API void loom_linear_packed_f32(const float* x, int64_t T, int64_t K, const float* wp,
+                                     const float* b, int64_t N, float* y, int nthreads);
+LOOM_API int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_t* pos,
+                              const int64_t* slots, int64_t B, const int64_t* starts,
+                              const int64_t* rows, const int64_t* seq_lens, const int64_t* table,
+                              int64_t stride, const uint8_t* masks, const int64_t* mask_offs,
+                              int64_t N, const int64_t* logit_rows, float* logits, int nthreads,
+                              double* prof, float* hidden_out, int64_t n_aux,
+                              const int64_t* aux_layers, float* aux_out);
+/* tuning knobs of the forward's attention paths (tests and benchmarks set them: c_int.in_dll) */
+LOOM_API extern int loom_block_attn_min;
+LOOM_API extern int loom_small_attn_max;
+
+/* heads.c: the compiled draft heads (runtime/spec/head_kernel.py) */
+LOOM_API int loom_head_bf16_dot(void);
+LOOM_API int loom_eagle_round(const Head* m, int64_t T, const int64_t* ids, const int64_t* pos,
+                              const int64_t* slots, const float* feats, int64_t ldf, int64_t B,
+                              const int64_t* starts, const int64_t* rows, const int64_t* seq_lens,
+                              const int64_t* table, int64_t stride, int64_t nd,
+                              const int64_t* draft_reqs, int64_t steps, int64_t* out_tokens,
+                              float* logits_out, float* hidden_out, int nthreads, double* prof);
+LOOM_API void loom_medusa_heads(const float* h, int64_t n, int64_t Hd, int64_t k, int64_t nl,
+                                const float* res_p, const float* res_b, const float* lm_p,
+                                int own_lm, int64_t V, int64_t topk, float* out_logp,
+                                int64_t* out_ids, int nthreads);
+
+/* ngram_store.c: the n-gram trie's node store (runtime/spec/ngram_store_c.py); h is the
+   mapping's first word */
+LOOM_API int64_t ngt_init(int64_t* h);
+LOOM_API void ngt_free(int64_t* h);
+LOOM_API int64_t ngt_extend(int64_t* h, const int64_t* ptrs, int64_t n, const int64_t* toks,
+                            int64_t k, int64_t gen_from, int64_t* buf);
+LOOM_API int64_t ngt_walk(int64_t* h, int64_t node, const int64_t* toks, int64_t k);
+LOOM_API int64_t ngt_child(int64_t* h, int64_t node, int64_t tok);
+LOOM_API int64_t ngt_best(int64_t* h, int64_t node, int by_count);
+LOOM_API int64_t ngt_recent(int64_t* h, int64_t p, int64_t other, int generated, int64_t scan);
+LOOM_API int64_t ngt_children(int64_t* h, int64_t node, int64_t* out);
+LOOM_API int64_t ngt_match(int64_t* h, const int64_t* ptrs, int64_t m, const int64_t* after,
+                           int64_t k, int64_t min_w, int64_t max_w, int skip, int64_t min_ctx,
+                           int64_t scan);
+LOOM_API int64_t ngt_deepest(int64_t* h, const int64_t* toks, int64_t n, int64_t min_w);
+LOOM_API int64_t ngt_check(int64_t* h);
+
+/* quant.c: matmuls and row gathers on ggml block-quantized weights (runtime/layers/quant_ops.py);
+   qtype 0..4 = Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; mode 0 = int8 activations (T <= 8), 1 = f32 */
+LOOM_API int loom_q_vnni(void);
+LOOM_API int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K,
+                           int64_t row_bytes, const float* x, int64_t T, int64_t ldx,
+                           const float* bias, float* y, int64_t ldy, int accumulate, int threads);
+LOOM_API int loom_q_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                         const int64_t* ids, int64_t T, float* out, int threads);
+
+/* layout.c: for "Struct.field" its offset and size, for "Struct" 0 and its sizeof, for a
+   constant's name its value and 0; returns 0, or -1 for a name it does not list */
+LOOM_API int loom_layout(const char* name, int64_t* value, int64_t* size);
+
+#endif
