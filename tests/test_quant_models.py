@@ -163,3 +163,18 @@ def test_layers_take_quantized_segments_of_mixed_types(monkeypatch):
     torch.testing.assert_close(emb(ids), deq[ids])
     h = torch.randn(2, hidden)
     torch.testing.assert_close(head.compute_logits(h), h @ deq.T, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["f32", "int8"])
+def test_compiled_forward_reads_quantized_weights(tiny_model_dir, monkeypatch, mode):
+    """The C forward (cpu_forward) on a quantized model equals the eager modules on it."""
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", mode)
+    path = tiny_model_dir("qwen2")  # tied embedding / head, qkv bias
+    ours, sched = run(path, quantization="int4")
+    assert sched.runner.cpu_forward is not None, "the C forward declined the quantized model"
+    ref, eager = run(path, quantization="int4", cpu_forward="eager")
+    assert eager.runner.cpu_forward is None
+    for rid in ours:
+        a, b = torch.tensor(ours[rid]["lp"][1:]), torch.tensor(ref[rid]["lp"][1:])
+        assert (a - b).abs().max().item() < 2e-4, (rid, (a - b).abs().max().item())
+        assert ours[rid]["ids"] == ref[rid]["ids"], rid

@@ -83,6 +83,18 @@ static inline const float* row_bf16(const uint16_t* p, float* buf, int64_t n) {
 
 /* ---- structs Python lays out too (ctypes; checked through layout.c) ---------------------- */
 
+/* a weight kept block-quantized (quant.c; cpu_forward._QSeg): output rows row0 .. row0 + rows
+   in one block type; a matrix is nseg such segments covering all its rows */
+typedef struct {
+    int64_t qtype, row0, rows, row_bytes;
+    const uint8_t* data;
+} QSeg;
+
+typedef struct {
+    int64_t nseg;
+    const QSeg* seg;
+} QMat;
+
 /* one decoder layer of the forward (cpu_forward._Layer) */
 typedef struct {
     const float *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b;
@@ -90,6 +102,8 @@ typedef struct {
     float *k_cache, *v_cache; /* [slots, Hkv, D] */
     /* the projections packed into panels (forward.c, above gemm_packed), or NULL: gemm */
     const float *qkv_p, *o_p, *gu_p, *down_p;
+    /* the projections block-quantized, or NULL: the float weights above */
+    const QMat *qkv_q, *o_q, *gu_q, *down_q;
 } Layer;
 
 /* the forward's model (cpu_forward._Model) */
@@ -99,6 +113,9 @@ typedef struct {
     const float *embed, *norm, *lm_head, *cos, *sin; /* cos/sin [max_pos, D] */
     const Layer* layer;
     const float* lm_head_p; /* the LM head packed, or NULL */
+    /* the embedding table and LM head block-quantized, or NULL; q_mode: quant.c's mode */
+    const QMat *embed_q, *lm_head_q;
+    int64_t q_mode;
 } Model;
 
 /* an EAGLE / EAGLE-3 draft head (head_kernel._Head) */
