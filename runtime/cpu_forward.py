@@ -27,6 +27,9 @@ import torch
 
 from loom.runtime import native
 from loom.runtime.forward_batch import ForwardBatch, host_tensor
+from loom.runtime.layers import quant_ops
+from loom.runtime.layers.quant_linear import quant_of
+from loom.runtime.layers.quant_ops import QTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,16 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
+class _QSeg(ctypes.Structure):
+    """Output rows row0 .. row0 + rows of a block-quantized weight, in one block type."""
+
+    _fields_ = [*[(n, _I64) for n in ("qtype", "row0", "rows", "row_bytes")], ("data", _P)]
+
+
+class _QMat(ctypes.Structure):
+    _fields_ = [("nseg", _I64), ("seg", _P)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         (name, _P)
@@ -46,6 +59,7 @@ class _Layer(ctypes.Structure):
             "ln1", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "o_b",
             "ln2", "gu_w", "gu_b", "down_w", "down_b", "k_cache", "v_cache",
             "qkv_p", "o_p", "gu_p", "down_p",  # packed panels (pack()); NULL: row-major tiles
+            "qkv_q", "o_q", "gu_q", "down_q",  # _QMat of a quantized weight; NULL: float
         )
     ]  # fmt: skip
 
@@ -60,6 +74,9 @@ class _Model(ctypes.Structure):
         *[(n, _P) for n in ("embed", "norm", "lm_head", "cos", "sin")],
         ("layer", ctypes.POINTER(_Layer)),
         ("lm_head_p", _P),
+        ("embed_q", _P),
+        ("lm_head_q", _P),
+        ("q_mode", _I64),
     ]
 
 
@@ -72,6 +89,7 @@ def load(isa: str = "native") -> ctypes.CDLL | None:
     if lib is not None:
         native.check_layout(lib, "Layer", _Layer)
         native.check_layout(lib, "Model", _Model)
+        native.check_layout(lib, "QSeg", _QSeg)
         native.check_constants(lib, {"PANEL": PANEL})
     return lib
 
@@ -110,6 +128,7 @@ class CpuForward:
         rot = attn0.rotary_emb
         cfg = model.config
         self._keep: list[torch.Tensor] = []  # every tensor whose pointer the C side holds
+        self._qkeep: list[ctypes.Structure] = []  # the _QSeg arrays and _QMats it points to
 
         def p(t: torch.Tensor | None) -> int | None:
             if t is None:
@@ -120,7 +139,28 @@ class CpuForward:
 
         budget = [PACK_BUDGET]
 
+        def q(param: torch.Tensor) -> int | None:
+            """A block-quantized weight as a _QMat the C side reads in place (None: float)."""
+            qw = quant_of(param)
+            if qw is None:
+                return None
+            segs = (_QSeg * len(qw.parts))(
+                *[
+                    _QSeg(QTYPES[t.qtype], off, t.shape[0], t.row_bytes, t.data.data_ptr())
+                    for off, t in qw.parts
+                ]
+            )
+            mat = _QMat(len(qw.parts), ctypes.addressof(segs))
+            self._keep.extend(t.data for _, t in qw.parts)
+            self._qkeep += [segs, mat]
+            return ctypes.addressof(mat)
+
+        def f(param: torch.Tensor) -> int | None:  # the float weight, None where quantized
+            return None if quant_of(param) is not None else p(param)
+
         def packed(t: torch.Tensor) -> int | None:
+            if quant_of(t) is not None:
+                return None
             need = -(-t.shape[0] // PANEL) * PANEL * t.shape[1] * 4
             if need > budget[0]:
                 return None
@@ -131,24 +171,28 @@ class CpuForward:
         for i, layer in enumerate(inner.layers):
             a, mlp = layer.self_attn, layer.mlp
             layers[i] = _Layer(
-                p(layer.input_layernorm.weight), p(a.qkv_proj.weight), p(a.qkv_proj.bias),
+                p(layer.input_layernorm.weight), f(a.qkv_proj.weight), p(a.qkv_proj.bias),
                 p(a.q_norm.weight) if a.qk_norm else None,
                 p(a.k_norm.weight) if a.qk_norm else None,
-                p(a.o_proj.weight), p(a.o_proj.bias), p(layer.post_attention_layernorm.weight),
-                p(mlp.gate_up_proj.weight), p(mlp.gate_up_proj.bias),
-                p(mlp.down_proj.weight), p(mlp.down_proj.bias),
+                f(a.o_proj.weight), p(a.o_proj.bias), p(layer.post_attention_layernorm.weight),
+                f(mlp.gate_up_proj.weight), p(mlp.gate_up_proj.bias),
+                f(mlp.down_proj.weight), p(mlp.down_proj.bias),
                 p(pool.k_buffers[i]), p(pool.v_buffers[i]),
                 packed(a.qkv_proj.weight), packed(a.o_proj.weight),
                 packed(mlp.gate_up_proj.weight), packed(mlp.down_proj.weight),
+                q(a.qkv_proj.weight), q(a.o_proj.weight),
+                q(mlp.gate_up_proj.weight), q(mlp.down_proj.weight),
             )  # fmt: skip
         self._layers = layers
         self._struct = _Model(
             cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
-            inner.layers[0].mlp.gate_up_proj.weight.shape[0] // 2,
+            sum(inner.layers[0].mlp.gate_up_proj.output_sizes) // 2,
             model.lm_head.num_embeddings, len(inner.layers), rot.cos_cache.shape[0],
             inner.layers[0].input_layernorm.eps, attn0.attn.scaling,
-            p(inner.embed_tokens.weight), p(inner.norm.weight), p(model.lm_head.weight),
+            f(inner.embed_tokens.weight), p(inner.norm.weight), f(model.lm_head.weight),
             p(rot.cos_cache), p(rot.sin_cache), layers, packed(model.lm_head.weight),
+            q(inner.embed_tokens.weight), q(model.lm_head.weight),
+            quant_ops.MODES[quant_ops.DEFAULT_MODE],
         )  # fmt: skip
         # bytes held in packed copies (the weights the C path reads a second time)
         self.packed_bytes = PACK_BUDGET - budget[0]
@@ -263,6 +307,13 @@ def unsupported(model, pool, *, tp_size: int, pp_size: int) -> str | None:
     if act != "silu":
         return f"hidden_act {act!r}"
     params = list(model.parameters())
+    for t in params:
+        qw = getattr(t, "quant", None)
+        if qw is not None and not qw.complete:
+            return "a quantized weight with rows no segment covers"
+    table = getattr(inner.embed_tokens.weight, "quant", None)
+    if table is not None and (len(table.parts) != 1 or table.parts[0][0] != 0):
+        return "a quantized embedding table in more than one segment"
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in params):
         return "weights are not float32 on the CPU"
     if any(

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
+from loom.runtime.layers.quant_types import QuantizedTensor
 from loom.runtime.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,35 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-def load_model(path: str, dtype: torch.dtype, device: str, config=None) -> torch.nn.Module:
+# --quantization -> (projection block type, embedding / LM head block type)
+QUANT_TYPES = {"int8": ("Q8_0", "Q8_0"), "int4": ("Q4_1", "Q8_0")}
+# checkpoint tensors --quantization quantizes: dense projections, the embedding, the LM head
+# (MoE experts, norms and biases stay float)
+_QUANTIZED_NAMES = re.compile(
+    r"(\.(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.weight|embed_tokens\.weight|lm_head\.weight)$"
+)
+
+
+def quantize_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], quantization: str
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """The checkpoint's tensors with the dense projections, embedding and LM head replaced by
+    QuantizedTensors (columns not whole blocks of 32 stay float)."""
+    from loom.kernels.quant_ref import quantize_ref
+
+    proj, table = QUANT_TYPES[quantization]
+    for name, t in weights:
+        if t.dim() == 2 and t.shape[1] % 32 == 0 and _QUANTIZED_NAMES.search(name):
+            if ".experts." not in name:
+                qtype = table if "embed_tokens" in name or "lm_head" in name else proj
+                yield name, QuantizedTensor(qtype, tuple(t.shape), quantize_ref(t, qtype))
+                continue
+        yield name, t
+
+
+def load_model(
+    path: str, dtype: torch.dtype, device: str, config=None, quantization: str | None = None
+) -> torch.nn.Module:
     config = config or load_config(path)
     cls = get_model_class(getattr(config, "architectures", None))
     previous = torch.get_default_dtype()
@@ -91,5 +121,10 @@ def load_model(path: str, dtype: torch.dtype, device: str, config=None) -> torch
             model = cls(config)
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(iterate_weights(path))
+    weights = iterate_weights(path)
+    if quantization is not None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"quantization: {quantization!r} runs on the CPU only so far")
+        weights = quantize_weights(weights, quantization)
+    model.load_weights(weights)
     return model.eval()

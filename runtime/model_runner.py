@@ -40,7 +40,9 @@ class ModelRunner:
         self.device = args.resolved_device
         self.config = load_config(args.model_path)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
-        self.model = load_model(args.model_path, self.dtype, self.device, self.config)
+        self.model = load_model(
+            args.model_path, self.dtype, self.device, self.config, quantization=args.quantization
+        )
         self.vocab_size = self.config.vocab_size
         self.context_len = args.context_length or self.config.max_position_embeddings
         self._init_memory()

@@ -41,6 +41,8 @@ KV_CACHE_DTYPES_NOT_YET = ("fp8_e5m2", "fp8_e4m3", "fp4_e2m1")
 # hierarchical KV cache (radix/hicache.py), SGLang's names
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 HICACHE_STORAGE_BACKENDS = ("file", "redis")
+# --quantization: weight-only quantization of a float checkpoint at load (model_loader)
+QUANTIZATIONS = ("int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class ServerArgs:
     trust_remote_code: bool = False
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES (memory_pool.resolve_kv_dtype)
+    quantization: str | None = None  # QUANTIZATIONS
     device: str | None = None
     context_length: int | None = None
 
@@ -166,6 +169,11 @@ class ServerArgs:
             f"must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}",
         )
         need(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        need(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
         need(
             self.kv_cache_dtype not in KV_CACHE_DTYPES_NOT_YET,
             "kv_cache_dtype",
@@ -628,6 +636,8 @@ class ServerArgs:
                 kwargs["choices"] = SCHEDULE_POLICIES
             if f.name == "dtype":
                 kwargs["choices"] = DTYPES
+            if f.name == "quantization":
+                kwargs["choices"] = QUANTIZATIONS
             if f.name == "load_balance_method":
                 kwargs["choices"] = LOAD_BALANCE_METHODS
             if f.name == "grammar_backend":
@@ -663,6 +673,7 @@ _HELP = {
     "tool_call_parser": "How the model writes tool calls on /v1/chat/completions (qwen25: <tool_call> JSON, llama3: JSON, mistral: [TOOL_CALLS], react: Action/Action Input); default: react for the bundled model, else from the model type, else qwen25",
     "reasoning_parser": "Split <think>...</think> into reasoning_content (qwen3: when the reply opens one; deepseek-r1: the reply starts inside it)",
     "dtype": "Weight and activation dtype; auto takes the config's torch_dtype",
+    "quantization": "Weight-only quantization of a float checkpoint at load, kept quantized in memory and multiplied by the quantized kernels: int8 (ggml Q8_0: int8 codes, one f16 scale per 32) or int4 (ggml Q4_1: 4-bit codes, f16 scale and minimum per 32; the embedding and LM head in Q8_0)",
     "device": "cpu or cuda; default: cuda when available",
     "context_length": "Maximum context length; default: the config's max_position_embeddings",
     "host": "HTTP bind address",

@@ -21,6 +21,8 @@ Optional and never a test or CI dependency. Everything is cached under ~/.cache/
             requests, one unified KV pool, token-id prompts, cache_prompt off, the same thread count;
             useful tok/s. Rows for llama.cpp's default (-fa auto) and -fa off.
   batched   llama-batched-bench: prefill and decode tok/s at batch sizes 1/8/32/64.
+  gguf      llama-batched-bench on a given GGUF file (--gguf; -fa on and off): a real model's
+            own quantized file, as bench_real.py compares loom with it.
 
     python benchmarks/peers/llamacpp.py all --model bundled [--threads 1]
 """
@@ -392,6 +394,31 @@ def batched(model: str, threads: int, pp: int, tg: int, batches: list[int], fa: 
     raise SystemExit(f"llama-batched-bench printed {len(rows)} rows for {len(batches)} batch sizes")
 
 
+def gguf_batched(
+    gguf: str, threads: int, pp: int, tg: int, batches: list[int], fa: str
+) -> list[dict]:
+    """llama-batched-bench rows on a given GGUF file (a real model's own file, e.g. SmolLM2's
+    Q4_1: bench_real.py's peer); only llama-batched-bench needs to be built."""
+    found = sorted(CACHE.glob("*/build/bin/llama-batched-bench"))
+    tool = found[-1] if found else build() / "llama-batched-bench"
+    ctx = max(batches) * (pp + tg) + 64
+    cmd = [
+        str(tool), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
+        "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, batches)),
+        "-t", str(threads), "-tb", str(threads), "-fa", fa, "--output-format", "jsonl",
+    ]  # fmt: skip
+    rows: list[dict] = []
+    for _ in range(5):  # see batched(): a run now and then prints nothing
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise SystemExit(f"llama-batched-bench failed:\n{res.stderr[-2000:]}")
+        lines = (res.stdout + "\n" + res.stderr).splitlines()
+        rows = [json.loads(line) for line in lines if line.startswith('{"n_kv_max"')]
+        if len(rows) == len(batches):
+            return rows
+    raise SystemExit(f"llama-batched-bench printed {len(rows)} rows for {len(batches)} batch sizes")
+
+
 def batched_point(
     model: str, threads: int, fa: str, b: int, pp: int, tg: int
 ) -> tuple[float, float]:
@@ -430,7 +457,10 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("command", choices=["build", "convert", "check", "offline", "batched", "all"])
+    p.add_argument(
+        "command", choices=["build", "convert", "check", "offline", "batched", "gguf", "all"]
+    )
+    p.add_argument("--gguf", default=None, help="gguf: the GGUF file llama-batched-bench runs")
     p.add_argument("--model", default="bundled", help=f"one of {common.MODELS} or a model folder")
     p.add_argument("--threads", type=int, default=1, help="threads for llama.cpp and loom")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the build")
@@ -467,6 +497,14 @@ def main() -> None:
             for r in batched(args.model, args.threads, args.pp, args.tg, batches, fa):
                 print(
                     f"llama-batched-bench -fa {fa:4} B={r['pl']:3} pp {args.pp} tg {args.tg}: "
+                    f"prefill {r['speed_pp']:9.1f} tok/s  decode {r['speed_tg']:8.1f} tok/s"
+                )
+    if args.command == "gguf":
+        batches = [int(b) for b in args.batches.split(",")]
+        for fa in ("on", "off"):
+            for r in gguf_batched(args.gguf, args.threads, args.pp, args.tg, batches, fa):
+                print(
+                    f"llama-batched-bench -fa {fa:3} B={r['pl']:3} pp {args.pp} tg {args.tg}: "
                     f"prefill {r['speed_pp']:9.1f} tok/s  decode {r['speed_tg']:8.1f} tok/s"
                 )
     print(common.loadavg())

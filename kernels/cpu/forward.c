@@ -588,6 +588,22 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
         }
 }
 
+/* The forward's matmul for a weight that may be block-quantized (q non-NULL: quant.c's kernel
+   over each row segment, reading the blocks in place), else the float matmul mm. */
+static inline void qmm(const QMat* q, int64_t mode, const float* x, int64_t T, int64_t K,
+                       int64_t ldx, const float* w, const float* wp, const float* b, int64_t N,
+                       float* y, int64_t ldy, int accumulate, int nthreads) {
+    if (!q) {
+        mm(x, T, K, ldx, w, wp, b, N, y, ldy, accumulate, nthreads);
+        return;
+    }
+    for (int64_t i = 0; i < q->nseg; i++) {
+        const QSeg* s = q->seg + i;
+        loom_q_matmul((int)s->qtype, (int)mode, s->data, s->rows, K, s->row_bytes, x, T, ldx,
+                      b ? b + s->row0 : NULL, y + s->row0, ldy, accumulate, nthreads);
+    }
+}
+
 /* One step. Requests b < B own tokens starts[b] .. starts[b+1]-1 (the last extend tokens of a
    sequence of seq_lens[b] KV columns, read through table[rows[b] * stride + column]); token j
    of request b sees columns 0 .. prefix + j (prefix = seq_lens[b] - its token count), or with
@@ -618,7 +634,14 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     float* qkv = malloc(sizeof(float) * T * QKV);
     float* att = malloc(sizeof(float) * T * H * D);
     float* gu = malloc(sizeof(float) * T * 2 * I);
-    for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
+    if (m->embed_q) {
+        for (int64_t t = 0; t < T; t++) {
+            const QSeg* s = m->embed_q->seg; /* one segment: the whole table (cpu_forward) */
+            loom_q_rows((int)s->qtype, s->data, s->rows, Hd, s->row_bytes, ids + t, 1, x + t * Hd, 1);
+        }
+    } else {
+        for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
+    }
     const int attn_threads = nthreads > 1 && T * Hkv * max_len * H * D > (1 << 17) ? nthreads : 1;
     (void)attn_threads; /* read by an OpenMP pragma only: unused in a build without OpenMP */
     const int64_t block_min = loom_block_attn_min > 1 ? loom_block_attn_min : 1;
@@ -635,7 +658,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     for (int64_t l = 0; l < m->layers; l++) {
         const Layer* L = m->layer + l;
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln1, Hd, m->eps, h + t * Hd);
-        TIMED(0, mm(h, T, Hd, Hd, L->qkv_w, L->qkv_p, L->qkv_b, QKV, qkv, QKV, 0, nthreads));
+        TIMED(0, qmm(L->qkv_q, m->q_mode, h, T, Hd, Hd, L->qkv_w, L->qkv_p, L->qkv_b, QKV, qkv, QKV, 0, nthreads));
         qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
         for (int64_t t = 0; t < T; t++) {
             const float* k = qkv + t * QKV + H * D;
@@ -725,15 +748,15 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             free(qt);
         }
         if (prof) prof[1] += cpu_seconds() - att0;
-        TIMED(0, mm(att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads));
+        TIMED(0, qmm(L->o_q, m->q_mode, att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads));
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, h + t * Hd);
-        TIMED(0, mm(h, T, Hd, Hd, L->gu_w, L->gu_p, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads));
+        TIMED(0, qmm(L->gu_q, m->q_mode, h, T, Hd, Hd, L->gu_w, L->gu_p, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads));
         for (int64_t t = 0; t < T; t++) {
             float* g = gu + t * 2 * I;
             const float* u = g + I;
             silu_mul(g, u, I);
         }
-        TIMED(0, mm(gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, x, Hd, 1, nthreads));
+        TIMED(0, qmm(L->down_q, m->q_mode, gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, x, Hd, 1, nthreads));
         /* an EAGLE-3 drafter's aux features: the residual stream after layer l (the eager
            model's hidden + residual), [n_aux, T, Hd] in capture_layers order */
         for (int64_t a = 0; a < n_aux; a++)
@@ -743,7 +766,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     if (hidden_out)
         for (int64_t t = 0; t < T; t++) rms(x + t * Hd, m->norm, Hd, m->eps, hidden_out + t * Hd);
     for (int64_t r = 0; r < N; r++) rms(x + logit_rows[r] * Hd, m->norm, Hd, m->eps, h + r * Hd);
-    TIMED(0, mm(h, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab, logits, m->vocab, 0,
+    TIMED(0, qmm(m->lm_head_q, m->q_mode, h, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab, logits, m->vocab, 0,
                 nthreads));
     free(tok_req);
     free(x);

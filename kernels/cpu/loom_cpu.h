@@ -1,5 +1,5 @@
 /* loom's CPU kernels: one shared library, built at run time by loom.runtime.native from the .c
-   files of this folder (attention.c, forward.c, heads.c, ngram_store.c, layout.c).
+   files of this folder (attention.c, forward.c, heads.c, ngram_store.c, quant.c, layout.c).
 
    This header is the contract with Python. Every function Python calls is declared here with
    LOOM_API, and native.py generates the ctypes signatures from these prototypes (pointers:
@@ -83,6 +83,18 @@ static inline const float* row_bf16(const uint16_t* p, float* buf, int64_t n) {
 
 /* ---- structs Python lays out too (ctypes; checked through layout.c) ---------------------- */
 
+/* a weight kept block-quantized (quant.c; cpu_forward._QSeg): output rows row0 .. row0 + rows
+   in one block type; a matrix is nseg such segments covering all its rows */
+typedef struct {
+    int64_t qtype, row0, rows, row_bytes;
+    const uint8_t* data;
+} QSeg;
+
+typedef struct {
+    int64_t nseg;
+    const QSeg* seg;
+} QMat;
+
 /* one decoder layer of the forward (cpu_forward._Layer) */
 typedef struct {
     const float *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b;
@@ -90,6 +102,8 @@ typedef struct {
     float *k_cache, *v_cache; /* [slots, Hkv, D] */
     /* the projections packed into panels (forward.c, above gemm_packed), or NULL: gemm */
     const float *qkv_p, *o_p, *gu_p, *down_p;
+    /* the projections block-quantized, or NULL: the float weights above */
+    const QMat *qkv_q, *o_q, *gu_q, *down_q;
 } Layer;
 
 /* the forward's model (cpu_forward._Model) */
@@ -99,6 +113,9 @@ typedef struct {
     const float *embed, *norm, *lm_head, *cos, *sin; /* cos/sin [max_pos, D] */
     const Layer* layer;
     const float* lm_head_p; /* the LM head packed, or NULL */
+    /* the embedding table and LM head block-quantized, or NULL; q_mode: quant.c's mode */
+    const QMat *embed_q, *lm_head_q;
+    int64_t q_mode;
 } Model;
 
 /* an EAGLE / EAGLE-3 draft head (head_kernel._Head) */
@@ -244,6 +261,15 @@ LOOM_API int64_t ngt_match(int64_t* h, const int64_t* ptrs, int64_t m, const int
                            int64_t scan);
 LOOM_API int64_t ngt_deepest(int64_t* h, const int64_t* toks, int64_t n, int64_t min_w);
 LOOM_API int64_t ngt_check(int64_t* h);
+
+/* quant.c: matmuls and row gathers on ggml block-quantized weights (runtime/layers/quant_ops.py);
+   qtype 0..4 = Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; mode 0 = int8 activations (T <= 8), 1 = f32 */
+LOOM_API int loom_q_vnni(void);
+LOOM_API int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K,
+                           int64_t row_bytes, const float* x, int64_t T, int64_t ldx,
+                           const float* bias, float* y, int64_t ldy, int accumulate, int threads);
+LOOM_API int loom_q_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                         const int64_t* ids, int64_t T, float* out, int threads);
 
 /* layout.c: for "Struct.field" its offset and size, for "Struct" 0 and its sizeof, for a
    constant's name its value and 0; returns 0, or -1 for a name it does not list */

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.runtime.distributed import get_parallel_state, tp_all_gather_last_dim, tp_all_reduce
+from loom.runtime.layers.quant_linear import narrow_rows, put_rows, quant_of
+from loom.runtime.layers.quant_types import QuantizedTensor
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,16 +25,24 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if isinstance(loaded, QuantizedTensor):  # rows past the vocabulary stay 0 (not stored)
+            n = max(0, min(self.shard, loaded.shape[0] - self.start))
+            put_rows(param, 0, narrow_rows(loaded, self.start, n))
+            return
         rows = loaded[self.start : self.start + self.shard]
         param.data.zero_()
         param.data[: rows.shape[0]].copy_(rows)
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        qw = quant_of(self.weight)
+        return F.embedding(ids, self.weight) if qw is None else qw.lookup(ids)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         local = ids - self.start
         valid = (local >= 0) & (local < self.shard)
-        out = F.embedding(local.clamp(0, self.shard - 1), self.weight)
+        out = self.lookup(local.clamp(0, self.shard - 1))
         out = out * valid.unsqueeze(-1).to(out.dtype)
         return tp_all_reduce(out)
 
@@ -41,6 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to full-vocabulary logits (gathered across ranks)."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        qw = quant_of(self.weight)
+        logits = F.linear(hidden, self.weight) if qw is None else qw.matmul(hidden)
         logits = tp_all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]

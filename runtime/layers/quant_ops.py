@@ -1,0 +1,102 @@
+"""ctypes binding of the quantized-weight kernels (kernels/cpu/quant.c): matmul and row gather
+on QuantizedTensors, with the plain-torch reference (kernels/quant_ref.py) as the fallback
+where no C compiler is found.
+
+Activation handling (`mode`): "int8" quantizes activations per block of 32 (ggml's q8
+activations) and takes integer dot products (AVX-512 VNNI where the CPU has it); "f32"
+dequantizes each weight row into L1 and multiplies by FMA, without rounding the activations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from loom.runtime import native
+from loom.runtime.layers.quant_types import QuantizedTensor
+
+QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}
+MODES = {"int8": 0, "f32": 1}
+DEFAULT_MODE = "int8"
+# instruction-set variants (native.ISA_FLAGS): "native" takes the VNNI path on CPUs with
+# AVX-512 VNNI; "avx2" (AVX-512 off) the plain C path every other CPU takes
+
+
+def load(isa: str = "native") -> ctypes.CDLL | None:
+    """loom's C library (runtime/native.py: kernels/cpu/*.c, quant.c among them) for the `isa`
+    variant; None without a C compiler."""
+    return native.load(isa)
+
+
+# multiply-adds per thread below which another thread costs more than it saves
+_GRAIN = 1 << 16
+
+
+def _threads(work: int) -> int:
+    return max(1, min(torch.get_num_threads(), work // _GRAIN))
+
+
+def matmul(
+    qt: QuantizedTensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    mode: str | None = None,
+    isa: str = "native",
+) -> torch.Tensor:
+    """x [..., cols] -> float32 [..., rows] = x @ W.T (+ bias). `out`: a float32 view [T, rows]
+    whose rows may be strided (a column slice of a wider output). mode: MODES (None: the
+    module's DEFAULT_MODE)."""
+    rows, cols = qt.shape
+    mode = mode or DEFAULT_MODE
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, cols).to(torch.float32).contiguous()
+    t = x2.shape[0]
+    if out is None:
+        out = torch.empty(t, rows, dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.stride(1) == 1 and tuple(out.shape) == (t, rows)
+    lib = load(isa) if x2.device.type == "cpu" else None
+    if lib is None or t == 0:
+        from loom.kernels.quant_ref import matmul_ref
+
+        out.copy_(matmul_ref(qt.qtype, qt.data, qt.shape, x2) + (0 if bias is None else bias))
+        return out.reshape(*lead, rows)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    rc = lib.loom_q_matmul(
+        QTYPES[qt.qtype], MODES[mode], qt.data.data_ptr(), rows, cols, qt.row_bytes,
+        x2.data_ptr(), t, cols, None if b is None else b.data_ptr(), out.data_ptr(), out.stride(0),
+        0, _threads(rows * cols * t),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"loom_q_matmul({qt.qtype}, {qt.shape}) failed: {rc}")
+    return out.reshape(*lead, rows)
+
+
+def rows(qt: QuantizedTensor, ids: torch.Tensor, isa: str = "native") -> torch.Tensor:
+    """The dequantized rows `ids` [...] -> float32 [..., cols] (an embedding lookup)."""
+    n, cols = qt.shape
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise IndexError(f"row id out of range [0, {n})")
+    lib = load(isa) if flat.device.type == "cpu" else None
+    if lib is None:
+        from loom.kernels.quant_ref import dequantize_ref
+
+        picked = qt.data.index_select(0, flat)
+        return dequantize_ref(qt.qtype, picked, (flat.numel(), cols)).reshape(*ids.shape, cols)
+    out = torch.empty(flat.numel(), cols, dtype=torch.float32)
+    rc = lib.loom_q_rows(
+        QTYPES[qt.qtype], qt.data.data_ptr(), n, cols, qt.row_bytes, flat.data_ptr(),
+        flat.numel(), out.data_ptr(), _threads(flat.numel() * cols * 8),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"loom_q_rows({qt.qtype}) failed: {rc}")
+    return out.reshape(*ids.shape, cols)
+
+
+def vnni(isa: str = "native") -> bool:
+    """Whether the `isa` build takes the AVX-512 VNNI int8 path."""
+    lib = load(isa)
+    return bool(lib is not None and lib.loom_q_vnni())

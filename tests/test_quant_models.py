@@ -1,0 +1,180 @@
+"""Quantized weights inside models: `--quantization int8|int4` on tiny float checkpoints, and the
+layers' loaders taking QuantizedTensors (fused qkv of mixed block types, tied embedding / head).
+
+The reference for a quantized model is the same model loaded in float32 from a checkpoint
+whose weights are what the quantizer keeps (dequantize(quantize(w))): the two differ only in
+the kernels, so prompt logprobs agree closely and greedy tokens agree.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.kernels.quant_ref import dequantize_ref, quantize_ref
+from loom.runtime import model_loader
+from loom.runtime.io_struct import TokenizedGenerateReq
+from loom.runtime.layers import quant_ops
+from loom.runtime.layers.quant_types import QuantizedTensor
+from loom.runtime.sampling_params import make_sampling_params
+from loom.runtime.scheduler.scheduler import Scheduler
+from loom.runtime.server_args import ServerArgs
+
+PROMPTS = [[5, 17, 99, 3, 250], [7] * 3 + list(range(40, 70)), [300, 2, 9]]
+NEW = 12
+
+
+def fake_quant_folder(src: str, dst: Path, quantization: str) -> str:
+    """A copy of checkpoint `src` whose tensors are what `--quantization` keeps, in float32."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    index = dst / "model.safetensors.index.json"
+    index.unlink(missing_ok=True)
+    out = {}
+    weights = list(model_loader.iterate_weights(src))
+    for (name, t), (_, q) in zip(
+        weights, model_loader.quantize_weights(iter(weights), quantization), strict=True
+    ):
+        if isinstance(q, QuantizedTensor):
+            out[name] = dequantize_ref(q.qtype, q.data, q.shape).contiguous()
+        else:
+            out[name] = t.float().contiguous()
+    save_file(out, str(dst / "model.safetensors"))
+    return str(dst)
+
+
+def run(path: str, **kw) -> dict[str, dict]:
+    s = Scheduler(ServerArgs(model_path=path, max_total_tokens=4096, dtype="float32", **kw))
+    for i, ids in enumerate(PROMPTS):
+        s.add_request(
+            TokenizedGenerateReq(
+                rid=f"r{i}",
+                input_ids=ids,
+                sampling_params=make_sampling_params(
+                    {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+                ),
+                seed=0,
+                return_logprob=True,
+                logprob_start_len=0,
+                top_logprobs_num=0,
+            )
+        )
+    outs = {f"r{i}": {"ids": [], "lp": None} for i in range(len(PROMPTS))}
+    while not s.is_idle:
+        for o in s.step():
+            outs[o.rid]["ids"] += o.new_ids
+            if o.input_token_logprobs is not None:
+                outs[o.rid]["lp"] = o.input_token_logprobs
+    return outs, s
+
+
+@pytest.mark.parametrize(
+    "family,quantization",
+    [("llama", "int4"), ("llama-mqa", "int8"), ("qwen2", "int4"), ("qwen3-moe", "int8")],
+)
+@pytest.mark.parametrize("mode", ["f32", "int8"])
+def test_quantized_model_matches_its_float_twin(
+    tiny_model_dir, tmp_path, monkeypatch, family, quantization, mode
+):
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", mode)
+    path = tiny_model_dir(family)
+    twin = fake_quant_folder(path, tmp_path / "twin", quantization)
+    ours, sched = run(path, quantization=quantization)
+    model = sched.runner.model
+    ref, _ = run(twin)
+    # f32 activations: the kernels are exact up to summation order; int8 activations (decode
+    # steps only) round each block of 32 to 8 bits
+    tol = 2e-4 if mode == "f32" else 5e-2
+    for rid in ours:
+        a, b = torch.tensor(ours[rid]["lp"][1:]), torch.tensor(ref[rid]["lp"][1:])
+        assert (a - b).abs().max().item() < tol, (rid, (a - b).abs().max().item())
+        if mode == "f32":
+            assert ours[rid]["ids"] == ref[rid]["ids"], rid
+    held = [p for p in model.parameters() if getattr(p, "quant", None) is not None]
+    assert held, "no parameter was kept quantized"
+
+
+def test_quantize_weights_picks_projections_and_tables(tiny_model_dir):
+    path = tiny_model_dir("qwen3-moe")
+    kinds = {
+        name: (t.qtype if isinstance(t, QuantizedTensor) else None)
+        for name, t in model_loader.quantize_weights(model_loader.iterate_weights(path), "int4")
+    }
+    assert kinds["model.layers.0.self_attn.q_proj.weight"] == "Q4_1"
+    assert kinds["model.layers.0.mlp.down_proj.weight"] == "Q4_1"  # layer 0 is dense
+    assert kinds["model.embed_tokens.weight"] == "Q8_0"
+    assert all(v is None for k, v in kinds.items() if ".experts." in k or "norm" in k)
+
+
+def test_layers_take_quantized_segments_of_mixed_types(monkeypatch):
+    """A fused qkv whose q/k are Q4_K and v Q6_K (as a Q4_K_M file stores them), a row-parallel
+    o_proj, and a tied embedding / LM head: each equals the float layer on the dequantized
+    weights (f32 activations: exact up to summation order)."""
+    from loom.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from loom.runtime.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "f32")
+    torch.manual_seed(0)
+    hidden, hd = 256, 32
+    q_w, k_w, v_w = torch.randn(4 * hd, hidden), torch.randn(hd, hidden), torch.randn(hd, hidden)
+
+    def kquant(w, qtype):  # K-quant blocks from the Q8_0 quantizer's codes are not a thing:
+        # build valid Q4_K / Q6_K bytes at random and take their dequantized values as truth
+        from tests.test_quant_kernels import random_blocks
+
+        return random_blocks(qtype, w.shape[0], w.shape[1], seed=w.shape[0])
+
+    q_q, k_q, v_q = kquant(q_w, "Q4_K"), kquant(k_w, "Q4_K"), kquant(v_w, "Q6_K")
+    qkv = QKVParallelLinear(hidden, hd, 4, 1, bias=True)
+    ref = QKVParallelLinear(hidden, hd, 4, 1, bias=True)
+    bias = torch.randn(6 * hd)
+    for shard, t in (("q", q_q), ("k", k_q), ("v", v_q)):
+        qkv.weight_loader(qkv.weight, t, shard)
+        ref.weight_loader(ref.weight, dequantize_ref(t.qtype, t.data, t.shape), shard)
+    qkv.bias.data.copy_(bias)
+    ref.bias.data.copy_(bias)
+    x = torch.randn(3, hidden)
+    torch.testing.assert_close(qkv(x), ref(x), rtol=1e-4, atol=1e-3)
+    assert [q.qtype for _, q in qkv.weight.quant.parts] == ["Q4_K", "Q6_K"]  # q+k merged
+    assert qkv.weight.numel() == 0  # the float storage is released on first use
+
+    o_w = torch.randn(hidden, 4 * hd)
+    o = RowParallelLinear(4 * hd, hidden)
+    o.weight_loader(o.weight, QuantizedTensor("Q8_0", tuple(o_w.shape), quantize_ref(o_w, "Q8_0")))
+    deq = dequantize_ref("Q8_0", quantize_ref(o_w, "Q8_0"), o_w.shape)
+    y = torch.randn(2, 4 * hd)
+    torch.testing.assert_close(o(y), y @ deq.T, rtol=1e-4, atol=1e-3)
+
+    vocab = 100
+    table = torch.randn(vocab, hidden)
+    emb = VocabParallelEmbedding(vocab, hidden)
+    head = ParallelLMHead(vocab, hidden)
+    head.weight = emb.weight  # tied, as LlamaForCausalLM ties them
+    qt = QuantizedTensor("Q4_1", (vocab, hidden), quantize_ref(table, "Q4_1"))
+    emb.weight_loader(emb.weight, qt)
+    deq = dequantize_ref("Q4_1", qt.data, qt.shape)
+    ids = torch.tensor([0, 99, 42])
+    torch.testing.assert_close(emb(ids), deq[ids])
+    h = torch.randn(2, hidden)
+    torch.testing.assert_close(head.compute_logits(h), h @ deq.T, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["f32", "int8"])
+def test_compiled_forward_reads_quantized_weights(tiny_model_dir, monkeypatch, mode):
+    """The C forward (cpu_forward) on a quantized model equals the eager modules on it."""
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", mode)
+    path = tiny_model_dir("qwen2")  # tied embedding / head, qkv bias
+    ours, sched = run(path, quantization="int4")
+    assert sched.runner.cpu_forward is not None, "the C forward declined the quantized model"
+    ref, eager = run(path, quantization="int4", cpu_forward="eager")
+    assert eager.runner.cpu_forward is None
+    for rid in ours:
+        a, b = torch.tensor(ours[rid]["lp"][1:]), torch.tensor(ref[rid]["lp"][1:])
+        assert (a - b).abs().max().item() < 2e-4, (rid, (a - b).abs().max().item())
+        assert ours[rid]["ids"] == ref[rid]["ids"], rid
