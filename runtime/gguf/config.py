@@ -51,8 +51,10 @@ def gguf_config(path: str):
             # llama.cpp scales queries by head_dim ** -0.5 (what the released models use)
             query_pre_attn_scalar=get("attention.key_length", hidden // heads),
             hidden_activation="gelu_pytorch_tanh",
+            final_logit_softcapping=get("final_logit_softcapping"),
         )
         _set_gemma_rope(config, get)
+        config.layer_types = _layer_types(get("attention.sliding_window_pattern"), config)
         config.architectures = ["Gemma3ForCausalLM"]
     return config
 
@@ -65,10 +67,23 @@ def _rope(get, theta_name: str) -> dict[str, Any]:
     return {theta_name: theta}
 
 
+def _layer_types(pattern, config) -> list[str]:
+    """Which layers slide: the file's per-layer flags (True = sliding), or its period (every
+    n-th layer global), or Gemma 3's period of 6 that older files leave unsaid."""
+    n = config.num_hidden_layers
+    if isinstance(pattern, list):
+        slides = [bool(p) for p in pattern]
+    else:
+        period = int(pattern or 6)
+        slides = [bool((i + 1) % period) for i in range(n)]
+    return ["sliding_attention" if s else "full_attention" for s in slides]
+
+
 def _set_gemma_rope(config, get) -> None:
-    """The global layers take the file's base (and linear scaling); the local ones keep
-    Gemma 3's 10000, which GGUF does not record."""
+    """The global layers take the file's base (and linear scaling); the local ones the file's
+    `rope.freq_base_swa`, which older files do not record: then Gemma 3's 10000."""
     theta = float(get("rope.freq_base", 1_000_000.0))
+    local = float(get("rope.freq_base_swa", 10000.0))
     factor = get("rope.scaling.factor")
     scaling = {"rope_type": "linear", "factor": float(factor)} if factor else None
     params = getattr(config, "rope_parameters", None)
@@ -77,6 +92,8 @@ def _set_gemma_rope(config, get) -> None:
         if scaling:
             full.update(scaling)
         params["full_attention"] = full
+        params["sliding_attention"] = {"rope_type": "default", "rope_theta": local}
     else:
         config.rope_theta = theta
         config.rope_scaling = scaling
+        config.rope_local_base_freq = local

@@ -46,14 +46,17 @@ SUPPORTED_ARCHS = tuple(_LAYER_BY_ARCH)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(arch: str, name: str) -> str | None:
-    """The HF name of GGUF tensor `name`, or None for tensors loom does not load
-    (rope frequency tables llama.cpp precomputes)."""
+def hf_name(arch: str, name: str) -> str:
+    """The HF name of GGUF tensor `name`."""
     if name in _GLOBAL:
         return _GLOBAL[name]
+    if name == "rope_freqs.weight":  # llama3-style rope scaling, precomputed per frequency
+        raise ValueError(
+            f"model_path: GGUF tensor {name!r} (rope frequency factors) is not supported yet"
+        )
     m = _BLOCK.match(name)
     if m is None:
-        return None if name.startswith("rope_") else _unknown(arch, name)
+        return _unknown(arch, name)
     layer, part, kind = m.groups()
     table = {**_LAYER, **_LAYER_BY_ARCH[arch]}
     if part not in table:

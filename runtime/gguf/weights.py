@@ -31,13 +31,11 @@ def iterate_gguf_weights(
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
     for tensor in open_reader(path).tensors:
         name = hf_name(arch, tensor.name)
-        if name is None:
-            continue
         qtype = tensor.tensor_type.name
         shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
         rows = fix_values(arch, name, np.asarray(tensor.data), heads, kv_heads)
         if keep_quantized and qtype in BLOCKS:
-            data = torch.from_numpy(np.ascontiguousarray(rows))
+            data = torch.from_numpy(np.array(rows, dtype=np.uint8))  # a copy: the map is read-only
             yield name, QuantizedTensor(qtype, (shape[0], shape[-1]), data)
             continue
         if qtype in _FLOAT_TYPES and qtype != "BF16":
