@@ -83,15 +83,14 @@ def greedy_matches(model, prompts, got: list[list[int]], new_tokens: int) -> int
     for ids, mine in zip(prompts, got):
         inp = torch.tensor([ids])
         with torch.no_grad():
-            seq = model.generate(
+            out = model.generate(
                 inp, attention_mask=torch.ones_like(inp), max_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=0,
-            )[0]  # fmt: skip
-            logits = model(seq[None, :-1]).logits[0]
-        want = seq[len(ids) :].tolist()
+                do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        want = out.sequences[0, len(ids) :].tolist()
         for j, (a, b) in enumerate(zip(mine, want)):
             if a != b:
-                top2 = logits[len(ids) + j - 1].topk(2).values
+                top2 = out.logits[j][0].float().topk(2).values
                 assert float(top2[0] - top2[1]) < TIE, f"prompt {ids[:8]}: token {j} {a} != {b}"
                 break
         else:
@@ -118,3 +117,43 @@ def test_real_gguf_greedy_equals_transformers(real_gguf, name, n_prompts, new_to
     assert all(len(g) == new_tokens for g in got)
     same = greedy_matches(hf_gguf(path, "model"), prompts, got, new_tokens)
     print(f"{name}: {same}/{len(prompts)} prompts greedy-identical over {new_tokens} tokens")
+
+
+def test_engine_serves_smollm2_by_name(real_gguf):
+    """`Engine(model_path="smollm2")`: a chat answer and a JSON-schema extraction."""
+    import json
+
+    import jsonschema
+
+    import loom
+
+    real_gguf("smollm2")  # fetched once into the cache when the package is not installed
+    with loom.Engine(model_path="smollm2", max_total_tokens=4096) as eng:
+        assert eng.server_args.served_model_name == "smollm2"
+        assert eng.server_args.model_path.endswith(".gguf")
+
+        def chat(question: str) -> str:
+            msgs = [{"role": "user", "content": question}]
+            return eng.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=True
+            )
+
+        out = eng.generate(chat("What is the capital of France?"),
+                           {"max_new_tokens": 24, "temperature": 0})  # fmt: skip
+        assert "Paris" in out["text"]
+        schema = {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer"},
+                "city": {"type": "string"},
+            },  # fmt: skip
+            "required": ["name", "age", "city"],
+            "additionalProperties": False,
+        }
+        question = 'Extract name, age and city as JSON: "Maria is 34 and lives in Lisbon."'
+        params = {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(schema)}
+        out = eng.generate(chat(question), params)
+        value = json.loads(out["text"])
+        jsonschema.validate(value, schema)
+        assert value["name"] == "Maria" and value["age"] == 34 and value["city"] == "Lisbon"

@@ -100,7 +100,9 @@ def _download(dist: str, version: str, into: Path) -> Path:
     cmd += ["-q", "-d", str(into), f"{dist}=={version}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode:
-        raise OSError(f"pip download {dist}=={version} failed: {done.stderr.strip()[-400:]}")
+        errors = [ln for ln in done.stderr.splitlines() if ln.startswith("ERROR")]
+        why = " ".join(errors) or done.stderr.strip()[-400:]
+        raise OSError(f"pip download {dist}=={version} failed: {why}")
     wheels = sorted(into.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
     if not wheels:
         raise OSError(f"pip download {dist}=={version} left no wheel in {into}")
