@@ -63,6 +63,8 @@ def why_not_captured(runner: ModelRunner) -> str | None:
         return "tensor/expert/pipeline-parallel ranks run eagerly"
     if getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None):
         return "MoE layers count tokens on the host"
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return "sliding-window layers choose their attention path on the host"
     return None
 
 

