@@ -5,7 +5,10 @@ adds SGLang's bootstrap fields to the body (`bootstrap_host` / `bootstrap_port`:
 server's KV bootstrap address; `bootstrap_room`: a random id that pairs the two halves) and
 sends it to both at once: to the prefill server as a non-streaming request (it computes the
 prompt's KV and first token and sends the KV to the decode server), to the decode server as it
-came (streamed or not). The client gets the decode server's answer.
+came (streamed or not). The client gets the decode server's answer; with `return_logprob` on /generate the router
+waits for the prefill answer too and prepends its `input_token_logprobs` to the decode
+server's (an empty list: the decode server leaves the prompt's logprobs to its prefill peer),
+in every chunk of a stream, exactly as sglang-router merges them.
 
 Failures: a prefill request that fails (an error status, or its worker unreachable) cancels
 the decode request (closing its connection aborts it there: its KV is freed and the prefill
@@ -96,6 +99,7 @@ class PDProxy:
                 res = await d_task
             except httpx.HTTPError as e:
                 return error_response(502, f"decode worker {decode.url} failed: {_why(e)}")
+            merge = path == "/generate" and _wants_logprob(body)
             if res.status_code != 200 or not stream:
                 data = await res.aread()
                 await res.aclose()
@@ -104,10 +108,17 @@ class PDProxy:
                     failed = _prefill_failure(p_task, prefill)
                     if failed is not None and res.status_code >= 500:
                         return failed  # the root cause
+                elif merge:
+                    await asyncio.wait({p_task})
+                    failed = _prefill_failure(p_task, prefill)
+                    if failed is not None:
+                        return failed
+                    data = json.dumps(_merged(p_task.result().json(), json.loads(data)))
                 return Response(data, res.status_code, media_type=res.headers.get("content-type"))
             handed_over = True
+            pump = self._pump_merged if merge else self._pump
             return StreamingResponse(
-                self._pump(res, p_task, prefill, decode),
+                pump(res, p_task, prefill, decode),
                 media_type=res.headers.get("content-type", "text/event-stream"),
             )
         finally:
@@ -146,6 +157,29 @@ class PDProxy:
             await res.aclose()
             self._done(p_task, None, prefill, decode)
 
+    async def _pump_merged(self, res, p_task, prefill: Worker, decode: Worker):
+        """The decode stream with the prefill answer's prompt logprobs merged into every event
+        (the prefill answer is awaited first: it comes with the first token anyway)."""
+        try:
+            await asyncio.wait({p_task})
+            failed = _prefill_failure(p_task, prefill)
+            if failed is not None:
+                yield sse_error(json.loads(failed.body)["error"]["message"])
+                yield b"data: [DONE]\n\n"
+                return
+            first = p_task.result().json()
+            try:
+                async for line in res.aiter_lines():
+                    if line.startswith("data: {"):
+                        line = "data: " + json.dumps(_merged(first, json.loads(line[6:])))
+                    yield (line + "\n").encode()
+            except httpx.HTTPError as e:
+                yield sse_error(f"decode worker {decode.url} failed mid-stream: {_why(e)}")
+                yield b"data: [DONE]\n\n"
+        finally:
+            await res.aclose()
+            self._done(p_task, None, prefill, decode)
+
     def _done(self, p_task, d_task, prefill: Worker, decode: Worker) -> None:
         """Cancel what is still running (the server aborts it and frees its KV)."""
         for task in (p_task, d_task):
@@ -156,6 +190,26 @@ class PDProxy:
                 asyncio.ensure_future(d_task.result().aclose())
         prefill.in_flight -= 1
         decode.in_flight -= 1
+
+
+def _wants_logprob(body: dict) -> bool:
+    flag = body.get("return_logprob")
+    return any(flag) if isinstance(flag, list) else bool(flag)
+
+
+def _merged(prefill_out, decode_out):
+    """The decode answer (one output, a batch, or one streamed event with its 'index') with
+    the matching prefill output's `input_token_logprobs` in front of its own."""
+    firsts = prefill_out if isinstance(prefill_out, list) else [prefill_out]
+    outs = decode_out if isinstance(decode_out, list) else [decode_out]
+    for k, out in enumerate(outs):
+        i = out.get("index", k) if not isinstance(decode_out, list) else k
+        meta = out.get("meta_info")
+        if not isinstance(meta, dict) or i >= len(firsts) or "input_token_logprobs" not in meta:
+            continue
+        before = firsts[i].get("meta_info", {}).get("input_token_logprobs") or []
+        meta["input_token_logprobs"] = before + (meta["input_token_logprobs"] or [])
+    return decode_out
 
 
 def _why(e: Exception) -> str:
