@@ -7,8 +7,9 @@ sends it to both at once: to the prefill server as a non-streaming request (it c
 prompt's KV and first token and sends the KV to the decode server), to the decode server as it
 came (streamed or not). The client gets the decode server's answer; with `return_logprob` on /generate the router
 waits for the prefill answer too and prepends its `input_token_logprobs` to the decode
-server's (an empty list: the decode server leaves the prompt's logprobs to its prefill peer),
-in every chunk of a stream, exactly as sglang-router merges them.
+server's (an empty list: the decode server leaves the prompt's logprobs to its prefill peer)
+for a single non-streamed generation, exactly as sglang-router merges them; batches and
+streams carry the decode server's own copy.
 
 Failures: a prefill request that fails (an error status, or its worker unreachable) cancels
 the decode request (closing its connection aborts it there: its KV is freed and the prefill
@@ -116,9 +117,8 @@ class PDProxy:
                     data = json.dumps(_merged(p_task.result().json(), json.loads(data)))
                 return Response(data, res.status_code, media_type=res.headers.get("content-type"))
             handed_over = True
-            pump = self._pump_merged if merge else self._pump
             return StreamingResponse(
-                pump(res, p_task, prefill, decode),
+                self._pump(res, p_task, prefill, decode),
                 media_type=res.headers.get("content-type", "text/event-stream"),
             )
         finally:
@@ -157,29 +157,6 @@ class PDProxy:
             await res.aclose()
             self._done(p_task, None, prefill, decode)
 
-    async def _pump_merged(self, res, p_task, prefill: Worker, decode: Worker):
-        """The decode stream with the prefill answer's prompt logprobs merged into every event
-        (the prefill answer is awaited first: it comes with the first token anyway)."""
-        try:
-            await asyncio.wait({p_task})
-            failed = _prefill_failure(p_task, prefill)
-            if failed is not None:
-                yield sse_error(json.loads(failed.body)["error"]["message"])
-                yield b"data: [DONE]\n\n"
-                return
-            first = p_task.result().json()
-            try:
-                async for line in res.aiter_lines():
-                    if line.startswith("data: {"):
-                        line = "data: " + json.dumps(_merged(first, json.loads(line[6:])))
-                    yield (line + "\n").encode()
-            except httpx.HTTPError as e:
-                yield sse_error(f"decode worker {decode.url} failed mid-stream: {_why(e)}")
-                yield b"data: [DONE]\n\n"
-        finally:
-            await res.aclose()
-            self._done(p_task, None, prefill, decode)
-
     def _done(self, p_task, d_task, prefill: Worker, decode: Worker) -> None:
         """Cancel what is still running (the server aborts it and frees its KV)."""
         for task in (p_task, d_task):
@@ -198,17 +175,16 @@ def _wants_logprob(body: dict) -> bool:
 
 
 def _merged(prefill_out, decode_out):
-    """The decode answer (one output, a batch, or one streamed event with its 'index') with
-    the matching prefill output's `input_token_logprobs` in front of its own."""
-    firsts = prefill_out if isinstance(prefill_out, list) else [prefill_out]
-    outs = decode_out if isinstance(decode_out, list) else [decode_out]
-    for k, out in enumerate(outs):
-        i = out.get("index", k) if not isinstance(decode_out, list) else k
-        meta = out.get("meta_info")
-        if not isinstance(meta, dict) or i >= len(firsts) or "input_token_logprobs" not in meta:
-            continue
-        before = firsts[i].get("meta_info", {}).get("input_token_logprobs") or []
-        meta["input_token_logprobs"] = before + (meta["input_token_logprobs"] or [])
+    """The decode answer with the prefill answer's `input_token_logprobs` in front of its own,
+    for a single generation (an object), which is all sglang-router merges; a batch's decode
+    answers carry the prompt logprobs themselves."""
+    if not isinstance(prefill_out, dict) or not isinstance(decode_out, dict):
+        return decode_out
+    meta = decode_out.get("meta_info")
+    if not isinstance(meta, dict) or "input_token_logprobs" not in meta:
+        return decode_out
+    before = prefill_out.get("meta_info", {}).get("input_token_logprobs") or []
+    meta["input_token_logprobs"] = before + (meta["input_token_logprobs"] or [])
     return decode_out
 
 

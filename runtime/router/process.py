@@ -35,7 +35,7 @@ class RouterProcess:
     `kind="sglang"`, SGLang's sglang-router from its wheel, same flags) on a free port and
     wait until it answers. `.url`, `.get/.post`, `.shutdown()`; a context manager."""
 
-    def __init__(self, worker_urls, *flags: str, timeout: float = 120.0, kind: str = "loom"):
+    def __init__(self, worker_urls, *flags: str, timeout: float = 300.0, kind: str = "loom"):
         import requests
 
         self.kind = kind
@@ -60,8 +60,9 @@ class RouterProcess:
             except requests.RequestException:
                 pass
             if time.monotonic() > deadline:
+                tail = self.log_tail()  # before shutdown, which deletes a clean exit's log
                 self.shutdown()
-                raise TimeoutError(f"the router did not start in {timeout}s:\n{self.log_tail()}")
+                raise TimeoutError(f"the router did not start in {timeout}s:\n{tail}")
             time.sleep(0.2)
 
     def _ready(self, requests) -> bool:

@@ -120,13 +120,15 @@ async def read_json(request: Request) -> Any:
 
 
 def _without_prompt_logprobs(out):
-    """A decode server's answer as SGLang's decode worker gives it: no `input_token_logprobs`
-    (an empty list), because a PD router prepends the prefill server's copy to whatever the
-    decode server returns (sglang-router and `loom router` alike): the prompt's logprobs then
-    appear exactly once, as long as `input_top_logprobs`, which the router does not merge."""
-    for one in out if isinstance(out, list) else [out]:
-        if "input_token_logprobs" in one["meta_info"]:
-            one["meta_info"]["input_token_logprobs"] = []
+    """A decode server's non-streamed answer to one generation as SGLang's decode worker gives
+    it: no `input_token_logprobs` (an empty list), because a PD router prepends the prefill
+    server's copy (sglang-router and `loom router` alike): the prompt's logprobs then appear
+    exactly once, as long as `input_top_logprobs`, which the router does not merge.
+    sglang-router 0.3.2 merges nothing else: not a batch's answers (a list), and not a stream
+    (it sends the prefill server the stream flag too and cannot read the SSE answer as JSON),
+    so those keep the decode server's own copy."""
+    if isinstance(out, dict) and "input_token_logprobs" in out["meta_info"]:
+        out["meta_info"]["input_token_logprobs"] = []
     return out
 
 
@@ -134,14 +136,14 @@ def _without_prompt_logprobs(out):
 async def generate(request: Request):
     state = server_state(request)
     obj = decode_generate_request(await read_json(request))
-    shape = _without_prompt_logprobs if state.args.disaggregation_mode == "decode" else None
     if not obj.stream:
         out = await unless_disconnected(request, state.tm.generate(obj))
-        return JSONOut(shape(out) if shape else out)
+        if state.args.disaggregation_mode == "decode":
+            out = _without_prompt_logprobs(out)
+        return JSONOut(out)
     agen = state.tm.generate_stream(obj)
     first = await prime(agen)
-    render = (lambda out: [sse(shape(out))]) if shape else (lambda out: [sse(out)])
-    return sse_response(first, agen, render, lambda: [])
+    return sse_response(first, agen, lambda out: [sse(out)], lambda: [])
 
 
 @router.post("/concate_and_append_request")
