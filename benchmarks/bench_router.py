@@ -9,7 +9,8 @@ spreads every tenant over both workers makes each cache cycle through all eight 
 thrash), while one that keeps each tenant on one worker reuses its prompt.
 
 For each policy (round_robin, shortest_queue, cache_aware) a `loom router` runs in front of the
-same two workers; the policies alternate for --rounds rounds (the order rotating each round),
+same two workers, and beside them SGLang's sglang-router (its wheel; `sglang:round_robin`,
+`sglang:cache_aware`; --no-sglang leaves it out); the routers alternate for --rounds rounds (the order rotating each round),
 the workers' caches flushed before every run. A run first sends --warmup question rounds
 (every tenant's first question: a full prefill under any policy, since no worker has seen the
 tenant yet), then times the --questions rounds. Measured on the timed requests, per policy:
@@ -18,7 +19,8 @@ and in how many rounds cache_aware was best on each; the warm-up's slowest TTFT 
 beside them. Without the warm-up (--warmup 0) the p99 of 48 requests is the slowest of the
 first wave, --concurrency cold prefills split over the two workers, which costs every policy
 the same and so compares noise. Router overhead: a 1-token /generate, directly to a worker
-and through the router, alternating, --overhead-requests times; the median difference in ms.
+and through the router, alternating, --overhead-requests times; the median difference in ms, for
+`loom router` and for sglang-router.
 Writes docs/img/router_policies.png.
 
     python benchmarks/bench_router.py [--model bundled|PATH] [--rounds 6] [--questions 6]
@@ -59,6 +61,18 @@ def workload(tok, tenants: int, questions: int, target: int) -> list[tuple[int, 
         rng.shuffle(order)  # interleaved, not in lockstep
         out += [(t, f"{systems[t]}\nUser question {q}: {rng.choice(WORDS)}?\n") for t in order]
     return out
+
+
+LOOM_POLICIES = ("round_robin", "shortest_queue", "cache_aware")
+SGLANG_POLICIES = ("sglang:round_robin", "sglang:cache_aware")
+
+
+def start_router(urls: list[str], name: str):
+    """`loom router --policy name`, or sglang-router for a name `sglang:policy`."""
+    from loom.runtime.router.process import RouterProcess
+
+    kind, _, policy = name.rpartition(":")
+    return RouterProcess(urls, "--policy", policy, kind=kind or "loom")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -127,9 +141,10 @@ def overhead(direct_url: str, router_url: str, n: int) -> tuple[float, float, fl
 
 
 def cache_aware_best(rows: dict[str, dict], metric: str) -> bool:
-    """cache_aware strictly best on `metric` (highest hit rate, lowest TTFT)."""
+    """loom's cache_aware strictly best on `metric` (highest hit rate, lowest TTFT) among
+    loom's policies."""
     best = rows["cache_aware"][metric]
-    others = [row[metric] for name, row in rows.items() if name != "cache_aware"]
+    others = [row[metric] for name, row in rows.items() if name in LOOM_POLICIES[:2]]
     return all(best > o if metric == "hit_rate" else best < o for o in others)
 
 
@@ -184,22 +199,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--overhead-requests", type=int, default=50)
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-sglang", action="store_true", help="leave sglang-router out")
     a = p.parse_args(argv)
 
     import transformers
 
-    from loom.runtime.router.process import RouterProcess
     from loom.runtime.server.runtime_client import Runtime
 
     label, path = common.resolve_model(a.model)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     items = workload(tok, a.tenants, a.warmup + a.questions, a.system_tokens)
     warm, timed = items[: a.tenants * a.warmup], items[a.tenants * a.warmup :]
-    policies = ("round_robin", "shortest_queue", "cache_aware")
+    policies = LOOM_POLICIES + (() if a.no_sglang else SGLANG_POLICIES)
     kw = dict(max_total_tokens=a.max_total_tokens, cpu_threads=a.cpu_threads)
     with Runtime(path, **kw) as w1, Runtime(path, **kw) as w2:
         urls = [w1.url, w2.url]
-        routers = {name: RouterProcess(urls, "--policy", name) for name in policies}
+        routers = {name: start_router(urls, name) for name in policies}
         try:
             print(common.header(f"bench_router ({label})"))
             print(
@@ -212,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
             for r in range(a.rounds):
                 # the order rotates each round: no policy always runs first (cold machine)
                 # or last (after the others' load)
-                for name in policies[r % 3 :] + policies[: r % 3]:
+                k = r % len(policies)
+                for name in policies[k:] + policies[:k]:
                     for w in (w1, w2):
                         w.flush_cache()
                     url = routers[name].url
@@ -229,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
                     }
                     per_round[name].append(row)
                     print(
-                        f"round {r} {name:>14}: "
+                        f"round {r} {name:>18}: "
                         + ", ".join(f"{k} {v:.3f}" for k, v in row.items())
                     )
             rows = {
@@ -237,12 +253,12 @@ def main(argv: list[str] | None = None) -> dict:
                 for name, runs in per_round.items()
             }
             print(
-                f"\n{'policy':>14} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
+                f"\n{'policy':>18} {'hit rate':>9} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} "
                 f"{'warm-up TTFT max ms':>20}"
             )
             for name, row in rows.items():
                 print(
-                    f"{name:>14} {100 * row['hit_rate']:>8.1f}% {row['ttft_p50_ms']:>12.1f} "
+                    f"{name:>18} {100 * row['hit_rate']:>8.1f}% {row['ttft_p50_ms']:>12.1f} "
                     f"{row['ttft_p99_ms']:>12.1f} {row['warmup_ttft_max_ms']:>20.1f}"
                 )
             metrics = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")
@@ -261,16 +277,26 @@ def main(argv: list[str] | None = None) -> dict:
                     for k in metrics
                 )
             )
-            with RouterProcess([w1.url], "--policy", "round_robin") as solo:
-                d, r_ms, diff = overhead(w1.url, solo.url, a.overhead_requests)
-            print(
-                f"router overhead (1-token /generate, {a.overhead_requests} pairs): direct "
-                f"{d:.2f} ms, through the router {r_ms:.2f} ms, median difference {diff:.2f} ms; "
-                f"{common.loadavg()}"
-            )
+            overheads = {}
+            for name in ("round_robin",) + (() if a.no_sglang else ("sglang:round_robin",)):
+                with start_router([w1.url], name) as solo:
+                    d, r_ms, diff = overhead(w1.url, solo.url, a.overhead_requests)
+                overheads[name] = diff
+                print(
+                    f"{'sglang-router' if ':' in name else 'loom router'} overhead (1-token "
+                    f"/generate, {a.overhead_requests} pairs): direct {d:.2f} ms, through the "
+                    f"router {r_ms:.2f} ms, median difference {diff:.2f} ms; {common.loadavg()}"
+                )
+            diff = overheads["round_robin"]
             if not a.no_plot:
                 plot(rows)
-            return {"rows": rows, "wins": wins, "rounds_won": rounds_won, "overhead_ms": diff}
+            return {
+                "rows": rows,
+                "wins": wins,
+                "rounds_won": rounds_won,
+                "overhead_ms": diff,
+                "overheads_ms": overheads,
+            }
         finally:
             for router in routers.values():
                 router.shutdown()

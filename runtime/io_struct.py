@@ -37,10 +37,11 @@ class GenerateReqInput(msgspec.Struct, kw_only=True, omit_defaults=True):
     extra_key: str | None = None  # prefix-cache namespace (SGLang's extra_key / cache_salt)
     cache_salt: str | None = None
     log_metrics: bool = True  # False: this request is left out of /metrics
-    # prefill/decode disaggregation (set by the router; a PD-mode server only)
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    # prefill/decode disaggregation (set by the router; a PD-mode server only): one value, or
+    # a list (one per prompt, or one per generation); see TokenizerManager._bootstrap
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
 
 
 # SGLang GenerateReqInput fields loom does not implement: each is accepted at the value that

@@ -73,6 +73,8 @@ class ReqState:
     first_token_time: float | None = None
     streamed_text: int = 0  # chars / ids already sent (incremental streaming, stream_interval)
     streamed_ids: int = 0
+    streamed_lps: int = 0  # output / prompt logprob entries already sent (incremental)
+    streamed_input: int = 0
     sent_seq: int = 0  # TokenizerManager._sent_count once this request was sent
     missing: int = 0  # consecutive probe replies that did not list this unfinished request
     abandoned: bool = False  # its caller left; dropped from rid_to_state once it finishes
@@ -204,7 +206,7 @@ class TokenizerManager:
             prompts = await self.off_loop(self._encode_all, texts, prompt_field)
         else:
             prompts = [list(lst) for lst in id_lists]
-        bootstrap = self._bootstrap(obj, total, names)
+        bootstraps = iter(self._bootstrap(obj, [sp.n for sp in sps], names))
         extra_key = obj.extra_key
         if obj.cache_salt is not None:
             extra_key = f"{extra_key or ''}\x00{obj.cache_salt}"
@@ -247,7 +249,7 @@ class TokenizerManager:
                     logprob_start_len=start,
                     top_logprobs_num=tops[i],
                     extra_key=extra_key,
-                    bootstrap=bootstrap,
+                    bootstrap=next(bootstraps),
                 )
                 states.append(
                     ReqState(
@@ -273,37 +275,55 @@ class TokenizerManager:
             return [default if v is None else v for v in value]
         return [value] * n
 
-    def _bootstrap(self, obj, total: int, names: dict) -> tuple[str, int, int] | None:
-        """A PD-mode server needs all three bootstrap fields (the router sets them) for one
-        generation; a plain server refuses them by name."""
+    def _bootstrap(self, obj, counts: list[int], names: dict) -> list[tuple[str, int, int] | None]:
+        """One (host, port, room) per generation, in expansion order (prompt-major, then copy),
+        `counts` being each prompt's n. A PD-mode server needs all three fields (the router
+        sets them); a plain server refuses them by name. As SGLang does, each field is one
+        value or a list: one per prompt (sglang-router's batches) or one per generation (its
+        chat n > 1). One room pairs one generation, so a room given once for several
+        generations counts up from it (room + k for the k-th), on the prefill and the decode
+        server alike, and a room listed per prompt counts up over that prompt's copies."""
         mode = self.args.disaggregation_mode
-        given = {
-            f: getattr(obj, f)
-            for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-            if getattr(obj, f) is not None
-        }
+        fields = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+        given = {f: getattr(obj, f) for f in fields if getattr(obj, f) is not None}
+        total = sum(counts)
         if mode == "null":
             if given:
                 raise RequestError(
                     f"{names.get(next(iter(given))) or next(iter(given))}: needs a server "
                     "started with --disaggregation-mode prefill|decode"
                 )
-            return None
-        for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+            return [None] * total
+        for f in fields:
             if f not in given:
                 raise RequestError(
                     f"{names.get(f) or f}: required on a --disaggregation-mode {mode} server "
-                    "(send requests through `loom router --pd-disaggregation`)"
+                    "(send requests through a PD router: sglang-router or `loom router "
+                    "--pd-disaggregation`)"
                 )
-        if total != 1:
-            raise RequestError(
-                f"{names.get('bootstrap_room') or 'bootstrap_room'}: one bootstrap room pairs one "
-                f"generation; this request expands to {total} (batches and n > 1 are not "
-                "supported with disaggregation)"
-            )
-        if not 0 < obj.bootstrap_port < 65536 or obj.bootstrap_room < 0:
-            raise RequestError("bootstrap_port / bootstrap_room: out of range")
-        return (obj.bootstrap_host, obj.bootstrap_port, obj.bootstrap_room)
+        per_gen = {f: _per_generation(given[f], counts, names.get(f) or f) for f in fields}
+        out = []
+        for (host, _), (port, _), (room, step) in zip(
+            per_gen["bootstrap_host"], per_gen["bootstrap_port"], per_gen["bootstrap_room"]
+        ):
+            if type(room) is int:
+                room += step
+            if not isinstance(host, str) or not host:
+                raise RequestError(
+                    f"{names.get('bootstrap_host') or 'bootstrap_host'}: a host name, got {host!r}"
+                )
+            if type(port) is not int or not 0 < port < 65536:
+                raise RequestError(
+                    f"{names.get('bootstrap_port') or 'bootstrap_port'}: a port in [1, 65535], "
+                    f"got {port!r}"
+                )
+            if type(room) is not int or not 0 <= room < 2**64:
+                raise RequestError(
+                    f"{names.get('bootstrap_room') or 'bootstrap_room'}: an integer in "
+                    f"[0, 2**64), got {room!r}"
+                )
+            out.append((host, port, room))
+        return out
 
     @staticmethod
     def _rids(rids, is_batch: bool, n: int, field: str) -> list[str]:
@@ -356,11 +376,17 @@ class TokenizerManager:
         return results if is_batch else results[0]
 
     async def generate_stream(
-        self, obj: GenerateReqInput, names: Mapping[str, str] = _NATIVE
+        self,
+        obj: GenerateReqInput,
+        names: Mapping[str, str] = _NATIVE,
+        incremental: bool | None = None,
     ) -> AsyncIterator[dict]:
-        """Yields outputs as they grow (cumulative text, or only the new text and ids with
-        --incremental-streaming-output), every `stream_interval` tokens; with several
-        requests, each carries 'index'."""
+        """Yields outputs as they grow, every `stream_interval` tokens: cumulative, or with
+        `incremental` (None: --incremental-streaming-output) only what is new in each chunk
+        (see `_result`); with several requests, each carries 'index'. The OpenAI layer
+        computes its own deltas and asks for cumulative outputs whatever the flag."""
+        if incremental is None:
+            incremental = self.args.incremental_streaming_output
         obj = msgspec.structs.replace(obj, stream=True)
         states, is_batch = await self.normalize(obj, names)
         # one event wakes this call for any of its requests (a waiter task per request cost
@@ -382,7 +408,7 @@ class TokenizerManager:
                     interval = s.msg.sampling_params.stream_interval
                     if interval and not finished and len(s.output_ids) - s.streamed_ids < interval:
                         continue
-                    out = self._result(s, incremental=self.args.incremental_streaming_output)
+                    out = self._result(s, incremental=incremental)
                     if is_batch:
                         out["index"] = i
                     if finished:
@@ -540,23 +566,32 @@ class TokenizerManager:
         }
         if (state.finished_reason or {}).get("budget_closed"):
             meta["budget_closed"] = True  # grammar/closing.py steered the output shut
+        # Incremental (SGLang's --incremental-streaming-output): every per-token list covers
+        # exactly this chunk's new tokens (ids, output logprobs and top logprobs from where
+        # the last chunk ended; the prompt's logprobs in the chunk they arrive with), so the
+        # chunks concatenated equal the cumulative answer.
+        lp_from = state.streamed_lps if incremental else 0
+        input_from = state.streamed_input if incremental else 0
         if r.return_logprob:
             wt = state.with_text
-            meta["input_token_logprobs"] = self._triples(state.input_token_logprobs, wt)
-            meta["output_token_logprobs"] = self._triples(state.output_token_logprobs, wt)
+            inputs = state.input_token_logprobs[input_from:]
+            meta["input_token_logprobs"] = self._triples(inputs, wt)
+            meta["output_token_logprobs"] = self._triples(state.output_token_logprobs[lp_from:], wt)
             meta["output_token_logprobs_length"] = len(state.output_token_logprobs)
             if r.top_logprobs_num:
                 meta["input_top_logprobs"] = [
                     None if top is None else self._triples(top, wt)
-                    for top in state.input_top_logprobs
+                    for top in state.input_top_logprobs[input_from:]
                 ]
                 meta["output_top_logprobs"] = [
-                    self._triples(top, wt) for top in state.output_top_logprobs
+                    self._triples(top, wt) for top in state.output_top_logprobs[lp_from:]
                 ]
         text, ids = state.text, state.output_ids
         if incremental:
             text, ids = text[state.streamed_text :], ids[state.streamed_ids :]
         state.streamed_text, state.streamed_ids = len(state.text), len(state.output_ids)
+        state.streamed_lps = len(state.output_token_logprobs)
+        state.streamed_input = len(state.input_token_logprobs)
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
     # ------------------------------------------------------------------ control
@@ -706,3 +741,18 @@ def _spec_meta(meta: dict) -> dict:
         "spec_accept_length": 1 + accepted / verify if verify else 1.0,
         "spec_accept_rate": accepted / proposed if proposed else 0.0,
     }
+
+
+def _per_generation(value, counts: list[int], field: str) -> list[tuple]:
+    """A bootstrap field as (value, offset) per generation: a scalar for all, a list of one per
+    prompt (offset = the copy's index j: its room is room + j) or one per generation."""
+    total = sum(counts)
+    if not isinstance(value, list):
+        return [(value, k) for k in range(total)]
+    if len(value) == total:
+        return [(v, 0) for v in value]
+    if len(value) == len(counts):
+        return [(v, j) for v, n in zip(value, counts) for j in range(n)]
+    raise RequestError(
+        f"{field}: a list of {len(value)} for {len(counts)} prompt(s) and {total} generation(s)"
+    )

@@ -118,6 +118,38 @@ def test_pd_streaming_and_openai_through_the_router(pd, reference, model):
         wait_idle_and_intact(server.url)
 
 
+def test_pd_prompt_logprobs_once_batches_and_n_through_the_router(pd, reference):
+    """loom router merges prompt logprobs as sglang-router does (the prefill answer's in front
+    of the decode answer's empty list; streams and batches carry the decode server's copy):
+    once, as long as the prompt, streamed or not; batches and n > 1 pair each generation with
+    its own bootstrap room."""
+    prefill, decode, router = pd
+    lp = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    text = PROMPTS[0]
+    res = router.post("/generate", {"text": text, "sampling_params": GREEDY, **lp})
+    assert res.status_code == 200, res.text
+    meta = res.json()["meta_info"]
+    n = meta["prompt_tokens"]
+    assert len(meta["input_token_logprobs"]) == len(meta["input_top_logprobs"]) == n
+    assert meta["input_token_logprobs"][0][0] is None  # the first prompt token has none
+    assert len(meta["output_token_logprobs"]) == GREEDY["max_new_tokens"]
+    body = {"text": text, "sampling_params": GREEDY, "stream": True, **lp}
+    with requests.post(router.url + "/generate", json=body, stream=True, timeout=120) as res:
+        events = [json.loads(x[6:]) for x in res.iter_lines() if x.startswith(b"data: {")]
+    assert events and all(len(e["meta_info"]["input_token_logprobs"]) == n for e in events)
+    assert events[-1]["text"] == reference[text]
+    batch = {"text": PROMPTS, "sampling_params": {**GREEDY, "n": 2}, **lp}
+    res = router.post("/generate", batch)
+    assert res.status_code == 200, res.text
+    outs = res.json()
+    assert [o["text"] for o in outs] == [reference[t] for t in PROMPTS for _ in range(2)]
+    for o in outs:
+        meta = o["meta_info"]
+        assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    for server in (prefill, decode):
+        wait_idle_and_intact(server.url)
+
+
 def test_pd_client_leaving_and_refusals_free_kv_on_both(pd):
     prefill, decode, router = pd
     body = {

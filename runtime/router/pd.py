@@ -5,7 +5,11 @@ adds SGLang's bootstrap fields to the body (`bootstrap_host` / `bootstrap_port`:
 server's KV bootstrap address; `bootstrap_room`: a random id that pairs the two halves) and
 sends it to both at once: to the prefill server as a non-streaming request (it computes the
 prompt's KV and first token and sends the KV to the decode server), to the decode server as it
-came (streamed or not). The client gets the decode server's answer.
+came (streamed or not). The client gets the decode server's answer; with `return_logprob` on /generate the router
+waits for the prefill answer too and prepends its `input_token_logprobs` to the decode
+server's (an empty list: the decode server leaves the prompt's logprobs to its prefill peer)
+for a single non-streamed generation, exactly as sglang-router merges them; batches and
+streams carry the decode server's own copy.
 
 Failures: a prefill request that fails (an error status, or its worker unreachable) cancels
 the decode request (closing its connection aborts it there: its KV is freed and the prefill
@@ -96,6 +100,7 @@ class PDProxy:
                 res = await d_task
             except httpx.HTTPError as e:
                 return error_response(502, f"decode worker {decode.url} failed: {_why(e)}")
+            merge = path == "/generate" and _wants_logprob(body)
             if res.status_code != 200 or not stream:
                 data = await res.aread()
                 await res.aclose()
@@ -104,6 +109,12 @@ class PDProxy:
                     failed = _prefill_failure(p_task, prefill)
                     if failed is not None and res.status_code >= 500:
                         return failed  # the root cause
+                elif merge:
+                    await asyncio.wait({p_task})
+                    failed = _prefill_failure(p_task, prefill)
+                    if failed is not None:
+                        return failed
+                    data = json.dumps(_merged(p_task.result().json(), json.loads(data)))
                 return Response(data, res.status_code, media_type=res.headers.get("content-type"))
             handed_over = True
             return StreamingResponse(
@@ -156,6 +167,25 @@ class PDProxy:
                 asyncio.ensure_future(d_task.result().aclose())
         prefill.in_flight -= 1
         decode.in_flight -= 1
+
+
+def _wants_logprob(body: dict) -> bool:
+    flag = body.get("return_logprob")
+    return any(flag) if isinstance(flag, list) else bool(flag)
+
+
+def _merged(prefill_out, decode_out):
+    """The decode answer with the prefill answer's `input_token_logprobs` in front of its own,
+    for a single generation (an object), which is all sglang-router merges; a batch's decode
+    answers carry the prompt logprobs themselves."""
+    if not isinstance(prefill_out, dict) or not isinstance(decode_out, dict):
+        return decode_out
+    meta = decode_out.get("meta_info")
+    if not isinstance(meta, dict) or "input_token_logprobs" not in meta:
+        return decode_out
+    before = prefill_out.get("meta_info", {}).get("input_token_logprobs") or []
+    meta["input_token_logprobs"] = before + (meta["input_token_logprobs"] or [])
+    return decode_out
 
 
 def _why(e: Exception) -> str:

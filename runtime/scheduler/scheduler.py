@@ -389,6 +389,9 @@ class Scheduler:
             "num_running_reqs": len(self.decode.running) + (self.prefill.chunked_req is not None),
             "num_waiting_reqs": len(self.prefill.waiting),
             "kv_available_tokens": self.kv.available(),
+            # SGLang's /get_load num_tokens: KV in use by live requests plus waiting prompts
+            "num_used_tokens": self.kv.size - self.kv.available() - self.kv.evictable(),
+            "num_waiting_tokens": sum(len(r.origin_input_ids) for r in self.prefill.waiting),
             "cache_size_tokens": self.tree_cache.total_size(),
             "cache_hit_rate": st["cached_tokens"] / max(1, st["prompt_tokens"]),
             "decode_timing": {str(k): v for k, v in self.decode_timing.items()},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -120,12 +121,28 @@ async def read_json(request: Request) -> Any:
         raise APIError(400, f"body: malformed JSON ({e})") from None
 
 
+def _without_prompt_logprobs(out):
+    """A decode server's non-streamed answer to one generation as SGLang's decode worker gives
+    it: no `input_token_logprobs` (an empty list), because a PD router prepends the prefill
+    server's copy (sglang-router and `loom router` alike): the prompt's logprobs then appear
+    exactly once, as long as `input_top_logprobs`, which the router does not merge.
+    sglang-router 0.3.2 merges nothing else: not a batch's answers (a list), and not a stream
+    (it sends the prefill server the stream flag too and cannot read the SSE answer as JSON),
+    so those keep the decode server's own copy."""
+    if isinstance(out, dict) and "input_token_logprobs" in out["meta_info"]:
+        out["meta_info"]["input_token_logprobs"] = []
+    return out
+
+
 @router.post("/generate", openapi_extra=_generate_body_schema())
 async def generate(request: Request):
     state = server_state(request)
     obj = decode_generate_request(await read_json(request))
     if not obj.stream:
-        return JSONOut(await unless_disconnected(request, state.tm.generate(obj)))
+        out = await unless_disconnected(request, state.tm.generate(obj))
+        if state.args.disaggregation_mode == "decode":
+            out = _without_prompt_logprobs(out)
+        return JSONOut(out)
     agen = state.tm.generate_stream(obj)
     first = await prime(agen)
     return sse_response(first, agen, lambda out: [sse(out)], lambda: [])
@@ -209,6 +226,26 @@ async def get_server_info(request: Request):
         "process_pids": {p.name: p.pid for p in state.procs},
         "version": __version__,
     }
+
+
+@router.get("/get_load")
+async def get_load(request: Request):
+    """SGLang's load report, one entry per data-parallel rank (loom's server is one rank):
+    requests running or waiting, and tokens (KV held by live requests plus the prompts still
+    waiting), which sglang-router's load monitor sums into each worker's load."""
+    state = server_state(request)
+    internal = await control(state, state.tm.get_internal_state())
+    waiting = internal.get("num_waiting_reqs", 0)
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": internal.get("num_running_reqs", 0) + waiting,
+            "num_waiting_reqs": waiting,
+            "num_tokens": internal.get("num_used_tokens", 0)
+            + internal.get("num_waiting_tokens", 0),
+            "ts_tic": time.perf_counter(),
+        }
+    ]
 
 
 # --------------------------------------------------------------------------- control

@@ -291,7 +291,7 @@ async def completions(req: CompletionRequest, request: Request):
         body["usage"] = usage(outs, req.n)
         return JSONOut(body)
 
-    agen = state.tm.generate_stream(obj, names)
+    agen = state.tm.generate_stream(obj, names, incremental=False)
     first = await prime(agen)
 
     def render(out: dict) -> list[str]:
@@ -430,7 +430,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         body["usage"] = usage(outs, req.n)
         return JSONOut(body)
 
-    agen = state.tm.generate_stream(obj, names)
+    agen = state.tm.generate_stream(obj, names, incremental=False)
     first = await prime(agen)
     sent_text: dict[int, int] = {}
     sent_lps: dict[int, int] = {}

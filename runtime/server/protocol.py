@@ -145,9 +145,9 @@ class _SamplingExtras(_Lenient):
     response_format: ResponseFormat | None = None
     rid: str | None = None
     # prefill/decode disaggregation (SGLang's names; set by `loom router --pd-disaggregation`)
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
 
 
 class CompletionRequest(_SamplingExtras):
