@@ -60,6 +60,7 @@ class Scheduler:
             args.grammar_compile_timeout,
             engine=args.grammar_backend,
         )
+        self.grammar_queue.start()  # the mask engine's tables, while the rest starts
         self.prefill = PrefillManager(
             self.kv, args, r.max_running_requests, random.Random(args.random_seed)
         )
@@ -363,6 +364,7 @@ class Scheduler:
             "kv_available_tokens": self.kv.available(),
             "cache_size_tokens": self.tree_cache.total_size(),
             "cache_hit_rate": st["cached_tokens"] / max(1, st["prompt_tokens"]),
+            "grammar_engine_ready": self.grammar_queue.ready,
             "decode_timing": {str(k): v for k, v in self.decode_timing.items()},
             # objects out of the collector's sight (process.freeze_startup_heap) and the
             # collections run since, per generation
