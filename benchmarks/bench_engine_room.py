@@ -7,10 +7,13 @@ alternate every round: loom as it starts by default (the cpu_paged attention bac
 of up to cpu_forward.MAX_TOKENS tokens, prefill included, through the compiled C forward of
 runtime/cpu_forward.py), loom with
 --cpu-forward eager (the torch modules, cpu_paged), loom with the torch reference backend
-(eager, the per-step gather cpu_paged replaces), and llama-batched-bench -fa off
-(llama.cpp's fastest CPU setting here), through benchmarks/peers/llamacpp.py (which builds
-llama.cpp once, converts the model to GGUF f32 and checks greedy tokens match). Ratios are
-loom / llama.cpp tok/s per round: median and range, with the load average beside them.
+(eager, the per-step gather cpu_paged replaces), and llama-batched-bench with -fa off and
+-fa auto (llama.cpp's default), both measured in the same alternation, through
+benchmarks/peers/llamacpp.py (which builds llama.cpp once, converts the model to GGUF f32 and
+checks greedy tokens match on the settings timed). Ratios are loom / llama.cpp tok/s per
+round against whichever -fa setting was faster at that batch size (median tok/s; decode and
+prefill each pick their own), median and range, with the load average beside them; the table
+names the setting quoted and shows the other.
 
 The split (loom, cpu_paged, in-process scheduler, one thread), in CPU time of the scheduler
 thread so that the other processes' load does not inflate it: per full-batch decode step, the
@@ -37,8 +40,10 @@ llama-batched-bench (a loop with no client) does not have.
 0.5B-shape model each costs as much as the default side, so its table runs `--sides cpu_paged`).
 
 --offline adds bench_offline's request set (prompts of 10..400 tokens, 8..128 new tokens, all
-sent at once): loom against llama-server (-fa --offline-fa, default auto), alternating;
---batch-sizes "" skips the sweep. --kv-cache-dtype bf16 stores every loom side's KV in
+sent at once): a loom server against llama-server (-fa --offline-fa, default auto), both sent
+the requests by the same HTTP client (common.post_all), alternating; llama-server with
+llama.cpp's default per-slot KV and with --kv-unified, both rows; --batch-sizes "" skips the
+sweep. --kv-cache-dtype bf16 stores every loom side's KV in
 bfloat16 (llama-batched-bench keeps its KV in f16: the same bytes per element).
 """
 
@@ -208,6 +213,7 @@ def step_split(
     return split
 
 
+FA = ("off", "auto")  # llama-batched-bench's flash-attention settings, both measured
 # #19's targets, loom / llama.cpp: decode at these batch sizes, prefill at every one
 DECODE_TARGET = {1: 0.6, 32: 1.2, 64: 1.2}
 PREFILL_TARGET = 1.0
@@ -234,16 +240,19 @@ def measure(args, label: str, path: str, llamacpp) -> dict:
                 )
                 for name, side in sides.items()
             }
-            runs["llama.cpp"] = lambda b=b: llamacpp.batched_point(
-                label, args.threads, "off", b, args.pp, args.tg
-            )
+            for fa in FA:
+                runs[f"llama.cpp -fa {fa}"] = lambda b=b, fa=fa: llamacpp.batched_point(
+                    label, args.threads, fa, b, args.pp, args.tg
+                )
             t = common.alternate(runs, args.rounds)
             row = {"B": b, "pp": args.pp, "tg": args.tg, "load": os.getloadavg()[0]}
             for name in names:  # tok/s per round, as llama-batched-bench counts them
                 row[f"{name}_prefill"] = [b * args.pp / f for f, _ in t[name]]
                 row[f"{name}_decode"] = [b * (args.tg - 1) / (tot - f) for f, tot in t[name]]
-            row["llama_prefill"] = [x[0] for x in t["llama.cpp"]]
-            row["llama_decode"] = [x[1] for x in t["llama.cpp"]]
+            for fa in FA:
+                row[f"llama_prefill_fa_{fa}"] = [x[0] for x in t[f"llama.cpp -fa {fa}"]]
+                row[f"llama_decode_fa_{fa}"] = [x[1] for x in t[f"llama.cpp -fa {fa}"]]
+            quote_faster_fa(row)
             row["split"] = step_split(path, prompts, args.tg, args.threads, kv)
             row["seconds"] = time.perf_counter() - started
             rows.append(row)
@@ -259,6 +268,15 @@ def measure(args, label: str, path: str, llamacpp) -> dict:
         "kv": kv,
         "rows": rows,
     }
+
+
+def quote_faster_fa(row: dict) -> None:
+    """Per measure (prefill, decode): the -fa setting with the higher median tok/s becomes
+    the row's llama.cpp figures (`llama_<what>`, every ratio's denominator) and is named in
+    `llama_<what>_fa`; both settings' figures stay in the row."""
+    for what in ("prefill", "decode"):
+        fa = max(FA, key=lambda f, w=what: statistics.median(row[f"llama_{w}_fa_{f}"]))
+        row[f"llama_{what}"], row[f"llama_{what}_fa"] = row[f"llama_{what}_fa_{fa}"], fa
 
 
 def misses(row: dict) -> list[str]:
@@ -308,18 +326,22 @@ def misses(row: dict) -> list[str]:
 
 def offline(args, label: str, path: str, llamacpp) -> dict:
     """bench_offline's request set (--num-requests prompts of 10..400 tokens, 8..128 new
-    tokens, all at once): loom (cpu_paged, the default) against llama-server (-fa
-    --offline-fa: with "off" its unified KV pool makes every sequence attend over the whole
-    pool, masked, so "auto" is its faster setting for this workload)."""
+    tokens, all at once): a loom server (cpu_paged, the default) against llama-server (-fa
+    --offline-fa), both through the same HTTP client; llama-server with llama.cpp's default
+    per-slot KV and with --kv-unified (one pool: with -fa off every sequence then attends over
+    the whole pool, masked), each a side of the alternation. The ratio quotes the faster."""
     import transformers
-    from bench_offline import make_requests
+    from bench_offline import LoomServerSide, make_requests
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
     reqs = make_requests(tok, args.num_requests, args.seed)
     useful = sum(m for _, m in reqs)
     started = time.perf_counter()
-    loom_side = BackendSide(path, len(reqs), args.threads, "cpu_paged")
-    peer = llamacpp.ServerPeer(label, args.threads, args.offline_fa, reqs)
+    loom_side = LoomServerSide(path, len(reqs), args.threads)
+    peers = {
+        uni: llamacpp.ServerPeer(label, args.threads, args.offline_fa, reqs, kv_unified=uni)
+        for uni in (False, True)
+    }
 
     def loom_run() -> tuple[float, float]:
         """(seconds, of which in decode steps: the scheduler's own per-step wall clock)"""
@@ -328,11 +350,18 @@ def offline(args, label: str, path: str, llamacpp) -> dict:
         after = loom_side.decode_timing()
         return seconds, sum(v[1] - before.get(b, [0, 0.0])[1] for b, v in after.items())
 
+    runs = {"loom": loom_run}
+    for uni, peer in peers.items():
+        runs[f"llama.cpp{' --kv-unified' if uni else ''}"] = lambda p=peer: p.run(reqs)
     try:
-        t = common.alternate({"loom": loom_run, "llama.cpp": lambda: peer.run(reqs)}, args.rounds)
+        t = common.alternate(runs, args.rounds)
     finally:
         loom_side.close()
-        peer.close()
+        for peer in peers.values():
+            peer.close()
+    per_slot = [useful / x for x in t["llama.cpp"]]
+    unified = [useful / x for x in t["llama.cpp --kv-unified"]]
+    faster = "--kv-unified" if statistics.median(unified) > statistics.median(per_slot) else ""
     out = {
         "requests": len(reqs),
         "prompt_tokens": sum(len(p) for p, _ in reqs),
@@ -341,18 +370,23 @@ def offline(args, label: str, path: str, llamacpp) -> dict:
         "load": os.getloadavg()[0],
         "loom": [useful / x for x, _ in t["loom"]],
         "loom_decode_s": [d for _, d in t["loom"]],
-        "llama": [useful / x for x in t["llama.cpp"]],
+        "llama_per_slot": per_slot,
+        "llama_unified": unified,
+        "llama_kv": faster or "per-slot",
+        "llama": unified if faster else per_slot,
         "seconds": time.perf_counter() - started,
     }
     seconds = statistics.median(x for x, _ in t["loom"])
     decode = statistics.median(out["loom_decode_s"])
     print(
         f"offline ({len(reqs)} requests, {out['prompt_tokens']} prompt and {useful} new tokens, "
-        f"-fa {args.offline_fa}, load {out['load']:.1f}, {out['seconds']:.0f} s): loom "
-        f"{statistics.median(out['loom']):.0f} vs llama.cpp {statistics.median(out['llama']):.0f}"
-        f" useful tok/s; loom / llama.cpp {common.fmt_ratio(out['loom'], out['llama'])}; loom's "
-        f"run {seconds:.1f} s wall, {decode:.1f} s of it in decode steps, {seconds - decode:.1f} "
-        f"s in prefill steps and between steps",
+        f"-fa {args.offline_fa}, load {out['load']:.1f}, {out['seconds']:.0f} s; servers, one "
+        f"client): loom {statistics.median(out['loom']):.0f} vs llama-server per-slot KV "
+        f"{statistics.median(per_slot):.0f} / --kv-unified {statistics.median(unified):.0f} "
+        f"useful tok/s; loom / llama.cpp ({out['llama_kv']}, the faster) "
+        f"{common.fmt_ratio(out['loom'], out['llama'])}; loom's run {seconds:.1f} s wall, "
+        f"{decode:.1f} s of it in decode steps, {seconds - decode:.1f} s in prefill steps, "
+        f"between steps and HTTP",
         flush=True,
     )
     ratio = common.ratio_summary(out["loom"], out["llama"])[0]
@@ -376,6 +410,8 @@ def format_row(row: dict) -> str:
                 f"{what} {name} / llama.cpp "
                 f"{common.fmt_ratio(row[f'{name}_{what}'], row[f'llama_{what}'])}"
             )
+    parts.append(f"llama.cpp {_fa_both(row, 'decode')} decode tok/s; {_fa_both(row, 'prefill')} "
+                 "prefill tok/s (ratios against the faster)")  # fmt: skip
     if "cpu_paged_decode" in row:
         parts.append(
             f"loom {statistics.median(row['cpu_paged_decode']):.0f} vs llama.cpp "
@@ -394,6 +430,16 @@ def format_row(row: dict) -> str:
     return "\n    ".join(parts)
 
 
+def _fa_both(row: dict, what: str) -> str:
+    """Both -fa settings' median tok/s, the quoted (faster) one marked."""
+    med = statistics.median
+    return " / ".join(
+        f"-fa {fa} {med(row[f'llama_{what}_fa_{fa}']):.0f}"
+        + ("*" if fa == row[f"llama_{what}_fa"] else "")
+        for fa in FA
+    )
+
+
 def _ratio(row: dict, name: str, what: str) -> str:
     if f"{name}_{what}" not in row:
         return "not run"
@@ -407,7 +453,9 @@ def markdown(results: list[dict]) -> str:
             lines += [
                 f"**{res['model']}**, pp {res['pp']}, tg {res['tg']}, loom KV {res['kv']}, "
                 f"{res['threads']} thread(s)"
-                " each; ratios loom / llama.cpp (-fa off), median and range over the rounds:",
+                " each; ratios loom / llama.cpp at its faster -fa setting for that row and"
+                " measure (both measured; * marks the one quoted), median and range over the"
+                " rounds:",
                 "",
                 "| B | load | decode, default | decode, --cpu-forward eager | decode, torch backend"
                 " | prefill, default | loom decode tok/s | llama.cpp decode tok/s | loom CPU ms per"
@@ -430,7 +478,7 @@ def markdown(results: list[dict]) -> str:
                 f"| {_ratio(row, 'torch', 'decode')} "
                 f"| {_ratio(row, 'cpu_paged', 'prefill')} "
                 f"| {loom_tps} "
-                f"| {statistics.median(row['llama_decode']):.0f} "
+                f"| {_fa_both(row, 'decode')} "
                 f"| {sp['step_ms']:.2f}: {sp['forward_ms']:.2f} ({sp['attention_ms']:.2f} / "
                 f"{sp['matmul_ms']:.2f} / {sp['other_ms']:.2f}) "
                 f"| {sp['prefill_ms']:.0f}: {sp['prefill_forward_ms']:.0f} "
@@ -447,10 +495,13 @@ def markdown(results: list[dict]) -> str:
             lines += [
                 "",
                 f"**{res['model']}** offline ({off['requests']} requests, {off['prompt_tokens']} "
-                f"prompt and {off['useful_tokens']} new tokens, load {off['load']:.1f}): loom "
-                f"{statistics.median(off['loom']):.0f} vs llama.cpp "
-                f"{statistics.median(off['llama']):.0f} useful tok/s, loom / llama.cpp -fa "
-                f"{off['fa']} {common.fmt_ratio(off['loom'], off['llama'])}; loom's run "
+                f"prompt and {off['useful_tokens']} new tokens, load {off['load']:.1f}; loom server "
+                f"and llama-server through one HTTP client): loom "
+                f"{statistics.median(off['loom']):.0f} vs llama-server per-slot KV "
+                f"{statistics.median(off['llama_per_slot']):.0f} / --kv-unified "
+                f"{statistics.median(off['llama_unified']):.0f} useful tok/s, loom / llama.cpp "
+                f"-fa {off['fa']} ({off['llama_kv']}, the faster) "
+                f"{common.fmt_ratio(off['loom'], off['llama'])}; loom's run "
                 f"{seconds:.1f} s, {statistics.median(off['loom_decode_s']):.1f} s of it in "
                 "decode steps.",
             ]
@@ -501,7 +552,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.models.split(","):
         label, path = common.resolve_model(name)
         llamacpp.build()
-        llamacpp.check(label, args.threads)  # same tokens, same greedy output first
+        llamacpp.check(label, args.threads, fas=FA)  # same tokens and greedy output first
         res = measure(args, label, path, llamacpp) if args.batch_sizes else {"model": label}
         if args.offline:
             res["offline"] = offline(args, label, path, llamacpp)

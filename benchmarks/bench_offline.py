@@ -19,7 +19,11 @@ docs/img/throughput_{decode,prefill}_<model>.png (tok/s against batch size, ever
 built): its tokenization and greedy tokens are checked against loom's first, then llama-server
 (offline) and llama-batched-bench (batch sweep), llama.cpp's default -fa auto and -fa off, are
 more sides in the same alternation, so every round runs loom, HF and llama.cpp back to back;
-each ratio against them is the median of per-round ratios with its range, as HF's is.
+each ratio against them is the median of per-round ratios with its range, as HF's is. Each
+comparison crosses the same boundary on both sides: llama-server (with llama.cpp's default
+per-slot KV, and with --kv-unified, both rows) meets a loom server sent the same requests by
+the same HTTP client; llama-batched-bench (an in-process loop) meets the in-process Engine;
+HF's in-process `generate` meets the Engine.
 
     python benchmarks/bench_offline.py [--model bundled|qwen0.5b-f32|qwen0.5b-bf16|PATH]
         [--num-requests 64] [--rounds 3] [--batched --batch-sizes 1,8,32,64 --pp 128 --tg 32]
@@ -181,6 +185,48 @@ class LoomSide:
         self.engine.shutdown()
 
 
+class LoomServerSide:
+    """loom as an HTTP server (`loom serve`, warmed up once, the cache flushed before each run),
+    sent the request set by the same client as llama-server (common.post_all: every request at
+    once, each on its own connection): the side the llama-server peers are compared with, so
+    both pay the same HTTP boundary."""
+
+    def __init__(self, model_path: str, max_running: int, threads: int):
+        from loom.runtime.server.runtime_client import Runtime
+
+        self.rt = Runtime(
+            model_path,
+            max_running_requests=max_running,
+            random_seed=0,
+            cpu_threads=threads,
+            log_level="warning",
+        )
+        common.post_json(self.rt.url + "/generate", self.body([5, 6, 7, 8], 4))
+
+    @staticmethod
+    def body(ids: list[int], n: int) -> dict:
+        return {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0,
+                                                      "ignore_eos": True}}  # fmt: skip
+
+    def run(self, reqs: list[tuple[list[int], int]]) -> float:
+        common.post_json(self.rt.url + "/flush_cache", {})
+        elapsed, outs = common.post_all(
+            self.rt.url + "/generate", [self.body(p, m) for p, m in reqs]
+        )
+        got = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        assert got == sum(m for _, m in reqs), got
+        return elapsed
+
+    def decode_timing(self) -> dict[int, list]:
+        import requests
+
+        info = requests.get(self.rt.url + "/get_server_info", timeout=60).json()
+        return {int(k): v for k, v in info["decode_timing"].items()}
+
+    def close(self) -> None:
+        self.rt.shutdown()
+
+
 class HFSide:
     def __init__(self, model_path: str, pad_id: int):
         import torch
@@ -259,6 +305,9 @@ def offline(args, label: str, path: str, tok, threads: int, peers: dict | None =
         runs = {"loom": lambda: loom_side.run(reqs), "hf_static": lambda: hf.static(reqs)}
         if not args.skip_serial:
             runs["hf_serial"] = lambda: hf.serial(reqs)
+        if peers:  # server peers meet loom's server, through the same client
+            sides.append(server := LoomServerSide(path, args.num_requests, threads))
+            runs["loom server"] = lambda: server.run(reqs)
         for name, factory in (peers or {}).items():
             sides.append(side := factory(reqs))
             runs[name] = lambda s=side: s.run(reqs)
@@ -269,7 +318,8 @@ def offline(args, label: str, path: str, tok, threads: int, peers: dict | None =
             side.close()
         loom_side.close()
     tps = {k: [useful / s for s in v] for k, v in secs.items()}
-    names = {"loom": "loom Engine", "hf_static": "HF static batch", "hf_serial": "HF one at a time"}
+    names = {"loom": "loom Engine", "hf_static": "HF static batch", "hf_serial": "HF one at a time",
+             "loom server": "loom server (HTTP)"}  # fmt: skip
     for k, v in tps.items():
         print(
             f"{names.get(k, k):22} {statistics.median(v):9.1f} tok/s  (median of {len(v)}; {min(v):.1f}-{max(v):.1f})"
@@ -281,9 +331,10 @@ def offline(args, label: str, path: str, tok, threads: int, peers: dict | None =
         out["vs_serial"] = common.ratio_summary(tps["loom"], tps["hf_serial"])
         print(f"loom / HF one-at-a-time {common.fmt_ratio(tps['loom'], tps['hf_serial'])}")
     out["vs_peer"] = {}
-    for name in peers or {}:
-        out["vs_peer"][name] = common.ratio_summary(tps["loom"], tps[name])
-        print(f"loom / {name}  {common.fmt_ratio(tps['loom'], tps[name])}")
+    for name in peers or {}:  # server to server: loom's server against llama-server
+        out["vs_peer"][name] = common.ratio_summary(tps["loom server"], tps[name])
+        print(f"loom server / {name} (both HTTP, one client)  "
+              f"{common.fmt_ratio(tps['loom server'], tps[name])}")  # fmt: skip
     steps, step_s, fwd_s = (sum(v[i] for v in timing.values()) for i in range(3))
     out["overhead"] = 1 - fwd_s / step_s
     print(

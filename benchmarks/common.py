@@ -81,14 +81,41 @@ def header(title: str) -> str:
 
 
 def alternate(runs: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
-    """Run every labelled measurement once per round, in order (A B A B ...), so that machine
-    noise lands on all of them alike. Returns each label's values (seconds, or a peer's own
-    measured figures)."""
+    """Run every labelled measurement once per round, so that machine noise lands on all of
+    them alike; the order turns each round (A B, B A, A B ... ; with three, A B C, B C A, ...)
+    so no side always runs first (warm caches) or last (a neighbour's burst). Returns each
+    label's values in round order (seconds, or a peer's own measured figures)."""
     out: dict[str, list[T]] = {label: [] for label in runs}
-    for _ in range(rounds):
-        for label, fn in runs.items():
-            out[label].append(fn())
+    labels = list(runs)
+    for r in range(rounds):
+        k = r % len(labels) if labels else 0
+        for label in labels[k:] + labels[:k]:
+            out[label].append(runs[label]())
     return out
+
+
+def post_json(url: str, body: dict, timeout: float = 3600) -> dict:
+    """One JSON POST on its own connection: the one HTTP client every server side shares."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post_all(url: str, bodies: list[dict]) -> tuple[float, list[dict]]:
+    """(seconds, responses) for every body POSTed at once, each on its own connection and
+    thread: how server-to-server comparisons send a request set (loom's /generate and
+    llama-server's /completion through the same client)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        t = time.perf_counter()
+        outs = list(pool.map(lambda b: post_json(url, b), bodies))
+        return time.perf_counter() - t, outs
 
 
 def ratio_summary(num: list[float], den: list[float]) -> tuple[float, float, float]:

@@ -20,11 +20,15 @@ or the engine raised while walking).
         [--engines loom,loom-spec,llguidance,xgrammar] [--loom-engine NAME] [--workers 1]
         [--timeout 30] [--stride K] [--limit N] [--files names.txt] [--out f.jsonl] [--resume]
 
-Engines: `loom` is loom's GrammarBackend with its defaults (unlisted object keys forbidden);
-`loom-spec` the same with `additional_properties_default=True` (JSON Schema's rule, as
-`--spec-additional` was called before); `llguidance` is `LLMatcher` with its default JSON
-options; `xgrammar` is `GrammarCompiler(max_threads=1, cache_enabled=False)` with
-MaskBench's settings (`strict_mode=True`, `any_whitespace=False`). Compile time runs from the
+Engines, by mode (MODES; a headline compares engines of one mode only): strict -- `loom`,
+loom's GrammarBackend with its defaults (unlisted object keys forbidden), and `xgrammar`,
+`GrammarCompiler(max_threads=1, cache_enabled=False)` with MaskBench's default settings
+(`strict_mode=True`, `any_whitespace=False`); spec (JSON Schema's own rules) -- `loom-spec`
+(`additional_properties_default=True`), `llguidance` (`LLMatcher` with its default JSON
+options) and `xgrammar-nonstrict` (`strict_mode=False`, MaskBench's JSON-Schema-compliant
+setting); relaxed -- `llguidance-coerce` and `llguidance-lenient` (llguidance's
+`coerce_one_of` and `lenient` x-guidance options: more schemas compile, some beyond the
+spec). Compile time runs from the
 schema to the first mask (the first fill included); each instance walks a fresh matcher at
 the start state, as MaskBench's runner does: loom's `Grammar.copy()` of the compiled grammar,
 a `deep_copy()` of llguidance's compiled `LLMatcher` (MaskBench's llg engine copies its
@@ -50,8 +54,29 @@ from importlib.metadata import version
 from multiprocessing.connection import wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(ROOT, "..", "shared", "data", "maskbench")
-ENGINES = ("loom", "loom-spec", "llguidance", "xgrammar")
+# MaskBench's schema files (github.com/guidance-ai/jsonschemabench, maskbench/data): --data, or
+# $LOOM_MASKBENCH_DATA, or a `shared/data/maskbench` folder beside the checkout
+DATA = os.environ.get("LOOM_MASKBENCH_DATA") or os.path.join(
+    ROOT, "..", "shared", "data", "maskbench"
+)
+ENGINES = (
+    "loom", "loom-spec", "llguidance", "llguidance-coerce", "llguidance-lenient",
+    "xgrammar", "xgrammar-nonstrict",
+)  # fmt: skip
+# Which JSON Schema rule each engine applies: a headline compares engines of one mode only.
+#   strict:  an object admits only its listed keys, an array only its listed items
+#            (xgrammar's strict_mode=True, MaskBench's default setting; loom's default)
+#   spec:    JSON Schema's own rules (unlisted keys allowed unless additionalProperties says
+#            otherwise): xgrammar strict_mode=False, llguidance's default, loom-spec
+#   relaxed: beyond the spec to compile more: llguidance's coerce_one_of (oneOf as anyOf)
+#            and lenient (unsupported keywords ignored) options
+MODES = {
+    "loom": "strict", "xgrammar": "strict",
+    "loom-spec": "spec", "llguidance": "spec", "xgrammar-nonstrict": "spec",
+    "llguidance-coerce": "relaxed", "llguidance-lenient": "relaxed",
+}  # fmt: skip
+LLG_OPTIONS = {"llguidance": {}, "llguidance-coerce": {"coerce_one_of": True},
+               "llguidance-lenient": {"lenient": True}}  # fmt: skip
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 _clock = CLOCKS["cpu"]
 
@@ -147,7 +172,7 @@ class _LoomMatcher:
 
 
 class LLGuidanceEngine:
-    def __init__(self, tok, vocab_size: int):
+    def __init__(self, tok, vocab_size: int, options: dict | None = None):
         import llguidance
         import llguidance.hf
         import llguidance.torch
@@ -156,8 +181,11 @@ class LLGuidanceEngine:
         self.tok = llguidance.hf.from_tokenizer(tok, n_vocab=vocab_size)
         self.bits = _Bits(llguidance.torch.allocate_token_bitmask(1, vocab_size))
         self.eos = list(self.tok.eos_tokens)
+        self.options = options or {}
 
     def compile(self, schema):
+        if self.options and isinstance(schema, dict):  # llguidance reads them from the schema
+            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **self.options}}
         grammar = self.llg.LLMatcher.grammar_from_json_schema(schema)
         m = self.llg.LLMatcher(self.tok, grammar)
         if m.is_error():
@@ -185,10 +213,10 @@ class _LLGMatcher:
 
 
 class XGrammarEngine:
-    def __init__(self, tok, vocab_size: int):
+    def __init__(self, tok, vocab_size: int, strict: bool = True):
         import xgrammar as xgr
 
-        self.xgr = xgr
+        self.xgr, self.strict = xgr, strict
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.bits = _Bits(xgr.allocate_token_bitmask(1, vocab_size))
@@ -196,7 +224,7 @@ class XGrammarEngine:
 
     def compile(self, schema):
         compiled = self.compiler.compile_json_schema(
-            json.dumps(schema), any_whitespace=False, strict_mode=True
+            json.dumps(schema), any_whitespace=False, strict_mode=self.strict
         )
         self.xgr.GrammarMatcher(compiled).fill_next_token_bitmask(self.bits.mask)
         return compiled
@@ -221,10 +249,10 @@ class _XGRMatcher:
 def make_engine(name: str, tok, vocab_size: int, loom_engine: str | None):
     if name in ("loom", "loom-spec"):
         return LoomEngine(tok, vocab_size, name == "loom-spec", loom_engine)
-    if name == "llguidance":
-        return LLGuidanceEngine(tok, vocab_size)
-    if name == "xgrammar":
-        return XGrammarEngine(tok, vocab_size)
+    if name in LLG_OPTIONS:
+        return LLGuidanceEngine(tok, vocab_size, LLG_OPTIONS[name])
+    if name in ("xgrammar", "xgrammar-nonstrict"):
+        return XGrammarEngine(tok, vocab_size, strict=name == "xgrammar")
     raise SystemExit(f"--engines: unknown engine {name!r}; expected some of {ENGINES}")
 
 
@@ -232,9 +260,9 @@ def engine_label(name: str, loom_engine: str | None) -> str:
     if name.startswith("loom"):
         from loom.grammar.engines import DEFAULT_ENGINE
 
-        rule = "strict" if name == "loom" else "spec-additional"
-        return f"loom {rule} ({loom_engine or DEFAULT_ENGINE})"
-    return f"{name} {version(name)}"
+        return f"loom [{MODES[name]}] ({loom_engine or DEFAULT_ENGINE})"
+    package, _, option = name.partition("-")
+    return f"{package} {version(package)}{f' {option}' if option else ''} [{MODES[name]}]"
 
 
 # --------------------------------------------------------------------------- one schema
@@ -459,12 +487,26 @@ def report(results: dict, engines: list[str], labels: dict, total: int) -> str:
         row += f" {pct(mask, 50):6.1f} us {pct(mask, 99):5.0f} us"
         lines.append(row)
     lines.append(f"schemas: {len(common)} done by every engine, of {total} in the set")
+    lines += headlines(results, engines, labels, common)
     lines.append("\npasses by subset: " + " / ".join(engines))
     for sub in sorted({subset_of(f) for f in common}):
         files = [f for f in common if subset_of(f) == sub]
         counts = [sum(results[e][f]["status"] == "pass" for f in files) for e in engines]
         lines.append(f"  {sub:14s} {len(files):5d}  " + " ".join(f"{x:6d}" for x in counts))
     return "\n".join(lines)
+
+
+def headlines(results: dict, engines: list[str], labels: dict, files) -> list[str]:
+    """Like against like: each loom engine's passes over each peer of the same mode."""
+    out = []
+    for ours in (e for e in engines if e.startswith("loom")):
+        mine = sum(results[ours][f]["status"] == "pass" for f in files)
+        for peer in (e for e in engines if not e.startswith("loom")):
+            if MODES[peer] == MODES[ours]:
+                theirs = sum(results[peer][f]["status"] == "pass" for f in files)
+                out.append(f"headline [{MODES[ours]}]: {labels[ours]} {mine:,} pass vs "
+                           f"{labels[peer]} {theirs:,}: {mine / max(theirs, 1):.2f}x")  # fmt: skip
+    return out
 
 
 def gaps(results: dict, data: str, ours: str, peers: list[str], top: int = 15) -> str:
@@ -594,8 +636,8 @@ def main() -> None:
     if sink is not None:
         sink.close()
     print(report(results, engines, labels, len(files)))
-    if args.gaps in engines:
-        peers = [e for e in engines if not e.startswith("loom")]
+    if args.gaps in engines:  # the peers of its own mode
+        peers = [e for e in engines if not e.startswith("loom") and MODES[e] == MODES[args.gaps]]
         if peers:
             print(gaps(results, args.data, args.gaps, peers))
     if pool is not None:

@@ -82,10 +82,15 @@ TARGETS = {  # name -> (target, higher is better)
     "offline: loom / HF static batch": (3.0, True),
     "offline: loom / HF one at a time": (20.0, True),
     "offline: decode overhead outside the forward": (0.15, False),
-    "offline: loom / llama.cpp -fa auto": (1.0, True),
-    "offline: loom / llama.cpp -fa off": (1.0, True),
-    "decode, smallest batch: loom / llama.cpp -fa auto": (None, True),
-    "decode, largest batch: loom / llama.cpp -fa auto": (None, True),
+    # server to server, one client; llama-server with its default per-slot KV and --kv-unified
+    **{
+        f"offline: loom server / llama.cpp -fa {fa}{uni}": (1.0, True)
+        for fa in ("auto", "off")
+        for uni in ("", " --kv-unified")
+    },
+    # llama-batched-bench's faster -fa setting at that batch size
+    "decode, smallest batch: loom / llama.cpp, faster -fa": (None, True),
+    "decode, largest batch: loom / llama.cpp, faster -fa": (None, True),
     "prefix few-shot: loom / HF": (4.0, True),
     "prefix few-shot: loom / loom cache off": (4.0, True),
     "programs tree of thought: language / batched calls": (1.0, True),
@@ -151,12 +156,13 @@ def main() -> None:
                     rows.append((model, "offline: loom / HF one at a time", o["vs_serial"]))
                 rows.append((model, "offline: decode overhead outside the forward", o["overhead"]))
                 for name, v in o["vs_peer"].items():
-                    rows.append((model, f"offline: loom / {name}", v))
+                    rows.append((model, f"offline: loom server / {name}", v))
             elif bench == "batched" and have_llama:
                 b = r["batched"]["rows"]
                 for which, row in (("smallest", b[0]), ("largest", b[-1])):
-                    v = row["loom_decode"] / row["llama.cpp -fa auto_decode"]
-                    rows.append((model, f"decode, {which} batch: loom / llama.cpp -fa auto", v))
+                    peer = max(row[f"llama.cpp -fa {fa}_decode"] for fa in ("auto", "off"))
+                    v = row["loom_decode"] / peer
+                    rows.append((model, f"decode, {which} batch: loom / llama.cpp, faster -fa", v))
             elif bench == "prefix":
                 w = r["workloads"]["few-shot"]
                 rows.append((model, "prefix few-shot: loom / HF", w["vs_hf"]))

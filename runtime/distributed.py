@@ -40,6 +40,7 @@ class ParallelState:
     pp_size: int = 1
     moe_all_to_all: bool = False  # EP dispatch (ServerArgs.moe_all_to_all), else all-reduce
     pp_max_micro_batch_size: int | None = None  # requests per pipeline micro-batch
+    pp_layer_partition: tuple[int, ...] | None = None  # layers per stage; None: the default split
 
 
 _state = ParallelState()
@@ -64,6 +65,7 @@ def state_for_rank(args, rank: int) -> ParallelState:
             pp_rank=rank,
             pp_size=args.pp_size,
             pp_max_micro_batch_size=args.pp_max_micro_batch_size,
+            pp_layer_partition=args.pp_layer_counts,
         )
     tp = args.tp_size
     return ParallelState(
@@ -75,6 +77,28 @@ def state_for_rank(args, rank: int) -> ParallelState:
         world_size=world,
         moe_all_to_all=args.moe_all_to_all,
     )
+
+
+def pp_layer_partition(num_layers: int, pp_size: int, explicit=None) -> tuple[int, ...]:
+    """Layers per pipeline stage: `explicit` when given (validated to sum to num_layers),
+    else SGLang's / vLLM's default (get_pp_indices): num_layers // pp_size each, and the
+    remainder one each to the stages counting back from the one before the last (the last
+    also holds the final norm and the LM head): 30 layers over 4 stages are 7, 8, 8, 7. A
+    stage may hold no layers (3 layers over 4 stages: 1, 1, 1, 0)."""
+    if explicit is not None:
+        return tuple(explicit)
+    counts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        counts[-i] += 1
+    return tuple(counts)
+
+
+def pp_layer_range(num_layers: int, state: ParallelState | None = None) -> range:
+    """The consecutive layer ids this rank's pipeline stage holds (all of them with pp 1)."""
+    ps = state or _state
+    counts = pp_layer_partition(num_layers, ps.pp_size, ps.pp_layer_partition)
+    start = sum(counts[: ps.pp_rank])
+    return range(start, start + counts[ps.pp_rank])
 
 
 def free_local_addr() -> str:
@@ -162,8 +186,12 @@ def check_layout(args, config) -> None:
         if not cond:
             raise ValueError(f"{flag}: {what}")
 
-    layers, pp = config.num_hidden_layers, args.pp_size
-    need(layers % pp == 0, "pp_size", f"{pp} does not divide num_hidden_layers ({layers})")
+    layers, counts = config.num_hidden_layers, args.pp_layer_counts
+    need(
+        counts is None or sum(counts) == layers,
+        "pp_layer_partition",
+        f"{args.pp_layer_partition} sums to {sum(counts or ())}, not num_hidden_layers ({layers})",
+    )
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     need(heads % tp == 0, "tp_size", f"{tp} does not divide num_attention_heads ({heads})")

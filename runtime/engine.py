@@ -31,9 +31,6 @@ class Engine:
         if self.server_args.node_rank > 0:
             raise ValueError("node_rank: an Engine serves from node 0; run the other nodes "
                              "with `python -m loom.launch_server --node-rank N`")  # fmt: skip
-        if self.server_args.dp_size > 1:
-            raise ValueError("dp_size: an Engine runs one replica; `loom serve --dp-size N` "
-                             "runs N behind a router (runtime/router/dp.py)")  # fmt: skip
         check_model_folder(self.server_args.model_path)  # a bad path fails here, clearly
         if self.server_args.world_size > 1:  # and so does an impossible split
             check_layout(self.server_args, load_config(self.server_args.model_path))
@@ -47,19 +44,41 @@ class Engine:
         atexit.register(self.shutdown)
 
     def _launch(self) -> None:
+        from loom.runtime.data_parallel import DataParallelFront
+
+        args = self.server_args
+        self._ipcs: list = []
+        if args.dp_size == 1:
+            self.tokenizer_manager = self._replica(args)
+        else:  # N replicas, CPU threads split between them (as `loom serve --dp-size N`)
+            threads = max(1, args.effective_cpu_threads // args.dp_size)
+            one = args.replace(dp_size=1, load_balance_method="round_robin", cpu_threads=threads)
+            tms = [self._replica(one) for _ in range(args.dp_size)]
+            self.tokenizer_manager = DataParallelFront(tms, args.load_balance_method)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="loom-engine", daemon=True)
+        self._thread.start()
+        self._call(self.tokenizer_manager.start())
+
+    def _replica(self, args: ServerArgs):
+        """Start one replica's processes; its TokenizerManager (not yet started)."""
         from loom.runtime.process import IPCNames
         from loom.runtime.server.launch import start_runtime_processes
         from loom.runtime.tokenizer_manager import TokenizerManager
 
-        args = self.server_args
-        self.ipc = ipc = IPCNames.fresh()
-        info, tokenizer = start_runtime_processes(args, ipc, self._procs)
+        ipc = IPCNames.fresh()
+        self._ipcs.append(ipc)
+        self.ipc = self._ipcs[0]  # the first replica's endpoints
+        procs: list = []
+        try:
+            info, tokenizer = start_runtime_processes(args, ipc, procs)
+        finally:
+            self._procs += procs
         self.scheduler_info = info
         self.tokenizer = tokenizer
-        self.tokenizer_manager = TokenizerManager(
-            args, ipc, tokenizer, info["context_length"], info["vocab_size"]
-        )
-        self.tokenizer_manager.watched_processes = list(self._procs)
+        tm = TokenizerManager(args, ipc, tokenizer, info["context_length"], info["vocab_size"])
+        tm.watched_processes = procs
+        return tm
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="loom-engine", daemon=True)
         self._thread.start()
@@ -195,8 +214,8 @@ class Engine:
         from loom.runtime.server.launch import stop_processes
 
         stop_processes(self._procs)
-        if getattr(self, "ipc", None) is not None:
-            self.ipc.remove()
+        for ipc in getattr(self, "_ipcs", ()):
+            ipc.remove()
 
     def __enter__(self) -> Engine:
         return self

@@ -66,13 +66,11 @@ class TokenToKVPool:
         v_head_dim: int | None = None,
         padding_slots: int = 1,
     ):
-        from loom.runtime.distributed import get_parallel_state
+        from loom.runtime.distributed import pp_layer_range
 
         self.num_slots = num_slots
         # a pipeline stage keeps the KV of its own layers only (the others get empty buffers)
-        ps = get_parallel_state()
-        per_stage = num_layers // ps.pp_size
-        mine = range(ps.pp_rank * per_stage, (ps.pp_rank + 1) * per_stage)
+        mine = pp_layer_range(num_layers)
 
         def buffer(dim: int, layer: int) -> torch.Tensor:
             rows = num_slots if layer in mine else 0

@@ -116,6 +116,7 @@ class ServerArgs:
     ep_size: int = 1
     pp_size: int = 1
     pp_max_micro_batch_size: int | None = None
+    pp_layer_partition: str | None = None
     moe_a2a_backend: str = "none"
     dp_size: int = 1
     load_balance_method: str = "round_robin"
@@ -513,6 +514,19 @@ class ServerArgs:
             "pp_size",
             f"{self.pp_size} with tp_size or ep_size > 1 is not supported yet (one rank per stage)",
         )
+        part = self.pp_layer_partition
+        if part is not None:
+            counts = part.split(",")
+            need(
+                all(c.strip().isdigit() for c in counts),
+                "pp_layer_partition",
+                f"must be comma-separated layer counts (e.g. 8,8,7,7), got {part!r}",
+            )
+            need(
+                len(counts) == self.pp_size,
+                "pp_layer_partition",
+                f"has {len(counts)} stages, pp_size is {self.pp_size}",
+            )
         mb = self.pp_max_micro_batch_size
         need(mb is None or mb >= 1, "pp_max_micro_batch_size", f"must be >= 1, got {mb}")
         need(mb is None or self.pp_size > 1, "pp_max_micro_batch_size", "needs pp_size > 1")
@@ -554,6 +568,12 @@ class ServerArgs:
         """Scheduler ranks: tp_size, or ep_size when experts alone are sharded (tp_size 1), or
         pp_size (one rank per pipeline stage)."""
         return self.pp_size * (self.tp_size if self.tp_size > 1 else self.ep_size)
+
+    @property
+    def pp_layer_counts(self) -> tuple[int, ...] | None:
+        """--pp-layer-partition as layers per stage (None: the default split)."""
+        part = self.pp_layer_partition
+        return None if part is None else tuple(int(c) for c in part.split(","))
 
     @property
     def moe_all_to_all(self) -> bool:
@@ -698,7 +718,7 @@ _HELP = {
     "disable_radix_cache": "Turn off the radix prefix cache",
     "attention_backend": "Attention implementation: torch (the plain reference) or cpu_paged (CPU decode reads K/V in place; the CPU default; extends as torch); or triton (the Triton kernels of loom.kernels, the CUDA default; on the CPU only under TRITON_INTERPRET=1, for tests)",
     "random_seed": "Seed of the server's random state",
-    "cpu_forward": "CPU forward: auto (steps of up to 8192 tokens (cpu_forward.MAX_TOKENS) run as one compiled C call per step for dense Llama/Mistral/Qwen2/Qwen3 float32 models on one rank with the cpu_paged attention backend; larger steps and anything else run eager) or eager (always the torch modules, the reference)",
+    "cpu_forward": "CPU forward: auto (steps of up to 8,192 tokens (cpu_forward.MAX_TOKENS) run as one compiled C call per step for dense Llama/Mistral/Qwen2/Qwen3 float32 models on one rank with the cpu_paged attention backend; larger steps and anything else run eager) or eager (always the torch modules, the reference)",
     "cpu_threads": "Torch threads of the scheduler on CPU; default: the physical cores this process may use (affinity, cgroup quota, SMT siblings once) - 1 (one core is left to the tokenizer and detokenizer processes)",
     "disable_cuda_graph": "Run decode steps eagerly instead of replaying CUDA graphs (graphs are captured on CUDA with the triton backend only; never on the CPU)",
     "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph (sizes 1, 2, 4, 8, then every 8 up to it; larger batches run eagerly); default 160, capped by max running requests. Validated on the CPU too, where no graph is captured",
@@ -720,10 +740,11 @@ _HELP = {
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
     "tp_size": "Tensor-parallel degree: one scheduler process per rank (gloo on CPU, NCCL on CUDA)",
     "ep_size": "Expert-parallel degree for MoE models: divides tp_size, or shards experts over ep_size ranks with tp_size 1",
-    "pp_size": "Pipeline-parallel stages: the layers split evenly, one rank per stage",
+    "pp_size": "Pipeline-parallel stages, one rank per stage: num_hidden_layers // pp_size layers each, the remainder one each to the stages counting back from the one before the last (SGLang's and vLLM's split); --pp-layer-partition chooses another",
+    "pp_layer_partition": "Layers per pipeline stage, comma-separated, first stage first (e.g. 8,8,7,7 for 30 layers at pp_size 4, where the default split is 7,8,8,7); SGLang's SGLANG_PP_LAYER_PARTITION as a flag. Must sum to num_hidden_layers; a stage may hold 0",
     "pp_max_micro_batch_size": "Most requests in one pipeline micro-batch (a step's requests are split so the stages overlap; default: the step's requests over pp_size micro-batches)",
     "moe_a2a_backend": "MoE expert-parallel combine: none (SGLang's default) all-reduces the experts' partial outputs; all_to_all sends each (token, expert) pair to the expert's rank and back, then all-gathers (needs each expert whole on one rank; pays once ranks hold different tokens, measured in docs/benchmarks.md)",
-    "dp_size": "Data-parallel replicas: N whole servers (own KV pool and radix cache) behind an in-process router (runtime/router/dp.py)",
+    "dp_size": "Data-parallel replicas, each with its own KV pool and radix cache: `loom serve` runs N whole servers behind an in-process router (runtime/router/dp.py); loom.Engine runs N replicas behind one in-process front (runtime/data_parallel.py)",
     "load_balance_method": "How --dp-size replicas share requests: round_robin, shortest_queue (fewest in flight) or cache_aware (longest routed prefix, balance thresholds as in `loom router`)",
     "nnodes": "Number of nodes the ranks are spread over (each node runs world_size / nnodes ranks)",
     "node_rank": "This node's rank; node 0 serves HTTP, the others run their ranks only",

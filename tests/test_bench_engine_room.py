@@ -112,3 +112,39 @@ def test_the_stall_guard_passes_a_stream_and_fails_a_stalled_one(room):
                 got.append(item)
         assert got == [1] and time.monotonic() - started < 20
     assert signal.getsignal(signal.SIGALRM) is before  # the timer's handler is put back
+
+
+def test_the_faster_fa_setting_is_quoted_and_both_are_shown(room):
+    """The issue's own run: -fa auto faster at decode (349 vs 304 tok/s), -fa off at prefill:
+    each measure quotes its faster setting, and the table shows both."""
+    row = _row(8, 1.0, 1.0)
+    row.update(llama_decode_fa_off=[304.0, 300.0, 310.0], llama_decode_fa_auto=[349.0, 340.0, 355.0],
+               llama_prefill_fa_off=[900.0] * 3, llama_prefill_fa_auto=[850.0] * 3)  # fmt: skip
+    room.quote_faster_fa(row)
+    assert row["llama_decode_fa"] == "auto" and row["llama_decode"] == [349.0, 340.0, 355.0]
+    assert row["llama_prefill_fa"] == "off" and row["llama_prefill"] == [900.0] * 3
+    assert room._fa_both(row, "decode") == "-fa off 304 / -fa auto 349*"
+    table = room.markdown([{"model": "bundled", "pp": 128, "tg": 32, "kv": "auto", "threads": 1,
+                            "rows": [row]}])  # fmt: skip
+    assert "-fa off 304 / -fa auto 349*" in table and "(-fa off)" not in table
+
+
+def test_alternate_turns_the_order_every_round():
+    """No side always runs first: the order rotates each round, and each side's values stay
+    in round order."""
+    common = load_file("benchmarks/common.py", "bench_common")
+    calls: list[str] = []
+
+    def side(name):
+        def run():
+            calls.append(name)
+            return len(calls)
+
+        return run
+
+    out = common.alternate({"loom": side("loom"), "peer": side("peer")}, 4)
+    assert calls == ["loom", "peer", "peer", "loom", "loom", "peer", "peer", "loom"]
+    assert out == {"loom": [1, 4, 5, 8], "peer": [2, 3, 6, 7]}
+    calls.clear()
+    common.alternate({k: side(k) for k in "abc"}, 3)
+    assert calls == list("abcbcacab")

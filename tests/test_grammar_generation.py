@@ -64,36 +64,9 @@ def _subset(vocab: str) -> list[str]:
 @pytest.fixture(scope="module")
 def llama3_vocab_model(tmp_path_factory) -> str:
     """A random Llama checkpoint whose vocabulary is Llama 3's tokenizer (128,256 ids)."""
-    import shutil
+    from tests.tiny_models import build_llama3_vocab_model
 
-    import transformers as tf
-
-    from tests.real_tokenizers import llama3_tokenizer, llama3_tokenizer_path
-
-    folder = tmp_path_factory.mktemp("llama3_vocab_model")
-    tok = llama3_tokenizer()
-    config = tf.LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(llama3_tokenizer_path(), name), folder / name)
-    return str(folder)
+    return build_llama3_vocab_model(tmp_path_factory.mktemp("llama3_vocab_model"))
 
 
 @pytest.fixture

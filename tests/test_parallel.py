@@ -203,6 +203,59 @@ def test_pp2_tied_moe_matches_one_rank(tmp_path_factory):
         _check_expert_counts(before, info["expert_token_counts"], got)
 
 
+def _llama_layers(root: Path, layers: int) -> str:
+    """A tiny llama with `layers` layers (3 and 30 split unevenly over 2 and 4 stages)."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        **{**_SHAPE, "num_hidden_layers": layers, "tie_word_embeddings": False},
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    return _build(root / f"llama-{layers}", config)
+
+
+def test_default_layer_split_is_sglang_and_vllms():
+    """vLLM's / SGLang's get_pp_indices split: the remainder one each to the stages counting
+    back from the one before the last (which holds the LM head)."""
+    from loom.runtime.distributed import ParallelState, pp_layer_partition, pp_layer_range
+
+    assert pp_layer_partition(30, 4) == (7, 8, 8, 7)
+    assert pp_layer_partition(30, 2) == (15, 15)
+    assert pp_layer_partition(3, 2) == (2, 1)
+    assert pp_layer_partition(3, 4) == (1, 1, 1, 0)
+    assert pp_layer_partition(31, 4) == (8, 8, 8, 7)
+    assert pp_layer_partition(3, 2, (0, 3)) == (0, 3)
+    ranges = [pp_layer_range(30, ParallelState(pp_rank=r, pp_size=4)) for r in range(4)]
+    assert ranges == [range(0, 7), range(7, 15), range(15, 23), range(23, 30)]
+    assert pp_layer_range(5) == range(0, 5)  # one stage holds every layer
+
+
+PP_UNEVEN = [(3, 2, None), (3, 4, None), (30, 2, None), (30, 4, None), (3, 2, "0,3")]
+
+
+@pytest.mark.parametrize(
+    "layers, pp, partition",
+    PP_UNEVEN,
+    ids=[f"L{n}-pp{p}-{q or 'default'}" for n, p, q in PP_UNEVEN],
+)
+def test_pp_uneven_layers_match_one_rank(tmp_path_factory, layers, pp, partition):
+    """Layer counts pp_size does not divide (and explicit partitions, one with an empty first
+    stage): greedy outputs and prompt logprobs equal to one rank's, and each stage holds the
+    KV of its own layers only."""
+    from loom.runtime.distributed import pp_layer_partition
+
+    path = _llama_layers(tmp_path_factory.mktemp("ppu"), layers)
+    extra = {"pp_layer_partition": partition} if partition else {}
+    with _server(path, pp_size=pp, **extra) as rt:
+        _check_same_as_one_rank(rt.url, path)
+        info = wait_idle_and_intact(rt.url)
+        whole = rank_info(make_scheduler(path, max_total_tokens=2048).runner, 0)
+        explicit = tuple(map(int, partition.split(","))) if partition else None
+        counts = pp_layer_partition(layers, pp, explicit)
+        kv = [r["kv_cache_bytes"] for r in info["parallel"]["ranks"]]
+        assert kv == [whole["kv_cache_bytes"] * c // layers for c in counts]
+
+
 # --------------------------------------------------------------------------- MoE
 # EP = TP x DP (dp_size 1): with tp_size 2 and ep_size 2 each rank holds half the experts whole
 # and half the attention heads; ep_size 2 alone replicates attention. Each MoE family runs both
@@ -269,7 +322,7 @@ def test_impossible_layouts_are_refused_by_name(tiny_model_dir):
         ({"tp_size": 8}, "tp_size: 8 does not divide num_attention_heads (4)"),
         ({"tp_size": 3}, "tp_size: 3 does not divide num_attention_heads"),
         ({"ep_size": 2}, "ep_size: 2 needs a mixture-of-experts model"),
-        ({"pp_size": 4}, "pp_size: 4 does not divide num_hidden_layers"),
+        ({"pp_size": 2, "pp_layer_partition": "1,2"}, "pp_layer_partition: 1,2 sums to 3"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             loom.Engine(tiny_model_dir("llama"), **kwargs)
@@ -284,6 +337,8 @@ def test_impossible_layouts_are_refused_by_name(tiny_model_dir):
         ({"dist_init_addr": "nohost"}, "dist_init_addr: must be host:port"),
         ({"pp_max_micro_batch_size": 2}, "pp_max_micro_batch_size: needs pp_size > 1"),
         ({"pp_size": 2, "pp_max_micro_batch_size": 0}, "pp_max_micro_batch_size: must be >= 1"),
+        ({"pp_size": 2, "pp_layer_partition": "2,x"}, "pp_layer_partition: must be comma-sep"),
+        ({"pp_size": 2, "pp_layer_partition": "1,1,1"}, "pp_layer_partition: has 3 stages"),
         ({"ep_size": 2, "moe_a2a_backend": "deepep"}, "moe_a2a_backend: must be one of"),
         ({"ep_size": 2, "moe_a2a_backend": "auto"}, "moe_a2a_backend: must be one of"),
         (

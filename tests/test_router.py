@@ -127,8 +127,8 @@ def test_dp_flags_are_checked_by_name(tiny_model_dir):
         ServerArgs(dp_size=2, load_balance_method="minimum_tokens")
     with pytest.raises(ValueError, match="^dp_size: must be >= 1"):
         ServerArgs(dp_size=0)
-    with pytest.raises(ValueError, match="^dp_size: an Engine runs one replica"):
-        loom.Engine(tiny_model_dir("llama"), dp_size=2)
+    with pytest.raises(ValueError, match="^load_balance_method: must be one of"):
+        loom.Engine(tiny_model_dir("llama"), dp_size=2, load_balance_method="minimum_tokens")
 
 
 @pytest.fixture(scope="module")

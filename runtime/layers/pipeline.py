@@ -1,6 +1,7 @@
 """Pipeline stages: which layers this rank holds, and the hidden states between stages.
 
-With pp_size stages each rank holds num_hidden_layers / pp_size consecutive layers; the first
+With pp_size stages each rank holds a run of consecutive layers (`pp_layer_partition`: an even
+split, the remainder on the stages before the last, or --pp-layer-partition); the first
 also holds the embedding, the last the final norm and the LM head. Stage k receives (hidden,
 residual) from stage k - 1, runs its layers and sends them on; the last stage computes the
 logits and broadcasts them, so every rank samples the same rows (rank 0's tokens are used).
@@ -22,17 +23,19 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
-from loom.runtime.distributed import get_parallel_state
+from loom.runtime.distributed import get_parallel_state, pp_layer_range
 from loom.runtime.forward_batch import forward_context, get_forward_batch
 
 
 class PipelineStage:
     def __init__(self, config):
         ps = get_parallel_state()
-        per = config.num_hidden_layers // ps.pp_size
         self.size, self.rank = ps.pp_size, ps.pp_rank
         self.global_rank = ps.rank
-        self.start, self.end = self.rank * per, (self.rank + 1) * per
+        mine = pp_layer_range(config.num_hidden_layers, ps)
+        self.start, self.end = mine.start, mine.stop  # may be empty: the stage passes hidden on
+        # what travels between stages (models are built under the load dtype as the default)
+        self.dtype = torch.get_default_dtype()
         self.is_first, self.is_last = self.rank == 0, self.rank == ps.pp_size - 1
         self.vocab_size = config.vocab_size
         self.max_micro_batch = ps.pp_max_micro_batch_size

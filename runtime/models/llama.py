@@ -132,15 +132,17 @@ class LlamaModel(nn.Module):
         if stage.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
-            dtype = next(self.layers[stage.start].parameters()).dtype
-            hidden, residual = stage.recv(len(input_ids), self.hidden_size, dtype, input_ids.device)
+            hidden, residual = stage.recv(
+                len(input_ids), self.hidden_size, stage.dtype, input_ids.device
+            )
         capture, aux = self.capture_layers, {}
         for i in range(stage.start, stage.end):
             hidden, residual = self.layers[i](positions, hidden, residual)
             if capture and i in capture:
                 aux[i] = hidden + residual
         if not stage.is_last:
-            stage.send(hidden, residual)
+            # a first stage without layers has no residual yet: zeros add nothing to it
+            stage.send(hidden, torch.zeros_like(hidden) if residual is None else residual)
             return None
         hidden, _ = self.norm(hidden, residual)
         if capture is not None:

@@ -15,16 +15,26 @@ tokens left. A closer that cannot be built fails the request when the field was 
 and leaves the grammar unwrapped when it was only the default; a default one that takes
 longer than CLOSER_WAIT lets the request start and is attached between two steps once built
 (`attach_late`).
+
+The backend (the mask engine's view of the tokenizer: ~2 s of tables at Llama 3's 128k
+vocabulary) is built on a thread from `start()`, at scheduler start-up, and warmed by one
+compile (the translation worker's fork, the engine's lazy set-up); the scheduler process waits
+for it (`wait_ready`) before it reports ready, so the server is healthy only once a first
+constrained request would pay just its own compile (as SGLang's grammar backends build their
+tokenizer info at start-up).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from concurrent.futures import Future
 
 from loom.runtime.req import Req
 
 QUEUE_WAIT_FACTOR = 4
+logger = logging.getLogger(__name__)
 # seconds a request closing by default waits for its closer before it starts without one
 CLOSER_WAIT = 2.0
 
@@ -39,23 +49,59 @@ class GrammarQueue:
         self.eos_token_ids = eos_token_ids
         self.timeout = timeout
         self._backend = None
+        self._building: Future | None = None  # the start-up build, while it runs
         self.pending: list[tuple[Req, Future, float]] = []
         self.closers: dict[int, Future] = {}  # id(req) -> its closer, while it compiles
         # requests that started before their (default) closer was built: (req, its closer)
         self.late: list[tuple[Req, Future]] = []
 
+    def _build(self, warm: bool = False):
+        from loom.grammar.backend import GrammarBackend
+
+        backend = GrammarBackend(
+            self.tokenizer,
+            self.vocab_size,
+            set(self.eos_token_ids),
+            engine=self.engine,
+            compile_timeout=self.timeout,
+        )
+        if warm:  # one compile end to end: the translation worker and the engine's set-up
+            backend.warm_up()
+        return backend
+
+    def start(self) -> None:
+        """Build the backend on a thread now (no-op without a tokenizer: no grammar then)."""
+        if self.tokenizer is None or self._building is not None or self._backend is not None:
+            return
+        fut: Future = Future()
+
+        def build() -> None:
+            try:
+                fut.set_result(self._build(warm=True))
+            except BaseException as e:  # noqa: BLE001 - raised to the first grammar request
+                fut.set_exception(e)
+
+        self._building = fut
+        threading.Thread(target=build, name="loom-grammar-start", daemon=True).start()
+
+    def wait_ready(self) -> None:
+        """Block until the start-up build is done. A failure is logged, not raised: only
+        constrained requests need the backend, and they get the error."""
+        if self._building is not None:
+            try:
+                self._building.result()
+            except Exception:  # noqa: BLE001 - logged; each grammar request reports it
+                logger.exception("the grammar backend failed to build at start-up")
+
+    @property
+    def ready(self) -> bool:
+        """Whether a grammar request would find the backend built."""
+        return self._backend is not None or (self._building is not None and self._building.done())
+
     @property
     def backend(self):
         if self._backend is None:
-            from loom.grammar.backend import GrammarBackend
-
-            self._backend = GrammarBackend(
-                self.tokenizer,
-                self.vocab_size,
-                set(self.eos_token_ids),
-                engine=self.engine,
-                compile_timeout=self.timeout,
-            )
+            self._backend = self._building.result() if self._building else self._build()
         return self._backend
 
     def __len__(self) -> int:
@@ -63,6 +109,8 @@ class GrammarQueue:
 
     def close(self) -> None:
         """Stop the backend's compile threads and translation worker processes."""
+        if self._backend is None and self._building is not None and self._building.done():
+            self._backend = None if self._building.exception() else self._building.result()
         if self._backend is not None:
             self._backend.shutdown()
 

@@ -45,6 +45,7 @@ def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
         ready_pipe.send({"error": f"scheduler failed to start: {e}"})
         logger.error(traceback.format_exc())
         raise SystemExit(1) from e
+    sched.grammar_queue.wait_ready()  # healthy only once a grammar need not build them
     freeze_startup_heap()
     ready_pipe.send({"ok": True, **sched.get_state(), **extra_state(sched)})
     dec = decoder(ToScheduler)

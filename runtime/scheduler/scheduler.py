@@ -63,6 +63,7 @@ class Scheduler:
             args.grammar_compile_timeout,
             engine=args.grammar_backend,
         )
+        self.grammar_queue.start()  # the mask engine's tables, while the rest starts
         self.prefill = PrefillManager(
             self.kv, args, r.max_running_requests, random.Random(args.random_seed)
         )
@@ -394,6 +395,7 @@ class Scheduler:
             "num_waiting_tokens": sum(len(r.origin_input_ids) for r in self.prefill.waiting),
             "cache_size_tokens": self.tree_cache.total_size(),
             "cache_hit_rate": st["cached_tokens"] / max(1, st["prompt_tokens"]),
+            "grammar_engine_ready": self.grammar_queue.ready,
             "decode_timing": {str(k): v for k, v in self.decode_timing.items()},
             # objects out of the collector's sight (process.freeze_startup_heap) and the
             # collections run since, per generation
