@@ -167,6 +167,15 @@ def test_pd_client_leaving_and_refusals_free_kv_on_both(pd):
     res = requests.post(decode.url + "/generate", json={"text": "a", "sampling_params": GREEDY})
     assert res.status_code == 400
     assert res.json()["error"]["message"].startswith("bootstrap_host: required")
+    # bootstrap fields: a value or a list of one per prompt / per generation, else a 400
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998}
+    for room, why in (([1, 2, 3], "a list of 3 for 2 prompt(s)"), ([-1, 2], "an integer")):
+        res = requests.post(
+            decode.url + "/generate",
+            json={"text": ["a", "b"], "sampling_params": GREEDY, **fields, "bootstrap_room": room},
+        )
+        assert res.status_code == 400, res.text
+        assert res.json()["error"]["message"].startswith(f"bootstrap_room: {why}"), res.text
     # a bad request fails on both halves with the worker's 400, nothing leaks
     bad = {"text": "a", "sampling_params": {**GREEDY, "temperature": -1}}
     res = router.post("/generate", bad)
