@@ -144,9 +144,12 @@ class RedisStorage(StorageBackend):
         self.client.close()
 
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
 def create_storage(backend: str, directory: str | None, url: str | None) -> StorageBackend:
     if backend == "file":
         return FileStorage(directory)
     if backend == "redis":
-        return RedisStorage(url or "redis://127.0.0.1:6379/0")
+        return RedisStorage(url or DEFAULT_REDIS_URL)
     raise ValueError(f"hicache_storage_backend: {backend!r} must be file or redis")

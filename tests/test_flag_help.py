@@ -121,6 +121,26 @@ def check_router_request_timeout(h):
     assert status in inspect.getsource(proxy)
 
 
+def check_hicache_size(h):
+    (n,) = _grab(h, r"(\d+): --hicache-ratio decides")
+    assert ServerArgs().hicache_size == int(n)
+
+
+def check_hicache_storage_url(h):
+    from loom.radix import storage
+
+    (url,) = _grab(h, r"default (redis://[\w.:/]+)\)")
+    assert url == storage.DEFAULT_REDIS_URL
+
+
+def check_quantization(h):
+    from loom.runtime.layers.quant_types import BLOCKS
+
+    (q8,) = _grab(h, r"int8 \(ggml Q8_0: int8 codes, one f16 scale per (\d+)\)")
+    (q4,) = _grab(h, r"int4 \(ggml Q4_1: 4-bit codes, f16 scale and minimum per (\d+);")
+    assert BLOCKS["Q8_0"][0] == int(q8) and BLOCKS["Q4_1"][0] == int(q4)
+
+
 CHECKS = {
     ("serve", "cpu_forward"): check_cpu_forward,
     ("serve", "cuda_graph_max_bs"): check_cuda_graph_max_bs,
@@ -134,10 +154,14 @@ CHECKS = {
     ("serve", "pp_size"): check_pp_size,
     ("serve", "cpu_threads"): check_cpu_threads,
     ("serve", "max_request_body_bytes"): check_max_request_body_bytes,
+    ("serve", "hicache_size"): check_hicache_size,
+    ("serve", "hicache_storage_url"): check_hicache_storage_url,
+    ("serve", "quantization"): check_quantization,
     ("router", "request_timeout"): check_router_request_timeout,
 }
 # Numbers that are names or other projects' values, not limits of loom's code.
 NOT_LIMITS = {
+    ("serve", "model_path"): "'gemma3-270m': a model's name",
     ("serve", "attention_backend"): "TRITON_INTERPRET=1: an environment setting",
     ("serve", "speculative_draft_model_path"): "EAGLE3 / Medusa-1: layout names",
     (
