@@ -141,11 +141,18 @@ def test_parallel_calls(client):
         n=12,
         seed=5,
         temperature=1.0,
+        parallel_tool_calls=True,
     )
     counts = [
         len(valid_calls(c.message.tool_calls)) for c in r.choices if c.finish_reason != "length"
     ]
     assert counts and max(counts) >= 2, counts  # several calls in one reply
+    # not stated: one call per reply (the same request, same seeds)
+    r = client.chat.completions.create(
+        model=MODEL, messages=MSGS, tools=TOOLS, tool_choice="required", max_tokens=400, n=12,
+        seed=5, temperature=1.0,
+    )  # fmt: skip
+    assert all(len(valid_calls(c.message.tool_calls)) == 1 for c in r.choices)
     single = client.chat.completions.create(
         model=MODEL,
         messages=MSGS,

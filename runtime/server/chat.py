@@ -60,7 +60,7 @@ class ToolPlan:
                 raise RequestError(f"tools[{i}].function.name: {name!r} is defined twice")
             seen.add(name)
         self.mode = choice
-        self.parallel = req.parallel_tool_calls
+        self.parallel = req.parallel_tool_calls is True  # stated, not OpenAI's default
         from loom.runtime.server_args import BUNDLED_MODEL_PATH
 
         bundled = Path(args.model_path).resolve() == Path(BUNDLED_MODEL_PATH).resolve()

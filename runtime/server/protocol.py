@@ -181,6 +181,8 @@ class ChatCompletionRequest(_SamplingExtras):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    # None (not stated): one call per reply, so a small model is not led into repeating a
+    # call; several calls only when a request states true
+    parallel_tool_calls: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
