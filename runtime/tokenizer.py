@@ -11,6 +11,12 @@ from pathlib import Path
 def load_tokenizer(path: str):
     import transformers
 
+    from loom.runtime.gguf.file import gguf_file
+
+    if (file := gguf_file(path)) is not None:
+        from loom.runtime.gguf.tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(str(file))
     try:
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -18,8 +24,15 @@ def load_tokenizer(path: str):
 
 
 def eos_token_ids(model_path: str, tokenizer) -> set[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer, merged."""
+    """EOS ids from generation_config.json, config.json and the tokenizer, merged (a GGUF
+    file: its EOS / end-of-turn ids)."""
+    from loom.runtime.gguf.file import gguf_file
+
     ids: set[int] = set()
+    if (file := gguf_file(model_path)) is not None and tokenizer is not None:
+        from loom.runtime.gguf.tokenizer import end_of_turn_ids
+
+        ids |= end_of_turn_ids(str(file), tokenizer)
     for name in ("generation_config.json", "config.json"):
         file = Path(model_path) / name
         if file.is_file():

@@ -25,3 +25,12 @@ def tiny_model_dir(tmp_path_factory):
 def llama(tiny_model_dir):
     """The tiny llama checkpoint's path (the speculative-decoding tests' target)."""
     return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def real_gguf():
+    """real_gguf(name) -> path of a named real model's GGUF (`smollm2`, `gemma3-270m`): the
+    installed package's file, else ~/.cache/loom/models, else fetched there once (registry)."""
+    from loom.runtime.gguf.named import resolve_model_name
+
+    return resolve_model_name

@@ -37,6 +37,7 @@ PARITY_FAMILIES = [
     "qwen3-moe",
     "mixtral",
     "sharded",
+    "gemma3",  # sliding window 8 < the prompts, logit softcap, query_pre_attn_scalar
 ]
 
 

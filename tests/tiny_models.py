@@ -106,6 +106,19 @@ def _config(family: str):
         return tf.MixtralConfig(
             **{**common, "intermediate_size": 32}, num_local_experts=4, num_experts_per_tok=2
         )
+    if family == "gemma3":  # one sliding layer (window 8, shorter than the prompts), one global
+        return tf.Gemma3TextConfig(
+            **common,
+            head_dim=32,
+            query_pre_attn_scalar=24,  # not head_dim: the query scale must come from the config
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=3.0,  # tight enough to change the logits
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        )
     raise KeyError(family)
 
 
@@ -121,6 +134,7 @@ FAMILIES = [
     "sharded",  # qwen3-moe written as an index json + several safetensors files
     "qwen3-moe-fused",  # qwen3-moe's weights as transformers-v5 stacked experts.gate_up_proj
     "mixtral-bf16",  # saved in bfloat16 (dtype "auto" resolves to it)
+    "gemma3",
 ]
 
 
@@ -155,6 +169,11 @@ def build_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
         return folder
     torch.manual_seed(seed + (family == "sharded"))  # not a copy of qwen3-moe's weights
     model = random_model(_config(family))
+    if family == "gemma3":  # Gemma's norms scale by 1 + weight: make the weights matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
     if family.endswith("-bf16"):
         model = model.to(torch.bfloat16)
     if family.endswith("-fused"):

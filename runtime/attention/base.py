@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loom.runtime.attention import sliding_window
+
 if TYPE_CHECKING:
     from loom.runtime.forward_batch import ForwardBatch
     from loom.runtime.layers.attention import Attention
@@ -55,6 +57,8 @@ class AttentionBackend(ABC):
         layer: Attention,
         batch: ForwardBatch,
     ) -> torch.Tensor:
+        if sliding_window.needed(layer, batch):  # a local layer past its window: one path
+            return sliding_window.forward(q, k, v, layer, batch)
         if batch.mode.is_decode:
             return self.forward_decode(q, k, v, layer, batch)
         return self.forward_extend(q, k, v, layer, batch)

@@ -12,6 +12,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": "loom.runtime.models.qwen2_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "loom.runtime.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "loom.runtime.models.mixtral:MixtralForCausalLM",
+    "Gemma3ForCausalLM": "loom.runtime.models.gemma3:Gemma3ForCausalLM",
 }
 
 

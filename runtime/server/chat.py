@@ -21,6 +21,12 @@ logger = logging.getLogger(__name__)
 
 @lru_cache(maxsize=8)
 def model_type(model_path: str) -> str | None:
+    from loom.runtime.gguf.file import gguf_file
+
+    if gguf_file(model_path) is not None:
+        from loom.runtime.model_loader import load_config
+
+        return load_config(model_path).model_type
     file = Path(model_path) / "config.json"
     try:
         return json.loads(file.read_text()).get("model_type")

@@ -1,0 +1,1 @@
+"""GGUF model files: weights, config and tokenizer read through ggml's own `gguf` package."""

