@@ -9,6 +9,7 @@ as llama-batched-bench reports them. Sides alternate for --rounds rounds (median
 os.getloadavg() is printed, since ratios on a shared machine are what carries.
 
     python benchmarks/bench_real.py [--threads 1] [--batch-sizes 1,8,32] [--rounds 3]
+    python benchmarks/bench_real.py --agreement 600 [--chunk 8]   # accuracy, not speed
 """
 
 from __future__ import annotations
@@ -63,6 +64,49 @@ class LoomSide:
         self.engine.shutdown()
 
 
+def agreement(gguf: str, ntok: int, chunk: int) -> None:
+    """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
+    file dequantized to float32, on `ntok` tokens of this repository's README + architecture
+    docs, one request, `chunk` tokens a step (<= 8: the int8-activation path on every token)."""
+    import math
+
+    from loom.runtime.io_struct import TokenizedGenerateReq
+    from loom.runtime.sampling_params import make_sampling_params
+    from loom.runtime.scheduler.scheduler import Scheduler
+    from loom.runtime.server_args import ServerArgs
+    from loom.runtime.tokenizer import load_tokenizer
+
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "README.md").read_text() + (root / "docs" / "architecture.md").read_text()
+    ids = load_tokenizer(gguf).encode(text)[:ntok]
+    res = {}
+    for q in (None, "gguf"):
+        s = Scheduler(
+            ServerArgs(
+                model_path=gguf, max_total_tokens=ntok + 64, quantization=q,
+                chunked_prefill_size=chunk, dtype="float32",
+            )
+        )  # fmt: skip
+        params = make_sampling_params({"max_new_tokens": 1, "temperature": 0})
+        s.add_request(
+            TokenizedGenerateReq(
+                rid="r", input_ids=ids, sampling_params=params, seed=0, return_logprob=True,
+                logprob_start_len=0, top_logprobs_num=1,
+            )
+        )  # fmt: skip
+        lp = top = None
+        while not s.is_idle:
+            for o in s.step():
+                lp = o.input_token_logprobs or lp
+                top = o.input_top_logprobs or top
+        vals = [x[0] for x in lp[1:]]
+        res[q] = [t[0][1] if t else None for t in top]
+        print(f"{q or 'f32'}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}")
+    pairs = [(a, b) for a, b in zip(res[None], res["gguf"]) if a is not None and b is not None]
+    same = sum(a == b for a, b in pairs)
+    print(f"top-1 agreement {same}/{len(pairs)} = {same / len(pairs):.4f} (chunk {chunk})")
+
+
 def peak_rss_mb(pid: int) -> float:
     """VmHWM of a live process (its peak resident set), MB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -81,8 +125,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quantization", default="gguf", help="loom's --quantization ('' : f32)")
     p.add_argument("--no-llamacpp", action="store_true", help="loom only")
+    p.add_argument("--agreement", type=int, default=0, help="N: top-1 / perplexity on N tokens")
+    p.add_argument("--chunk", type=int, default=512, help="agreement: tokens per step")
     args = p.parse_args()
     gguf = args.gguf or smollm2_gguf()
+    if args.agreement:
+        agreement(gguf, args.agreement, args.chunk)
+        return
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     print(f"model {gguf}, threads {args.threads}, pp {args.pp}, tg {args.tg}, rounds {args.rounds}")
     print(f"load before: {os.getloadavg()}")

@@ -100,7 +100,8 @@ def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-# --quantization -> (projection block type, embedding / LM head block type)
+# --quantization int8 | int4 -> (projection block type, embedding / LM head block type); "gguf"
+# keeps a GGUF file's own block types
 QUANT_TYPES = {"int8": ("Q8_0", "Q8_0"), "int4": ("Q4_1", "Q8_0")}
 # checkpoint tensors --quantization quantizes: dense projections, the embedding, the LM head
 # (MoE experts, norms and biases stay float)
@@ -138,10 +139,18 @@ def load_model(
             model = cls(config)
     finally:
         torch.set_default_dtype(previous)
-    weights = iterate_weights(path)
-    if quantization is not None:
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"quantization: {quantization!r} runs on the CPU only so far")
-        weights = quantize_weights(weights, quantization)
+    if quantization is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization: {quantization!r} runs on the CPU only so far")
+    file = gguf_file(path)
+    if quantization == "gguf":  # the file's own blocks, kept as they are
+        if file is None:
+            raise ValueError(f"quantization: 'gguf' needs a GGUF model_path, got {path!r}")
+        from loom.runtime.gguf.weights import iterate_gguf_weights
+
+        weights = iterate_gguf_weights(str(file), keep_quantized=True)
+    else:
+        weights = iterate_weights(path)
+        if quantization is not None:
+            weights = quantize_weights(weights, quantization)
     model.load_weights(weights)
     return model.eval()

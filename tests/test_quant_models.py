@@ -178,3 +178,30 @@ def test_compiled_forward_reads_quantized_weights(tiny_model_dir, monkeypatch, m
         a, b = torch.tensor(ours[rid]["lp"][1:]), torch.tensor(ref[rid]["lp"][1:])
         assert (a - b).abs().max().item() < 2e-4, (rid, (a - b).abs().max().item())
         assert ours[rid]["ids"] == ref[rid]["ids"], rid
+
+
+def test_gguf_kept_quantized_matches_dequantized(real_gguf):
+    """SmolLM2's Q4_1 file with --quantization gguf (the file's blocks, read by the C forward)
+    against the same file dequantized to float32: prompt logprobs (prefill: the f32-activation
+    kernels) agree to float rounding, and the quantized model holds less than a third of the
+    float one's weight bytes."""
+    path = real_gguf("smollm2")
+    from loom.runtime.tokenizer import load_tokenizer
+
+    text = "The capital of France is Paris. " + "Quantized weights stay quantized. " * 6
+    ids = load_tokenizer(str(path)).encode(text)
+    global PROMPTS
+    saved, PROMPTS = PROMPTS, [ids]
+    try:
+        ours, sq = run(str(path), quantization="gguf")
+        ref, sf = run(str(path))
+    finally:
+        PROMPTS = saved
+    assert sq.runner.cpu_forward is not None
+    a, b = torch.tensor(ours["r0"]["lp"][1:]), torch.tensor(ref["r0"]["lp"][1:])
+    assert (a - b).abs().max().item() < 1e-3
+    qbytes = sum(
+        p.quant.nbytes for p in set(sq.runner.model.parameters()) if getattr(p, "quant", None)
+    )
+    fbytes = sum(p.numel() * 4 for p in set(sf.runner.model.parameters()) if p.dim() == 2)
+    assert qbytes * 3 < fbytes, (qbytes, fbytes)
