@@ -130,7 +130,8 @@ def main() -> None:
         top = bm25.get_top_n(q.lower().replace("?", " ").split(), [t for t, _, _ in kb], n=3)
         rag_prompts.append("".join(top) + "\n" + q)
     storage = args.storage_dir or tempfile.mkdtemp(prefix="loom-cag-")
-    common_args = dict(dtype="float32", max_total_tokens=4 * doc_tokens, context_length=8192)
+    common_args = dict(dtype="float32", max_total_tokens=4 * doc_tokens, context_length=8192,
+                       chunked_prefill_size=512, watchdog_timeout=1800)  # fmt: skip
     hi = dict(common_args, enable_hierarchical_cache=True, hicache_storage_backend="file",
               hicache_storage_dir=storage)  # fmt: skip
     print(common.header(f"bench_cag: {label}"))
