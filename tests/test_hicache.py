@@ -431,14 +431,14 @@ def test_flags_parse_and_bad_combinations_are_refused_by_name():
     ServerArgs.add_cli_args(parser)
     argv = ["--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-size", "2",
             "--hicache-write-policy", "write_back", "--hicache-storage-backend", "redis",
-            "--hicache-storage-url", "redis://10.0.0.1:6379/1"]  # fmt: skip
+            "--hicache-storage-url", "redis://127.0.0.2:6390/1"]  # fmt: skip
     args = ServerArgs.from_cli_args(parser.parse_args(argv))
     assert (args.hicache_ratio, args.hicache_size, args.hicache_write_policy) == (
         3.0,
         2,
         "write_back",
     )
-    assert args.hicache_storage_url == "redis://10.0.0.1:6379/1"
+    assert args.hicache_storage_url == "redis://127.0.0.2:6390/1"
     for kw, field in (
         (dict(hicache_storage_backend="file"), "hicache_storage_backend: needs"),
         (dict(enable_hierarchical_cache=True, hicache_storage_backend="s3"), "hicache_storage_backend: must"),
