@@ -331,7 +331,10 @@ def main() -> None:
                     f"{spread(r_engine.get(cat, []))}",
                     flush=True,
                 )
-        print(f"  accept-length histogram (tokens per verify: count) {hist}", flush=True)
+        print(
+            f"  accept-length histogram (verify steps by draft tokens accepted: 0, 1, ...) {hist}",
+            flush=True,
+        )
         figures["rows"][str(batch)] = {
             "in_process": r_steady,
             "engine": r_engine,
@@ -407,7 +410,7 @@ def plot(figures: dict, path: Path) -> None:
         hist = row["accept_len_hist"]
         total = sum(hist) or 1
         ax2.plot(range(len(hist)), [h / total for h in hist], marker="o", label=f"batch {batch}")
-    ax2.set_xlabel("tokens per verify step")
+    ax2.set_xlabel("draft tokens accepted per verify step")
     ax2.set_ylabel("share of verify steps")
     ax2.legend(fontsize=8)
     fig.suptitle(f"{figures['label']}, {figures['algorithm']}, Spec-Bench subset", fontsize=10)
