@@ -1,7 +1,8 @@
 """The n-gram trie's own speed, this tree's against a baseline revision's, in one process.
 
 Token streams: the bundled model's tokenizer over docs/ (real text), and bench_spec's jobs
-(json, copy, chat: each prompt, chat-templated as bench_spec sends it, and its greedy output
+(json, fewshot, chat: 16 each since issue 33, 30 jobs in all before, so earlier figures are
+not comparable; each prompt, chat-templated as bench_spec sends it, and its greedy output
 from plain decoding on the bundled model). Per repeat, for each trie (the order alternating),
 thread time of:
 

@@ -67,9 +67,11 @@ def spec_category(row: dict) -> str:
     return cat if cat in CATEGORIES else "mt_bench"
 
 
-def load_questions(path: Path, per_category: int) -> list[tuple[str, str, int]]:
+def load_questions(
+    path: Path, per_category: int, categories=CATEGORIES
+) -> list[tuple[str, str, int]]:
     """[(category, first-turn text, question id)]: `per_category` evenly spaced rows of each
-    category in file order."""
+    of `categories` in file order."""
     if not path.is_file():
         raise SystemExit(f"--questions: no such file {path} (Spec-Bench's question.jsonl)")
     by_cat: dict[str, list[dict]] = {c: [] for c in CATEGORIES}
@@ -78,7 +80,7 @@ def load_questions(path: Path, per_category: int) -> list[tuple[str, str, int]]:
             row = json.loads(line)
             by_cat[spec_category(row)].append(row)
     out = []
-    for cat in CATEGORIES:
+    for cat in categories:
         rows = by_cat[cat]
         if len(rows) < per_category:
             raise SystemExit(f"--per-category: {cat} has {len(rows)} questions")
@@ -136,7 +138,11 @@ def in_process_round(args, jobs, warm, batch: int, rnd: int, cold: bool):
         secs = {side: {} for side in scheds}
         outs = {side: {} for side in scheds}
         groups = (
-            [(c, [j for j in jobs if j[0] == c]) for c in CATEGORIES]
+            [
+                (c, [j for j in jobs if j[0] == c])
+                for c in CATEGORIES
+                if any(j[0] == c for j in jobs)
+            ]
             if batch == 1
             else [("all", jobs)]
         )
@@ -172,7 +178,11 @@ def engine_round(args, jobs, warm, batch: int, rnd: int):
         secs = {side: {} for side in engines}
         outs = {side: {} for side in engines}
         groups = (
-            [(c, [j for j in jobs if j[0] == c]) for c in CATEGORIES]
+            [
+                (c, [j for j in jobs if j[0] == c])
+                for c in CATEGORIES
+                if any(j[0] == c for j in jobs)
+            ]
             if batch == 1
             else [("all", jobs)]
         )
@@ -202,11 +212,22 @@ def ratios_by_cat(rounds: list[dict]) -> dict[str, list[float]]:
 
 
 def main() -> None:
+    if "--merge-json" in sys.argv:  # python bench_specbench.py --merge-json A,B [--plot P]
+        mp = argparse.ArgumentParser(description="join runs over disjoint --categories")
+        mp.add_argument("--merge-json", required=True, help="A.json,B.json (same rounds)")
+        mp.add_argument("--plot", default=None)
+        margs = mp.parse_args()
+        return merge(margs.merge_json.split(","), margs.plot)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="target model folder (HF layout)")
     ap.add_argument("--questions", required=True, type=Path, help="Spec-Bench question.jsonl")
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument(
+        "--categories",
+        default=",".join(CATEGORIES),
+        help="a subset of the six (split a run over processes; --merge-json joins them)",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="in-process rounds (steady state)")
     ap.add_argument("--engine-rounds", type=int, default=1, help="Engine rounds; 0: none")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold (no warm-up) pair")
@@ -235,7 +256,10 @@ def main() -> None:
     tok = load_tokenizer(args.model)
     label = args.label or Path(args.model).name
     params = {"max_new_tokens": args.max_new_tokens}
-    qs = load_questions(args.questions, args.per_category)
+    cats = tuple(args.categories.split(","))
+    if not set(cats) <= set(CATEGORIES):
+        ap.error(f"--categories: each must be one of {CATEGORIES}")
+    qs = load_questions(args.questions, args.per_category, cats)
     jobs = [(cat, _ids(chat_ids(tok, text)), params, qid) for cat, text, qid in qs]
     warm = [(_ids(chat_ids(tok, t)), {"max_new_tokens": args.warmup_tokens}) for t in WARMUP]
     check_distinct([tuple(ids) for _, ids, _, _ in jobs])
@@ -307,7 +331,10 @@ def main() -> None:
                     f"{spread(r_engine.get(cat, []))}",
                     flush=True,
                 )
-        print(f"  accept-length histogram (tokens per verify: count) {hist}", flush=True)
+        print(
+            f"  accept-length histogram (verify steps by draft tokens accepted: 0, 1, ...) {hist}",
+            flush=True,
+        )
         figures["rows"][str(batch)] = {
             "in_process": r_steady,
             "engine": r_engine,
@@ -317,11 +344,48 @@ def main() -> None:
             "accept_by_position": by_pos,
             "leak": leak,
             "loadavg": os.getloadavg(),
+            "secs": {"in_process": steady, "engine": engine, "cold": cold},
         }
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(figures, indent=1))
     if args.plot:
         plot(figures, Path(args.plot))
+
+
+def merge(paths: list[str], plot_path: str | None) -> None:
+    """Join runs over disjoint categories: per-round seconds are summed across the runs (the
+    runs' rounds pair by index), the overall ratio recomputed from them."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    out = {"label": parts[0]["label"], "algorithm": parts[0]["algorithm"], "rows": {}}
+    for batch in parts[0]["rows"]:
+        rows = [p["rows"][batch] for p in parts]
+        merged = {"accept_len_hist": [], "accept_by_position": []}
+        for key in ("in_process", "engine", "cold"):
+            n = min(len(r["secs"][key]) for r in rows)
+            secs = [
+                {side: {c: v for r in rows for c, v in r["secs"][key][i][side].items()}
+                 for side in ("off", "on")}
+                for i in range(n)
+            ]  # fmt: skip
+            merged[key] = ratios_by_cat(secs)
+        hists = [r["accept_len_hist"] for r in rows]
+        merged["accept_len_hist"] = [sum(h) for h in zip(*hists)]
+        merged["loadavg"] = [r["loadavg"] for r in rows]
+        out["rows"][batch] = merged
+        key = "overall" if batch == "1" else "all"
+        print(
+            f"{out['label']} {out['algorithm']} batch {batch} (merged {len(parts)} runs): "
+            f"in-process {spread(merged['in_process'].get(key, []))}, Engine "
+            f"{spread(merged['engine'].get(key, []))}"
+        )
+        for cat in CATEGORIES:
+            print(
+                f"  {cat:15s} in-process {spread(merged['in_process'].get(cat, []))}, Engine "
+                f"{spread(merged['engine'].get(cat, []))}"
+            )
+        print(f"  accept-length histogram {merged['accept_len_hist']}")
+    if plot_path:
+        plot(out, Path(plot_path))
 
 
 def plot(figures: dict, path: Path) -> None:
@@ -346,7 +410,7 @@ def plot(figures: dict, path: Path) -> None:
         hist = row["accept_len_hist"]
         total = sum(hist) or 1
         ax2.plot(range(len(hist)), [h / total for h in hist], marker="o", label=f"batch {batch}")
-    ax2.set_xlabel("tokens per verify step")
+    ax2.set_xlabel("draft tokens accepted per verify step")
     ax2.set_ylabel("share of verify steps")
     ax2.legend(fontsize=8)
     fig.suptitle(f"{figures['label']}, {figures['algorithm']}, Spec-Bench subset", fontsize=10)
