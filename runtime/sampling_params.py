@@ -39,9 +39,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     json_schema: str | None = None
     ebnf: str | None = None
     # steer the grammar to a complete output within max_new_tokens (grammar/closing.py).
-    # None: on where it can be (json_schema and regex: tool calls, response_format), never
-    # failing the request; True: refused (400) where it cannot be (ebnf, recursive schemas)
-    close_within_budget: bool | None = None
+    # "auto": on where it can be (json_schema and regex), never failing the request: the
+    # OpenAI layer's default for tool calls and response_format; True: refused (400) where it
+    # cannot be (ebnf, recursive schemas); None / False: off. Off by default on the native API:
+    # building a spec's closer costs far more than its grammar (see architecture.md).
+    close_within_budget: bool | str | None = None
     stream_interval: int | None = None  # stream every k tokens (the TokenizerManager)
 
     @property
@@ -59,9 +61,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     @property
     def closes_within_budget(self) -> bool:
         spec = self.grammar_spec
-        if spec is None or self.close_within_budget is False:
+        if spec is None or self.close_within_budget in (None, False):
             return False
-        return self.close_within_budget or spec[0] in ("json_schema", "regex")
+        return self.close_within_budget is True or spec[0] in ("json_schema", "regex")
 
     @property
     def max_stop_str_len(self) -> int:
@@ -91,7 +93,6 @@ _BOOL_FIELDS = {
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "no_stop_trim",
-    "close_within_budget",
 }
 
 
@@ -131,6 +132,8 @@ def make_sampling_params(
                 raise ValueError(f"{name}: must be a finite number, got {v!r}")
             elif name in _BOOL_FIELDS and not isinstance(v, bool):
                 raise ValueError(f"{name}: must be a boolean, got {v!r}")
+            elif name == "close_within_budget" and not (isinstance(v, bool) or v == "auto"):
+                raise ValueError(f"{name}: must be true, false or \"auto\", got {v!r}")
         for name in ("stop", "stop_regex"):
             stop = values.get(name)
             if isinstance(stop, str):
@@ -221,7 +224,7 @@ def _validate(p: SamplingParams, vocab_size: int | None) -> None:
         f"regex, json_schema, ebnf: only one constraint may be set, got {', '.join(specs)}",
     )
     need(
-        not p.close_within_budget or bool(specs),
+        p.close_within_budget is not True or bool(specs),
         "close_within_budget: needs a constraint to close (regex or json_schema)",
     )
     if vocab_size is not None:

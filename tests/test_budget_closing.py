@@ -227,7 +227,7 @@ def test_streamed_and_greedy_calls_close(client):
 def test_native_api_meta_and_field_checks(server):
     body = {
         "text": "Extract as JSON: Ada, ada@x.org, 36\n",
-        "sampling_params": {"json_schema": json.dumps(PERSON), "max_new_tokens": 14,
+        "sampling_params": {"json_schema": json.dumps(PERSON), "close_within_budget": "auto", "max_new_tokens": 14,
                             "temperature": 1.0},
     }  # fmt: skip
     outs = [requests.post(server.url + "/generate", json=body, timeout=120).json()
@@ -267,7 +267,7 @@ def test_speculative_rows_close(algo):
         for temperature in (1.0, 0.0):
             body = {
                 "text": "Extract as JSON: Ada, ada@x.org, 36\n",
-                "sampling_params": {"json_schema": json.dumps(PERSON), "max_new_tokens": 15,
+                "sampling_params": {"json_schema": json.dumps(PERSON), "close_within_budget": "auto", "max_new_tokens": 15,
                                     "temperature": temperature},
             }  # fmt: skip
             for _ in range(3):

@@ -8,17 +8,10 @@ import asyncio
 import pytest
 
 import loom
+from tests.test_router import GREEDY
+from tests.test_router import PROMPTS as ROUTER_PROMPTS
 
-GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-PROMPTS = [
-    "The quick brown fox",
-    "Paris is the capital of",
-    'Berlin {"name": "Alice"',
-    "def add(a, b): return",
-    "héllo wörld ünïcode",
-    "Thought: I should search.",
-    "numbers 0123456789",
-]
+PROMPTS = [*ROUTER_PROMPTS, "numbers 0123456789"]
 
 
 def _ids(outs: list[dict]) -> list[list[int]]:

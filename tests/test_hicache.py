@@ -7,7 +7,6 @@ on a free loopback port (skipped only when the binary is absent: `apt-get instal
 
 from __future__ import annotations
 
-import random
 import shutil
 import socket
 import subprocess
@@ -21,14 +20,10 @@ from loom.radix.pages import decode_page, encode_page, page_keys, root_hash
 from loom.radix.storage import FileStorage, RedisStorage
 from loom.runtime.io_struct import PinReq
 from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
+from tests.test_radix_runtime import _ids
 
 REDIS = shutil.which("redis-server")
 needs_redis = pytest.mark.skipif(REDIS is None, reason="redis-server not installed")
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 320) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

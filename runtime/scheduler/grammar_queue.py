@@ -145,7 +145,7 @@ class GrammarQueue:
                     failed.append((req, error))
             elif (
                 fut.done()
-                and not req.sampling_params.close_within_budget
+                and req.sampling_params.close_within_budget is not True
                 and (now - admitted > CLOSER_WAIT)
             ):  # closing by default: start without the closer, attach it when it is built
                 self.closers.pop(id(req), None)
@@ -207,7 +207,7 @@ def _close(req: Req, closer: Future | None) -> str | None:
     try:
         built = closer.result()
     except Exception as e:  # noqa: BLE001 - a GrammarError naming the field, or a build failure
-        if req.sampling_params.close_within_budget:
+        if req.sampling_params.close_within_budget is True:
             msg = str(e)
             return msg if msg.startswith("close_within_budget") else f"close_within_budget: {msg}"
         return None

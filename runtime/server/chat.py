@@ -87,6 +87,7 @@ def constrain(sp: dict, req: ChatCompletionRequest, plan: ToolPlan, reasoning: s
             what = "response_format" if req.response_format is not None else taken[0]
             raise RequestError(f"tool_choice: cannot be combined with {what} (both constrain)")
         sp["regex"] = tool_re
+        sp.setdefault("close_within_budget", "auto")  # the default for tool calls
         if plan.fmt.needs_special_tokens:
             sp["skip_special_tokens"] = False
     rf_on = req.response_format is not None and req.response_format.type != "text"

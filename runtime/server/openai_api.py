@@ -103,6 +103,7 @@ def sampling_params(state: ServerState, req: _SamplingExtras, max_tokens: int) -
             if not isinstance(schema, dict):
                 raise RequestError("response_format.json_schema.schema: a JSON schema is required")
             sp["json_schema"] = schema
+        sp.setdefault("close_within_budget", "auto")  # the default for response_format
     return sp
 
 
