@@ -137,15 +137,7 @@ def in_process_round(args, jobs, warm, batch: int, rnd: int, cold: bool):
         order = ("on", "off") if rnd % 2 else ("off", "on")
         secs = {side: {} for side in scheds}
         outs = {side: {} for side in scheds}
-        groups = (
-            [
-                (c, [j for j in jobs if j[0] == c])
-                for c in CATEGORIES
-                if any(j[0] == c for j in jobs)
-            ]
-            if batch == 1
-            else [("all", jobs)]
-        )
+        groups = job_groups(jobs, batch)
         for side in order:
             s = scheds[side]
             for cat, group in groups:
@@ -163,6 +155,14 @@ def in_process_round(args, jobs, warm, batch: int, rnd: int, cold: bool):
     return secs, outs, warm_out, state
 
 
+def job_groups(jobs, batch: int) -> list[tuple[str, list]]:
+    """The timed jobs as (category, jobs) in CATEGORIES order at batch 1 (a figure a category),
+    else one group "all" (a batch mixes categories)."""
+    if batch != 1:
+        return [("all", jobs)]
+    return [(c, [j for j in jobs if j[0] == c]) for c in CATEGORIES if any(j[0] == c for j in jobs)]
+
+
 def engine_round(args, jobs, warm, batch: int, rnd: int):
     """Fresh Engines a side, warmed, the timed jobs (by category at batch 1): wall seconds
     {side: {cat: s}} and outputs {side: {qid: ids}}."""
@@ -177,15 +177,7 @@ def engine_round(args, jobs, warm, batch: int, rnd: int):
         order = ("on", "off") if rnd % 2 else ("off", "on")
         secs = {side: {} for side in engines}
         outs = {side: {} for side in engines}
-        groups = (
-            [
-                (c, [j for j in jobs if j[0] == c])
-                for c in CATEGORIES
-                if any(j[0] == c for j in jobs)
-            ]
-            if batch == 1
-            else [("all", jobs)]
-        )
+        groups = job_groups(jobs, batch)
         for side in order:
             for cat, group in groups:
                 got, wall = run_engine(engines[side], [(ids, p) for _, ids, p, _ in group], batch)
