@@ -16,6 +16,7 @@ sends outputs.
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 from dataclasses import dataclass
 
@@ -90,8 +91,9 @@ def apply_rows(runner, rows: list) -> None:
         table[row, first : first + len(slots)] = slots.to(table.device)
 
 
-def rank_info(runner, rank: int) -> dict:
-    """What one rank holds: its weight bytes and KV capacity."""
+def rank_info(runner, rank: int, extra: dict | None = None) -> dict:
+    """What one rank holds: its weight bytes and KV capacity; where it runs (its process id,
+    and `extra`: the Ray node and actor of a Ray-placed rank)."""
     seen, weight_bytes = set(), 0
     for p in runner.model.parameters():
         if id(p) not in seen:  # tied embeddings count once
@@ -104,22 +106,27 @@ def rank_info(runner, rank: int) -> dict:
         "weight_bytes": weight_bytes,
         "kv_cache_bytes": kv_bytes,
         "max_total_tokens": runner.max_total_tokens,
+        "pid": os.getpid(),
+        **(extra or {}),
     }
 
 
-def setup_rank(args, rank: int, addr: str):
+def setup_rank(args, rank: int, addr: str, extra: dict | None = None):
     """Join the group, load this rank's shard; returns (runner, every rank's info on rank 0).
-    Raises when the ranks' KV pools disagree (rank 0 allocates slots for all of them)."""
+    Raises when the ranks' KV pools disagree (rank 0 allocates slots for all of them).
+    `extra` (a Ray-placed rank's node and actor ids) goes into this rank's info."""
     from loom.runtime.model_runner import ModelRunner
 
     device = args.resolved_device
     if device.startswith("cuda"):
-        torch.cuda.set_device(list(args.node_ranks).index(rank))
+        # Ray shows an actor only the GPU it was given (CUDA_VISIBLE_DEVICES): device 0
+        ray_placed = bool(extra and "ray_actor_id" in extra)
+        torch.cuda.set_device(0 if ray_placed else list(args.node_ranks).index(rank))
     if device == "cpu" and args.cpu_threads is None:
         torch.set_num_threads(max(1, args.effective_cpu_threads // len(args.node_ranks)))
     init_distributed(args, rank, addr, device)
     runner = ModelRunner(args)
-    infos = gather_objects(rank_info(runner, rank))
+    infos = gather_objects(rank_info(runner, rank, extra))
     if rank == 0:
         sizes = {i["max_total_tokens"] for i in infos}
         if len(sizes) > 1:
@@ -143,15 +150,21 @@ def run_worker_process(args, rank: int, addr: str, owner_pid, ready_pipe) -> Non
     freeze_startup_heap()
     ready_pipe.send({"ok": True})
     try:
-        with torch.inference_mode():
-            while (step := broadcast_object()) is not None:
-                if step.inp is None:
-                    from loom.runtime.layers.moe import expert_token_counts
-
-                    gather_objects(expert_token_counts(runner.model))
-                    continue
-                apply_rows(runner, step.rows)
-                runner.forward(step.inp)
+        serve_steps(runner)
     except Exception:  # noqa: BLE001 - a lost peer: this rank cannot go on
         logger.error("rank %d stopped: %s", rank, traceback.format_exc())
         raise SystemExit(1) from None
+
+
+def serve_steps(runner) -> None:
+    """A rank > 0's loop (a process of the mp launch or a Ray actor): run every step rank 0
+    broadcasts until it sends None; raises when a peer is lost."""
+    with torch.inference_mode():
+        while (step := broadcast_object()) is not None:
+            if step.inp is None:
+                from loom.runtime.layers.moe import expert_token_counts
+
+                gather_objects(expert_token_counts(runner.model))
+                continue
+            apply_rows(runner, step.rows)
+            runner.forward(step.inp)

@@ -34,6 +34,7 @@ EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 # --dp-size N: the router policy that spreads requests over the replicas (runtime/router)
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
+EXECUTOR_BACKENDS = ("mp", "ray")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 # --kv-cache-dtype (SGLang's values): the KV pool's storage dtype, "auto" = the model dtype
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
@@ -123,6 +124,8 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    distributed_executor_backend: str = "mp"  # ray: runtime/ray_executor.py
+    ray_address: str | None = None
 
     # Prefill/decode disaggregation (runtime/disagg/)
     disaggregation_mode: str = "null"
@@ -554,6 +557,27 @@ class ServerArgs:
             "dist_init_addr",
             "is required when nnodes > 1 (host:port of node 0, reachable from every node)",
         )
+        backend = self.distributed_executor_backend
+        need(
+            backend in EXECUTOR_BACKENDS,
+            "distributed_executor_backend",
+            f"must be one of {EXECUTOR_BACKENDS}, got {backend!r}",
+        )
+        need(
+            backend == "mp" or self.world_size > 1 or self.dp_size > 1,
+            "distributed_executor_backend",
+            "ray places ranks or replicas: it needs tp_size, ep_size, pp_size or dp_size > 1",
+        )
+        need(
+            backend == "mp" or self.nnodes == 1,
+            "distributed_executor_backend",
+            "ray places every rank itself; --nnodes / --node-rank are for the mp launch",
+        )
+        need(
+            self.ray_address is None or backend == "ray",
+            "ray_address",
+            "needs --distributed-executor-backend ray",
+        )
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
             need(
@@ -664,6 +688,8 @@ class ServerArgs:
                 kwargs["choices"] = QUANTIZATIONS
             if f.name == "load_balance_method":
                 kwargs["choices"] = LOAD_BALANCE_METHODS
+            if f.name == "distributed_executor_backend":
+                kwargs["choices"] = EXECUTOR_BACKENDS
             if f.name == "grammar_backend":
                 kwargs["choices"] = GRAMMAR_BACKENDS
             if f.name == "tool_call_parser":
@@ -749,6 +775,8 @@ _HELP = {
     "nnodes": "Number of nodes the ranks are spread over (each node runs world_size / nnodes ranks)",
     "node_rank": "This node's rank; node 0 serves HTTP, the others run their ranks only",
     "dist_init_addr": "host:port of the torch.distributed rendezvous",
+    "distributed_executor_backend": "How ranks (and --dp-size replicas of `loom serve`) are started: mp (local processes; other nodes by hand with --nnodes/--node-rank) or ray (Ray actors placed on a Ray cluster; rank 0 stays here, torch.distributed still carries the collectives; needs `pip install ray`)",
+    "ray_address": "Ray cluster to join with --distributed-executor-backend ray (host:port of its head); default: RAY_ADDRESS, else a cluster running on this machine, else a new local one",
     "disaggregation_mode": "Prefill/decode disaggregation: null (colocated), prefill (computes prompts' KV and first tokens and sends the KV to the decode server named by each request's bootstrap fields) or decode (receives the KV, then decodes); both sit behind `loom router --pd-disaggregation`",
     "disaggregation_bootstrap_port": "Prefill server: the TCP port decode servers send their KV requests to (SGLang's default 8998)",
     "disaggregation_transfer_backend": "How KV pages move between prefill and decode servers: zmq (tensor buffers over TCP; mooncake and nixl are not built)",

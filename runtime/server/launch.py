@@ -85,6 +85,13 @@ def start_scheduler_ranks(args, ipc) -> list[tuple]:
     from loom.runtime.process import start_process
     from loom.runtime.scheduler.loop import run_scheduler_process
 
+    if args.distributed_executor_backend == "ray" and args.world_size > 1:
+        from loom.runtime.ray_executor import rendezvous_addr, start_ray_ranks
+
+        # rank 0 here (it owns the ZMQ sockets), ranks 1.. wherever Ray places them
+        addr = rendezvous_addr(args)
+        scheduler = start_process(run_scheduler_process, (args, ipc, addr), "scheduler")
+        return [scheduler, *((r, r) for r in start_ray_ranks(args, addr))]
     addr = args.dist_init_addr
     if addr is None and args.world_size > 1:
         addr = free_local_addr()
