@@ -31,6 +31,11 @@ class Engine:
         if self.server_args.node_rank > 0:
             raise ValueError("node_rank: an Engine serves from node 0; run the other nodes "
                              "with `python -m loom.launch_server --node-rank N`")  # fmt: skip
+        sa = self.server_args
+        if sa.distributed_executor_backend == "ray" and sa.world_size == 1:
+            raise ValueError("distributed_executor_backend: ray places an Engine's ranks "
+                             "(tp/pp/ep size > 1); its dp replicas run on this node "
+                             "(`loom serve --dp-size N` places replicas with Ray)")  # fmt: skip
         check_model_folder(self.server_args.model_path)  # a bad path fails here, clearly
         if self.server_args.world_size > 1:  # and so does an impossible split
             check_layout(self.server_args, load_config(self.server_args.model_path))

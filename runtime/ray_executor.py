@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,15 @@ def connect(args) -> None:
     running on this machine, else a new local one (ray.init's own rule)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=args.ray_address, log_to_driver=False, logging_level=logging.WARNING)
+    if ray.is_initialized():
+        return
+    # ray.init puts in a SIGTERM handler that exits with code 15; the server's own handler
+    # (launch._exit_on_signal: a clean stop, exit 0, children stopped) stays
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    ray.init(address=args.ray_address, log_to_driver=False, logging_level=logging.WARNING)
+    if main and handler is not None:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def driver_node_ip() -> str:
@@ -180,3 +188,115 @@ def rendezvous_addr(args) -> str:
     with socket.socket() as s:
         s.bind((host, 0))
         return f"{host}:{s.getsockname()[1]}"
+
+
+class ReplicaActor:
+    """One `--dp-size` replica: a whole loom server (`python -m loom.launch_server`) started
+    on the node Ray placed this actor on, on a free port of that node's cluster address. The
+    server dies with the actor's process (PR_SET_PDEATHSIG)."""
+
+    def start(self, args, index: int, env: dict) -> dict:
+        import subprocess
+        import sys
+        import tempfile
+
+        import ray
+
+        from loom.runtime.router.dp import _die_with_parent
+        from loom.runtime.server.runtime_client import free_port, server_argv
+
+        host = ray.util.get_node_ip_address()
+        args = args.replace(host=host, port=free_port(host))
+        self.log = tempfile.NamedTemporaryFile(prefix=f"loom-dp{index}-", suffix=".log", delete=False)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "loom.launch_server", *server_argv(args)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            preexec_fn=_die_with_parent,
+        )
+        return {"url": f"http://{host}:{args.port}", "pid": self.process.pid, **_ray_node()}
+
+    def poll(self):
+        return self.process.poll()
+
+    def tail(self, chars: int) -> str:
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-chars:]
+
+    def stop(self, timeout: float):
+        import signal
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(max(0.1, timeout))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(5)
+
+
+class RayReplica:
+    """router/dp.Replica's interface (url, wait_healthy, tail, terminate, reap) over a
+    ReplicaActor; `process.poll()` answers for the actor's server (-1 once the actor is lost)."""
+
+    def __init__(self, args, index: int):
+        import ray
+
+        from loom.runtime.server_args import API_KEY_ENV
+
+        connect(args)
+        self.index = index
+        # the replica itself runs its ranks with the mp launch, on the node Ray chose
+        replica = args.replace(
+            dp_size=1,
+            load_balance_method=type(args).load_balance_method,
+            distributed_executor_backend="mp",
+            ray_address=None,
+        )
+        env = {API_KEY_ENV: args.api_key} if args.api_key else {}
+        self.actor = ray.remote(ReplicaActor).options(num_cpus=1, max_restarts=0).remote()
+        info = ray.get(self.actor.start.remote(replica, index, env), timeout=300)
+        self.url, self.pid, self.ray_node_id = info["url"], info["pid"], info["ray_node_id"]
+        self.process = self
+        self._stop_ref = None
+        logger.info("dp replica %d on Ray node %s: %s", index, self.ray_node_id, self.url)
+
+    def poll(self):
+        import ray
+
+        try:
+            return ray.get(self.actor.poll.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - the actor (and so its server) is gone
+            return -1
+
+    def wait_healthy(self, timeout: float) -> None:
+        from loom.runtime.server.runtime_client import wait_for_health
+
+        status = wait_for_health(self.url, self, timeout)
+        if status == "exited":
+            raise RuntimeError(f"dp replica {self.index} exited during start-up:\n{self.tail()}")
+        if status == "timeout":
+            raise RuntimeError(f"dp replica {self.index} not healthy in {timeout}s:\n{self.tail()}")
+
+    def tail(self, chars: int = 3000) -> str:
+        import ray
+
+        try:
+            return ray.get(self.actor.tail.remote(chars), timeout=30)
+        except Exception as e:  # noqa: BLE001
+            return f"(the replica's Ray actor is gone: {e})"
+
+    def terminate(self) -> None:
+        self._stop_ref = self.actor.stop.remote(25.0)
+
+    def reap(self, timeout: float) -> None:
+        import ray
+
+        try:
+            if self._stop_ref is not None:
+                ray.get(self._stop_ref, timeout=max(0.1, timeout))
+        except Exception:  # noqa: BLE001 - stopped or lost: the actor goes either way
+            pass
+        ray.kill(self.actor, no_restart=True)

@@ -7,6 +7,7 @@ naming the rank; `loom serve --dp-size 2` places its replicas as Ray actors."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 import loom
 from loom.runtime.server.runtime_client import free_port
@@ -142,3 +144,69 @@ def test_ray_backend_needs_something_to_place():
         loom.Engine(distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="ray_address"):
         loom.Engine(tp_size=2, ray_address="127.0.0.1:6379")
+
+
+def _serve(address: str, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`loom serve ... --distributed-executor-backend ray`, once /health answers 200."""
+    port = free_port()
+    argv = [sys.executable, "-m", "loom.launch_server", "--port", str(port),
+            "--max-total-tokens", "2048", "--distributed-executor-backend", "ray",
+            "--ray-address", address, *flags]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 400
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(log.read_text()[-3000:])
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+
+
+def test_serve_tp2_a_killed_rank_actor_exits_1_naming_the_rank(cluster, one_rank, tmp_path):
+    address, _, _ = cluster
+    log = tmp_path / "serve.log"
+    proc, url = _serve(address, log, "--tp-size", "2")
+    try:
+        res = requests.post(url + "/generate", json={"text": PROMPTS[1], "sampling_params": GREEDY}, timeout=120)  # fmt: skip
+        assert res.json()["output_ids"] == one_rank[1]
+        pids = requests.get(url + "/get_server_info", timeout=30).json()["process_pids"]
+        os.kill(pids["scheduler-rank1 (Ray actor)"], signal.SIGKILL)
+        t0 = time.monotonic()
+        assert proc.wait(60) == 1  # the bound only catches a hang; the time is asserted below
+        elapsed = time.monotonic() - t0
+        text = log.read_text()
+        assert "the scheduler-rank1 (Ray actor) process died" in text, text[-3000:]
+        assert elapsed < 10, elapsed
+        print(f"server exited {elapsed:.2f} s after the rank actor was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_serve_dp2_places_replicas_as_ray_actors(cluster, one_rank, tmp_path):
+    """`loom serve --dp-size 2 --distributed-executor-backend ray`: both replicas on the node
+    with CPUs, outputs equal to one replica's."""
+    address, _, node_b = cluster
+    log = tmp_path / "serve.log"
+    proc, url = _serve(address, log, "--dp-size", "2")
+    try:
+        placed = re.findall(r"dp replica (\d) on Ray node (\w+)", log.read_text())
+        assert sorted(placed) == [("0", node_b), ("1", node_b)], log.read_text()[-3000:]
+        for _ in range(2):  # round robin: each prompt list once per replica
+            for prompt, want in zip(PROMPTS, one_rank):
+                res = requests.post(url + "/generate", json={"text": prompt, "sampling_params": GREEDY}, timeout=120)  # fmt: skip
+                assert res.status_code == 200, res.text
+                assert res.json()["output_ids"] == want
+    finally:
+        proc.terminate()
+        try:
+            assert proc.wait(90) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()

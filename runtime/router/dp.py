@@ -106,7 +106,11 @@ def launch_dp_server(args: ServerArgs, start_timeout: float = 600.0) -> int:
     replica_args = args.replace(cpu_threads=threads)
     replicas: list[Replica] = []
     try:
-        replicas += [Replica(replica_args, i) for i in range(args.dp_size)]
+        if args.distributed_executor_backend == "ray":  # each replica where Ray places it
+            from loom.runtime.ray_executor import RayReplica as make
+        else:
+            make = Replica
+        replicas += [make(replica_args, i) for i in range(args.dp_size)]
         with concurrent.futures.ThreadPoolExecutor(len(replicas)) as pool:
             for done in [pool.submit(r.wait_healthy, start_timeout) for r in replicas]:
                 done.result()
