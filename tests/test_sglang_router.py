@@ -4,8 +4,9 @@ mode: two workers on the bundled model, started with --incremental-streaming-out
 Greedy answers through the router equal one worker's (native single, batched and streamed;
 completions and chat, streamed and not); cache_aware keeps a tenant's shared prefix on one
 worker (its prefix-cache hits from /get_server_info); /get_load feeds the router's /get_loads;
-SGLang's streaming-logprobs check holds per chunk; and a worker killed mid-run has its pending
-requests finished by the other (the router retries them), in the last test of the module."""
+SGLang's streaming-logprobs check holds per chunk; power_of_two sends new requests to the worker
+whose /get_load is lower; and a worker killed mid-run has its pending requests finished by
+the other (the router retries them), in the last test of the module."""
 
 from __future__ import annotations
 
@@ -172,6 +173,59 @@ def test_get_load_feeds_the_routers_loads(cluster):
     loads = router.get("/get_loads").json()["workers"]
     assert sorted(x["worker"] for x in loads) == sorted(w.url for w in workers)
     assert all(x["load"] >= 0 for x in loads), loads  # -1: the router could not read it
+
+
+def test_power_of_two_sends_new_requests_to_the_less_loaded_worker(cluster):
+    """--policy power_of_two over the same workers: greedy answers equal one worker's; with
+    worker 0 busy (long requests sent to it directly, which the router sees only through
+    /get_load), the router's loads say so and new requests all go to worker 1 (with two
+    workers both are always the two sampled, and the lower load wins)."""
+    workers, _ = cluster
+    one = workers[0].url
+    # the load monitor polls /get_load at the start-up check interval
+    flags = ["--policy", "power_of_two", "--worker-startup-check-interval", "1"]
+    router = RouterProcess([w.url for w in workers], *flags, kind="sglang")
+    busy: list = []
+    try:
+        for text in PROMPTS:
+            body = {"text": text, "sampling_params": GREEDY}
+            want = requests.post(one + "/generate", json=body, timeout=120).json()
+            got = requests.post(router.url + "/generate", json=body, timeout=120).json()
+            assert got["output_ids"] == want["output_ids"]
+        params = {"max_new_tokens": 900, "temperature": 0.0, "ignore_eos": True}
+
+        def hog(i: int) -> None:
+            body = {"text": f"Busy {i}: a long story about the sea.", "sampling_params": params}
+            busy.append(requests.post(one + "/generate", json=body, timeout=600).status_code)
+
+        threads = [threading.Thread(target=hog, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline, busy_since = time.monotonic() + 120, None
+        # /get_loads reads the workers live; the policy sees the monitor's last poll (every
+        # second here): worker 0 must have been the busier for a few polls
+        while busy_since is None or time.monotonic() - busy_since < 3:
+            loads = {x["worker"]: x["load"] for x in router.get("/get_loads").json()["workers"]}
+            running = server_info(one)["num_running_reqs"]
+            if running == 4 and loads[one] > loads[workers[1].url]:
+                busy_since = busy_since or time.monotonic()
+            else:
+                busy_since = None
+            assert time.monotonic() < deadline, (running, loads)
+            time.sleep(0.2)
+        before = [_counters(w.url)[0] for w in workers]
+        for i in range(6):
+            body = {"text": f"Quick question {i}?", "sampling_params": GREEDY}
+            assert requests.post(router.url + "/generate", json=body, timeout=120).status_code == 200
+        after = [_counters(w.url)[0] for w in workers]
+        assert after[0] == before[0], (before, after)  # nothing new on the busy worker
+        assert after[1] > before[1], (before, after)
+        assert server_info(one)["num_running_reqs"] == 4  # still busy all along
+        for t in threads:
+            t.join(600)
+        assert busy == [200] * 4
+    finally:
+        router.shutdown()
 
 
 def test_killed_worker_pending_requests_finish_on_the_other(cluster):
