@@ -775,7 +775,7 @@ _HELP = {
     "nnodes": "Number of nodes the ranks are spread over (each node runs world_size / nnodes ranks)",
     "node_rank": "This node's rank; node 0 serves HTTP, the others run their ranks only",
     "dist_init_addr": "host:port of the torch.distributed rendezvous",
-    "distributed_executor_backend": "How ranks (and --dp-size replicas of `loom serve`) are started: mp (local processes; other nodes by hand with --nnodes/--node-rank) or ray (Ray actors placed on a Ray cluster; rank 0 stays here, torch.distributed still carries the collectives; needs `pip install ray`)",
+    "distributed_executor_backend": "How ranks (and --dp-size replicas of `loom serve`) are started: mp (local processes; other nodes by hand with --nnodes/--node-rank) or ray (Ray actors placed on a Ray cluster; the scheduling rank stays here, torch.distributed still carries the collectives; needs `pip install ray`)",
     "ray_address": "Ray cluster to join with --distributed-executor-backend ray (host:port of its head); default: RAY_ADDRESS, else a cluster running on this machine, else a new local one",
     "disaggregation_mode": "Prefill/decode disaggregation: null (colocated), prefill (computes prompts' KV and first tokens and sends the KV to the decode server named by each request's bootstrap fields) or decode (receives the KV, then decodes); both sit behind `loom router --pd-disaggregation`",
     "disaggregation_bootstrap_port": "Prefill server: the TCP port decode servers send their KV requests to (SGLang's default 8998)",
