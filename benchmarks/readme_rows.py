@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 LOG_HEAD = "# run_all --readme:"  # first line of every row's log: commit, load, commands
 
@@ -25,13 +25,11 @@ class RowError(RuntimeError):
     pass
 
 
-@dataclass
-class Row:
+class Row(NamedTuple):
     key: str
     commands: list[str]  # "script.py args..." relative to benchmarks/
     parse: Callable[[str], list[list[str]]]  # output -> [workload, loom, baseline, ratio] rows
     needs: tuple[str, ...] = ()  # "llamacpp", "maskbench": what the commands need installed
-    note: str = field(default="")  # said in the first row's workload cell
 
 
 def grab(pattern: str, text: str, key: str, flags: int = re.M) -> re.Match:
