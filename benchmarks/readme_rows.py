@@ -49,6 +49,8 @@ def provenance(text: str) -> str:
     loads += [float(x) for x in re.findall(r"loadavg ([\d.]+) at start, ([\d.]+) at end", text)
               for x in x]  # fmt: skip
     loads += [float(x) for x in re.findall(r"(?:\(|, )load ([\d.]+)[,)]", text)]
+    loads += [float(x) for x in re.findall(r"load sampled every 10 s: ([\d.]+) to ([\d.]+)", text)
+              for x in x]  # fmt: skip
     if not loads:
         return f"commit `{commit}`, load not printed"
     lo, hi = min(loads), max(loads)
@@ -154,8 +156,9 @@ def _batched_rows(text: str, key: str, what: str) -> list[list[str]]:
             )
         head = what if measure == "decode" else "same sweep"
         out.append([f"{head}: {measure} tok/s at batch {small} / {large}; in-process, "
-                    "alternating; llama.cpp's faster `-fa` per batch size quoted", loom, base,
-                    rat])  # fmt: skip
+                    "alternating; llama.cpp's faster `-fa` per batch size quoted; medians of the "
+                    "rounds (the sweep prints no range: read it as unstable under load)", loom,
+                    base, rat])  # fmt: skip
     return out
 
 

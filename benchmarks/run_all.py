@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +121,12 @@ def argv(plan: tuple[str, str] | None, quick: bool, model: str) -> list[str] | N
     return [*plan[0 if quick else 1].split(), "--model", model]
 
 
+def _sample_load(samples: list[float], stop: threading.Event) -> None:
+    """The 1-minute load average every 10 s until `stop` is set."""
+    while not stop.wait(10):
+        samples.append(os.getloadavg()[0])
+
+
 def readme(a) -> None:
     """Run (or, with --readme-from, only read the logs of) README.md's figure rows and print
     them as markdown table rows."""
@@ -143,6 +151,11 @@ def readme(a) -> None:
             with open(log, "w") as f:
                 f.write(f"{readme_rows.LOG_HEAD} commit {common.commit()}; {common.loadavg()}; "
                         f"{' && '.join(commands)}\n")  # fmt: skip
+            # the benchmarks print the load at their start and end; a sampler catches the peaks
+            # between (on a shared machine they are what moved the figures)
+            samples, stop = [], threading.Event()
+            sampler = threading.Thread(target=_sample_load, args=(samples, stop), daemon=True)
+            sampler.start()
             for c in commands:
                 print(f"\n===== {key}: python benchmarks/{c}", flush=True)
                 argv = [sys.executable, str(HERE / c.split()[0]), *shlex.split(c)[1:]]
@@ -155,8 +168,12 @@ def readme(a) -> None:
                     if proc.wait():
                         f.write(f"exit status {proc.returncode}\n")
                         break
+            stop.set()
+            sampler.join()
+            sampled = (f"; load sampled every 10 s: {min(samples):.2f} to {max(samples):.2f}"
+                       if samples else "")  # fmt: skip
             with open(log, "a") as f:
-                f.write(f"{readme_rows.LOG_HEAD} end; {common.loadavg()}\n")
+                f.write(f"{readme_rows.LOG_HEAD} end; {common.loadavg()}{sampled}\n")
         if not log.exists():
             lines.append(f"<!-- {key}: no log at {log} -->")
             continue
