@@ -95,7 +95,7 @@ def _offline_rows(text: str, key: str, what: str) -> list[list[str]]:
         line = grab(rf"^loom server / {re.escape(best)} \(both HTTP, one client\) .*$", text, key)
         shown = ", ".join(f"`{k[len('llama.cpp '):]}` {v:.1f}" for k, v in peers.items())
         rows.append([
-            "same run, **server to server**: a loom server against `llama-server`, the same "
+            "the same requests, **server to server**: a loom server against `llama-server`, the same "
             "requests sent by the same HTTP client; llama-server at -fa auto / off, per-slot KV "
             "and `--kv-unified`, the fastest quoted",
             f"{tps['loom server (HTTP)']:.1f} tok/s (loom server)",
