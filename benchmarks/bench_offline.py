@@ -209,7 +209,7 @@ class LoomServerSide:
                                                       "ignore_eos": True}}  # fmt: skip
 
     def run(self, reqs: list[tuple[list[int], int]]) -> float:
-        common.post_json(self.rt.url + "/flush_cache", {})
+        common.post(self.rt.url + "/flush_cache", {})  # answers plain text
         elapsed, outs = common.post_all(
             self.rt.url + "/generate", [self.body(p, m) for p, m in reqs]
         )

@@ -94,8 +94,9 @@ def alternate(runs: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T
     return out
 
 
-def post_json(url: str, body: dict, timeout: float = 3600) -> dict:
-    """One JSON POST on its own connection: the one HTTP client every server side shares."""
+def post(url: str, body: dict, timeout: float = 3600) -> bytes:
+    """One JSON POST on its own connection: the one HTTP client every server side shares.
+    Returns the raw body (loom's /flush_cache answers plain text, as SGLang's does)."""
     import json
     import urllib.request
 
@@ -103,7 +104,14 @@ def post_json(url: str, body: dict, timeout: float = 3600) -> dict:
         url, json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+        return r.read()
+
+
+def post_json(url: str, body: dict, timeout: float = 3600) -> dict:
+    """post() of a request whose answer is JSON."""
+    import json
+
+    return json.loads(post(url, body, timeout))
 
 
 def post_all(url: str, bodies: list[dict]) -> tuple[float, list[dict]]:

@@ -13,14 +13,29 @@ loom's and alternates llama-server / llama-batched-bench with loom and HF in eve
 Every benchmark writes its plots into docs/img/ (throughput against batch size, TTFT/ITL against
 request rate, prefix-cache hit rate against speed-up). Ratios are medians of per-round ratios
 (A B A B ...), with the range; on a shared machine read them, not the absolute figures.
+
+README.md's figure rows come from `--readme` (benchmarks/readme_rows.py: each row's commands and
+the parser of their output):
+
+    python benchmarks/run_all.py --readme                       # every row: run, log, print
+    python benchmarks/run_all.py --readme --rows prefix,serving # some rows
+    python benchmarks/run_all.py --readme-from /tmp/loom_readme # print the rows from the logs
+
+Each row's output goes to LOGDIR/<row>.log (--readme-logs), whose first line names the commit,
+the load and the commands; the printed row carries that commit and the range of the 1-minute
+load averages printed during the run. Rows that need llama.cpp are left out, and say so, when
+its build is not cached (it is not built by --readme).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +48,7 @@ import bench_prefix  # noqa: E402
 import bench_programs  # noqa: E402
 import bench_serving  # noqa: E402
 import common  # noqa: E402
+import readme_rows  # noqa: E402
 
 # (quick, full) arguments per benchmark and model size: "small" = the bundled 3.9M model,
 # "large" = the 0.36B Qwen2.5-0.5B-shaped models (a few tok/s per core in f32 on a CPU, so their
@@ -105,6 +121,70 @@ def argv(plan: tuple[str, str] | None, quick: bool, model: str) -> list[str] | N
     return [*plan[0 if quick else 1].split(), "--model", model]
 
 
+def _sample_load(samples: list[float], stop: threading.Event) -> None:
+    """The 1-minute load average every 10 s until `stop` is set."""
+    while not stop.wait(10):
+        samples.append(os.getloadavg()[0])
+
+
+def readme(a) -> None:
+    """Run (or, with --readme-from, only read the logs of) README.md's figure rows and print
+    them as markdown table rows."""
+    import llamacpp
+
+    keys = a.rows.split(",") if a.rows else [r.key for r in readme_rows.ROWS]
+    unknown = [k for k in keys if k not in readme_rows.BY_KEY]
+    if unknown:
+        raise SystemExit(f"--rows: unknown {unknown}; expected some of {list(readme_rows.BY_KEY)}")
+    logdir = Path(a.readme_from or a.readme_logs)
+    logdir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for key in keys:
+        row = readme_rows.BY_KEY[key]
+        log = logdir / f"{key}.log"
+        commands = [c.format(logdir=logdir) for c in row.commands]
+        if not a.readme_from:
+            if "llamacpp" in row.needs and not llamacpp.built():
+                lines.append(f"<!-- {key}: not run: llama.cpp is not built "
+                             "(python benchmarks/peers/llamacpp.py build) -->")  # fmt: skip
+                continue
+            with open(log, "w") as f:
+                f.write(f"{readme_rows.LOG_HEAD} commit {common.commit()}; {common.loadavg()}; "
+                        f"{' && '.join(commands)}\n")  # fmt: skip
+            # the benchmarks print the load at their start and end; a sampler catches the peaks
+            # between (on a shared machine they are what moved the figures)
+            samples, stop = [], threading.Event()
+            sampler = threading.Thread(target=_sample_load, args=(samples, stop), daemon=True)
+            sampler.start()
+            for c in commands:
+                print(f"\n===== {key}: python benchmarks/{c}", flush=True)
+                argv = [sys.executable, str(HERE / c.split()[0]), *shlex.split(c)[1:]]
+                with open(log, "a") as f:
+                    proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                    for out in proc.stdout:
+                        f.write(out)
+                        print(out, end="", flush=True)
+                    if proc.wait():
+                        f.write(f"exit status {proc.returncode}\n")
+                        break
+            stop.set()
+            sampler.join()
+            sampled = (f"; load sampled every 10 s: {min(samples):.2f} to {max(samples):.2f}"
+                       if samples else "")  # fmt: skip
+            with open(log, "a") as f:
+                f.write(f"{readme_rows.LOG_HEAD} end; {common.loadavg()}{sampled}\n")
+        if not log.exists():
+            lines.append(f"<!-- {key}: no log at {log} -->")
+            continue
+        try:
+            lines += readme_rows.markdown(row, log.read_text())
+        except readme_rows.RowError as e:
+            lines.append(f"<!-- {key}: {e} (log: {log}) -->")
+    print("\n| command | workload | loom | baseline | ratio |\n|---|---|---|---|---|")
+    print("\n".join(lines))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -120,7 +200,16 @@ def main() -> None:
         "--only", default=None, help="comma list of offline,batched,prefix,programs,serving"
     )
     p.add_argument("--json", default=None, help="write every result to this file")
+    p.add_argument("--readme", action="store_true", help="run README.md's figure rows, print them")
+    p.add_argument("--rows", default=None, help="--readme: comma list of readme_rows.ROWS keys")
+    p.add_argument("--readme-logs", default="/tmp/loom_readme", help="--readme: the rows' logs")
+    p.add_argument(
+        "--readme-from", default=None, help="print README rows from this folder's logs, run none"
+    )
     a = p.parse_args()
+    if a.readme or a.readme_from:
+        readme(a)
+        return
     models = (a.models or ("bundled" if a.quick else ",".join(common.MODELS))).split(",")
     only = set(a.only.split(",")) if a.only else set(PLANS)
     t0 = time.time()
