@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from loom.runtime.sampler import SamplingInfo, hashed_uniform, sample
+from loom.runtime.sampler import SamplingInfo, sample
+from loom.runtime.sampling.rng import hashed_uniform
 from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
 
 EOS = 2  # the tiny models' eos_token_id
