@@ -4,7 +4,6 @@ its own seed and position."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -13,9 +12,9 @@ import torch
 
 from loom.runtime.forward_batch import host_tensor
 from loom.runtime.req import Req
+from loom.runtime.sampling.params import row_params
+from loom.runtime.sampling.penalties import apply_penalties, apply_vocab_mask_, penalty_tensors
 from loom.runtime.sampling.rng import hashed_uniform, hashed_uniform_column, hashed_uniform_columns
-
-_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 @dataclass
@@ -96,7 +95,7 @@ class SamplingInfo:
         params = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
         dev = torch.device(device)
-        temps, top_ps, min_ps, top_ks, seeds, greedy_t = _row_params(
+        temps, top_ps, min_ps, top_ks, seeds, greedy_t = row_params(
             reqs, params, greedy, counts, vocab_size, dev, shared=not trees
         )
         steps_t = host_tensor(steps, torch.int64)
@@ -131,7 +130,7 @@ class SamplingInfo:
             p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1
             for p in params
         ):
-            penalty = _penalty_tensors(rows, vocab_size, dev)
+            penalty = penalty_tensors(rows, vocab_size, dev)
         return cls(
             temperatures=temps,
             top_ps=top_ps,
@@ -162,111 +161,6 @@ class SamplingInfo:
             return x
 
         return SamplingInfo(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
-
-
-# Recent steps' per-row parameter tensors, keyed by the values they hold: decode steps of the
-# same requests reuse them instead of building eleven small tensors a step. Several entries:
-# a verify step has one row per draft position, so a request's steps alternate between row
-# counts (its draft length varies); one entry missed on most verify steps at batch 1.
-_ROW_PARAMS: dict = {}
-ROW_PARAMS_KEPT = 32
-
-
-def _row_params(
-    reqs, params, greedy: list[bool], counts: list[int], vocab_size: int, dev, shared: bool
-) -> tuple:
-    """(temperatures [N, 1], top_ps, min_ps, top_ks, seeds, greedy) for the rows: request i's
-    values on its `counts[i]` rows. With `shared`, the tensors may be the ones an earlier
-    call with the same values returned, so they are read-only (the sampler never writes
-    them); a draft tree's info gets its own."""
-    values = tuple(
-        (1.0 if g else p.temperature, p.top_p, p.min_p,
-         vocab_size if p.top_k < 0 else min(p.top_k, vocab_size), r.seed, g, c)
-        for r, p, g, c in zip(reqs, params, greedy, counts)
-    )  # fmt: skip
-    key = (dev, values)
-    if shared:
-        hit = _ROW_PARAMS.get(key)  # one read: another thread may clear the dict meanwhile
-        if hit is not None:
-            return hit
-    n = sum(counts)
-    floats = host_tensor([v[:3] for v in values for _ in range(v[6])], torch.float32)
-    ints = host_tensor([v[3:5] for v in values for _ in range(v[6])], torch.int64)
-    floats, ints = floats.reshape(n, 3), ints.reshape(n, 2)
-    flags = host_tensor([v[5] for v in values for _ in range(v[6])], torch.bool)
-    if dev.type != "cpu":
-        floats, ints, flags = (t.to(dev, non_blocking=True) for t in (floats, ints, flags))
-    out = (floats[:, 0:1], floats[:, 1], floats[:, 2], ints[:, 0], ints[:, 1], flags)
-    if shared:
-        if len(_ROW_PARAMS) >= ROW_PARAMS_KEPT:
-            _ROW_PARAMS.clear()
-        _ROW_PARAMS[key] = out
-    return out
-
-
-def _penalty_tensors(rows: list[tuple[Req, list[int], int]], vocab_size: int, dev):
-    """Penalty state per row (`from_reqs` calls it when some request has a penalty): a draft
-    row counts the draft tokens on its path as output (penalties apply token by token over
-    an accepted run)."""
-    ps = [r.sampling_params for r, _, _ in rows]
-    n = len(rows)
-    out_counts = torch.zeros(n, vocab_size, dtype=torch.float32)
-    seen = torch.zeros(n, vocab_size, dtype=torch.bool)
-    base = base_seen = None
-    last_req = None
-    for row, ((r, path, _), p) in enumerate(zip(rows, ps)):
-        if r is not last_req:  # a request's rows are consecutive
-            last_req = r
-            base = torch.zeros(vocab_size, dtype=torch.float32)
-            if r.output_ids:
-                base.index_add_(0, torch.tensor(r.output_ids), torch.ones(len(r.output_ids)))
-            base_seen = torch.zeros(vocab_size, dtype=torch.bool)
-            if p.repetition_penalty != 1:
-                base_seen[torch.tensor(r.fill_ids)] = True
-        out_counts[row] = base
-        seen[row] = base_seen
-        if path:
-            ids = torch.tensor(path)
-            out_counts[row].index_add_(0, ids, torch.ones(len(path)))
-            if p.repetition_penalty != 1:
-                seen[row, ids] = True
-    freq = torch.tensor([p.frequency_penalty for p in ps])[:, None]
-    pres = torch.tensor([p.presence_penalty for p in ps])[:, None]
-    rep = torch.tensor([p.repetition_penalty for p in ps])[:, None]
-    return tuple(t.to(dev) for t in (out_counts, seen, freq, pres, rep))
-
-
-def apply_penalties(logits: torch.Tensor, info: SamplingInfo) -> None:
-    if info.logit_bias is not None:
-        logits += info.logit_bias
-    if info.penalty is not None:
-        counts, seen, freq, pres, rep = info.penalty
-        # repetition (over prompt and output): shrink positive logits, grow negative ones
-        scaled = torch.where(logits > 0, logits / rep, logits * rep)
-        logits.copy_(torch.where(seen, scaled, logits))
-        logits -= freq * counts + pres * (counts > 0).float()
-    if info.banned is not None:
-        logits[info.banned] = float("-inf")
-    if info.vocab_mask is not None:
-        apply_vocab_mask_(logits, info.vocab_mask)
-
-
-def apply_vocab_mask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Disallowed tokens' logits to -inf. On the CPU the bitmask's bytes are unpacked by
-    numpy (little-endian: token t is bit t % 8 of byte t // 8), a verify step's rows in one
-    call; elsewhere the grammar module's torch version."""
-    if logits.device.type == "cpu" and bitmask.device.type == "cpu" and _LITTLE_ENDIAN:
-        words = bitmask.contiguous().numpy().view(np.uint8)
-        bits = np.unpackbits(words, axis=-1, bitorder="little")[:, : logits.shape[-1]]
-        if logits.dtype == torch.float32 and not logits.requires_grad:
-            # numpy writes the same memory ~5x faster than masked_fill_ ([8, 4032]: 6 vs 30 us)
-            np.copyto(logits.numpy(), -np.inf, where=bits == 0)
-        else:
-            logits.masked_fill_(torch.from_numpy(bits == 0), float("-inf"))
-        return
-    from loom.grammar.base import apply_token_bitmask_
-
-    apply_token_bitmask_(logits, bitmask)
 
 
 def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:

@@ -231,11 +231,11 @@ def test_row_parameter_tensors_are_reused_across_draft_lengths():
     """A request whose verify steps alternate between draft lengths (its rows per step vary)
     gets the tensors built for the same rows before, with each row's values; the memo stays
     bounded."""
-    import loom.runtime.sampler as sampler
     from loom.runtime.req import Req
+    from loom.runtime.sampling import params
     from loom.runtime.sampling_params import make_sampling_params
 
-    sampler._ROW_PARAMS.clear()  # earlier tests' rows may have filled it (cleared when full)
+    params._ROW_PARAMS.clear()  # earlier tests' rows may have filled it (cleared when full)
     req = Req("r", [1, 2], make_sampling_params({"temperature": 0.5, "top_p": 0.9}), 7)
     two = SamplingInfo.from_reqs([req], 8, drafts=[[4, 5]])
     one = SamplingInfo.from_reqs([req], 8)
@@ -244,10 +244,10 @@ def test_row_parameter_tensors_are_reused_across_draft_lengths():
     assert one.seeds is not two.seeds and len(one.seeds) == 1 and len(two.seeds) == 3
     assert two.top_ps.tolist() == pytest.approx([0.9] * 3) and two.seeds.tolist() == [7] * 3
     assert again.draft_tokens.tolist() == [6, 3, -1] and again.steps.tolist() == [2, 3, 4]
-    for k in range(2 * sampler.ROW_PARAMS_KEPT):
+    for k in range(2 * params.ROW_PARAMS_KEPT):
         SamplingInfo.from_reqs([req], 8, drafts=[[4] * (k % 9)])
         req.seed = k  # new values every ninth call
-        assert len(sampler._ROW_PARAMS) <= sampler.ROW_PARAMS_KEPT
+        assert len(params._ROW_PARAMS) <= params.ROW_PARAMS_KEPT
 
 
 def test_greedy_verify_picks_and_accepts_what_the_full_sampler_does():

@@ -163,7 +163,7 @@ def test_the_cpu_vocab_mask_matches_the_grammar_module():
     import torch
 
     from loom.grammar.base import apply_token_bitmask_
-    from loom.runtime.sampler import apply_vocab_mask_
+    from loom.runtime.sampling.penalties import apply_vocab_mask_
 
     gen = torch.Generator().manual_seed(0)
     for vocab in (4032, 1000, 37):
