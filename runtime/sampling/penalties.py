@@ -11,7 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from loom.runtime.req import Req
-    from loom.runtime.sampler import SamplingInfo
+    from loom.runtime.sampling.info import SamplingInfo
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 

@@ -7,7 +7,8 @@ import torch
 from loom.runtime.distributed import get_parallel_state
 from loom.runtime.forward_batch import ForwardMode, ModelInput, host_tensor
 from loom.runtime.req import Req
-from loom.runtime.sampler import SamplingInfo, fill_draft_rows
+from loom.runtime.sampling.grammar_rows import fill_draft_rows
+from loom.runtime.sampling.info import SamplingInfo
 from loom.runtime.spec import tree_depths
 
 
