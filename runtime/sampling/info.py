@@ -42,7 +42,8 @@ class SamplingInfo:
     # greedy chains whose grammar rows were left all-allowed (`vocab_mask` rows unfilled, or
     # no mask at all; a plain decode row is a chain with no draft tokens):
     # (first row, the request's grammar, its draft tokens, its EOS ids);
-    # `greedy_verify` masks at most the row that decides the chain (`_resolve_lazy_grammars`)
+    # `greedy_verify` masks at most the row that decides the chain
+    # (`grammar_rows.resolve_lazy_grammars`)
     lazy_grammars: list[tuple[int, Any, list[int], frozenset]] | None = None
 
     @classmethod
