@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from loom.runtime.io_struct import GenerateReqInput
+from loom.runtime.request_normalizer import RequestError
 from loom.runtime.router.policy import make_policy
 from loom.runtime.router.tree import ids_key
-from loom.runtime.tokenizer_manager import RequestError
 
 # GenerateReqInput fields that may hold one value per prompt (the rest apply to the whole batch)
 PER_PROMPT = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")

@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     from loom.runtime.attention.base import AttentionBackend
     from loom.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
-    from loom.runtime.sampler import SamplingInfo
+    from loom.runtime.sampling.info import SamplingInfo
 
 
 class ForwardMode(enum.Enum):

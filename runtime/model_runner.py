@@ -25,7 +25,8 @@ from loom.runtime.memory_pool import (
 )
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
-from loom.runtime.sampler import greedy_verify, sample_verify_trees, token_logprobs
+from loom.runtime.sampler import greedy_verify, sample_verify_trees
+from loom.runtime.sampling.logprobs import token_logprobs
 from loom.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

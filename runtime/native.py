@@ -33,7 +33,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from loom.runtime.server_args import env_flag
+from loom.runtime.env import env_flag
 
 logger = logging.getLogger(__name__)
 

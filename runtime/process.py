@@ -92,6 +92,12 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def die_with_parent() -> None:
+    """preexec_fn of a child server: SIGTERM it when the launching process dies (PR_SET_PDEATHSIG);
+    runs in the child between fork and exec."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
 def _exit_with_parent(owner_pid: int) -> None:
     """Die when the process that started us dies, so no process outlives the server. The
     direct parent is the fork server, which itself dies with the owner (PR_SET_PDEATHSIG

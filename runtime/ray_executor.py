@@ -202,7 +202,7 @@ class ReplicaActor:
 
         import ray
 
-        from loom.runtime.router.dp import _die_with_parent
+        from loom.runtime.process import die_with_parent
         from loom.runtime.server.runtime_client import free_port, server_argv
 
         host = ray.util.get_node_ip_address()
@@ -213,7 +213,7 @@ class ReplicaActor:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         return {"url": f"http://{host}:{args.port}", "pid": self.process.pid, **_ray_node()}
 

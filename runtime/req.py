@@ -82,6 +82,14 @@ class Req:
         self.draft_probs: Any = None  # the nodes' draft distributions ([n, vocab]; None: one-hot)
         self.draft_masks: torch.Tensor | None = None  # grammar rows of the draft positions
         self.draft_forced = 0  # leading draft tokens that are grammar-forced text
+        # who drafted this step's tokens (head drafters: "head", "ngram" from their n-gram policy,
+        # "free" when a draft costs nothing extra; None: no draft) and the tokens the drafter
+        # expects accepted, which the verify-or-not cut weighs (`spec.Drafter`)
+        self.draft_source: str | None = None
+        self.draft_expected = 0.0
+        # head drafters: whether the head drafts for this constrained request (decided at its
+        # first draft and kept; None: not decided yet)
+        self.spec_head: bool | None = None
         self.spec_state: Any = None  # the drafter's incremental state for this request
         self.new_slots: torch.Tensor = _EMPTY  # KV slots allocated for the current step
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported)

@@ -614,7 +614,8 @@ def test_eagle_tree_verification_keeps_the_target_distribution(monkeypatch, vari
     head's soft probabilities as q (the tokens are its top-k, not samples of it), or with a
     residual that keeps rejected candidates, the same test fails."""
     from loom.runtime import sampler
-    from loom.runtime.sampler import SamplingInfo
+    from loom.runtime.sampling import verify
+    from loom.runtime.sampling.info import SamplingInfo
     from loom.runtime.spec.eagle_tree import grow_trees
 
     v, n = 16, 4000
@@ -629,7 +630,7 @@ def test_eagle_tree_verification_keeps_the_target_distribution(monkeypatch, vari
                for p in parents]  # fmt: skip
         q = torch.stack([torch.softmax(head.logits(x), -1) for x in hid])
     if variant == "broken residual":
-        monkeypatch.setattr(sampler, "residual", lambda p, q: p / p.sum(-1, keepdim=True))
+        monkeypatch.setattr(verify, "residual", lambda p, q: p / p.sum(-1, keepdim=True))
     g = torch.Generator().manual_seed(3)
     # the target roughly agrees with the head at the root (a trained head's case), not exactly
     root_logits = head.logits(hidden[0]) * 0.5 + torch.randn(v, generator=g)

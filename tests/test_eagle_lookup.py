@@ -56,9 +56,10 @@ def test_the_head_runs_for_constrained_requests_while_it_earns():
     grammar = object()
 
     def req(row, constrained=True):
-        return SimpleNamespace(
-            grammar=grammar if constrained else None, req_pool_idx=row, spec_state=None
-        )
+        return SimpleNamespace(  # the fields a Req declares for its drafter
+            grammar=grammar if constrained else None, req_pool_idx=row, spec_state=None,
+            spec_head=None, draft_source=None, draft_expected=0.0,
+        )  # fmt: skip
 
     first = req(0)
     assert lk.uses_head(first) and lk.headed == {0}  # a fresh server tries the head

@@ -11,8 +11,8 @@ import re
 import pytest
 
 from loom.runtime.router.args import _HELP as ROUTER_HELP
-from loom.runtime.server_args import _HELP as SERVER_HELP
 from loom.runtime.server_args import ServerArgs
+from loom.runtime.server_args_help import SERVER_HELP
 
 
 def _num(text: str) -> int:

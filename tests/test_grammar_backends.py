@@ -373,7 +373,8 @@ def test_pathological_specs_are_stopped_and_do_not_delay_others():
 
 
 def test_grammar_backend_flag_names_the_engines():
-    from loom.runtime.server_args import GRAMMAR_BACKENDS, ServerArgs
+    from loom.runtime.server_args import ServerArgs
+    from loom.runtime.server_args_choices import GRAMMAR_BACKENDS
 
     assert set(GRAMMAR_BACKENDS) == set(ENGINES)
     assert ServerArgs(model_path="x").grammar_backend == "llguidance"

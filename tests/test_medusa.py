@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from loom.runtime import sampler
 from loom.runtime.model_loader import load_config, load_model
+from loom.runtime.sampling import verify
 from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
 from loom.runtime.spec.medusa import build_medusa_heads, load_medusa_heads, save_medusa_heads
 from loom.runtime.spec.medusa_drafter import best_first_tree
@@ -247,7 +248,7 @@ def test_medusa_tree_verification_keeps_the_target_distribution(monkeypatch, res
     residual sample) follows the target's p (chi-square, 15 df, p 0.001); so does the second
     given the first was accepted along the most probable child."""
     if residual == "broken":
-        monkeypatch.setattr(sampler, "residual", _broken_residual)
+        monkeypatch.setattr(verify, "residual", _broken_residual)  # the tree walk's
     trees = _medusa_trees()
     assert any(len(set(t[1])) > 1 for t in trees)  # real trees, not chains
     logits = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 1.5

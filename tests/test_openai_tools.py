@@ -419,7 +419,7 @@ def test_formats_regex_and_parser_agree(fmt):
 
 
 def test_parser_flag_names_match_the_formats():
-    from loom.runtime.server_args import TOOL_CALL_PARSERS
+    from loom.runtime.server_args_choices import TOOL_CALL_PARSERS
 
     assert TOOL_CALL_PARSERS == T.PARSER_NAMES
     assert T.get_format(None, "llama").name == "llama3"

@@ -7,7 +7,9 @@ import random
 import pytest
 import torch
 
-from loom.runtime.sampler import SamplingInfo, hashed_uniform, sample
+from loom.runtime.sampler import sample
+from loom.runtime.sampling.info import SamplingInfo
+from loom.runtime.sampling.rng import hashed_uniform
 from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
 
 EOS = 2  # the tiny models' eos_token_id
@@ -152,12 +154,12 @@ def test_top_filters_without_a_full_sort_match_the_full_sort(monkeypatch):
     """target_probs looks at each row's TOP_CANDIDATES largest probabilities only when every
     row's top-k / top-p / min-p cut falls inside them, else sorts the whole vocabulary: both
     give the same distribution, and the short path is taken exactly when it is exact."""
-    from loom.runtime import sampler
     from loom.runtime.req import Req
+    from loom.runtime.sampling import verify
     from loom.runtime.sampling_params import make_sampling_params
 
     vocab = 3000
-    monkeypatch.setattr(sampler, "TOP_CANDIDATES", 64)
+    monkeypatch.setattr(verify, "TOP_CANDIDATES", 64)
     g = torch.Generator().manual_seed(0)
     peaked = torch.randn(vocab, generator=g) * 6  # most mass in a few tokens
     flat = torch.randn(vocab, generator=g) * 0.1  # mass spread over the whole vocabulary
@@ -177,13 +179,13 @@ def test_top_filters_without_a_full_sort_match_the_full_sort(monkeypatch):
         info = SamplingInfo.from_reqs(reqs, vocab, "cpu")
         logits = torch.stack([row for _, row, _ in group])
         short = all(ok for *_, ok in group)
-        assert sampler._head(torch.softmax(logits, -1), info)[0].shape[-1] == (
+        assert verify._head(torch.softmax(logits, -1), info)[0].shape[-1] == (
             64 if short else vocab
         )
-        got = sampler.target_probs(logits, info)
-        monkeypatch.setattr(sampler, "TOP_CANDIDATES", vocab)  # the full sort
-        want = sampler.target_probs(logits, info)
-        monkeypatch.setattr(sampler, "TOP_CANDIDATES", 64)
+        got = verify.target_probs(logits, info)
+        monkeypatch.setattr(verify, "TOP_CANDIDATES", vocab)  # the full sort
+        want = verify.target_probs(logits, info)
+        monkeypatch.setattr(verify, "TOP_CANDIDATES", 64)
         torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
         assert ((got > 0).sum(-1) < vocab).all()  # every row really was filtered
 
@@ -191,7 +193,7 @@ def test_top_filters_without_a_full_sort_match_the_full_sort(monkeypatch):
 def test_argmax_rows_matches_torch_argmax_on_ties_nan_and_strided_rows():
     """The CPU greedy pick goes through numpy: the same ids as torch.argmax, the first index
     of the maximum on a tie and of the first NaN, for contiguous and strided logits."""
-    from loom.runtime.sampler import argmax_rows
+    from loom.runtime.sampling.verify import argmax_rows
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 50, generator=g)
@@ -230,11 +232,11 @@ def test_row_parameter_tensors_are_reused_across_draft_lengths():
     """A request whose verify steps alternate between draft lengths (its rows per step vary)
     gets the tensors built for the same rows before, with each row's values; the memo stays
     bounded."""
-    import loom.runtime.sampler as sampler
     from loom.runtime.req import Req
+    from loom.runtime.sampling import params
     from loom.runtime.sampling_params import make_sampling_params
 
-    sampler._ROW_PARAMS.clear()  # earlier tests' rows may have filled it (cleared when full)
+    params._ROW_PARAMS.clear()  # earlier tests' rows may have filled it (cleared when full)
     req = Req("r", [1, 2], make_sampling_params({"temperature": 0.5, "top_p": 0.9}), 7)
     two = SamplingInfo.from_reqs([req], 8, drafts=[[4, 5]])
     one = SamplingInfo.from_reqs([req], 8)
@@ -243,10 +245,10 @@ def test_row_parameter_tensors_are_reused_across_draft_lengths():
     assert one.seeds is not two.seeds and len(one.seeds) == 1 and len(two.seeds) == 3
     assert two.top_ps.tolist() == pytest.approx([0.9] * 3) and two.seeds.tolist() == [7] * 3
     assert again.draft_tokens.tolist() == [6, 3, -1] and again.steps.tolist() == [2, 3, 4]
-    for k in range(2 * sampler.ROW_PARAMS_KEPT):
+    for k in range(2 * params.ROW_PARAMS_KEPT):
         SamplingInfo.from_reqs([req], 8, drafts=[[4] * (k % 9)])
         req.seed = k  # new values every ninth call
-        assert len(sampler._ROW_PARAMS) <= sampler.ROW_PARAMS_KEPT
+        assert len(params._ROW_PARAMS) <= params.ROW_PARAMS_KEPT
 
 
 def test_greedy_verify_picks_and_accepts_what_the_full_sampler_does():
@@ -355,12 +357,9 @@ def test_lazy_grammar_rows_verify_as_fully_masked_rows():
     row that accepts its draft, or when the accept check is not rolled back."""
     from loom.grammar.base import allocate_token_bitmask
     from loom.runtime.req import Req
-    from loom.runtime.sampler import (
-        apply_vocab_mask_,
-        fill_draft_rows,
-        greedy_verify,
-        sample_and_verify,
-    )
+    from loom.runtime.sampler import greedy_verify, sample_and_verify
+    from loom.runtime.sampling.grammar_rows import fill_draft_rows
+    from loom.runtime.sampling.penalties import apply_vocab_mask_
     from loom.runtime.sampling_params import make_sampling_params
 
     vocab, rng = 40, random.Random(0)

@@ -163,7 +163,7 @@ def test_the_cpu_vocab_mask_matches_the_grammar_module():
     import torch
 
     from loom.grammar.base import apply_token_bitmask_
-    from loom.runtime.sampler import apply_vocab_mask_
+    from loom.runtime.sampling.penalties import apply_vocab_mask_
 
     gen = torch.Generator().manual_seed(0)
     for vocab in (4032, 1000, 37):
@@ -338,7 +338,7 @@ def test_greedy_outputs_identical_with_ngram(tiny_model_dir, config):
 @pytest.mark.parametrize("engine", ["xgrammar", "outlines"])
 def test_greedy_constrained_outputs_identical_with_every_engine(engine):
     """Greedy chains verify with their grammar rows left to the sampler (one mask at most,
-    where the argmax leaves the draft: `sampler._resolve_lazy_grammars`), which leans on each
+    where the argmax leaves the draft: `grammar_rows.resolve_lazy_grammars`), which leans on each
     engine's accept_token refusing exactly what its mask refuses: outputs under JSON, regex
     and EBNF constraints stay those of plain decoding with the other engines too."""
     pytest.importorskip(engine if engine == "xgrammar" else "outlines_core")

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from loom.runtime import sampler
-from loom.runtime.sampler import SamplingInfo, sample_and_verify, target_probs
+from loom.runtime.sampler import sample_and_verify
+from loom.runtime.sampling import verify
+from loom.runtime.sampling.info import SamplingInfo
+from loom.runtime.sampling.verify import target_probs
 
 V = 16
 N = 40_000
@@ -163,8 +166,8 @@ def _sampled_tree(p, gen):
 def test_tree_verified_tokens_follow_the_target_distribution(monkeypatch, make_tree, residual):
     """Multi-candidate rejection sampling over a tree keeps the target distribution; leaving
     q in the residual (each rejected candidate stays as likely) fails the same test."""
-    if residual == "broken":
-        monkeypatch.setattr(sampler, "residual", _broken_residual)
+    if residual == "broken":  # the tree walk's own residual (verify_trees)
+        monkeypatch.setattr(verify, "residual", _broken_residual)
     stat, accepted = _tree_chi_square(make_tree)
     assert 0 < accepted < 1  # both acceptance and rejection exercised
     assert stat < CRITICAL, f"chi-square {stat:.1f} >= {CRITICAL} (df 15, p 0.001)"

@@ -13,7 +13,6 @@ replica that dies is removed from the pool and the others keep serving; when non
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import logging
 import os
 import signal
@@ -21,13 +20,10 @@ import subprocess
 import sys
 import tempfile
 
+from loom.runtime.process import die_with_parent
 from loom.runtime.server_args import API_KEY_ENV, ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Replica:
@@ -53,7 +49,7 @@ class Replica:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
 
     def wait_healthy(self, timeout: float) -> None:

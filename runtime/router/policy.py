@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from loom.runtime.router.tree import ApproxTree
-from loom.runtime.server_args import LOAD_BALANCE_METHODS as POLICIES
+from loom.runtime.server_args_choices import LOAD_BALANCE_METHODS as POLICIES
 
 
 class Policy(ABC):

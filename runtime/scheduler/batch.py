@@ -7,7 +7,8 @@ import torch
 from loom.runtime.distributed import get_parallel_state
 from loom.runtime.forward_batch import ForwardMode, ModelInput, host_tensor
 from loom.runtime.req import Req
-from loom.runtime.sampler import SamplingInfo, fill_draft_rows
+from loom.runtime.sampling.grammar_rows import fill_draft_rows
+from loom.runtime.sampling.info import SamplingInfo
 from loom.runtime.spec import tree_depths
 
 
@@ -97,30 +98,10 @@ class ScheduleBatch:
             )
             lazy_ok = not sampling.trees and not any(r.return_logprob for r in self.reqs)
             _fill_grammar_mask(sampling_reqs, sampling, vocab_size, lazy_ok)
-        # the step's index vectors as views of one host tensor (one allocation per step)
-        t, b = len(ids), len(self.reqs)
-        rows = [r.req_pool_idx for r in self.reqs]
-        index = host_tensor(ids + positions + rows + seq_lens, torch.int64)
-        ids_t, positions_t = index[:t], index[t : 2 * t]
-        rows_t, seq_lens_t = index[2 * t : 2 * t + b], index[2 * t + b :]
-        self.model_input = ModelInput(
-            mode=self.mode,
-            input_ids=ids_t,
-            positions=positions_t,
-            out_cache_loc=self._slots(),
-            req_pool_indices=rows_t,
-            seq_lens=seq_lens,
-            seq_lens_tensor=seq_lens_t,
-            prefix_lens=prefix_lens,
-            sample_counts=counts,
-            draft_ids=drafts,
-            sampling=sampling,
-            logprob_top_nums=top_nums,
-            input_logprob_starts=lp_starts,
-            input_logprob_targets=lp_targets,
-            draft_parents=[r.draft_parents for r in self.reqs],
-        )
-        return self.model_input
+        return self._model_input(
+            self.mode, ids, positions, seq_lens, prefix_lens, counts, drafts, sampling,
+            top_nums, lp_starts, lp_targets, [r.draft_parents for r in self.reqs],
+        )  # fmt: skip
 
     def _build_decode(self, vocab_size: int) -> ModelInput:
         """`build_input` for a decode step whose requests feed their last token and a draft
@@ -155,12 +136,24 @@ class ScheduleBatch:
             sampling = SamplingInfo.from_reqs(sampling_reqs, vocab_size, drafts=drafts)
             # no trees, no logprobs here: greedy grammar rows are masked only if needed
             _fill_grammar_mask(sampling_reqs, sampling, vocab_size, lazy_ok=True)
-        t, b = len(ids), len(reqs)
-        index = host_tensor(
-            ids + positions + [r.req_pool_idx for r in reqs] + seq_lens, torch.int64
-        )
+        b = len(reqs)
+        mode = ForwardMode.EXTEND if chains else ForwardMode.DECODE  # `self.mode`, known here
+        return self._model_input(
+            mode, ids, positions, seq_lens, prefix_lens, counts, [r.draft_ids for r in reqs],
+            sampling, [None] * b, [0] * b, [None] * b, [None] * b,
+        )  # fmt: skip
+
+    def _model_input(
+        self, mode, ids, positions, seq_lens, prefix_lens, counts, drafts, sampling,
+        top_nums, lp_starts, lp_targets, parents,
+    ) -> ModelInput:  # fmt: skip
+        """The one place a step's `ModelInput` is assembled, from either builder's lists: the
+        index vectors are views of one host tensor (one allocation per step)."""
+        t, b = len(ids), len(self.reqs)
+        rows = [r.req_pool_idx for r in self.reqs]
+        index = host_tensor(ids + positions + rows + seq_lens, torch.int64)
         self.model_input = ModelInput(
-            mode=ForwardMode.EXTEND if chains else ForwardMode.DECODE,
+            mode=mode,
             input_ids=index[:t],
             positions=index[t : 2 * t],
             out_cache_loc=self._slots(),
@@ -169,12 +162,12 @@ class ScheduleBatch:
             seq_lens_tensor=index[2 * t + b :],
             prefix_lens=prefix_lens,
             sample_counts=counts,
-            draft_ids=[r.draft_ids for r in reqs],
+            draft_ids=drafts,
             sampling=sampling,
-            logprob_top_nums=[None] * b,
-            input_logprob_starts=[0] * b,
-            input_logprob_targets=[None] * b,
-            draft_parents=[None] * b,
+            logprob_top_nums=top_nums,
+            input_logprob_starts=lp_starts,
+            input_logprob_targets=lp_targets,
+            draft_parents=parents,
         )
         return self.model_input
 

@@ -17,8 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loom.runtime.request_normalizer import RequestError
 from loom.runtime.server.common import APIError, ServerState
-from loom.runtime.tokenizer_manager import RequestError
 
 logger = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from loom.runtime.request_normalizer import RequestError
 from loom.runtime.server import tools as T
 from loom.runtime.server.protocol import ChatCompletionRequest, NamedToolChoice, TextPart
 from loom.runtime.server.reasoning import ReasoningParser, think_regex
-from loom.runtime.tokenizer_manager import RequestError
 
 logger = logging.getLogger(__name__)
 

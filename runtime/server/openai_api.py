@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from loom.runtime.io_struct import GenerateReqInput
+from loom.runtime.request_normalizer import RequestError
 from loom.runtime.sampling_params import SamplingParams
 from loom.runtime.server.chat import ReplyParser, ToolPlan, constrain, render_messages
 from loom.runtime.server.common import APIError, JSONOut, ServerState
@@ -31,7 +32,6 @@ from loom.runtime.server.protocol import (
     CompletionRequest,
     _SamplingExtras,
 )
-from loom.runtime.tokenizer_manager import RequestError
 
 router = APIRouter()
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import re
 import uuid
 from functools import lru_cache
 
-from loom.runtime.tokenizer_manager import RequestError
+from loom.runtime.request_normalizer import RequestError
 from loom.runtime.tool_formats import (
     ALIASES,
     FORMATS,

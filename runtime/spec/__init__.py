@@ -140,11 +140,11 @@ class HeadDrafter(Drafter):
 
     def worth_verifying(self, reqs: list, drafts: list) -> bool:
         if all(
-            isinstance(d, list) and (not d or getattr(r, "draft_source", None) == "ngram")
+            isinstance(d, list) and (not d or r.draft_source == "ngram")
             for r, d in zip(reqs, drafts)
         ):  # n-gram chains only (constrained requests the head skips): the speculator's cut
             return self.lookup.ngram.worth_verifying(reqs, drafts)
-        expected = [getattr(r, "draft_expected", 0.0) if d else 0.0 for r, d in zip(reqs, drafts)]
+        expected = [r.draft_expected if d else 0.0 for r, d in zip(reqs, drafts)]
         return self.gate.worth(expected, max(map(len, drafts)))
 
     def _head_capture(self, on: bool) -> None:
@@ -170,7 +170,7 @@ class HeadDrafter(Drafter):
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted, req.draft_forced)
-        if getattr(req, "draft_source", None) == "free":
+        if req.draft_source == "free":
             self.gate.record(drafted, accepted)
         self.lookup.on_verified(req, drafted, accepted, self.runner.last_model_seconds)
 

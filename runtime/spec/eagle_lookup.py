@@ -224,7 +224,7 @@ class ConstrainedLookup:
         """Whether the head runs for `req`: always for a free request; for a constrained one,
         decided at its first draft (`spec_head`) and kept, since the head's KV of a request is
         built by catch-ups from its prompt on (`_head_pays`)."""
-        use = getattr(req, "spec_head", None)
+        use = req.spec_head
         if use is None:
             use = req.spec_head = req.grammar is None or self._head_pays()
         row = req.req_pool_idx
@@ -284,14 +284,14 @@ class ConstrainedLookup:
     def on_verified(self, req, drafted: int, accepted: int, step_seconds: float = 0.0) -> None:
         """Route a verify's outcome to the source that drafted it; `step_seconds`: the
         target's forward time of the verify step (prices the head's time, `_net_gain`)."""
-        source = getattr(req, "draft_source", None)
+        source = req.draft_source
         req.draft_source = None
         if source == "ngram":
             self.ngram.on_verified(req, drafted, accepted)
         elif source == "head":
             _update(self.head_rates, drafted, accepted, req.draft_forced)
         spent = self.head_seconds.pop(req.req_pool_idx, 0.0)
-        if req.grammar is not None and getattr(req, "spec_head", False):
+        if req.grammar is not None and req.spec_head:
             net = _net_gain(source, accepted, getattr(req, "ngram_expected", 0.0), spent,
                             step_seconds)  # fmt: skip
             self.head_gain += GAIN_DECAY * (net - self.head_gain)

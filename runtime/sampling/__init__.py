@@ -1,0 +1,5 @@
+"""Sampling by job: `info` (the per-row state a step samples with, built on the CPU), `params`
+(its per-row parameter tensors, reused across steps), `rng` (counter-based noise),
+`penalties` (bias, penalties, bans and the grammar mask on the logits), `verify` (target
+distribution, draft acceptance and tree walks), `logprobs`. `grammar_rows` fills mask rows
+from grammar objects; `runtime/sampler.py` composes them into a step's sampling."""
