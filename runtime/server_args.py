@@ -106,6 +106,7 @@ class ServerArgs:
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 1_000_000
     speculative_disable_by_batch_size: int = 8
+    speculative_verify_cost: str = "auto"  # auto | measure | bundled | a JSON path (spec/cost.py)
     # EAGLE / EAGLE3 (runtime/spec/eagle*.py): chains (topk 1) through the chain verify path
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None
@@ -399,6 +400,12 @@ class ServerArgs:
             self.speculative_disable_by_batch_size >= 1,
             "speculative_disable_by_batch_size",
             f"must be >= 1, got {self.speculative_disable_by_batch_size}",
+        )
+        vc = self.speculative_verify_cost
+        need(
+            vc in ("auto", "measure", "bundled") or Path(vc).is_file(),
+            "speculative_verify_cost",
+            f"must be auto, measure, bundled or an existing JSON file, got {vc!r}",
         )
 
     def _validate_eagle(self, need) -> None:
@@ -737,6 +744,7 @@ _HELP = {
     "speculative_draft_model_path": "EAGLE / EAGLE3 head folder (published EAGLE layout, or one written by python -m loom.train_eagle), or a Medusa heads folder (published Medusa-1 layout, or train_eagle --medusa); default: the head(s) shipped for the bundled model",
     "speculative_num_steps": "EAGLE draft steps per verify (default: num_draft_tokens - 1, else 5 for a chain, 4 for a tree)",
     "speculative_eagle_topk": "EAGLE branching per draft step: 1 = chains; k > 1 = EAGLE-2 dynamic trees (the top-k children of the k best nodes per level, reranked by cumulative draft probability; --speculative-num-draft-tokens nodes kept)",
+    "speculative_verify_cost": "A verify step's cost beyond a decode step, which prices n-gram drafts: auto (the bundled model's fit for small models, else measured for this model at start-up and cached under ~/.cache/loom/spec_cost), measure, bundled, or a JSON file from bench_verify_cost --write",
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
     "tp_size": "Tensor-parallel degree: one scheduler process per rank (gloo on CPU, NCCL on CUDA)",
     "ep_size": "Expert-parallel degree for MoE models: divides tp_size, or shards experts over ep_size ranks with tp_size 1",
