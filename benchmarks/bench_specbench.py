@@ -105,7 +105,8 @@ def _ids(x) -> list[int]:
 
 
 def server_kwargs(args, spec: bool) -> dict:
-    kw = {"dtype": args.dtype, "max_running_requests": max(16, max(args.batch_list))}
+    kw = {"dtype": args.dtype, "max_running_requests": max(16, max(args.batch_list)),
+          "max_total_tokens": args.max_total_tokens}  # fmt: skip
     if spec:
         kw["speculative_algorithm"] = args.algorithm
         if args.draft:
@@ -238,6 +239,9 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="--speculative-draft-model-path (heads)")
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-total-tokens", type=int, default=16384,
+                    help="KV cache tokens a side (the default pool, 2 GiB a scheduler for "
+                         "SmolLM2, got runs OOM-killed on a shared machine)")  # fmt: skip
     ap.add_argument("--quantization", default=None, help="--quantization of both sides (gguf)")
     ap.add_argument("--verify-cost", default="auto", help="--speculative-verify-cost")
     ap.add_argument("--spec-arg", action="append", default=[],

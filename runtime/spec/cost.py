@@ -101,7 +101,7 @@ def _prompt(i: int, vocab: int, n: int = 96) -> list[int]:
     return [10 + (i * 131 + k * 17) % span for k in range(n)]
 
 
-def measure(sched, batches=(1, 3, 6), drafts=(3, 7), steps: int = 8):
+def measure(sched, batches=(1, 3, 6), drafts=(3, 7), steps: int = 10):
     """The cost table of `sched`'s model, measured on `sched` itself. Per batch size B: B
     requests (synthetic prompts) decode, and consecutive steps alternate decode and each
     draft length (the drafter swapped for FixedDrafter cells, restored after), so a load
