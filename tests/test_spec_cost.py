@@ -85,6 +85,7 @@ def test_measured_at_start_up_once_then_read_from_the_cache(llama, tmp_path, mon
         measured = sched.decode.drafter.cost
         assert isinstance(measured, cost.VerifyCost) and measured.source == "measured at start-up"
         assert sched.is_idle and sched.tree_cache.total_size() == 0
+        assert sched.step() == []  # no output of the measurement's requests is left
         files = list(tmp_path.glob("*.json"))
         assert len(files) == 1 and cost.VerifyCost.load(files[0]).coef == measured.coef
         prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
