@@ -68,10 +68,11 @@ def spec_category(row: dict) -> str:
 
 
 def load_questions(
-    path: Path, per_category: int, categories=CATEGORIES
+    path: Path, per_category: int, categories=CATEGORIES, heldout: bool = False
 ) -> list[tuple[str, str, int]]:
     """[(category, first-turn text, question id)]: `per_category` evenly spaced rows of each
-    of `categories` in file order."""
+    of `categories` in file order. `heldout`: the rows half a spacing later instead (none of
+    them a timed row of the same `per_category`: drafting choices are made on these)."""
     if not path.is_file():
         raise SystemExit(f"--questions: no such file {path} (Spec-Bench's question.jsonl)")
     by_cat: dict[str, list[dict]] = {c: [] for c in CATEGORIES}
@@ -86,7 +87,7 @@ def load_questions(
             raise SystemExit(f"--per-category: {cat} has {len(rows)} questions")
         step = len(rows) / per_category
         for k in range(per_category):
-            row = rows[int(k * step)]
+            row = rows[int((k + 0.5 * heldout) * step)]
             out.append((cat, row["turns"][0], row["question_id"]))
     return out
 
@@ -104,13 +105,22 @@ def _ids(x) -> list[int]:
 
 
 def server_kwargs(args, spec: bool) -> dict:
-    kw = {"dtype": args.dtype, "max_running_requests": max(16, max(args.batch_list))}
+    kw = {"dtype": args.dtype, "max_running_requests": max(16, max(args.batch_list)),
+          "max_total_tokens": args.max_total_tokens}  # fmt: skip
     if spec:
         kw["speculative_algorithm"] = args.algorithm
         if args.draft:
             kw["speculative_draft_model_path"] = args.draft
         if args.num_draft_tokens:
             kw["speculative_num_draft_tokens"] = args.num_draft_tokens
+        kw["speculative_verify_cost"] = args.verify_cost
+        for item in args.spec_arg:  # NAME=VALUE, a speculative_* server argument
+            name, _, value = item.partition("=")
+            if not name.startswith("speculative_"):
+                raise SystemExit(f"--spec-arg: {name!r} is not a speculative_* server argument")
+            kw[name] = int(value) if value.lstrip("-").isdigit() else value
+    if args.quantization:
+        kw["quantization"] = args.quantization
     return kw
 
 
@@ -229,6 +239,15 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="--speculative-draft-model-path (heads)")
     ap.add_argument("--num-draft-tokens", type=int, default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-total-tokens", type=int, default=16384,
+                    help="KV cache tokens a side (the default pool, 2 GiB a scheduler for "
+                         "SmolLM2, got runs OOM-killed on a shared machine)")  # fmt: skip
+    ap.add_argument("--quantization", default=None, help="--quantization of both sides (gguf)")
+    ap.add_argument("--verify-cost", default="auto", help="--speculative-verify-cost")
+    ap.add_argument("--spec-arg", action="append", default=[],
+                    help="NAME=VALUE: a speculative_* server argument of the on side")  # fmt: skip
+    ap.add_argument("--heldout", action="store_true",
+                    help="the held-out rows (tuning), not the timed ones (load_questions)")  # fmt: skip
     ap.add_argument("--label", default=None, help="the model's name in the output")
     ap.add_argument("--plot", default=None, help="write the plot here (png)")
     ap.add_argument("--json-out", default=None, help="write the figures here")
@@ -236,8 +255,8 @@ def main() -> None:
     args.batch_list = [int(b) for b in args.batches.split(",")]
     if args.per_category < 1 or args.rounds < 1:
         ap.error("--per-category and --rounds must be >= 1")
-    if not Path(args.model, "config.json").is_file():
-        ap.error(f"--model: {args.model} has no config.json")
+    if not (Path(args.model, "config.json").is_file() or args.model.endswith(".gguf")):
+        ap.error(f"--model: {args.model} is neither a folder with config.json nor a .gguf")
 
     import torch
 
@@ -251,13 +270,15 @@ def main() -> None:
     cats = tuple(args.categories.split(","))
     if not set(cats) <= set(CATEGORIES):
         ap.error(f"--categories: each must be one of {CATEGORIES}")
-    qs = load_questions(args.questions, args.per_category, cats)
+    qs = load_questions(args.questions, args.per_category, cats, args.heldout)
     jobs = [(cat, _ids(chat_ids(tok, text)), params, qid) for cat, text, qid in qs]
     warm = [(_ids(chat_ids(tok, t)), {"max_new_tokens": args.warmup_tokens}) for t in WARMUP]
     check_distinct([tuple(ids) for _, ids, _, _ in jobs])
     disable_by = ServerArgs().speculative_disable_by_batch_size
     print(
-        f"bench_specbench: {label} ({args.dtype}), {args.algorithm}, {len(jobs)} Spec-Bench "
+        f"bench_specbench: {label} ({args.dtype}, {args.quantization or 'unquantized'}), "
+        f"{args.algorithm} {' '.join(args.spec_arg)} verify cost {args.verify_cost}, "
+        f"{len(jobs)} Spec-Bench {'held-out ' if args.heldout else ''}"
         f"prompts ({args.per_category} per category), max {args.max_new_tokens} new tokens, "
         f"greedy, torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}",
         flush=True,

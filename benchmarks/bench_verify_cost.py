@@ -11,6 +11,12 @@ decode step, a + b_ B + c d + e B d (the form of `extra_cost`), beside the model
 
     python benchmarks/bench_verify_cost.py [--rounds 3] [--batches 1,2,4,6,8] [--drafts 3,7]
         [--model DIR]   # another model folder, e.g. SmolLM2 (the fit is the bundled model's)
+        [--quantization gguf] [--write [PATH]]
+
+`--write`: save the fit where a server with `--speculative-verify-cost auto` reads it for
+this model and these settings (runtime/spec/cost.py, under ~/.cache/loom/spec_cost), or to
+PATH (then `--speculative-verify-cost PATH`). A server measures its own at start-up when
+there is none (a shorter measurement than this one).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,17 +33,8 @@ from loom.runtime.io_struct import TokenizedGenerateReq
 from loom.runtime.sampling_params import make_sampling_params
 from loom.runtime.scheduler.scheduler import Scheduler
 from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
-from loom.runtime.spec import Drafter
-
-
-class FixedDrafter(Drafter):
-    """Drafts `n` copies of one token every step (verified whatever its expected gain)."""
-
-    def __init__(self, n: int, token: int = 7):
-        self.n, self.token = n, token
-
-    def draft(self, req, room: int, free_drafts: bool = True) -> list[int]:
-        return [self.token] * min(self.n, room) if free_drafts else []
+from loom.runtime.spec import cost as spec_cost
+from loom.runtime.spec.cost import FixedDrafter
 
 
 def step_ms(sched: Scheduler, batch: int, steps: int = 12) -> tuple[float, list[float]]:
@@ -84,12 +82,16 @@ def main() -> None:
     ap.add_argument("--batches", default="1,2,4,6,8")
     ap.add_argument("--drafts", default="3,7")
     ap.add_argument("--model", default=None, help="a model folder (default: the bundled model)")
+    ap.add_argument("--quantization", default=None, help="--quantization of both schedulers")
+    ap.add_argument("--write", nargs="?", const="", default=None,
+                    help="save the fit (no PATH: the cache `--speculative-verify-cost auto` reads)")  # fmt: skip
     args = ap.parse_args()
     model = args.model or BUNDLED_MODEL_PATH
     torch.set_num_threads(ServerArgs().effective_cpu_threads)
     batches = [int(b) for b in args.batches.split(",")]
     drafts = [int(d) for d in args.drafts.split(",")]
-    make = lambda: Scheduler(ServerArgs(model_path=model, dtype="float32"))  # noqa: E731
+    sargs = ServerArgs(model_path=model, dtype="float32", quantization=args.quantization)
+    make = lambda: Scheduler(sargs)  # noqa: E731
     off, on = make(), make()
     name = "bundled model" if args.model is None else args.model
     print(f"{name}, torch threads {torch.get_num_threads()}, loadavg {os.getloadavg()}")
@@ -118,33 +120,39 @@ def main() -> None:
         )
         print(f"  its C forward's matmul / attention CPU ms: {parts}")
     print(f"loadavg {os.getloadavg()}")
-    fit(
+    coef = fit(
         [
             (b, d, statistics.median(ms[(b, d)]) / statistics.median(ms[(b, 0)]) - 1)
             for b in batches
             for d in drafts
         ]
     )
+    if args.write is not None and coef is not None:
+        path = args.write or spec_cost.cache_path(sargs)
+        src = f"bench_verify_cost {args.rounds} rounds, loadavg {os.getloadavg()[0]:.1f}"
+        spec_cost.save(spec_cost.VerifyCost(coef, src), Path(path))
+        print(f"wrote {path}")
 
 
-def fit(cells: list[tuple[int, int, float]]) -> None:
+def fit(cells: list[tuple[int, int, float]]):
     """Least-squares a + b_ B + c d + e B d over (batch, drafts, cost beyond a decode step)
-    cells, printed with each cell's fit and `speculator.extra_cost`'s value."""
-    import numpy as np
-
+    cells, printed with each cell's fit and `speculator.extra_cost`'s value; the coefficients
+    (None: too few cells)."""
     from loom.runtime.spec.speculator import extra_cost
 
-    if len({b for b, _, _ in cells}) < 2 or len({d for _, d, _ in cells}) < 2:
-        print("fit: needs two batch sizes and two draft lengths at least")
-        return
-    x = np.array([[1.0, b, d, b * d] for b, d, _ in cells])
-    y = np.array([c for _, _, c in cells])
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    try:
+        coef = spec_cost.fit(cells)
+    except ValueError as e:
+        print(e)
+        return None
+    x = [[1.0, b, d, b * d] for b, d, _ in cells]
     terms = zip(coef, ("", " B", " d", " B d"))
     print("fit of the cost beyond a decode step: " + " + ".join(f"{v:.3f}{n}" for v, n in terms))
-    for (b, d, c), f in zip(cells, x @ coef):
+    for (b, d, c), row in zip(cells, x):
+        f = sum(u * v for u, v in zip(row, coef))
         model = extra_cost(b, d)
         print(f"  batch {b}, {d} drafts: measured {c:.2f}, fit {f:.2f}, extra_cost {model:.2f}")
+    return coef
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ class ServerArgs(ServerArgsValidation):
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 1_000_000
     speculative_disable_by_batch_size: int = 8
+    speculative_verify_cost: str = "auto"  # auto | measure | bundled | a JSON path (spec/cost.py)
     # EAGLE / EAGLE3 (runtime/spec/eagle*.py): chains (topk 1) through the chain verify path
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None

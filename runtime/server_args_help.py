@@ -47,6 +47,7 @@ SERVER_HELP = {
     "speculative_draft_model_path": "EAGLE / EAGLE3 head folder (published EAGLE layout, or one written by python -m loom.train_eagle), or a Medusa heads folder (published Medusa-1 layout, or train_eagle --medusa); default: the head(s) shipped for the bundled model",
     "speculative_num_steps": "EAGLE draft steps per verify (default: num_draft_tokens - 1, else 5 for a chain, 4 for a tree)",
     "speculative_eagle_topk": "EAGLE branching per draft step: 1 = chains; k > 1 = EAGLE-2 dynamic trees (the top-k children of the k best nodes per level, reranked by cumulative draft probability; --speculative-num-draft-tokens nodes kept)",
+    "speculative_verify_cost": "A verify step's cost beyond a decode step, which prices n-gram drafts: auto (the bundled model's fit for small models, else measured for this model at start-up and cached under ~/.cache/loom/spec_cost), measure, bundled, or a JSON file from bench_verify_cost --write",
     "speculative_disable_by_batch_size": "Decode batches of this many requests or more draft only grammar-forced text (measured: docs/benchmarks.md)",
     "tp_size": "Tensor-parallel degree: one scheduler process per rank (gloo on CPU, NCCL on CUDA)",
     "ep_size": "Expert-parallel degree for MoE models: divides tp_size, or shards experts over ep_size ranks with tp_size 1",

@@ -3,6 +3,8 @@ naming the field (`need(cond, name, why)`)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from loom.runtime.env import env_flag
 from loom.runtime.server_args_choices import (
     ATTENTION_BACKENDS,
@@ -279,6 +281,12 @@ class ServerArgsValidation:
             self.speculative_disable_by_batch_size >= 1,
             "speculative_disable_by_batch_size",
             f"must be >= 1, got {self.speculative_disable_by_batch_size}",
+        )
+        vc = self.speculative_verify_cost
+        need(
+            vc in ("auto", "measure", "bundled") or Path(vc).is_file(),
+            "speculative_verify_cost",
+            f"must be auto, measure, bundled or an existing JSON file, got {vc!r}",
         )
 
     def _validate_eagle(self, need) -> None:

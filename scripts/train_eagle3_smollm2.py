@@ -19,6 +19,15 @@
 
 Each stage is skipped when its output exists (delete the file to redo it); training resumes
 from `work/head/checkpoint.pt`.
+
+Expected time (SmolLM2-135M f32, one thread of an idle 2-core machine; estimated from the
+loaded run in docs/benchmarks.md, "EAGLE-3 head for SmolLM2", whose processes got ~10% of a
+core): stage 1 ~1.1 s of CPU a prompt (512: ~10 min); stage 2 ~8 ms an answer token at batch
+16 (512 x 192 tokens: ~13 min); stage 3 ~15 s of CPU a training step of 4 x 128-token rows,
+twice that at `--seq-len` 256 (512 answers ~ 100k tokens ~ 400 rows of 256: ~100 steps, ~50
+min an epoch, ~2.5 h for 3 epochs), plus the held-out evaluation each epoch (continuations
+made once with a KV cache; the accepted length: one target pass a prompt). Each stage draws a
+progress bar with its ETA; `--minutes` caps stage 3.
 """
 
 from __future__ import annotations

@@ -96,3 +96,30 @@ def test_bad_flags_are_refused_by_name(argv, match, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--target", "t", "--data", "d", "--out", "o", *argv])
     assert match in capsys.readouterr().err
+
+
+def test_heldout_greedy_continuations_with_a_kv_cache_equal_whole_sequence_passes(llama):
+    """`greedy_generate` (the held-out continuations the accepted length is measured on)
+    extends one row at a time over a KV cache: its tokens equal a whole-sequence pass per
+    token (the uncached way) on the tiny llama, to the length cap and through an eos."""
+    from loom.runtime.model_loader import load_config
+    from loom.runtime.spec.eagle_unroll import target_pass
+    from loom.runtime.spec.head_training import greedy_generate
+
+    model = load_model(llama, torch.float32, "cpu", load_config(llama))
+
+    def uncached(prompt, n, eos):
+        seq = list(prompt)
+        for _ in range(n):
+            logits, _ = target_pass(model, torch.tensor([seq]), None)
+            seq.append(int(logits[0, -1].argmax()))
+            if seq[-1] in eos:
+                break
+        return seq
+
+    with torch.no_grad():
+        for prompt in ([5, 6, 7, 8, 9, 10], [100, 3, 42, 7]):
+            want = uncached(prompt, 16, set())
+            assert greedy_generate(model, prompt, 16, set()) == want
+            eos = {want[len(prompt) + 5]}  # the 6th new token (or an earlier equal one) ends it
+            assert greedy_generate(model, prompt, 16, eos) == uncached(prompt, 16, eos)

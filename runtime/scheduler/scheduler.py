@@ -97,6 +97,13 @@ class Scheduler:
         self.decode_timing: dict[int, list] = {}
         self._last_log = 0.0
         self._last_spec_log = time.monotonic()
+        if drafter is not None and args.speculative_algorithm:
+            # the verify cost table of this model (measured here, or cached: spec/cost.py)
+            from loom.runtime.spec.cost import resolve
+
+            cost = resolve(args, self)
+            if cost is not None:
+                drafter.set_verify_cost(cost)
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[ReqOutput]:

@@ -87,6 +87,11 @@ class Drafter(ABC):
         """`req` finished: let the drafter learn its last tokens."""
         return None
 
+    def set_verify_cost(self, cost) -> bool:
+        """Price verify steps by `cost` (a `cost.VerifyCost`: extra decode steps by batch and
+        draft length, measured for this model). False: this drafter has no cost model."""
+        return False
+
     def summary(self) -> dict:
         return {}
 
@@ -114,6 +119,13 @@ class HeadDrafter(Drafter):
 
     inner: Any  # the target's inner model (capture_layers / captured)
     runner: Any  # the target's ModelRunner (its forward time prices the head's)
+
+    def set_verify_cost(self, cost) -> bool:
+        self.gate.set_cost(cost)
+        lookup = getattr(self.lookup, "ngram", None)
+        if lookup is not None:
+            lookup.set_verify_cost(cost)
+        return True
 
     def _capture(self, layers) -> None:
         """What the target's next forward keeps (`capture_layers`). Set as a plain attribute:

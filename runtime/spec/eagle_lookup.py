@@ -110,6 +110,11 @@ class HeadGate:
         self.probe = False  # a probe: two steps enabled, their drafts verified whatever the gain
         self.probe_left = 0
 
+    def set_cost(self, cost) -> None:
+        """The verify cost table measured for this model (`cost.VerifyCost`)."""
+        self.cost = cost
+        self._memo.clear()
+
     @property
     def rates(self) -> list[float]:
         """Acceptance per draft position of the head's free drafts (read-only: `record` and

@@ -82,14 +82,46 @@ def eval_prompts(rows, tokenizer, n: int, max_len: int = 96) -> list[list[int]]:
 
 
 def greedy_generate(model, prompt: list[int], n: int, eos: set[int]) -> list[int]:
+    """prompt + the target's greedy continuation (at most n tokens, to an eos), with a KV
+    cache: the prompt is one extend, then each token an extend of one row over the cached
+    prefix (the old whole-sequence pass per token cost O(length^2) rows: minutes a prompt
+    for SmolLM2)."""
     import torch
 
-    from loom.runtime.spec.eagle_unroll import target_pass
+    from loom.runtime.attention.torch_backend import TorchAttnBackend
+    from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context
+    from loom.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
+    from loom.runtime.models.llama import head_dim_of
 
-    seq = list(prompt)
-    for _ in range(n):
-        logits, _ = target_pass(model, torch.tensor([seq]), None)
-        nxt = int(logits[0, -1].argmax())
+    cfg = model.config
+    total = len(prompt) + n
+    dtype = next(model.parameters()).dtype
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    kv = TokenToKVPool(total + 1, cfg.num_hidden_layers, kv_heads, head_dim_of(cfg), dtype, "cpu")
+    rows = ReqToTokenPool(1, total, "cpu")
+    rows.req_to_token[0] = torch.arange(1, total + 1)  # slot 0 is the pool's padding slot
+    seq, fed = list(prompt), 0
+    while len(seq) < total:
+        start, end = fed, len(seq)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.tensor(seq[start:end]),
+            positions=torch.arange(start, end),
+            out_cache_loc=torch.arange(start + 1, end + 1),
+            req_pool_indices=torch.tensor([0]),
+            seq_lens=torch.tensor([end]),
+            seq_lens_cpu=[end],
+            prefix_lens_cpu=[start],
+            req_to_token_pool=rows,
+            token_to_kv_pool=kv,
+            attn_backend=TorchAttnBackend(),
+            logits_indices=torch.tensor([end - start - 1]),
+        )
+        batch.attn_backend.init_forward_metadata(batch)
+        with forward_context(batch):
+            logits = model(batch.input_ids, batch.positions)
+        fed = end
+        nxt = int(logits[-1].argmax())
         seq.append(nxt)
         if nxt in eos:
             break

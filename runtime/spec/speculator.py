@@ -15,8 +15,10 @@ A request drafts the positions whose chance is at least TOKEN_COST, and its expe
 is the sum of those chances (+1 per forced token). A verify step costs more than a decode
 step for the whole batch, growing with the batch size and the draft length (one draft
 already switches each request's attention to the multi-row path; every further row costs
-like a prefill row); `extra_cost` models that cost, fitted to `benchmarks/bench_verify_cost.py`
-(the measured table: docs/benchmarks.md, "Figures moved out of module docstrings").
+like a prefill row); `extra_cost` is the bundled model's fit of that cost
+(`benchmarks/bench_verify_cost.py`; docs/benchmarks.md, "Figures moved out of module
+docstrings"), and a larger model's is measured for it (`cost.py`, `set_verify_cost`: on
+SmolLM2-135M a 7-token verify costs half the decode steps the bundled fit charges).
 The batch verifies when the gains of all its requests pay b x extra_cost (b tokens per
 decode step), else the step decodes plainly. Every PROBE_EVERY steps a request drafts its
 full length, verified whatever its expected gain, to re-measure. Decode batches of
@@ -104,6 +106,16 @@ class NgramSpeculator(Drafter):
         # a greedy chain's grammar rows are left to the sampler (`_walk_grammar`); the step's
         # plan holds the grammar objects then, so only where no other rank receives it
         self.lazy_rows = args.world_size == 1
+        # the verify cost table (`set_verify_cost`); None: the bundled fit, `extra_cost`
+        self.cost = None
+
+    def set_verify_cost(self, cost) -> bool:
+        self.cost = cost
+        return True
+
+    def _extra(self, batch_size: int, longest: int) -> float:
+        # looked up per call: tests replace the module's `extra_cost`
+        return (self.cost or extra_cost)(batch_size, longest)
 
     def enabled_for(self, batch_size: int) -> bool:
         # the step's drafting requests share one learning budget (`_learn_finished`)
@@ -353,7 +365,7 @@ class NgramSpeculator(Drafter):
         if any(g is None for g in gains) or any(math.isinf(x) for g in gains for x in g):
             # a tree, or a probe (drafted in full whatever it is expected to earn)
             gain = sum(r.spec_state.expected for r, d in zip(reqs, drafts) if d)
-            return gain >= b * extra_cost(b, longest)
+            return gain >= b * self._extra(b, longest)
         by_pos = [0.0] * longest
         for g in gains:
             for j, x in enumerate(g):
@@ -361,7 +373,7 @@ class NgramSpeculator(Drafter):
         best, best_d, total = -1e-9, 0, 0.0
         for d in range(1, longest + 1):
             total += by_pos[d - 1]
-            value = total - b * extra_cost(b, d)
+            value = total - b * self._extra(b, d)
             if value > best:
                 best, best_d = value, d
         if best_d == 0:
