@@ -86,9 +86,21 @@ def question(person: str) -> str:
     return f"Question: In which city does {person} live?\nAnswer: {person} lives in the city of"
 
 
+TIERS = ("l1", "l2", "l3")
+
+
+def tier_hits(engine) -> dict[str, int]:
+    info = engine.get_server_info()
+    return {t: info.get(f"hicache_{t}_hit_tokens", 0) for t in TIERS}
+
+
 def phase(engine, prompts: list[str], cities: list[str]) -> dict:
+    before = tier_hits(engine)
     res = [ask(engine, p) for p in prompts]
+    after = tier_hits(engine)
     return {
+        "tiers": {t: (after[t] - before[t]) / len(res) for t in TIERS},
+        "cached": statistics.mean(r["cached"] for r in res),
         "ttft_p50": statistics.median(r["ttft"] for r in res),
         "prefilled": statistics.mean(r["prefilled"] for r in res),
         "accuracy": sum(c in r["text"] for r, c in zip(res, cities)) / len(res),
@@ -173,6 +185,45 @@ def main() -> None:
     )
     print(f"greedy answers of (b) and (c) identical to (a) on its {k} questions: {same}")
     print("sample answers (c):", rows["(c) CAG from L3 after restart"]["answers"][:3])
+    print("hicache hit tokens per question by tier (server counters over each phase):")
+    for name, r in rows.items():
+        print(f"  {name}: " + ", ".join(f"{t}={v:.0f}" for t, v in r["tiers"].items()))
+    print(f"end: {common.loadavg()}")
+    out = plot(rows, f"bench_cag: {label}, {doc_tokens}-token document, {common.loadavg()}")
+    if out is not None:
+        print(f"plot: {out}")
+
+
+def plot(rows: dict, title: str) -> Path | None:
+    """docs/img/cag_ttft.png: TTFT p50 per way (log scale) and the prompt tokens per question
+    split into prefilled and cached."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(rows)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a.bar(range(len(names)), [rows[n]["ttft_p50"] for n in names], color="tab:blue")
+    a.set_yscale("log")
+    a.set_ylabel("TTFT p50 (s, log)")
+    for ax in (a, b):
+        ax.set_xticks(range(len(names)), [n.split(" ", 1)[1] for n in names], rotation=15)
+    bottom = [0.0] * len(names)
+    for label_, key, color in (("prefilled", "prefilled", "tab:red"),
+                               ("cached (prefix hit)", "cached", "tab:green")):  # fmt: skip
+        vals = [rows[n][key] for n in names]
+        b.bar(range(len(names)), vals, bottom=bottom, label=label_, color=color)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    b.set_ylabel("prompt tokens per question")
+    b.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = common.IMG_DIR / "cag_ttft.png"
+    fig.savefig(path, dpi=110)
+    return path
 
 
 if __name__ == "__main__":
