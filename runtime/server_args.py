@@ -41,6 +41,7 @@ KV_CACHE_DTYPES_NOT_YET = ("fp8_e5m2", "fp8_e4m3", "fp4_e2m1")
 # hierarchical KV cache (radix/hicache.py), SGLang's names
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 HICACHE_STORAGE_BACKENDS = ("file", "redis")
+HICACHE_L2_DTYPES = ("exact", "bf16", "int8")
 # --quantization: weight-only quantization of a float checkpoint at load (model_loader)
 QUANTIZATIONS = ("int8", "int4", "gguf")
 
@@ -138,6 +139,9 @@ class ServerArgs:
     hicache_storage_backend: str | None = None  # None: no L3
     hicache_storage_dir: str | None = None  # file backend; None: ~/.cache/loom/hicache
     hicache_storage_url: str | None = None  # redis backend; None: redis://127.0.0.1:6379/0
+    hicache_l2_dtype: str = "exact"  # how L2/L3 hold pages: exact (pool dtype), bf16, int8
+    hicache_sync_loads: bool = False  # read L3 on the scheduler thread at admission
+    hicache_storage_size: float = 0.0  # GB cap of the file tier (LRU files out); 0: none
 
     # Process layout
     skip_tokenizer_init: bool = False
@@ -297,7 +301,16 @@ class ServerArgs:
             "hicache_write_policy",
             f"must be one of {HICACHE_WRITE_POLICIES}, got {self.hicache_write_policy!r}",
         )
+        need(
+            self.hicache_l2_dtype in HICACHE_L2_DTYPES,
+            "hicache_l2_dtype",
+            f"must be one of {HICACHE_L2_DTYPES}, got {self.hicache_l2_dtype!r}",
+        )
         backend = self.hicache_storage_backend
+        need(self.hicache_storage_size >= 0, "hicache_storage_size",
+             f"must be >= 0, got {self.hicache_storage_size}")  # fmt: skip
+        need(self.hicache_storage_size == 0 or backend == "file", "hicache_storage_size",
+             "needs --hicache-storage-backend file (size Redis with its maxmemory)")  # fmt: skip
         need(
             backend is None or backend in HICACHE_STORAGE_BACKENDS,
             "hicache_storage_backend",
@@ -678,6 +691,8 @@ class ServerArgs:
                 kwargs["choices"] = CPU_FORWARD_MODES
             if f.name == "hicache_write_policy":
                 kwargs["choices"] = HICACHE_WRITE_POLICIES
+            if f.name == "hicache_l2_dtype":
+                kwargs["choices"] = HICACHE_L2_DTYPES
             aliases = ["--model"] if f.name == "model_path" else []  # SGLang's alias
             parser.add_argument(flag, *aliases, **kwargs)
 
@@ -760,6 +775,9 @@ _HELP = {
     "hicache_storage_backend": "L3 backend: file (memory-mapped files under --hicache-storage-dir) or redis (a Redis/Valkey server at --hicache-storage-url, shared by replicas); default none",
     "hicache_storage_dir": "Directory of the file backend (default ~/.cache/loom/hicache)",
     "hicache_storage_url": "URL of the redis backend (default redis://127.0.0.1:6379/0)",
+    "hicache_l2_dtype": "How L2 and L3 hold KV pages: exact (the KV pool's dtype: greedy outputs identical to the hierarchy off), bf16 (half an f32 pool's bytes) or int8 with per-page scales (a quarter); the compact forms change logits slightly (benchmarks/bench_hicache_l2.py)",
+    "hicache_sync_loads": "Read L3 pages on the scheduler thread when a request is admitted (every running request's step waits for the read); default: a loader thread reads them while the request waits in the queue",
+    "hicache_storage_size": "GB cap of the file tier: past it the least recently used page files are deleted; 0: no cap",
     "skip_tokenizer_init": "Take and return token ids only",
     "watchdog_timeout": "Seconds the runtime may go without answering while requests wait before it is declared stuck (the server then exits)",
     "max_batch_request": "Most generations one request body may expand to (prompts x n)",
