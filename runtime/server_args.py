@@ -777,7 +777,7 @@ _HELP = {
     "hicache_storage_url": "URL of the redis backend (default redis://127.0.0.1:6379/0)",
     "hicache_l2_dtype": "How L2 and L3 hold KV pages: exact (the KV pool's dtype: greedy outputs identical to the hierarchy off), bf16 (half an f32 pool's bytes) or int8 with per-page scales (a quarter); the compact forms change logits slightly (benchmarks/bench_hicache_l2.py)",
     "hicache_sync_loads": "Read L3 pages on the scheduler thread when a request is admitted (every running request's step waits for the read); default: a loader thread reads them while the request waits in the queue",
-    "hicache_storage_size": "GB cap of the file tier: past it the least recently used page files are deleted; 0: no cap",
+    "hicache_storage_size": "GB cap of the file tier's page files: past it the least recently used are deleted (pin records are kept); zero means no cap",
     "skip_tokenizer_init": "Take and return token ids only",
     "watchdog_timeout": "Seconds the runtime may go without answering while requests wait before it is declared stuck (the server then exits)",
     "max_batch_request": "Most generations one request body may expand to (prompts x n)",

@@ -508,21 +508,22 @@ def test_compact_l2_holds_more_tokens_and_serves_hits(model, tmp_path, l2_dtype,
     """The same GB of L2 holds `ratio` x the tokens; L2 hits, then L3 hits after a restart,
     come from compact pages. Outputs are not asserted equal to the hierarchy off: the form is
     lossy by design, and benchmarks/bench_hicache_l2.py measures the drift."""
-    from loom.radix.pages import _HEADER
+    from loom.radix.pages import _HEADER, PageCodec
 
-    kw = dict(max_total_tokens=400, enable_hierarchical_cache=True, hicache_size=1)
-    cap = make_scheduler(model, **kw).get_state()["hicache_l2_capacity_tokens"]
-    big = make_scheduler(model, hicache_l2_dtype=l2_dtype, **kw)
-    assert big.get_state()["hicache_l2_capacity_tokens"] >= ratio * cap
-    first = _file_sched(model, tmp_path, hicache_l2_dtype=l2_dtype, hicache_ratio=3.0)
-    assert first.get_state()["hicache_l2_dtype"] == l2_dtype
+    first = _file_sched(model, tmp_path, hicache_l2_dtype=l2_dtype, hicache_size=1)  # 1 GB
+    cache, state = first.tree_cache, first.get_state()
+    exact_bytes = PageCodec("exact", cache.dtype, cache.page_shape).page_bytes
+    exact_cap = 10**9 // exact_bytes * cache.block
+    assert state["hicache_l2_dtype"] == l2_dtype
+    assert state["hicache_l2_capacity_tokens"] >= ratio * exact_cap
     res = _run(first, _workload())
     assert [r.cached_tokens for r in res[TENANTS:]] == [128] * (2 * TENANTS)
     assert first.get_state()["hicache_l2_hit_tokens"] == 128 * 2 * TENANTS
     first.tree_cache.flush_writes()
     codec = first.tree_cache.codec
     files = list((tmp_path / "kv").glob("*/*"))
-    assert len(files) == 4 * TENANTS  # the exact form's keys differ: nothing else is there
+    # each tenant's 4 prefix pages, and each request's 5th (prefix end + its own tail)
+    assert len(files) == 4 * TENANTS + len(res)
     assert {f.stat().st_size for f in files} == {_HEADER.size + codec.page_bytes}
     second = _file_sched(model, tmp_path, hicache_l2_dtype=l2_dtype)
     res = _run(second, _workload()[:TENANTS])
