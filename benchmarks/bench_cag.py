@@ -86,14 +86,30 @@ def question(person: str) -> str:
     return f"Question: In which city does {person} live?\nAnswer: {person} lives in the city of"
 
 
-def phase(engine, prompts: list[str], cities: list[str]) -> dict:
+TIERS = ("l1", "l2", "l3")
+
+
+def tier_hits(engine) -> dict[str, int]:
+    info = engine.get_server_info()
+    return {t: info.get(f"hicache_{t}_hit_tokens", 0) for t in TIERS}
+
+
+def phase(engine, prompts: list[str], cities: list[str], name: str = "") -> dict:
+    before = tier_hits(engine)
     res = [ask(engine, p) for p in prompts]
-    return {
+    after = tier_hits(engine)
+    out = {
+        "tiers": {t: (after[t] - before[t]) / len(res) for t in TIERS},
+        "cached": statistics.mean(r["cached"] for r in res),
         "ttft_p50": statistics.median(r["ttft"] for r in res),
         "prefilled": statistics.mean(r["prefilled"] for r in res),
         "accuracy": sum(c in r["text"] for r, c in zip(res, cities)) / len(res),
         "answers": [r["text"] for r in res],
     }
+    print(f"phase done: {name} TTFT p50 {out['ttft_p50']:.3f} s, prefilled "
+          f"{out['prefilled']:.0f}, accuracy {out['accuracy']:.0%}, {common.loadavg()}",
+          flush=True)  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -130,7 +146,8 @@ def main() -> None:
         top = bm25.get_top_n(q.lower().replace("?", " ").split(), [t for t, _, _ in kb], n=3)
         rag_prompts.append("".join(top) + "\n" + q)
     storage = args.storage_dir or tempfile.mkdtemp(prefix="loom-cag-")
-    common_args = dict(dtype="float32", max_total_tokens=4 * doc_tokens, context_length=8192,
+    # the document and a question's worth of room: a bigger pool only costs memory
+    common_args = dict(dtype="float32", max_total_tokens=doc_tokens + 2048, context_length=8192,
                        chunked_prefill_size=512, watchdog_timeout=1800)  # fmt: skip
     hi = dict(common_args, enable_hierarchical_cache=True, hicache_storage_backend="file",
               hicache_storage_dir=storage)  # fmt: skip
@@ -142,17 +159,20 @@ def main() -> None:
     with Engine(path, disable_radix_cache=True, **common_args) as e:
         ask(e, rag_prompts[0])  # warm-up
         k = args.no_cache_questions or args.questions
-        rows["(a) no cache"] = phase(e, cag_prompts[:k], cities[:k])
-        rows["(d) RAG top-3 BM25"] = phase(e, rag_prompts, cities)
+        rows["(a) no cache"] = phase(e, cag_prompts[:k], cities[:k], "(a) no cache")
+        rows["(d) RAG top-3 BM25"] = phase(e, rag_prompts, cities, "(d) RAG top-3 BM25")
     with Engine(path, **hi) as e:
         t0 = time.perf_counter()
         pinned = e.pin_prefix("kb", text=doc)
         pin_s = time.perf_counter() - t0
-        rows["(b) CAG from L1"] = phase(e, cag_prompts, cities)
+        print(f"pinned {pinned['tokens']} tokens in {pin_s:.2f} s", flush=True)
+        rows["(b) CAG from L1"] = phase(e, cag_prompts, cities, "(b) CAG from L1")
     with Engine(path, **hi) as e:  # a restart: the pin comes back from the files
         info = e.get_server_info()
         restore = (info["hicache_load_seconds"], info["hicache_l3_hit_tokens"])
-        rows["(c) CAG from L3 after restart"] = phase(e, cag_prompts, cities)
+        rows["(c) CAG from L3 after restart"] = phase(
+            e, cag_prompts, cities, "(c) CAG from L3 after restart"
+        )
         e.unpin_prefix("kb")
 
     print(f"pin_prefix: {pinned['tokens']} tokens pinned in {pin_s:.2f} s (one full prefill)")
@@ -173,6 +193,45 @@ def main() -> None:
     )
     print(f"greedy answers of (b) and (c) identical to (a) on its {k} questions: {same}")
     print("sample answers (c):", rows["(c) CAG from L3 after restart"]["answers"][:3])
+    print("hicache hit tokens per question by tier (server counters over each phase):")
+    for name, r in rows.items():
+        print(f"  {name}: " + ", ".join(f"{t}={v:.0f}" for t, v in r["tiers"].items()))
+    print(f"end: {common.loadavg()}")
+    out = plot(rows, f"bench_cag: {label}, {doc_tokens}-token document, {common.loadavg()}")
+    if out is not None:
+        print(f"plot: {out}")
+
+
+def plot(rows: dict, title: str) -> Path | None:
+    """docs/img/cag_ttft.png: TTFT p50 per way (log scale) and the prompt tokens per question
+    split into prefilled and cached."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(rows)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a.bar(range(len(names)), [rows[n]["ttft_p50"] for n in names], color="tab:blue")
+    a.set_yscale("log")
+    a.set_ylabel("TTFT p50 (s, log)")
+    for ax in (a, b):
+        ax.set_xticks(range(len(names)), [n.split(" ", 1)[1] for n in names], rotation=15)
+    bottom = [0.0] * len(names)
+    for label_, key, color in (("prefilled", "prefilled", "tab:red"),
+                               ("cached (prefix hit)", "cached", "tab:green")):  # fmt: skip
+        vals = [rows[n][key] for n in names]
+        b.bar(range(len(names)), vals, bottom=bottom, label=label_, color=color)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    b.set_ylabel("prompt tokens per question")
+    b.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = common.IMG_DIR / "cag_ttft.png"
+    fig.savefig(path, dpi=110)
+    return path
 
 
 if __name__ == "__main__":

@@ -10,8 +10,14 @@ warmed up first); before each timed run the cache is flushed (L1 and L2), so eve
 cold. Prints per system: hit rate (cached / prompt tokens), requests/s, and the median
 per-round ratios with their range; checks the greedy outputs are identical.
 
+With --storage-dir (a file L3) each timed run starts with L1 and L2 empty and every page in
+the files, so each tenant's first request reads L3; --sync-compare adds a third engine, the
+same hierarchy with --hicache-sync-loads, and prints the step stall of both: the seconds the
+scheduler thread spent loading lower tiers' pages (hicache_load_seconds: every running
+request's step waits for them), beside the loader thread's read time (overlapped).
+
     python benchmarks/bench_hicache.py [--model bundled|PATH] [--rounds 3] [--tenants 8]
-        [--prefix 512] [--requests 96] [--concurrency 4] [--storage-dir DIR]
+        [--prefix 512] [--requests 96] [--concurrency 4] [--storage-dir DIR [--sync-compare]]
 """
 
 from __future__ import annotations
@@ -35,8 +41,14 @@ def workload(vocab: int, tenants: int, prefix: int, n: int, seed: int = 0) -> li
     return [heads[t] + [rng.randrange(10, vocab) for _ in range(16)] for t in order]
 
 
+def _load_stats(engine) -> tuple[float, float]:
+    info = engine.get_server_info()
+    return info.get("hicache_load_seconds", 0.0), info.get("hicache_prefetch_seconds", 0.0)
+
+
 def run(engine, prompts: list[list[int]], concurrency: int) -> dict:
     assert engine.flush_cache(), "flush_cache refused"
+    load0, pre0 = _load_stats(engine)
     sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     out = []
     t0 = time.perf_counter()
@@ -44,12 +56,15 @@ def run(engine, prompts: list[list[int]], concurrency: int) -> dict:
         wave = prompts[i : i + concurrency]
         out += engine.generate(input_ids=wave, sampling_params=[sp] * len(wave))
     seconds = time.perf_counter() - t0
+    load1, pre1 = _load_stats(engine)
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in out)
     cached = sum(o["meta_info"]["cached_tokens"] for o in out)
     return {
         "seconds": seconds,
         "rps": len(prompts) / seconds,
         "hit": cached / prompt,
+        "stall": load1 - load0,  # scheduler-thread seconds in load_back
+        "overlapped": pre1 - pre0,  # loader-thread seconds reading L3
         "ids": [o["output_ids"] for o in out],
     }
 
@@ -63,6 +78,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--storage-dir", default=None, help="also give the hierarchy a file L3")
+    ap.add_argument("--sync-compare", action="store_true",
+                    help="add the hierarchy with --hicache-sync-loads (needs --storage-dir)")  # fmt: skip
     args = ap.parse_args()
 
     from loom.runtime.engine import Engine
@@ -80,6 +97,9 @@ def main() -> None:
         f"{args.requests} requests, {args.concurrency} at a time"
     )
     engines = {"one-tier": Engine(path, **base), "hierarchical": Engine(path, **hi)}
+    if args.sync_compare:
+        assert args.storage_dir, "--sync-compare needs --storage-dir"
+        engines["hierarchical sync-loads"] = Engine(path, **hi, hicache_sync_loads=True)
     try:
         vocab = engines["one-tier"].get_server_info()["vocab_size"]
         prompts = workload(vocab, args.tenants, args.prefix, args.requests)
@@ -90,14 +110,21 @@ def main() -> None:
             args.rounds,
         )
         one, two = res["one-tier"], res["hierarchical"]
-        assert all(a["ids"] == b["ids"] for a, b in zip(one, two)), "greedy outputs differ"
+        for runs in list(res.values())[1:]:
+            assert all(a["ids"] == b["ids"] for a, b in zip(one, runs)), "greedy outputs differ"
         info = engines["hierarchical"].get_server_info()
-        print("| system | hit rate | requests/s (median) |")
-        print("|---|---|---|")
+        print("| system | hit rate | requests/s | step stall: load s on the scheduler thread "
+              "| L3 reads on the loader thread, s | (medians per run) |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
         for name, runs in res.items():
-            hit = statistics.median(r["hit"] for r in runs)
-            rps = statistics.median(r["rps"] for r in runs)
-            print(f"| {name} | {hit:.1%} | {rps:.2f} |")
+            med = {k: statistics.median(r[k] for r in runs) for k in
+                   ("hit", "rps", "stall", "overlapped")}  # fmt: skip
+            print(f"| {name} | {med['hit']:.1%} | {med['rps']:.2f} | {med['stall']:.3f} "
+                  f"| {med['overlapped']:.3f} | |")  # fmt: skip
+        if args.sync_compare:
+            print("step stall, sync / overlapped loads: " + common.fmt_ratio(
+                [r["stall"] for r in res["hierarchical sync-loads"]],
+                [max(r["stall"], 1e-9) for r in two]))  # fmt: skip
         hit_ratio = [b["hit"] / max(a["hit"], 1e-9) for a, b in zip(one, two)]
         print(f"hit rate ratio: {statistics.median(hit_ratio):.2f}x "
               f"(range {min(hit_ratio):.2f}-{max(hit_ratio):.2f})")  # fmt: skip

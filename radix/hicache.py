@@ -2,9 +2,11 @@
 
 - L1: the KV pool the model reads (the tree's slots, as in RadixCache).
 - L2: host memory, `HostTier`, an LRU of pages holding `--hicache-ratio` x L1's tokens (or
-  `--hicache-size` GB). Pages are stored in the pool's own dtype: bit-exact copies, so a
-  prefix served from L2 or L3 gives the very logits a recompute-free L1 hit gives, and greedy
-  outputs never depend on which tier held the KV.
+  `--hicache-size` GB). By default pages are stored in the pool's own dtype: bit-exact copies,
+  so a prefix served from L2 or L3 gives the very logits a recompute-free L1 hit gives, and
+  greedy outputs never depend on which tier held the KV. `--hicache-l2-dtype bf16|int8`
+  (pages.PageCodec) stores them compactly instead (2x / ~4x an f32 pool's tokens per GB), an
+  opt-in that trades exactness for capacity (lossless when the pool is bf16 and L2 bf16).
 - L3: a `StorageBackend` (radix/storage.py: files or a Redis server), shared by restarts and
   replicas; written by a background thread so the scheduler never waits on it.
 
@@ -13,6 +15,13 @@ model, the KV format and every token before. Write policy (`--hicache-write-poli
 `write_through` stores each page into L2 and L3 when the tree first caches it; `write_back`
 copies a page to L2 only when L1 evicts it, and to L3 only when L2 evicts it. Either way an
 evicted page is kept, never dropped (only the tail past a leaf's last whole page is).
+
+Overlapped loads (`prefetch`, default; `--hicache-sync-loads` turns it off): a waiting
+request whose prefix continues in L3 past what L1 and L2 hold gets a loader-thread job that
+reads, checks and stages those pages into L2; the request waits in the queue ("loading")
+while the scheduler runs other requests, and is admitted once the job is done, when
+`load_back` finds the pages in L2 (a memory copy). Reading L3 on the scheduler thread (the
+sync mode, and pins) stalls every running request's step for the read.
 
 Loading (`load_back`, asked by KVManager at admission): after the L1 match, the following
 pages are looked up in L2, then L3, stopping at the first miss; the hits get L1 slots (the
@@ -40,7 +49,7 @@ import torch
 
 from loom.radix.base import AllocatorLike, ReqLike, ReqToTokenPoolLike
 from loom.radix.cache import RadixCache
-from loom.radix.pages import decode_page, encode_page, page_keys, root_hash
+from loom.radix.pages import PageCodec, decode_page, encode_page, page_keys, root_hash
 from loom.radix.storage import StorageBackend
 from loom.radix.tree import TreeNode
 
@@ -93,6 +102,21 @@ class HostTier:
         self.pages.clear()
 
 
+class Prefetch:
+    """One waiting request's L3 read, done by the loader thread: `keys` in prefix order; it
+    stops at the first page missing, bad (listed in `bad`) or failing (`error`)."""
+
+    __slots__ = ("keys", "pages", "bad", "error", "seconds", "done")
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = keys
+        self.pages: list[tuple[bytes, torch.Tensor, int]] = []  # (key, stored page, bytes)
+        self.bad: bytes | None = None
+        self.error: Exception | None = None
+        self.seconds = 0.0
+        self.done = threading.Event()
+
+
 class HiRadixCache(RadixCache):
     """RadixCache whose evictions go to L2/L3 and whose matches can be extended from them."""
 
@@ -109,6 +133,9 @@ class HiRadixCache(RadixCache):
         host_tokens: int,
         storage: StorageBackend | None,
         write_policy: str = "write_through",
+        l2_dtype: str = "exact",
+        host_bytes: int = 0,
+        overlap_loads: bool = True,
     ) -> None:
         super().__init__(req_to_token_pool, token_to_kv_pool_allocator, page_size)
         assert write_policy in WRITE_POLICIES, write_policy
@@ -120,6 +147,9 @@ class HiRadixCache(RadixCache):
         self.page_shape = (2, len(kv_pool.k_buffers), self.block, *k0.shape[1:])
         self.dtype = k0.dtype
         self.identity = identity
+        self.codec = PageCodec(l2_dtype, self.dtype, self.page_shape)
+        if host_bytes > 0:  # a byte budget holds more tokens in a compact form
+            host_tokens = host_bytes // self.codec.page_bytes * self.block
         self.host = HostTier(host_tokens, self.block)
         self.storage = storage
         self.write_policy = write_policy
@@ -131,17 +161,23 @@ class HiRadixCache(RadixCache):
         self.stats = dict.fromkeys(
             ("l1_hit_tokens", "l2_hit_tokens", "l3_hit_tokens", "l2_write_bytes",
              "l3_write_bytes", "l2_read_bytes", "l3_read_bytes", "loads", "load_seconds",
-             "corrupt_pages", "storage_errors"), 0)  # fmt: skip
+             "corrupt_pages", "storage_errors", "prefetches", "prefetch_seconds"), 0)  # fmt: skip
         self._writes: queue.Queue | None = None
+        self._loads: queue.Queue | None = None
+        self._from_l3: set[bytes] = set()  # L2 pages a prefetch read from L3, not yet used
         if storage is not None:
             self._writes = queue.Queue()
             threading.Thread(target=self._writer, name="hicache-writer", daemon=True).start()
+            if overlap_loads:
+                self._loads = queue.Queue()
+                threading.Thread(target=self._loader, name="hicache-loader", daemon=True).start()
 
     # ---------------------------------------------------------------- keys and copies
     def _root(self, extra_key) -> bytes:
         root = self._roots.get(extra_key)
         if root is None:
-            root = root_hash(self.identity, self.dtype, self.page_shape, self.block, extra_key)
+            fmt = f"{self.dtype}{self.codec.tag}" if self.codec.tag else self.dtype
+            root = root_hash(self.identity, fmt, self.page_shape, self.block, extra_key)
             self._roots[extra_key] = root
         return root
 
@@ -193,7 +229,7 @@ class HiRadixCache(RadixCache):
             if in_l2 and not need_l3:
                 continue
             lo = (first + i) * b
-            kv = self._gather(slots[lo : lo + b])
+            kv = self.codec.pack(self._gather(slots[lo : lo + b]))
             if not in_l2:
                 self._host_put(key, kv)
             if need_l3:
@@ -202,6 +238,7 @@ class HiRadixCache(RadixCache):
     def _host_put(self, key: bytes, kv: torch.Tensor) -> None:
         self.stats["l2_write_bytes"] += kv.numel() * kv.element_size()
         for old, old_kv in self.host.put(key, kv):
+            self._from_l3.discard(old)
             if self.write_policy == "write_back" and old not in self._in_l3:
                 self._queue_write(old, old_kv)
 
@@ -247,15 +284,75 @@ class HiRadixCache(RadixCache):
         _, data = self._storage_call(self.storage.get, "kv:" + key.hex())
         if data is None:
             return None
-        kv = decode_page(key, data, self.page_shape, self.dtype)
+        kv = decode_page(key, data, self.codec.stored_shape, self.codec.stored_dtype)
         if kv is None:  # truncated, corrupt or not this page: never used, recomputed
-            self.stats["corrupt_pages"] += 1
-            self._storage_call(self.storage.delete, "kv:" + key.hex())
-            self._in_l3.discard(key)
+            self._drop_bad(key)
             return None
         self.stats["l3_read_bytes"] += len(data)
         self._in_l3.add(key)
         return kv
+
+    def _drop_bad(self, key: bytes) -> None:
+        self.stats["corrupt_pages"] += 1
+        self._storage_call(self.storage.delete, "kv:" + key.hex())
+        self._in_l3.discard(key)
+
+    # ---------------------------------------------------------------- overlapped loads
+    def prefetch(self, key: Sequence[int], extra_key) -> Prefetch | None:
+        """Start reading, on the loader thread, the L3 pages of `key` past what L1 and L2
+        hold; None when there is nothing to read (or loads are not overlapped)."""
+        if self._loads is None or time.monotonic() < self._down_until:
+            return None
+        key = list(key)
+        n1 = len(self.tree.match_prefix(key, extra_key).indices)
+        usable = len(key) // self.block * self.block
+        keys = page_keys(self._root(extra_key), key[:usable], self.block, start=n1 // self.block)
+        i = 0
+        while i < len(keys) and keys[i] in self.host:
+            i += 1
+        if i == len(keys):
+            return None
+        job = Prefetch(keys[i:])
+        self.stats["prefetches"] += 1
+        self._loads.put(job)
+        return job
+
+    def _loader(self) -> None:
+        """Reads and checks pages only: every cache structure is the scheduler thread's."""
+        while True:
+            job = self._loads.get()
+            t0 = time.perf_counter()
+            for k in job.keys:
+                try:
+                    data = self.storage.get("kv:" + k.hex())
+                except Exception as e:  # reported by finish_prefetch, a miss here
+                    job.error = e
+                    break
+                if data is None:
+                    break
+                stored = decode_page(k, data, self.codec.stored_shape, self.codec.stored_dtype)
+                if stored is None:
+                    job.bad = k
+                    break
+                job.pages.append((k, stored, len(data)))
+            job.seconds = time.perf_counter() - t0
+            job.done.set()
+
+    def finish_prefetch(self, job: Prefetch) -> None:
+        """On the scheduler thread, once `job.done`: its pages enter L2 (load_back counts
+        them as L3 hits), a bad page is deleted, an error pauses the backend."""
+        self.stats["prefetch_seconds"] += job.seconds
+        for k, stored, n in job.pages:
+            self.stats["l3_read_bytes"] += n
+            self._in_l3.add(k)
+            self._from_l3.add(k)
+            self._host_put(k, stored)
+        if job.bad is not None:
+            self._drop_bad(job.bad)
+        if job.error is not None:
+            self.stats["storage_errors"] += 1
+            self._down_until = time.monotonic() + RETRY_S
+            logger.warning("hicache storage %s failed: %s", self.storage.name, job.error)
 
     # ---------------------------------------------------------------- tree hooks
     def _path(self, node: TreeNode) -> tuple[list[int], torch.Tensor]:
@@ -316,6 +413,9 @@ class HiRadixCache(RadixCache):
         tiers: list[int] = []
         for k in page_keys(self._root(extra_key), key[:usable], self.block, start=first):
             kv, tier = self.host.get(k), 2
+            if kv is not None and k in self._from_l3:
+                self._from_l3.discard(k)
+                tier = 3
             if kv is None and self.storage is not None:
                 kv, tier = self._l3_get(k), 3
             if kv is None:
@@ -331,12 +431,13 @@ class HiRadixCache(RadixCache):
         self.tree.dec_lock_ref(match.last_node)
         if slots is None:
             return 0
-        kv = torch.cat(found, dim=2)[:, :, n1 - first * self.block :]
+        kv = torch.cat([self.codec.unpack(f) for f in found], dim=2)
+        kv = kv[:, :, n1 - first * self.block :]
         self._scatter(slots, kv)
         present = self.tree.insert(key[:end], torch.cat([match.indices, slots]), extra_key)
         if present > n1:  # cannot happen single-threaded; keep the ownership rule anyway
             self.token_to_kv_pool_allocator.free(slots[: present - n1])
-        page_bytes = found[0].numel() * found[0].element_size()
+        page_bytes = self.codec.page_bytes
         self.stats["l2_read_bytes"] += tiers.count(2) * page_bytes
         for i, tier in enumerate(tiers):  # the first page may be partly in L1 already
             got = self.block - (n1 - first * self.block if i == 0 else 0)
@@ -427,4 +528,9 @@ class HiRadixCache(RadixCache):
         s["hicache_l2_capacity_tokens"] = self.host.capacity
         s["hicache_pinned_tokens"] = sum(n for _, n in self.pins.values())
         s["hicache_storage_backend"] = self.storage.name if self.storage is not None else None
+        s["hicache_l2_dtype"] = self.codec.name
+        s["hicache_overlap_loads"] = self._loads is not None
+        if self.storage is not None and getattr(self.storage, "max_bytes", 0) > 0:
+            s["hicache_storage_bytes"] = self.storage.stored_bytes
+            s["hicache_storage_evicted_pages"] = self.storage.evicted
         return s

@@ -10,6 +10,13 @@ so a key names the model (weights, config), the storage format and every token b
 the page: a page can never be served to another model, another format or another prefix, and
 two replicas (or a restarted server) computing the same prefix find each other's pages.
 
+How L2 and L3 hold a page (`PageCodec`, `--hicache-l2-dtype`): `exact`, the pool's own dtype
+(bit-exact: greedy outputs never depend on the tier); `bf16` (half of an f32 pool's bytes;
+lossless, hence `exact`, when the pool is bf16 already); `int8` with one float32 scale per
+(K or V, layer, kv head) of each page (a quarter of f32). The lossy forms are opt-in: a prefix
+loaded from them gives slightly different logits (measured in benchmarks/bench_hicache_l2.py).
+The stored form is part of the root hash, so an exact page and a bf16 one never share a key.
+
 Stored form: a fixed header (magic, key, dtype, shape, payload length, payload checksum) and
 the payload, K then V of every layer, `[2, layers, block, kv_heads, head_dim]`. `decode_page`
 rejects a page whose header, key, length or checksum is wrong: the caller recomputes it.
@@ -27,7 +34,7 @@ import torch
 
 MAGIC = b"LOOMKV01"
 _HEADER = struct.Struct("<8s16sB5IQ16s")  # magic, key, dtype, 5 dims, payload bytes, checksum
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8]  # codes: append only
 DIGEST = 16
 
 
@@ -67,6 +74,65 @@ def page_keys(root: bytes, tokens: Sequence[int], block: int, start: int = 0) ->
         if i >= start:
             keys.append(prev)
     return keys
+
+
+L2_DTYPES = ("exact", "bf16", "int8")
+
+
+class PageCodec:
+    """Packs a page `[2, layers, block, kv_heads, head_dim]` of the pool's dtype into its
+    stored form and back. `tag` enters the page keys ("" for exact: keys as before)."""
+
+    def __init__(self, name: str, pool_dtype: torch.dtype, page_shape: tuple):
+        if name not in L2_DTYPES:
+            raise ValueError(f"hicache_l2_dtype: {name!r} must be one of {L2_DTYPES}")
+        if name == "bf16" and pool_dtype == torch.bfloat16:
+            name = "exact"  # the same bytes: share the exact pages' keys
+        self.name = name
+        self.pool_dtype = pool_dtype
+        self.page_shape = tuple(page_shape)
+        two, layers, _, heads, _ = self.page_shape
+        self._scale_shape = (two, layers, 1, heads, 1)
+        n = 1
+        for d in self.page_shape:
+            n *= d
+        if name == "exact":
+            self.stored_dtype, self.stored_shape = pool_dtype, self.page_shape
+        elif name == "bf16":
+            self.stored_dtype, self.stored_shape = torch.bfloat16, self.page_shape
+        else:  # float32 scales then int8 values, as one byte row (5 dims for the header)
+            self._n_scale_bytes = two * layers * heads * 4
+            self.stored_dtype = torch.uint8
+            self.stored_shape = (1, 1, 1, 1, self._n_scale_bytes + n)
+        self.tag = "" if name == "exact" else f"->{name}"
+        self.page_bytes = self.stored_dtype.itemsize
+        for d in self.stored_shape:
+            self.page_bytes *= d
+
+    @property
+    def lossless(self) -> bool:
+        return self.name == "exact"
+
+    def pack(self, kv: torch.Tensor) -> torch.Tensor:
+        if self.name == "exact":
+            return kv
+        if self.name == "bf16":
+            return kv.to(torch.bfloat16)
+        x = kv.float()
+        scale = x.abs().amax(dim=(2, 4), keepdim=True).clamp_min(1e-12) / 127.0
+        q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+        return torch.cat([scale.reshape(-1).view(torch.uint8), q.reshape(-1).view(torch.uint8)]
+                         ).view(self.stored_shape)  # fmt: skip
+
+    def unpack(self, stored: torch.Tensor) -> torch.Tensor:
+        if self.name == "exact":
+            return stored
+        if self.name == "bf16":
+            return stored.to(self.pool_dtype)
+        flat = stored.reshape(-1)
+        scale = flat[: self._n_scale_bytes].view(torch.float32).view(self._scale_shape)
+        q = flat[self._n_scale_bytes :].view(torch.int8).view(self.page_shape)
+        return (q.float() * scale).to(self.pool_dtype)
 
 
 def encode_page(key: bytes, kv: torch.Tensor) -> bytes:

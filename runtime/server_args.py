@@ -15,6 +15,7 @@ from loom.runtime.server_args_choices import (
     DTYPES,
     EXECUTOR_BACKENDS,
     GRAMMAR_BACKENDS,
+    HICACHE_L2_DTYPES,
     HICACHE_WRITE_POLICIES,
     LOAD_BALANCE_METHODS,
     MOE_A2A_BACKENDS,
@@ -126,6 +127,9 @@ class ServerArgs(ServerArgsValidation):
     hicache_storage_backend: str | None = None  # None: no L3
     hicache_storage_dir: str | None = None  # file backend; None: ~/.cache/loom/hicache
     hicache_storage_url: str | None = None  # redis backend; None: redis://127.0.0.1:6379/0
+    hicache_l2_dtype: str = "exact"  # how L2/L3 hold pages: exact (pool dtype), bf16, int8
+    hicache_sync_loads: bool = False  # read L3 on the scheduler thread at admission
+    hicache_storage_size: float = 0.0  # GB cap of the file tier (LRU files out); 0: none
 
     # Process layout
     skip_tokenizer_init: bool = False
@@ -291,6 +295,8 @@ class ServerArgs(ServerArgsValidation):
                 kwargs["choices"] = CPU_FORWARD_MODES
             if f.name == "hicache_write_policy":
                 kwargs["choices"] = HICACHE_WRITE_POLICIES
+            if f.name == "hicache_l2_dtype":
+                kwargs["choices"] = HICACHE_L2_DTYPES
             aliases = ["--model"] if f.name == "model_path" else []  # SGLang's alias
             parser.add_argument(flag, *aliases, **kwargs)
 

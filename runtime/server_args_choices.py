@@ -34,5 +34,6 @@ KV_CACHE_DTYPES_NOT_YET = ("fp8_e5m2", "fp8_e4m3", "fp4_e2m1")
 # hierarchical KV cache (radix/hicache.py), SGLang's names
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 HICACHE_STORAGE_BACKENDS = ("file", "redis")
+HICACHE_L2_DTYPES = ("exact", "bf16", "int8")
 # --quantization: weight-only quantization of a float checkpoint at load (model_loader)
 QUANTIZATIONS = ("int8", "int4", "gguf")

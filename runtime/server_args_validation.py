@@ -15,6 +15,7 @@ from loom.runtime.server_args_choices import (
     EAGLE_ALGORITHMS,
     EXECUTOR_BACKENDS,
     GRAMMAR_BACKENDS,
+    HICACHE_L2_DTYPES,
     HICACHE_STORAGE_BACKENDS,
     HICACHE_WRITE_POLICIES,
     KV_CACHE_DTYPES,
@@ -179,7 +180,16 @@ class ServerArgsValidation:
             "hicache_write_policy",
             f"must be one of {HICACHE_WRITE_POLICIES}, got {self.hicache_write_policy!r}",
         )
+        need(
+            self.hicache_l2_dtype in HICACHE_L2_DTYPES,
+            "hicache_l2_dtype",
+            f"must be one of {HICACHE_L2_DTYPES}, got {self.hicache_l2_dtype!r}",
+        )
         backend = self.hicache_storage_backend
+        need(self.hicache_storage_size >= 0, "hicache_storage_size",
+             f"must be >= 0, got {self.hicache_storage_size}")  # fmt: skip
+        need(self.hicache_storage_size == 0 or backend == "file", "hicache_storage_size",
+             "needs --hicache-storage-backend file (size Redis with its maxmemory)")  # fmt: skip
         need(
             backend is None or backend in HICACHE_STORAGE_BACKENDS,
             "hicache_storage_backend",

@@ -201,9 +201,9 @@ def test_page_size_4(model):
 
 
 def _file_sched(model, d, **kw):
+    kw.setdefault("max_total_tokens", 400)
     return make_scheduler(
         model,
-        max_total_tokens=400,
         enable_hierarchical_cache=True,
         hicache_storage_backend="file",
         hicache_storage_dir=str(d),
@@ -451,3 +451,171 @@ def test_pins_need_the_hierarchy(model):
     sched = make_scheduler(model, max_total_tokens=400)
     reply = sched.handle_message(PinReq(1, "pin", "doc", _ids(40, 1)))
     assert not reply.ok and "enable-hierarchical-cache" in reply.message
+
+
+def test_smollm2_greedy_outputs_identical_with_l2_and_l3_hits(real_gguf, tmp_path):
+    """SmolLM2-135M (a real model, GGUF): two tenants' 64-token prefixes through a pool that
+    keeps one and an L2 that keeps one: the third request finds its prefix in the file L3,
+    the fourth in L2; greedy outputs equal the hierarchy off. Four short requests a side
+    (a real model's prefill is the cost here)."""
+    from loom.runtime.tokenizer import load_tokenizer
+
+    path = real_gguf("smollm2")
+    tok = load_tokenizer(path)
+    heads = [tok.encode(f"{t}: notes. " + " ".join(f"Point {i}: {t} matters." for i in range(9)))
+             [:64] for t in ("The lighthouse", "Baking bread")]  # fmt: skip
+    assert all(len(h) == 64 for h in heads) and heads[0][0] != heads[1][0]  # nothing shared
+    prompts = [heads[t] + tok.encode(f" Question {i}:") for i, t in enumerate([0, 1, 0, 1])]
+    off = [r.ids for r in _run(make_scheduler(path, max_total_tokens=128), prompts)]
+    on = _file_sched(path, tmp_path, max_total_tokens=128, hicache_ratio=0.5)
+    res = _run(on, prompts)
+    assert [r.ids for r in res] == off
+    assert [r.cached_tokens for r in res] == [0, 0, 64, 64]
+    state = on.get_state()
+    assert (state["hicache_l3_hit_tokens"], state["hicache_l2_hit_tokens"]) == (64, 64)
+
+
+# ------------------------------------------------------------------------------ compact L2
+def test_compact_l2_codecs_bound_their_error_and_key_their_format():
+    from loom.radix.pages import PageCodec
+
+    kv = torch.randn(2, 3, 32, 2, 8) * torch.tensor([0.1, 5.0]).view(1, 1, 1, 2, 1)
+    exact = PageCodec("exact", torch.float32, kv.shape)
+    bf16 = PageCodec("bf16", torch.float32, kv.shape)
+    int8 = PageCodec("int8", torch.float32, kv.shape)
+    assert torch.equal(exact.unpack(exact.pack(kv)), kv)
+    got = bf16.unpack(bf16.pack(kv))
+    assert got.dtype == torch.float32 and not torch.equal(got, kv)
+    assert ((got - kv).abs() <= kv.abs() * 2**-8).all()  # bf16: 8 significant bits
+    got = int8.unpack(int8.pack(kv))
+    scale = kv.abs().amax(dim=(2, 4), keepdim=True) / 127  # one per (K/V, layer, head)
+    assert ((got - kv).abs() <= scale / 2 + 1e-6).all()
+    assert exact.page_bytes == 2 * bf16.page_bytes
+    assert 3.9 < exact.page_bytes / int8.page_bytes < 4  # int8 plus 12 float32 scales
+    # the stored form is in the key; bf16 of a bf16 pool is the exact form, same keys
+    assert (exact.tag, bf16.tag, int8.tag) == ("", "->bf16", "->int8")
+    assert PageCodec("bf16", torch.bfloat16, kv.shape).name == "exact"
+    with pytest.raises(ValueError, match="^hicache_l2_dtype"):
+        PageCodec("fp4", torch.float32, kv.shape)
+    data = encode_page(b"k" * 16, int8.pack(kv))  # L3 holds the compact form, checked
+    back = decode_page(b"k" * 16, data, int8.stored_shape, int8.stored_dtype)
+    assert torch.equal(int8.unpack(back), got)
+    assert decode_page(b"k" * 16, data, exact.stored_shape, exact.stored_dtype) is None
+
+
+@pytest.mark.parametrize("l2_dtype,ratio", [("bf16", 2.0), ("int8", 3.9)])
+def test_compact_l2_holds_more_tokens_and_serves_hits(model, tmp_path, l2_dtype, ratio):
+    """The same GB of L2 holds `ratio` x the tokens; L2 hits, then L3 hits after a restart,
+    come from compact pages. Outputs are not asserted equal to the hierarchy off: the form is
+    lossy by design, and benchmarks/bench_hicache_l2.py measures the drift."""
+    from loom.radix.pages import _HEADER, PageCodec
+
+    first = _file_sched(model, tmp_path, hicache_l2_dtype=l2_dtype, hicache_size=1)  # 1 GB
+    cache, state = first.tree_cache, first.get_state()
+    exact_bytes = PageCodec("exact", cache.dtype, cache.page_shape).page_bytes
+    exact_cap = 10**9 // exact_bytes * cache.block
+    assert state["hicache_l2_dtype"] == l2_dtype
+    assert state["hicache_l2_capacity_tokens"] >= ratio * exact_cap
+    res = _run(first, _workload())
+    assert [r.cached_tokens for r in res[TENANTS:]] == [128] * (2 * TENANTS)
+    assert first.get_state()["hicache_l2_hit_tokens"] == 128 * 2 * TENANTS
+    first.tree_cache.flush_writes()
+    codec = first.tree_cache.codec
+    files = list((tmp_path / "kv").glob("*/*"))
+    # each tenant's 4 prefix pages, and each request's 5th (prefix end + its own tail)
+    assert len(files) == 4 * TENANTS + len(res)
+    assert {f.stat().st_size for f in files} == {_HEADER.size + codec.page_bytes}
+    second = _file_sched(model, tmp_path, hicache_l2_dtype=l2_dtype)
+    res = _run(second, _workload()[:TENANTS])
+    assert [r.cached_tokens for r in res] == [128] * TENANTS
+    assert second.get_state()["hicache_l3_hit_tokens"] == 128 * TENANTS
+    exact = _file_sched(model, tmp_path)  # an exact L2 over the same files: no compact page
+    (miss,) = _run(exact, _workload()[:1])
+    assert miss.cached_tokens == 0
+
+
+# ------------------------------------------------------------------------------ loads, file cap
+def test_l3_loads_overlap_other_requests(model, tmp_path):
+    """A request whose prefix is in L3 waits in the queue while its pages are read (the read
+    held here until released) and a running request keeps decoding; then it is admitted with
+    the whole prefix. --hicache-sync-loads reads on the scheduler thread (no prefetch)."""
+    import threading
+
+    doc = _ids(200, 7)
+    off = _run(make_scheduler(model, max_total_tokens=400), [doc + [5], _ids(20, 8)], "o")
+    writer = _file_sched(model, tmp_path)
+    _run(writer, [doc + [4]], "w")
+    writer.tree_cache.flush_writes()
+    sched = _file_sched(model, tmp_path)
+    storage = sched.tree_cache.storage
+    gate, real_get = threading.Event(), storage.get
+    storage.get = lambda key: (gate.wait(120), real_get(key))[1]
+    submit(sched, "other", _ids(20, 8), greedy(8))
+    submit(sched, "doc", doc + [5], greedy(8))
+    outs = []
+    for _ in range(200):  # "other" runs to its end meanwhile (prefill + 7 decode steps)
+        outs += sched.step()
+        if not len(sched.decode) and len(sched.prefill.waiting) == 1:
+            break
+    waiting = {r.rid: r for r in sched.prefill.waiting}
+    assert list(waiting) == ["doc"] and sched.kv.loading(waiting["doc"])
+    assert {o.rid for o in outs} == {"other"}
+    gate.set()
+    res = run_all(sched)
+    assert res["doc"].cached_tokens == 192 and res["doc"].ids == off[0].ids
+    state = sched.get_state()
+    assert state["hicache_prefetches"] == 1 and state["hicache_l3_hit_tokens"] == 192
+    sync = _file_sched(model, tmp_path, hicache_sync_loads=True)
+    (hit,) = _run(sync, [doc + [5]], "s")
+    assert hit.cached_tokens == 192 and hit.ids == off[0].ids
+    state = sync.get_state()
+    assert state["hicache_prefetches"] == 0 and state["hicache_overlap_loads"] is False
+
+
+def test_file_tier_size_cap_evicts_least_recently_used_pages(tmp_path):
+    page = b"x" * 1000
+    store = FileStorage(str(tmp_path), max_bytes=3500)
+    for k in ("kv:aa01", "kv:aa02", "kv:aa03"):
+        store.put(k, page)
+    store.put("pin:m:doc", b"{}" * 2000)  # records are not pages: never counted or deleted
+    assert store.get("kv:aa01") == page  # a read makes it the most recent
+    store.put("kv:aa04", page)  # 4000 > 3500: the oldest, aa02, goes
+    assert store.get("kv:aa02") is None and store.evicted == 1
+    assert all(store.exists(k) for k in ("kv:aa01", "kv:aa03", "kv:aa04", "pin:m:doc"))
+    assert store.stored_bytes == 3000
+    time.sleep(0.02)  # distinct mtimes
+    store.get("kv:aa03")
+    # a restart with a smaller cap keeps the most recently used pages (file times)
+    again = FileStorage(str(tmp_path), max_bytes=2000)
+    kept = [k for k in ("kv:aa01", "kv:aa03", "kv:aa04") if again.exists(k)]
+    assert kept == ["kv:aa03", "kv:aa04"]
+    assert again.stored_bytes == 2000
+
+
+def test_file_tier_cap_in_the_runtime(model, tmp_path):
+    """--hicache-storage-size: the scheduler's file tier stays under its cap and outputs hold."""
+    import argparse
+
+    from loom.runtime.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--hicache-storage-size", "0.0002", "--hicache-l2-dtype", "int8",
+                              "--hicache-sync-loads"])  # fmt: skip
+    assert (args.hicache_storage_size, args.hicache_l2_dtype, args.hicache_sync_loads) == (
+        0.0002, "int8", True)  # fmt: skip
+    with pytest.raises(ValueError, match="^hicache_storage_size"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_storage_backend="redis",
+                   hicache_storage_size=1)  # fmt: skip
+    with pytest.raises(ValueError, match="^hicache_l2_dtype"):
+        ServerArgs(enable_hierarchical_cache=True, hicache_l2_dtype="fp8")
+    sched = _file_sched(model, tmp_path, hicache_storage_size=0.0002)  # 200 kB: ~12 pages
+    wl = _workload()
+    res = _run(sched, wl[:TENANTS])
+    sched.tree_cache.flush_writes()
+    total = sum(f.stat().st_size for f in (tmp_path / "kv").glob("*/*"))
+    state = sched.get_state()
+    assert 0 < total <= 200_000 and state["hicache_storage_bytes"] == total
+    assert state["hicache_storage_evicted_pages"] > 0
+    off = make_scheduler(model, max_total_tokens=400)
+    assert [r.ids for r in res] == [r.ids for r in _run(off, wl[:TENANTS])]

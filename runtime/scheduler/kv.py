@@ -25,6 +25,8 @@ import torch
 from loom.runtime.forward_batch import host_tensor
 from loom.runtime.req import Req
 
+_NO_LOAD = object()  # a request `ready` has not looked at yet
+
 
 class KVManager:
     def __init__(self, req_to_token_pool, allocator, tree_cache, page_size: int):
@@ -45,6 +47,30 @@ class KVManager:
         if need > self.allocator.available_size():
             self.tree_cache.evict(need - self.allocator.available_size())
         return self.allocator.alloc(n)
+
+    # ------------------------------------------------------------ overlapped loads
+    def ready(self, req: Req) -> bool:
+        """False while the hierarchical cache's loader thread reads this waiting request's
+        prefix from L3 (radix/hicache.py, `prefetch`): it stays queued, others are scheduled.
+        The job is started on the first call; once done its pages are in L2 for `admit`."""
+        if not self.hierarchical:
+            return True
+        job = req.__dict__.get("_hicache_load", _NO_LOAD)
+        if job is _NO_LOAD:  # first look: start the read (the last token is always computed)
+            job = self.tree_cache.prefetch(req.fill_ids[:-1], req.extra_key)
+            req._hicache_load = job
+        if job is None:
+            return True
+        if not job.done.is_set():
+            return False
+        self.tree_cache.finish_prefetch(job)
+        req._hicache_load = None
+        return True
+
+    def loading(self, req: Req) -> bool:
+        """A read started by `ready` and not finished yet."""
+        job = req.__dict__.get("_hicache_load")
+        return job is not None and job is not _NO_LOAD and not job.done.is_set()
 
     # ------------------------------------------------------------ pinned prefixes (CAG)
     def pin(self, name: str, input_ids: list[int], text: str | None) -> int:

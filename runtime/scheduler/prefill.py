@@ -187,6 +187,8 @@ class PrefillManager:
             self.waiting = holding + order_waiting(fresh, self.policy, self.kv, self.rng)
             in_batch = None if self.kv.tree_cache.disable else InBatchPrefixes(self.kv)
             for req in list(self.waiting):
+                if req.req_pool_idx is None and not self.kv.ready(req):
+                    continue  # its prefix is being read from a lower tier: others go first
                 if in_batch is not None and in_batch.should_defer(req):
                     continue
                 if not adder.add(req):
@@ -200,6 +202,14 @@ class PrefillManager:
         if not adder.can_run:
             return None
         return ScheduleBatch(adder.can_run, is_decode=False)
+
+    def all_loading(self) -> bool:
+        """Every queued request waits for a lower tier's read (nothing to compute now)."""
+        return (
+            self.chunked_req is None
+            and bool(self.waiting)
+            and all(self.kv.loading(r) for r in self.waiting)
+        )
 
     def requeue(self, reqs: list[Req], chunked: Req | None = None) -> None:
         """Put requests back at the front (retracted, or jumped forward: their new tail is

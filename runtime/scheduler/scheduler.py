@@ -178,8 +178,9 @@ class Scheduler:
     def only_waiting_for_grammar(self) -> bool:
         """Nothing to compute, only grammars compiling or KV transfers in flight (the loop
         polls every millisecond instead of spinning)."""
-        waiting = len(self.grammar_queue) > 0 or self._disagg_busy
-        return waiting and not (len(self.prefill) or len(self.decode))
+        loading = self.kv.hierarchical and self.prefill.all_loading()
+        waiting = len(self.grammar_queue) > 0 or self._disagg_busy or loading
+        return waiting and not (len(self.decode) or (len(self.prefill) and not loading))
 
     @property
     def _disagg_busy(self) -> bool:
@@ -439,14 +440,14 @@ def _make_hicache(args: ServerArgs, runner):
     from loom.radix.storage import create_storage
 
     pool = runner.token_to_kv_pool
-    if args.hicache_size > 0:
-        host_tokens = int(args.hicache_size * 1e9) // pool.bytes_per_token()
-    else:
-        host_tokens = int(args.hicache_ratio * runner.allocator.size)
+    host_tokens = int(args.hicache_ratio * runner.allocator.size)
     storage = None
     if args.hicache_storage_backend is not None:
         storage = create_storage(
-            args.hicache_storage_backend, args.hicache_storage_dir, args.hicache_storage_url
+            args.hicache_storage_backend,
+            args.hicache_storage_dir,
+            args.hicache_storage_url,
+            max_bytes=int(args.hicache_storage_size * 1e9),
         )
     config = json.dumps(runner.config.to_dict(), sort_keys=True, default=str)
     return HiRadixCache(
@@ -458,6 +459,9 @@ def _make_hicache(args: ServerArgs, runner):
         host_tokens=host_tokens,
         storage=storage,
         write_policy=args.hicache_write_policy,
+        l2_dtype=args.hicache_l2_dtype,
+        host_bytes=int(args.hicache_size * 1e9),  # 0: host_tokens decides
+        overlap_loads=not args.hicache_sync_loads,
     )
 
 
