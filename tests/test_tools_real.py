@@ -55,13 +55,18 @@ def smollm2_template(path: str) -> str:
 
 def test_format_is_chosen_from_the_model(real_gguf):
     """SmolLM2's own template (from its GGUF) names the model and has no `tools` variable:
-    its calls are the smollm2 format; Gemma 3 by its architecture; a template that writes
+    its calls are the smollm2 format; Gemma 3 (a template without tools) by its architecture
+    read from its GGUF; a template that writes
     <tool_call> blocks itself is qwen25 (Hermes); the flag still wins."""
     template = smollm2_template(real_gguf("smollm2"))
     assert not T.template_uses_tools(template)
     assert T.get_format(None, "llama", template=template).name == "smollm2"
     assert T.get_format(None, "llama", template="<|im_start|>{{ m }}").name == "llama3"
-    assert T.get_format(None, "gemma3_text").name == "gemma3"
+    from loom.runtime.gguf.tokenizer import GEMMA3_CHAT_TEMPLATE
+    from loom.runtime.model_loader import load_config
+
+    gemma = load_config(real_gguf("gemma3-270m")).model_type
+    assert T.get_format(None, gemma, template=GEMMA3_CHAT_TEMPLATE).name == "gemma3"
     hermes = "{% for t in tools %}{{ t }}{% endfor %}<tool_call>\n{{ call }}\n</tool_call>"
     assert T.get_format(None, "llama", template=hermes).name == "qwen25"
     assert T.get_format("llama3", "llama", template=template).name == "llama3"
