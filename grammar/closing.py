@@ -252,10 +252,7 @@ class ClosingGrammar(Grammar):
 
     @property
     def budget_closed(self) -> bool:
-        """Steered, and the document is complete: a budget under the shortest completion is
-        steered too but ends cut, and must not be reported as closed."""
-        q = self._states[-1]
-        return self.steered_at is not None and q >= 0 and bool(self.closer.need[q] == 0)
+        return self.steered_at is not None
 
     def _active(self) -> tuple[int, int] | None:
         """(shadow state, tokens left) when the steering restricts this row, else None."""
