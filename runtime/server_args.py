@@ -39,7 +39,7 @@ class ServerArgs(ServerArgsValidation):
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     chat_template: str | None = None
-    tool_call_parser: str | None = None  # default: from the model type (tools.get_format)
+    tool_call_parser: str | None = None  # default: from the model (tools.get_format)
     reasoning_parser: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"

@@ -62,6 +62,22 @@ FORMATS = {
     "react": ToolFormat(
         "react", "", "", "", "\n", trigger="Action:", react=True, tail="\nObservation:"
     ),
+    # SmolLM2-Instruct's function-calling data (Argilla's Synth-APIGen, xLAM style): one
+    # <tool_call> block holding a JSON list of calls, one call a line (its model card's prompt
+    # and Ollama's template for it write exactly this shape).
+    "smollm2": ToolFormat(
+        "smollm2",
+        "",
+        "arguments",
+        "",
+        ",\n",
+        section_open="<tool_call>[\n",
+        section_close="\n]</tool_call>",
+        trigger="<tool_call>",
+    ),
+    # Gemma 3 has no tool tokens; Google's function-calling guide documents a JSON object
+    # {"name": ..., "parameters": {...}} as the whole reply (its other variant is Python).
+    "gemma3": ToolFormat("gemma3", "", "parameters", "", "\n"),
 }
 ALIASES = {"qwen": "qwen25", "qwen3": "qwen25", "hermes": "qwen25", "llama4": "llama3"}
 PARSER_NAMES = tuple(sorted([*FORMATS, *ALIASES]))

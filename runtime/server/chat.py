@@ -38,7 +38,7 @@ class ToolPlan:
     """What a request's `tools` / `tool_choice` mean: `mode` is "none", "auto", "required" or
     a tool's name; `parse` whether replies are read for calls."""
 
-    def __init__(self, req: ChatCompletionRequest, args):
+    def __init__(self, req: ChatCompletionRequest, args, template: str | None = None):
         self.tools = req.tools or []
         choice = req.tool_choice
         if choice is None:
@@ -64,12 +64,16 @@ class ToolPlan:
         from loom.runtime.server_args import BUNDLED_MODEL_PATH
 
         bundled = Path(args.model_path).resolve() == Path(BUNDLED_MODEL_PATH).resolve()
-        self.fmt = T.get_format(args.tool_call_parser, model_type(args.model_path), bundled)
+        # chosen from the model (its chat template, then its architecture) unless the flag says
+        self.fmt = T.get_format(
+            args.tool_call_parser, model_type(args.model_path), bundled, template
+        )
         T.TRANSLATE_TIMEOUT = args.grammar_compile_timeout
         self.parse = self.mode != "none"
+        self.constrained = req.constrain_tools
 
     def regex(self) -> str | None:
-        if not self.parse:
+        if not self.parse or not self.constrained:
             return None
         return T.tool_regex(self.fmt, self.tools, self.mode, self.parallel)
 
@@ -141,13 +145,8 @@ def render_messages(req: ChatCompletionRequest, plan: ToolPlan, template: str) -
         if m.role == "tool":
             if native:
                 msg["tool_call_id"] = m.tool_call_id
-            elif plan.fmt.react:
-                msg = {"role": "user", "content": f"Observation: {msg['content']}"}
             else:
-                msg = {
-                    "role": "user",
-                    "content": f"<tool_response>\n{msg['content']}\n</tool_response>",
-                }
+                msg = T.tool_result_turn(plan.fmt, msg["content"])
         messages.append(msg)
     extra: dict[str, Any] = {}
     if plan.tools:

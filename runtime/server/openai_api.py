@@ -365,7 +365,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.top_logprobs and not req.logprobs:
         raise RequestError("top_logprobs: requires logprobs to be true")
     include_usage, continuous_usage = _stream_usage(req)
-    plan = ToolPlan(req, state.args)
+    tok = state.tokenizer
+    plan = ToolPlan(req, state.args, state.chat_template or getattr(tok, "chat_template", None))
     reasoning = state.args.reasoning_parser
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

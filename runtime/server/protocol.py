@@ -184,5 +184,8 @@ class ChatCompletionRequest(_SamplingExtras):
     # None (not stated): one call per reply, so a small model is not led into repeating a
     # call; several calls only when a request states true
     parallel_tool_calls: bool | None = None
+    # loom: false sends the tools and parses the reply for calls without the call grammar (how
+    # most engines treat `auto`); a baseline for measuring what the grammar buys
+    constrain_tools: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

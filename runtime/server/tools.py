@@ -7,6 +7,11 @@ A *format* is how a model family writes calls (`--tool-call-parser`, SGLang's na
     llama3   {"name": "f", "parameters": {...}}; {"name": ...}             (the whole reply)
     mistral  [TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]
     react    Action: f\\nAction Input: {...}          (loom's bundled model was trained on it)
+    smollm2  <tool_call>[\\n{"name": "f", "arguments": {...}},\\n...\\n]</tool_call>   (SmolLM2-Instruct)
+    gemma3   {"name": "f", "parameters": {...}}   (Gemma 3's documented JSON style, no tool tokens)
+
+With no flag the format is chosen from the model: its chat template's markers (or the model
+it names), then its architecture (`get_format`).
 
 The formats themselves (and the regex helpers the language's tool grammars share) are in
 runtime/tool_formats.py. `tool_regex` writes the output a request may produce as one regex (every grammar engine takes
@@ -49,11 +54,18 @@ _BY_MODEL_TYPE = {
     "qwen3_moe": "qwen25",
 }
 _BY_MODEL_TYPE |= {"llama": "llama3", "mistral": "mistral", "mixtral": "mistral"}
+_BY_MODEL_TYPE |= {"gemma3": "gemma3", "gemma3_text": "gemma3"}
 
 
-def get_format(parser: str | None, model_type: str | None, bundled: bool = False) -> ToolFormat:
+def get_format(
+    parser: str | None,
+    model_type: str | None,
+    bundled: bool = False,
+    template: str | None = None,
+) -> ToolFormat:
     """The flag's format, else react for the bundled model (what it was trained on), else the
-    model family's, else qwen25 (the documented default)."""
+    one the model's chat template writes or names, else the model family's, else qwen25 (the
+    documented default). The user never has to know the flag for a model loom can recognise."""
     if parser:
         name = ALIASES.get(parser, parser)
         if name not in FORMATS:
@@ -61,7 +73,26 @@ def get_format(parser: str | None, model_type: str | None, bundled: bool = False
         return FORMATS[name]
     if bundled:
         return FORMATS["react"]
+    by_template = format_of_template(template or "")
+    if by_template is not None:
+        return FORMATS[by_template]
     return FORMATS[_BY_MODEL_TYPE.get(model_type or "", "qwen25")]
+
+
+def format_of_template(template: str) -> str | None:
+    """The call format a chat template implies: the markers a tool-aware template writes
+    calls with, or the model a tool-less template names (SmolLM2's ChatML template names
+    "SmolLM" and has no `tools` variable: its calls are taught by a system prompt)."""
+    if template_uses_tools(template):
+        for marker, name in (("<tool_call>", "qwen25"), ("[TOOL_CALLS]", "mistral")):
+            if marker in template:
+                return name
+        if "<|python_tag|>" in template or "<|start_header_id|>" in template:
+            return "llama3"
+        return None
+    if "<|im_start|>" in template and "SmolLM" in template:
+        return "smollm2"
+    return None
 
 
 # --------------------------------------------------------------------------- grammar
@@ -305,10 +336,35 @@ def assemble(events: list[tuple[str, str]]) -> tuple[str, list[dict]]:
 
 # --------------------------------------------------------------------------- prompts
 def tool_system_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
-    """The documented default for templates without a `tools` variable (Qwen2.5's wording;
-    the bundled model's ReAct prompt for the react format)."""
+    """The tool prompt of a template without a `tools` variable: the one the model was taught
+    with where it has one (the bundled model's ReAct prompt, SmolLM2's function-calling prompt,
+    Gemma 3's documented JSON prompt), else the documented default (Qwen2.5's wording)."""
     if fmt.react:
         return react_system_prompt(tools)
+    if fmt.name == "smollm2":
+        listing = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        return (
+            "You are an expert in composing functions. You are given a question and a set of "
+            "possible functions.\nBased on the question, you will need to make one or more "
+            "function/tool calls to achieve the purpose.\nIf none of the functions can be used, "
+            "point it out and refuse to answer.\nIf the given question lacks the parameters "
+            "required by the function, also point it out.\n\n"
+            f"You have access to the following tools:\n<tools>{listing}</tools>\n\n"
+            "The output MUST strictly adhere to the following format, and NO other text MUST be "
+            "included.\nThe example format is as follows. Please make sure the parameter type is "
+            "correct. If no function call is needed, please make the tool calls an empty list "
+            "'[]'.\n<tool_call>[\n"
+            '{"name": "func_name1", "arguments": {"argument1": "value1", "argument2": "value2"}},'
+            "\n... (more tool calls as required)\n]</tool_call>"
+        )
+    if fmt.name == "gemma3":
+        listing = json.dumps([t["function"] for t in tools], ensure_ascii=False, indent=2)
+        return (
+            "You have access to functions. If you decide to invoke any of the function(s), you "
+            'MUST put it in the format of\n{"name": function name, "parameters": dictionary of '
+            "argument name and its value}\n\nYou SHOULD NOT include any other text in the "
+            f"response if you call a function\n{listing}"
+        )
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     example = fmt.render_calls([("<function-name>", "<args-json-object>")])
     return (
@@ -317,6 +373,16 @@ def tool_system_prompt(fmt: ToolFormat, tools: list[dict]) -> str:
         f"<tools>\n{listing}\n</tools>\n\n"
         f"For each function call, write it in this form:\n{example}"
     )
+
+
+def tool_result_turn(fmt: ToolFormat, content: str) -> dict:
+    """A tool's result as the user turn the format's model reads it in (templates without a
+    `tools` variable have no tool role)."""
+    if fmt.react:
+        return {"role": "user", "content": f"Observation: {content}"}
+    if fmt.name == "gemma3":  # the Gemma cookbook's wrapping of a result
+        return {"role": "user", "content": f"```tool_output\n{content}\n```"}
+    return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
 
 
 def template_uses_tools(template: str) -> bool:
