@@ -27,7 +27,7 @@ gguf = pytest.importorskip("gguf")
 
 QTYPES = list(BLOCKS)
 GEMV_MAX = 8  # quant.c: token count up to which "int8" takes the int8 dot products
-I16_MAX = 32  # quant.c: token count up to which "int16" takes the 16-bit kernels
+I16_MAX = 8  # quant.c: token count up to which "int16" takes the 16-bit kernels
 I16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the types with 16-bit kernels ("int16" on others: int8)
 
 

@@ -4,7 +4,7 @@ where no C compiler is found.
 
 Activation handling (`mode`): "int8" quantizes activations per block of 32 (ggml's q8
 activations) and takes integer dot products (AVX-512 VNNI where the CPU has it); "int16"
-(Q8_0 / Q4_0 / Q4_1, up to 32 tokens) quantizes them to 16 bits per block of 32, as two int8
+(Q8_0 / Q4_0 / Q4_1, up to 8 tokens) quantizes them to 16 bits per block of 32, as two int8
 halves and two integer dot products (SmolLM2's top-1 against f32 weights: 100% over 2,000
 tokens, int8's 96.4%), other types taking "int8" in that mode; "f32"
 dequantizes each weight row into L1 and multiplies by FMA, without rounding the activations.
