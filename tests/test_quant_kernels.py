@@ -14,7 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.kernels.quant_ref import dequantize_ref, quantize_act_ref, quantize_ref
+from loom.kernels.quant_ref import (
+    dequantize_ref,
+    quantize_act16_ref,
+    quantize_act_ref,
+    quantize_ref,
+)
 from loom.runtime.layers import quant_ops
 from loom.runtime.layers.quant_types import BLOCKS, QuantizedTensor
 
@@ -22,6 +27,18 @@ gguf = pytest.importorskip("gguf")
 
 QTYPES = list(BLOCKS)
 GEMV_MAX = 8  # quant.c: token count up to which "int8" takes the int8 dot products
+I16_MAX = 8  # quant.c: token count up to which "int16" takes the 16-bit kernels
+I16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the types with 16-bit kernels ("int16" on others: int8)
+
+
+def seen(x: torch.Tensor, qtype: str, mode: str) -> torch.Tensor:
+    """The activations as `mode`'s kernel for `qtype` rounds them at this token count."""
+    t = x.shape[0]
+    if mode == "int16" and qtype in I16_TYPES and t <= I16_MAX:
+        return quantize_act16_ref(x)
+    if mode in ("int8", "int16") and t <= GEMV_MAX:
+        return quantize_act_ref(x)
+    return x
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
@@ -87,20 +104,20 @@ def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("mode", ["f32", "int8"])
+@pytest.mark.parametrize("mode", ["f32", "int8", "int16"])
 def test_matmul_matches_reference(qtype, mode, isa):
     values = BLOCKS[qtype][0]
     for rows, nblocks, seed in ((1, 1, 0), (7, 3, 1), (45, 2, 2)):
         cols = nblocks * values
         qt = random_blocks(qtype, rows, cols, seed)
         w = dequantize_ref(qt.qtype, qt.data, qt.shape)
-        for t in (*range(1, 9), 13, 64):
+        for t in (*range(1, 9), 13, 32, 33, 64):
             x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
             bias = torch.randn(rows) if t % 2 else None
             y = quant_ops.matmul(qt, x, bias, mode=mode, isa=isa)
-            # int8 (decode, T <= GEMV_MAX): the kernel sees the activations rounded per block
-            # of 32, as the reference does; larger T runs the f32 kernel in either mode
-            ref = (quantize_act_ref(x) if mode == "int8" and t <= GEMV_MAX else x) @ w.T
+            # int8 / int16 (decode): the kernel sees the activations rounded per block of 32,
+            # as the reference does; larger T runs the f32 kernel in every mode
+            ref = seen(x, qtype, mode) @ w.T
             if bias is not None:
                 ref = ref + bias
             scale = ref.abs().max().item() + 1e-6
@@ -120,6 +137,22 @@ def test_int8_activations_stay_close_to_f32(qtype, isa):
     step = x.reshape(4, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(4, -1) / 127
     bound = (step / 2) @ w.abs().T
     assert ((approx - exact).abs() <= bound * 1.001 + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", I16_TYPES)
+def test_int16_activations_stay_close_to_f32(qtype, isa):
+    """The 16-bit path rounds activations to 1/32512 of each block's max (256 times finer than
+    int8), with weights of full range (Q8_0 codes of -127 and 127, 4-bit codes 0 and 15) so the
+    two-halves split and the Q8_0 sign trick see their extremes."""
+    qt = random_blocks(qtype, 33, 4 * 32, 5)
+    x = torch.randn(T := 5, qt.shape[1]) * torch.logspace(-3, 3, qt.shape[1])
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    exact = quant_ops.matmul(qt, x, mode="f32", isa=isa)
+    approx = quant_ops.matmul(qt, x, mode="int16", isa=isa)
+    w = dequantize_ref(qt.qtype, qt.data, qt.shape)
+    step = x.reshape(T, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(T, -1)
+    bound = (step / 32512 / 2) @ w.abs().T
+    assert ((approx - exact).abs() <= bound * 1.01 + 1e-4 * exact.abs() + 1e-6).all()
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

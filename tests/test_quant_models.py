@@ -78,7 +78,7 @@ def run(path: str, **kw) -> dict[str, dict]:
     "family,quantization",
     [("llama", "int4"), ("llama-mqa", "int8"), ("qwen2", "int4"), ("qwen3-moe", "int8")],
 )
-@pytest.mark.parametrize("mode", ["f32", "int8"])
+@pytest.mark.parametrize("mode", ["f32", "int8", "int16"])
 def test_quantized_model_matches_its_float_twin(
     tiny_model_dir, tmp_path, monkeypatch, family, quantization, mode
 ):
@@ -88,13 +88,13 @@ def test_quantized_model_matches_its_float_twin(
     ours, sched = run(path, quantization=quantization)
     model = sched.runner.model
     ref, _ = run(twin)
-    # f32 activations: the kernels are exact up to summation order; int8 activations (decode
-    # steps only) round each block of 32 to 8 bits
-    tol = 2e-4 if mode == "f32" else 5e-2
+    # f32 activations: the kernels are exact up to summation order; int8 / int16 activations
+    # (decode steps only) round each block of 32 to 8 / 16 bits
+    tol = {"f32": 2e-4, "int16": 1e-3, "int8": 5e-2}[mode]
     for rid in ours:
         a, b = torch.tensor(ours[rid]["lp"][1:]), torch.tensor(ref[rid]["lp"][1:])
         assert (a - b).abs().max().item() < tol, (rid, (a - b).abs().max().item())
-        if mode == "f32":
+        if mode != "int8":
             assert ours[rid]["ids"] == ref[rid]["ids"], rid
     held = [p for p in model.parameters() if getattr(p, "quant", None) is not None]
     assert held, "no parameter was kept quantized"
@@ -205,3 +205,48 @@ def test_gguf_kept_quantized_matches_dequantized(real_gguf):
     )
     fbytes = sum(p.numel() * 4 for p in set(sf.runner.model.parameters()) if p.dim() == 2)
     assert qbytes * 3 < fbytes, (qbytes, fbytes)
+
+
+def _teacher_forced(path: str, ids: list[int], quantization: str | None, chunk: int):
+    """(top-1 ids, logprobs of the text's tokens after the first) of one teacher-forced pass,
+    `chunk` tokens a step."""
+    s = Scheduler(
+        ServerArgs(
+            model_path=path, max_total_tokens=len(ids) + 64, quantization=quantization,
+            chunked_prefill_size=chunk, dtype="float32",
+        )
+    )  # fmt: skip
+    s.add_request(
+        TokenizedGenerateReq(
+            rid="r", input_ids=ids, seed=0, return_logprob=True, logprob_start_len=0,
+            top_logprobs_num=1,
+            sampling_params=make_sampling_params({"max_new_tokens": 1, "temperature": 0}),
+        )
+    )  # fmt: skip
+    lp = top = None
+    while not s.is_idle:
+        for o in s.step():
+            lp = o.input_token_logprobs or lp
+            top = o.input_top_logprobs or top
+    return [t[0][1] for t in top[1:]], [v[0] for v in lp[1:]]
+
+
+def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
+    """Issue 32's accuracy bar on CI's budget: SmolLM2's Q4_1 file with its blocks kept, every
+    token through the decode kernels (8 a step: 16-bit activations), against the same file
+    dequantized to f32 (one step): top-1 agreement >= 99% and perplexity within 1% over 192
+    tokens of README.md (benchmarks/bench_real.py --agreement 2000 gives the 2,000-token
+    figure). int8 activations measured 96.4% on this text."""
+    import math
+
+    from loom.runtime.tokenizer import load_tokenizer
+
+    path = str(real_gguf("smollm2"))
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    ids = load_tokenizer(path).encode(text)[:192]
+    ref_top, ref_lp = _teacher_forced(path, ids, None, len(ids))
+    top, lp = _teacher_forced(path, ids, "gguf", 8)
+    same = sum(a == b for a, b in zip(ref_top, top))
+    assert same / len(ref_top) >= 0.99, (same, len(ref_top))
+    ppl = [math.exp(-sum(x) / len(x)) for x in (ref_lp, lp)]
+    assert abs(ppl[1] / ppl[0] - 1) < 0.01, ppl

@@ -453,6 +453,9 @@ def gguf_batched(
         str(tool), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
         "-npp", str(pp), "-ntg", str(tg), "-npl", ",".join(map(str, batches)),
         "-t", str(threads), "-tb", str(threads), "-fa", fa, "--output-format", "jsonl",
+        # no weight repacking: its AMX buffer (Q4_1 tiles, -march=native on a CPU that lists
+        # amx_int8) dies with SIGILL where the kernel grants no AMX state (this VM)
+        "-nr",
     ]  # fmt: skip
     rows: list[dict] = []
     for _ in range(5):  # see batched(): a run now and then prints nothing

@@ -11,6 +11,9 @@
                   q8 activations), integer dot products u8 x s8 -> i32 per group of 16
                   (AVX-512 VNNI vpdpbusd where the compiler targets it, portable C otherwise),
                   then scaled: y = sum_g dx (s_g * isum_g + b_g * xsum_g).
+     LOOM_Q_I16   (Q8_0, Q4_0, Q4_1; T <= 8) activations quantized to 16 bits per block of 32,
+                  held as two int8 halves, two integer dot products per block (gemv32_i16,
+                  below: why and how); other types take LOOM_Q_INT8 in this mode.
      LOOM_Q_F32   each weight row dequantized to f32 in a thread-local row buffer (L1) and
                   dotted with the f32 activations by FMA: no activation rounding.
    Either way a row is decoded once per call and used for all T tokens, so a GEMV (T = 1..8)
@@ -20,7 +23,7 @@
 
 #include "loom_cpu.h"
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
@@ -31,7 +34,7 @@
 #endif
 
 enum { LOOM_Q8_0 = 0, LOOM_Q4_0 = 1, LOOM_Q4_1 = 2, LOOM_Q4_K = 3, LOOM_Q6_K = 4 };
-enum { LOOM_Q_INT8 = 0, LOOM_Q_F32 = 1 };
+enum { LOOM_Q_INT8 = 0, LOOM_Q_F32 = 1, LOOM_Q_I16 = 2 };
 
 #define GROUP 16 /* values sharing one (s, b) after decoding */
 #define ABLOCK 32 /* activation values sharing one int8 scale */
@@ -279,6 +282,202 @@ static void gemv32_vnni(int qtype, const uint8_t* row, int64_t K, int64_t T, con
 }
 #endif
 
+/* ---- 16-bit activations for the SmolLM2 block types (Q8_0, Q4_0, Q4_1): LOOM_Q_I16 ----------
+
+   Why: int8 activations per block of 32 (LOOM_Q_INT8, ggml's q8 scheme) flip SmolLM2-135M's
+   teacher-forced top-1 on 3.6% of 2,000 tokens against the f32-dequantized model (its LM head
+   alone 2.2%); 16-bit per block of 32 flips none (benchmarks/bench_real.py --agreement).
+   How: each activation block keeps one f32 scale d = max|x| / 32512 and codes q in
+   [-32512, 32512], stored as two int8 halves q = 255 * hi + lo with hi, lo in [-127, 127]
+   (255 is odd, so lo = q - 255 * round(q / 255) never reaches +-128, and a sign flip of either
+   stays in range, which the Q8_0 sign trick below needs). A block's integer dot is then two
+   u8 x s8 dot products over the same weight register, 255 * (u . hi) + (u . lo); every partial
+   sum fits int32 (32 * 255 * 32512 < 2^31) and the u8 x s8 pair sums of maddubs fit int16
+   (2 * 15 * 127 for 4-bit codes; 2 * 127 * 127 for Q8_0's |q|). */
+
+#define I16_MAX 8 /* tokens up to which LOOM_Q_I16 takes these kernels (larger: f32 GEMM, which
+                     measured as fast at 8 tokens and 1.7x faster at 32) */
+#define I16_Q 32512 /* 127 * 256: the largest code */
+
+static int has_i16(int qtype) {
+    return qtype == LOOM_Q8_0 || qtype == LOOM_Q4_0 || qtype == LOOM_Q4_1;
+}
+
+/* x [K] f32 -> hi, lo [K] int8, d [K / 32] (the block's scale), xs [K / 32] (d * the block's
+   sum of codes: what a block offset m multiplies). */
+static void quantize_act16(const float* x, int64_t K, int8_t* hi, int8_t* lo, float* d,
+                           float* xs) {
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const float* xb = x + k0;
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) {
+            const float a = xb[j] < 0 ? -xb[j] : xb[j];
+            amax = a > amax ? a : amax;
+        }
+        const float dd = amax / (float)I16_Q, inv = dd > 0 ? 1.f / dd : 0.f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            int q = (int)__builtin_roundf(xb[j] * inv);
+            q = q > I16_Q ? I16_Q : q < -I16_Q ? -I16_Q : q;
+            const int h = (q >= 0 ? q + 127 : q - 127) / 255; /* round(q / 255), no ties */
+            hi[k0 + j] = (int8_t)h;
+            lo[k0 + j] = (int8_t)(q - 255 * h);
+            sum += q;
+        }
+        d[k0 / 32] = dd;
+        xs[k0 / 32] = dd * (float)sum;
+    }
+}
+
+#if defined(__AVX2__)
+/* 8 int32 partial sums of u8 u x s8 x over 32 lanes (each lane 4 adjacent products) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT32(u, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (x))
+#elif defined(__AVXVNNI__)
+#define DOT32(u, x) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (x))
+#else
+#define DOT32(u, x) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (x)), _mm256_set1_epi16(1))
+#endif
+#define TIMES255(v) _mm256_sub_epi32(_mm256_slli_epi32((v), 8), (v))
+
+#define DOTACC32(acc, u, x) _mm256_add_epi32((acc), DOT32((u), (x)))
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#undef DOTACC32
+#define DOTACC32(acc, u, x) _mm256_dpbusd_epi32((acc), (u), (x))
+#elif defined(__AVXVNNI__)
+#undef DOTACC32
+#define DOTACC32(acc, u, x) _mm256_dpbusd_avx_epi32((acc), (u), (x))
+#endif
+
+#define I16_CHUNK 64 /* blocks whose scales one pre-pass converts (a stack array) */
+
+/* The f16 scale d (and Q4_1's f16 min m: -8 d for Q4_0, 0 for Q8_0) of blocks i0 .. i0 + n - 1
+   of a row as floats: one 16-lane gather of the blocks' first 4 bytes (d and m sit there) per
+   16 blocks with AVX-512, F16C scalars otherwise. */
+static inline void block_scales(int qtype, const uint8_t* row, int64_t i0, int n, float* d,
+                                float* m) {
+    const int bb = block_bytes(qtype);
+    int j = 0;
+#if defined(__AVX512F__)
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(bb));
+    for (; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, idx,
+                                                      (const void*)(row + (i0 + j) * bb), 1);
+        const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+        const __m512 mv = qtype == LOOM_Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)))
+                          : qtype == LOOM_Q4_0 ? _mm512_mul_ps(dv, _mm512_set1_ps(-8.f))
+                                               : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(d + j, k, dv);
+        _mm512_mask_storeu_ps(m + j, k, mv);
+    }
+#endif
+    for (; j < n; j++) {
+        const uint8_t* blk = row + (i0 + j) * bb;
+        d[j] = f16_to_f32(blk);
+        m[j] = qtype == LOOM_Q4_1 ? f16_to_f32(blk + 2) : qtype == LOOM_Q4_0 ? -8.f * d[j] : 0.f;
+    }
+}
+
+/* One row of Q8_0 / Q4_0 / Q4_1 blocks against T <= I16_MAX tokens of 16-bit activations;
+   each block decoded once into a register and used by every token, its scales converted
+   ahead per chunk (block_scales). Q8_0 multiplies |q| by x carrying q's sign (AVX2's sign
+   trick), so it has no offset term. */
+static void gemv32_i16(int qtype, const uint8_t* row, int64_t K, int64_t T, const int8_t* xh,
+                       const int8_t* xl, const float* dx, const float* xs, float* out) {
+    const int64_t nb = K / 32;
+    const int bb = block_bytes(qtype);
+    __m256 acc[I16_MAX];
+    float off[I16_MAX];
+    float dsc[I16_CHUNK], msc[I16_CHUNK];
+    for (int64_t t = 0; t < T; t++) {
+        acc[t] = _mm256_setzero_ps();
+        off[t] = 0.f;
+    }
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const int qoff = qtype == LOOM_Q4_1 ? 4 : 2;
+    for (int64_t i0 = 0; i0 < nb; i0 += I16_CHUNK) {
+        const int n = nb - i0 < I16_CHUNK ? (int)(nb - i0) : I16_CHUNK;
+        block_scales(qtype, row, i0, n, dsc, msc);
+        if (qtype != LOOM_Q8_0)
+            for (int64_t t = 0; t < T; t++) {
+                float o = 0.f;
+                for (int j = 0; j < n; j++) o += msc[j] * xs[t * nb + i0 + j];
+                off[t] += o;
+            }
+        for (int j = 0; j < n; j++) {
+            const int64_t i = i0 + j;
+            const uint8_t* blk = row + i * bb;
+            const float d = dsc[j];
+            if (qtype == LOOM_Q8_0) {
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(blk + 2));
+                const __m256i u = _mm256_sign_epi8(q, q); /* |q| (q = -128 gives 128 as u8) */
+                for (int64_t t = 0; t < T; t++) {
+                    const __m256i h = _mm256_sign_epi8(
+                        _mm256_loadu_si256((const __m256i*)(xh + t * K + 32 * i)), q);
+                    const __m256i l = _mm256_sign_epi8(
+                        _mm256_loadu_si256((const __m256i*)(xl + t * K + 32 * i)), q);
+                    const __m256i is = DOTACC32(TIMES255(DOT32(u, h)), u, l);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is),
+                                             _mm256_set1_ps(d * dx[t * nb + i]), acc[t]);
+                }
+            } else {
+                const __m128i q = _mm_loadu_si128((const __m128i*)(blk + qoff));
+                const __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low),
+                                                   _mm_and_si128(q, low));
+                for (int64_t t = 0; t < T; t++) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i*)(xh + t * K + 32 * i));
+                    const __m256i l = _mm256_loadu_si256((const __m256i*)(xl + t * K + 32 * i));
+                    const __m256i is = DOTACC32(TIMES255(DOT32(u, h)), u, l);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is),
+                                             _mm256_set1_ps(d * dx[t * nb + i]), acc[t]);
+                }
+            }
+        }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        out[t] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1))) + off[t];
+    }
+}
+#else
+/* portable C: the same arithmetic (integer dots per block, then scaled) */
+static void gemv32_i16(int qtype, const uint8_t* row, int64_t K, int64_t T, const int8_t* xh,
+                       const int8_t* xl, const float* dx, const float* xs, float* out) {
+    const int64_t nb = K / 32;
+    const int bb = block_bytes(qtype);
+    for (int64_t t = 0; t < T; t++) out[t] = 0.f;
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t* blk = row + i * bb;
+        const float d = f16_to_f32(blk);
+        int16_t w[32]; /* the block's signed codes (Q8_0) or unsigned nibbles */
+        float m = 0.f;
+        if (qtype == LOOM_Q8_0) {
+            for (int j = 0; j < 32; j++) w[j] = (int8_t)blk[2 + j];
+        } else {
+            const uint8_t* qs = blk + (qtype == LOOM_Q4_1 ? 4 : 2);
+            for (int j = 0; j < 16; j++) {
+                w[j] = qs[j] & 0xF;
+                w[j + 16] = qs[j] >> 4;
+            }
+            m = qtype == LOOM_Q4_1 ? f16_to_f32(blk + 2) : -8.f * d;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            const int8_t* h = xh + t * K + 32 * i;
+            const int8_t* l = xl + t * K + 32 * i;
+            int32_t sh = 0, sl = 0;
+            for (int j = 0; j < 32; j++) {
+                sh += w[j] * h[j];
+                sl += w[j] * l[j];
+            }
+            out[t] += d * dx[t * nb + i] * (float)(255 * sh + sl) + m * xs[t * nb + i];
+        }
+    }
+}
+#endif
+
 typedef float v16 __attribute__((vector_size(64)));
 
 /* (macros, not functions: a 64-byte vector argument or result changes the ABI without
@@ -325,6 +524,43 @@ static void gemm_rows(const float* wf, int R, int64_t K, const float* x, int64_t
     }
 }
 
+/* loom_q_matmul's LOOM_Q_I16 branch: activations quantized once per call (quantize_act16),
+   rows split over the threads, each row decoded once for all T tokens (gemv32_i16). */
+static int matmul_i16(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                      int64_t ldy, int accumulate, int threads) {
+    const int64_t nb = K / 32;
+    int8_t* xh = malloc((size_t)(T * K + 64));
+    int8_t* xl = malloc((size_t)(T * K + 64));
+    float* dx = malloc(sizeof(float) * (size_t)(T * nb + 1));
+    float* xs = malloc(sizeof(float) * (size_t)(T * nb + 1));
+    if (!xh || !xl || !dx || !xs) {
+        free(xh);
+        free(xl);
+        free(dx);
+        free(xs);
+        return -2;
+    }
+    for (int64_t t = 0; t < T; t++)
+        quantize_act16(x + t * ldx, K, xh + t * K, xl + t * K, dx + t * nb, xs + t * nb);
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float part[I16_MAX];
+        gemv32_i16(qtype, w + n * row_bytes, K, T, xh, xl, dx, xs, part);
+        const float bn = bias ? bias[n] : 0.f;
+        for (int64_t t = 0; t < T; t++) {
+            float* yo = y + t * ldy + n;
+            *yo = (accumulate ? *yo : 0.f) + part[t] + bn;
+        }
+    }
+    free(xh);
+    free(xl);
+    free(dx);
+    free(xs);
+    return 0;
+}
+
 /* y[t, n] (+)= sum_k W[n, k] x[t, k] + bias[n] for x [T, K] f32 with rows ldx apart, y rows
    ldy apart; accumulate: add to y instead of storing; bias NULL: none. mode LOOM_Q_INT8 takes
    the int8-activation dot products for T <= GEMV_MAX (decode: the weights stream once, the
@@ -338,7 +574,11 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
     const int bv = block_values(qtype);
     if (bv == 0 || block_bytes(qtype) == 0 || K % bv || row_bytes != K / bv * block_bytes(qtype))
         return -1;
-    const int int8 = mode == LOOM_Q_INT8 && T <= GEMV_MAX;
+    /* LOOM_Q_I16 on a type without 16-bit kernels takes the int8 ones (T <= GEMV_MAX) */
+    const int i16 = mode == LOOM_Q_I16 && has_i16(qtype) && T <= I16_MAX;
+    const int int8 = !i16 && (mode == LOOM_Q_INT8 || mode == LOOM_Q_I16) && T <= GEMV_MAX;
+    if (i16) return matmul_i16(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
+                               threads);
     int8_t* xq = NULL;
     float *dx = NULL, *xs = NULL;
     if (int8) {
