@@ -85,3 +85,45 @@ def test_given_up_spec_fails_without_a_second_compile():
     assert backend.compile_async("regex", "[a-c]+").result(1) is not None
     assert calls == ["[a-c]+"]
     backend.shutdown()
+
+
+def test_a_short_budget_waits_for_its_closer_and_a_long_one_starts_without(monkeypatch):
+    """Closing by default ("auto"): a request whose closer is slow starts after CLOSER_WAIT
+    and gets the closer attached late, unless its budget is short enough to be spent before
+    that (max_new_tokens <= SHORT_BUDGET): then it waits, so it closes within its budget."""
+    from concurrent.futures import Future
+
+    from loom.runtime.scheduler import grammar_queue
+
+    monkeypatch.setattr(grammar_queue, "CLOSER_WAIT", 0.1)
+    tok = byte_bpe()
+    queue = GrammarQueue(tok, len(tok), {tok.eos_token_id}, timeout=5.0)
+    backend = GrammarBackend(tok, len(tok), {tok.eos_token_id}, max_workers=1)
+    queue._backend = backend
+    slow: Future = Future()
+    backend.closer_async = lambda kind, spec: slow
+
+    def req(rid, budget):
+        r = _req(rid, "regex", "[a-z]+")
+        r.output_ids, r.finished = [], False
+        r.sampling_params.closes_within_budget = True
+        r.sampling_params.close_within_budget = "auto"
+        r.sampling_params.max_new_tokens = budget
+        return r
+
+    queue.add(req("short", grammar_queue.SHORT_BUDGET), "regex", "[a-z]+")
+    queue.add(req("long", grammar_queue.SHORT_BUDGET + 1), "regex", "[a-z]+")
+    started: dict = {}
+    t0 = time.monotonic()
+    while len(started) < 1 and time.monotonic() - t0 < 3:
+        started.update({r.rid: r for r in queue.poll()[0]})
+        time.sleep(0.01)
+    time.sleep(0.3)  # three times CLOSER_WAIT: "short" must still be waiting
+    started.update({r.rid: r for r in queue.poll()[0]})
+    assert set(started) == {"long"} and [r.rid for r, _ in queue.late] == ["long"]
+    from loom.grammar.closing import Closer, closing_regex
+
+    slow.set_result(Closer(closing_regex("regex", "[a-z]+", backend.json_options), backend.vocab))
+    ready, failed = _drain(queue)
+    assert set(ready) == {"short"} and not failed
+    assert type(ready["short"].grammar).__name__ == "ClosingGrammar"

@@ -13,7 +13,8 @@ A request that closes within its budget (`close_within_budget`, grammar/closing.
 for the spec's closer; its grammar is then wrapped to steer onto a complete output in the
 tokens left. A closer that cannot be built fails the request when the field was asked for,
 and leaves the grammar unwrapped when it was only the default; a default one that takes
-longer than CLOSER_WAIT lets the request start and is attached between two steps once built
+longer than CLOSER_WAIT (the compile timeout for a budget of SHORT_BUDGET tokens or less) lets the
+request start and is attached between two steps once built
 (`attach_late`).
 
 The backend (the mask engine's view of the tokenizer: ~2 s of tables at Llama 3's 128k
@@ -37,6 +38,10 @@ QUEUE_WAIT_FACTOR = 4
 logger = logging.getLogger(__name__)
 # seconds a request closing by default waits for its closer before it starts without one
 CLOSER_WAIT = 2.0
+# ... unless its max_new_tokens is at most this: a short budget can be spent before a late closer
+# is attached (a loaded machine builds closers slowly), so such a request waits for its closer
+# up to the compile timeout and starts without one only if that passes
+SHORT_BUDGET = 128
 
 
 class GrammarQueue:
@@ -146,7 +151,7 @@ class GrammarQueue:
             elif (
                 fut.done()
                 and req.sampling_params.close_within_budget is not True
-                and (now - admitted > CLOSER_WAIT)
+                and now - admitted > _closer_wait(req, self.timeout)
             ):  # closing by default: start without the closer, attach it when it is built
                 self.closers.pop(id(req), None)
                 req.grammar = fut.result()
@@ -216,3 +221,9 @@ def _close(req: Req, closer: Future | None) -> str | None:
     budget = req.sampling_params.max_new_tokens - len(req.output_ids)
     req.grammar = ClosingGrammar(req.grammar, built, budget)
     return None
+
+
+def _closer_wait(req: Req, timeout: float) -> float:
+    """Seconds a request closing by default waits for its closer before it starts without it."""
+    budget = req.sampling_params.max_new_tokens
+    return timeout if budget is not None and budget <= SHORT_BUDGET else CLOSER_WAIT
