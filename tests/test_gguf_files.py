@@ -81,7 +81,7 @@ def test_tokenizer_from_metadata_equals_the_checkpoints(tiny_gguf):
     assert eos_token_ids(str(file), got) == {want.eos_token_id}
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_quantized_file_loads_as_the_dequantized_reference(tiny_gguf, qtype):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
@@ -117,10 +117,12 @@ def _random_blocks(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
         blocks[..., 0:4] = scales(2).view(np.uint8)
     elif qtype == "Q6_K":  # d last
         blocks[..., 208:210] = scales(1).view(np.uint8)
+    elif qtype in ("Q5_0", "Q5_1"):  # d (and Q5_1's m) first
+        blocks[..., 0 : 2 * (1 + (qtype == "Q5_1"))] = scales(1 + (qtype == "Q5_1")).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q5_1"])
 def test_k_quant_blocks_load_as_the_dequantized_reference(tmp_path, qtype):
     import gguf
     from gguf.quants import dequantize
