@@ -182,3 +182,41 @@ def test_gguf_file_rules(tmp_path, tiny_gguf):
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="model_path: .*not a readable GGUF"):
         load_config(str(bad))
+
+
+def _same_as_gguf_reader(path) -> None:
+    """loom's header reader gives GGUFReader's field contents and tensor views, equal."""
+    import gguf
+
+    from loom.runtime.gguf.reader import GGUFFile
+
+    ours, ref = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+    theirs = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields == theirs
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type and np.array_equal(a.shape, b.shape), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data), a.name
+
+
+@pytest.mark.parametrize(
+    "family,qtype", [("llama", "F32"), ("llama", "Q5_0"), ("gemma3", "Q4_1"), ("llama-mqa", "Q8_0")]
+)
+def test_header_reader_equals_gguf_reader(tiny_gguf, family, qtype):
+    _same_as_gguf_reader(tiny_gguf(family, qtype)[1])
+
+
+def test_header_reader_rejects_truncated_and_foreign_files(tmp_path, tiny_gguf):
+    from loom.runtime.gguf.file import open_reader
+
+    _, file = tiny_gguf("llama")
+    raw = file.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:200])  # inside the metadata
+    with pytest.raises(ValueError, match="model_path: .*not a readable GGUF"):
+        open_reader(str(cut))
+    v9 = tmp_path / "v9.gguf"
+    v9.write_bytes(raw[:4] + (9).to_bytes(4, "little") + raw[8:])
+    with pytest.raises(ValueError, match="model_path: .*GGUF version 9"):
+        open_reader(str(v9))

@@ -157,3 +157,11 @@ def test_engine_serves_smollm2_by_name(real_gguf):
         value = json.loads(out["text"])
         jsonschema.validate(value, schema)
         assert value["name"] == "Maria" and value["age"] == 34 and value["city"] == "Lisbon"
+
+
+def test_header_reader_equals_gguf_reader_on_smollm2(real_gguf):
+    """The real file's 49k-token vocabulary arrays, merges and tensor views: loom's header
+    reader (runtime/gguf/reader.py) against gguf.GGUFReader."""
+    from tests.test_gguf_files import _same_as_gguf_reader
+
+    _same_as_gguf_reader(real_gguf("smollm2"))
