@@ -65,47 +65,55 @@ class LoomSide:
         self.engine.shutdown()
 
 
-def agreement(gguf: str, ntok: int, chunk: int) -> None:
-    """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
-    file dequantized to float32, on `ntok` tokens of this repository's README + architecture
-    docs, one request, `chunk` tokens a step (<= 8: the int8-activation path on every token)."""
-    import gc
-    import math
-
+def _teacher_forced(gguf: str, ids: list[int], quantization: str | None, chunk: int):
+    """(logprob of each token given its prefix, the model's top-1 id at each position)."""
     from loom.runtime.io_struct import TokenizedGenerateReq
     from loom.runtime.sampling_params import make_sampling_params
     from loom.runtime.scheduler.scheduler import Scheduler
     from loom.runtime.server_args import ServerArgs
+
+    s = Scheduler(
+        ServerArgs(
+            model_path=gguf, max_total_tokens=len(ids) + 64, quantization=quantization,
+            chunked_prefill_size=chunk, dtype="float32",
+        )
+    )  # fmt: skip
+    params = make_sampling_params({"max_new_tokens": 1, "temperature": 0})
+    s.add_request(
+        TokenizedGenerateReq(
+            rid="r", input_ids=ids, sampling_params=params, seed=0, return_logprob=True,
+            logprob_start_len=0, top_logprobs_num=1,
+        )
+    )  # fmt: skip
+    lp = top = None
+    while not s.is_idle:
+        for o in s.step():
+            lp = o.input_token_logprobs or lp
+            top = o.input_top_logprobs or top
+    return [x[0] for x in lp[1:]], [t[0][1] if t else None for t in top]
+
+
+def agreement(gguf: str, ntok: int, chunk: int) -> None:
+    """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
+    file dequantized to float32, on `ntok` tokens of this repository's README + architecture
+    docs, one request, `chunk` tokens a step (<= 8: the int8-activation path on every token).
+    Each side runs in its own process, so only one model is in memory at a time (Gemma's f32
+    twin is 1 GB and its dequantization peaks near 3 GB)."""
+    import math
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     from loom.runtime.tokenizer import load_tokenizer
 
     root = Path(__file__).resolve().parent.parent
     text = (root / "README.md").read_text() + (root / "docs" / "architecture.md").read_text()
     ids = load_tokenizer(gguf).encode(text)[:ntok]
     res = {}
-    for q in (None, "gguf"):
-        s = Scheduler(
-            ServerArgs(
-                model_path=gguf, max_total_tokens=ntok + 64, quantization=q,
-                chunked_prefill_size=chunk, dtype="float32",
-            )
-        )  # fmt: skip
-        params = make_sampling_params({"max_new_tokens": 1, "temperature": 0})
-        s.add_request(
-            TokenizedGenerateReq(
-                rid="r", input_ids=ids, sampling_params=params, seed=0, return_logprob=True,
-                logprob_start_len=0, top_logprobs_num=1,
-            )
-        )  # fmt: skip
-        lp = top = None
-        while not s.is_idle:
-            for o in s.step():
-                lp = o.input_token_logprobs or lp
-                top = o.input_top_logprobs or top
-        del s  # one model in memory at a time (Gemma's f32 twin is 1 GB, its logits 262k wide)
-        gc.collect()
-        vals = [x[0] for x in lp[1:]]
-        res[q] = [t[0][1] if t else None for t in top]
-        print(f"{q or 'f32'}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}")
+    for q in ("gguf", None):
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            vals, res[q] = pool.submit(_teacher_forced, gguf, ids, q, chunk).result()
+        print(f"{q or 'f32'}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}", flush=True)
     pairs = [(a, b) for a, b in zip(res[None], res["gguf"]) if a is not None and b is not None]
     same = sum(a == b for a, b in pairs)
     print(f"top-1 agreement {same}/{len(pairs)} = {same / len(pairs):.4f} (chunk {chunk})")
