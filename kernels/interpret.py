@@ -22,6 +22,7 @@ MODULES = (
     "bitmask",
     "norm",
     "rotary",
+    "wq_gemm",
 )
 
 

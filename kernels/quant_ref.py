@@ -10,6 +10,8 @@ The C kernels (kernels/cpu/quant.c) are tested against `dequantize_ref` (and it 
         each 32 bytes hold sub-block 2c (low nibbles) and 2c+1 (high)   value = d sc q - dmin m
   Q6_K  128 bytes low 4 bits | 64 bytes high 2 bits | 16 x int8 scales | f16 d
         value = d sc (q - 32), 16 sub-blocks of 16
+  Q5_0  f16 d | 4 bytes qh (bit j: value j's 5th bit) | 16 bytes as Q4_0   value = d (q - 16)
+  Q5_1  f16 d | f16 m | qh | 16 bytes as Q4_0           value = d q + m
 """
 
 from __future__ import annotations
@@ -72,7 +74,30 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d.unsqueeze(-1) * sc.unsqueeze(-1) * q).reshape(-1, 256)
 
 
-_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """qh [n, 4] little-endian bits and qs [n, 16] nibbles -> the 32 five-bit codes."""
+    bits = (qh.long().unsqueeze(-1) >> torch.arange(8)) & 1  # [n, 4 bytes, 8]: bit 8 i + j
+    return _nibbles(qs) + 16 * bits.reshape(-1, 32).float()
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2]).unsqueeze(-1) * (_five_bit(b[:, 2:6], b[:, 6:]) - 16)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(b[:, :2]).unsqueeze(-1), _f16(b[:, 2:4]).unsqueeze(-1)
+    return d * _five_bit(b[:, 4:8], b[:, 8:]) + m
+
+
+_DEQUANT = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q4_K": _q4_k,
+    "Q6_K": _q6_k,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+}
 
 
 def dequantize_ref(qtype: str, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

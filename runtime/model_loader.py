@@ -149,8 +149,18 @@ def load_model(
 
         weights = iterate_gguf_weights(str(file), keep_quantized=True)
     else:
+        from loom.runtime.hf_quant import hf_quantized_weights, quant_method
+
         weights = iterate_weights(path)
-        if quantization is not None:
+        packed = quant_method(config) if file is None else None  # GPTQ / AWQ checkpoint
+        if packed is not None and (quantization is not None or torch.device(device).type != "cpu"):
+            raise ValueError(
+                f"quantization: a {packed['quant_method']} checkpoint is kept as it is quantized, "
+                f"on the CPU (got quantization={quantization!r}, device={device!r})"
+            )
+        if packed is not None:
+            weights = hf_quantized_weights(weights, packed)
+        elif quantization is not None:
             weights = quantize_weights(weights, quantization)
     model.load_weights(weights)
     return model.eval()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU check of issue 19 (under 8 minutes on one H200):
-#   1. the kernel tests on CUDA (compiled Triton kernels against their torch references, and
+#   1. the kernel tests on CUDA (compiled Triton kernels against their torch references, the
+#      W4A16 / W8A16 GEMM (kernels/wq_gemm.py) included, and
 #      --attention-backend triton end to end against the torch backend);
 #   2. a Qwen2.5-0.5B-shaped model (random weights, bfloat16): decode tok/s at batch 1/16/64
 #      for loom with the triton backend and CUDA graphs (runtime/graph_runner.py), the same
@@ -30,7 +31,7 @@ done
 
 if [ "$mode" = full ]; then
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device (use --dry-run on the CPU)')"
-    timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_backend.py
+    timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_backend.py tests/test_kernels_wq.py
 fi
 
 PYTHONPATH=. timeout 420 python - "$mode" "$out" <<'PY'

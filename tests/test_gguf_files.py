@@ -81,7 +81,7 @@ def test_tokenizer_from_metadata_equals_the_checkpoints(tiny_gguf):
     assert eos_token_ids(str(file), got) == {want.eos_token_id}
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_quantized_file_loads_as_the_dequantized_reference(tiny_gguf, qtype):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
@@ -117,10 +117,12 @@ def _random_blocks(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
         blocks[..., 0:4] = scales(2).view(np.uint8)
     elif qtype == "Q6_K":  # d last
         blocks[..., 208:210] = scales(1).view(np.uint8)
+    elif qtype in ("Q5_0", "Q5_1"):  # d (and Q5_1's m) first
+        blocks[..., 0 : 2 * (1 + (qtype == "Q5_1"))] = scales(1 + (qtype == "Q5_1")).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q5_1"])
 def test_k_quant_blocks_load_as_the_dequantized_reference(tmp_path, qtype):
     import gguf
     from gguf.quants import dequantize
@@ -180,3 +182,41 @@ def test_gguf_file_rules(tmp_path, tiny_gguf):
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="model_path: .*not a readable GGUF"):
         load_config(str(bad))
+
+
+def _same_as_gguf_reader(path) -> None:
+    """loom's header reader gives GGUFReader's field contents and tensor views, equal."""
+    import gguf
+
+    from loom.runtime.gguf.reader import GGUFFile
+
+    ours, ref = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+    theirs = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields == theirs
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type and np.array_equal(a.shape, b.shape), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data), a.name
+
+
+@pytest.mark.parametrize(
+    "family,qtype", [("llama", "F32"), ("llama", "Q5_0"), ("gemma3", "Q4_1"), ("llama-mqa", "Q8_0")]
+)
+def test_header_reader_equals_gguf_reader(tiny_gguf, family, qtype):
+    _same_as_gguf_reader(tiny_gguf(family, qtype)[1])
+
+
+def test_header_reader_rejects_truncated_and_foreign_files(tmp_path, tiny_gguf):
+    from loom.runtime.gguf.file import open_reader
+
+    _, file = tiny_gguf("llama")
+    raw = file.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:200])  # inside the metadata
+    with pytest.raises(ValueError, match="model_path: .*not a readable GGUF"):
+        open_reader(str(cut))
+    v9 = tmp_path / "v9.gguf"
+    v9.write_bytes(raw[:4] + (9).to_bytes(4, "little") + raw[8:])
+    with pytest.raises(ValueError, match="model_path: .*GGUF version 9"):
+        open_reader(str(v9))

@@ -157,3 +157,63 @@ def test_engine_serves_smollm2_by_name(real_gguf):
         value = json.loads(out["text"])
         jsonschema.validate(value, schema)
         assert value["name"] == "Maria" and value["age"] == 34 and value["city"] == "Lisbon"
+
+
+def test_header_reader_equals_gguf_reader_on_smollm2(real_gguf):
+    """The real file's 49k-token vocabulary arrays, merges and tensor views: loom's header
+    reader (runtime/gguf/reader.py) against gguf.GGUFReader."""
+    from tests.test_gguf_files import _same_as_gguf_reader
+
+    _same_as_gguf_reader(real_gguf("smollm2"))
+
+
+def teacher_forced(path: str, ids: list[int], quantization: str | None):
+    """(per-token logprobs of `ids`, the model's top-1 id at each position, the scheduler)."""
+    s = Scheduler(
+        ServerArgs(
+            model_path=path, max_total_tokens=len(ids) + 64, dtype="float32",
+            quantization=quantization,
+        )
+    )  # fmt: skip
+    s.add_request(
+        TokenizedGenerateReq(
+            rid="r", input_ids=ids, seed=0, return_logprob=True, logprob_start_len=0,
+            top_logprobs_num=1, sampling_params=make_sampling_params({"max_new_tokens": 1}),
+        )
+    )  # fmt: skip
+    lp = top = None
+    while not s.is_idle:
+        for o in s.step():
+            lp = o.input_token_logprobs or lp
+            top = o.input_top_logprobs or top
+    return [x[0] for x in lp[1:]], [t[0][1] for t in top[1:]], s
+
+
+def test_gemma_kept_quantized_matches_dequantized(real_gguf):
+    """Gemma 3 270M Q4_K_M with --quantization gguf: every block type of the file (Q5_0, Q8_0,
+    Q4_K, Q6_K) stays quantized, the 262k x 640 Q8_0 embedding and the LM head tied to it
+    included; teacher-forced against the same file dequantized to float32, top-1 agrees on
+    >= 99% of the positions and perplexity within 1% (the 2,000-token figure:
+    bench_real.py --agreement, docs/benchmarks.md)."""
+    import math
+
+    from loom.runtime.tokenizer import load_tokenizer
+
+    path = real_gguf("gemma3-270m")
+    text = " ".join(QUESTIONS) + " The quick brown fox jumps over the lazy dog. " * 3
+    ids = load_tokenizer(path).encode(text)
+    lq, tq, sq = teacher_forced(path, ids, "gguf")
+    model = sq.runner.model
+    quants = {id(p): p.quant for p in model.parameters() if getattr(p, "quant", None)}
+    kinds = {qt.qtype for qw in quants.values() for _, qt in qw.parts}
+    assert kinds == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}, kinds
+    embed = model.model.embed_tokens.weight
+    assert embed.quant.parts[0][1].qtype == "Q8_0" and embed.quant.rows == 262144
+    assert model.lm_head.weight is embed  # tied: one quantized table serves both
+    del sq, model, embed, quants
+    lf, tf, _ = teacher_forced(path, ids, None)
+    same = sum(a == b for a, b in zip(tq, tf, strict=True))
+    assert same >= 0.99 * len(tf), (same, len(tf))
+    pq, pf = math.exp(-sum(lq) / len(lq)), math.exp(-sum(lf) / len(lf))
+    assert abs(pq / pf - 1) < 0.01, (pq, pf)
+    print(f"gemma3-270m quantized: top-1 {same}/{len(tf)}, perplexity {pq:.4f} vs {pf:.4f}")

@@ -56,8 +56,8 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> QuantizedT
         data[:, 208:210] = f16(0.001, 0.02)
     else:
         data[:, 0:2] = f16(0.001, 0.02)
-        if qtype in ("Q4_1", "Q4_K"):
-            data[:, 2:4] = f16(-0.01, 0.01) if qtype == "Q4_1" else f16(0.0, 0.01)
+        if qtype in ("Q4_1", "Q5_1", "Q4_K"):
+            data[:, 2:4] = f16(0.0, 0.01) if qtype == "Q4_K" else f16(-0.01, 0.01)
     return QuantizedTensor(qtype, (rows, cols), data.view(rows, -1))
 
 

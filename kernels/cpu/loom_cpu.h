@@ -263,7 +263,7 @@ LOOM_API int64_t ngt_deepest(int64_t* h, const int64_t* toks, int64_t n, int64_t
 LOOM_API int64_t ngt_check(int64_t* h);
 
 /* quant.c: matmuls and row gathers on ggml block-quantized weights (runtime/layers/quant_ops.py);
-   qtype 0..4 = Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; mode 0 = int8 activations (T <= 8), 1 = f32,
+   qtype 0..6 = Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q5_1; mode 0 = int8 activations (T <= 8), 1 = f32,
    2 = 16-bit activations (Q8_0 / Q4_0 / Q4_1, T <= 8; other types: mode 0) */
 LOOM_API int loom_q_vnni(void);
 LOOM_API int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K,

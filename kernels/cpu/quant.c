@@ -1,10 +1,12 @@
-/* Matmuls that read ggml's block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) in place.
+/* Matmuls that read ggml's block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q5_1)
+   in place.
 
    Weights: N rows of K values, each row `row_bytes` of blocks laid end to end exactly as a GGUF
    file stores them (runtime/layers/quant_types.py). Every layout decodes, per group of 16
    values, to unsigned codes u (0..255) with a float scale s and offset b: value = s * u + b.
    (Q8_0: u = q + 128, b = -128 d; Q4_0: u = nibble, b = -8 d; Q4_1: u = nibble, b = m;
-   Q4_K: u = nibble, s = d * sc, b = -dmin * m; Q6_K: u = 6-bit code, s = d * sc, b = -32 s.)
+   Q4_K: u = nibble, s = d * sc, b = -dmin * m; Q6_K: u = 6-bit code, s = d * sc, b = -32 s;
+   Q5_0: u = 5-bit code, b = -16 d; Q5_1: u = 5-bit code, b = m.)
 
    Two ways to multiply, chosen by the caller (`mode`):
      LOOM_Q_INT8  activations quantized to int8 per block of 32 (scale max|x| / 127, as ggml's
@@ -34,6 +36,7 @@
 #endif
 
 enum { LOOM_Q8_0 = 0, LOOM_Q4_0 = 1, LOOM_Q4_1 = 2, LOOM_Q4_K = 3, LOOM_Q6_K = 4 };
+enum { LOOM_Q5_0 = 5, LOOM_Q5_1 = 6 };
 enum { LOOM_Q_INT8 = 0, LOOM_Q_F32 = 1, LOOM_Q_I16 = 2 };
 
 #define GROUP 16 /* values sharing one (s, b) after decoding */
@@ -91,8 +94,29 @@ static int block_bytes(int qtype) {
         case LOOM_Q4_1: return 20;
         case LOOM_Q4_K: return 144;
         case LOOM_Q6_K: return 210;
+        case LOOM_Q5_0: return 22;
+        case LOOM_Q5_1: return 24;
         default: return 0;
     }
+}
+
+/* One Q5_0 / Q5_1 block (f16 d | Q5_1: f16 m | 32 high bits qh, little-endian | 16 bytes of
+   nibbles) -> 32 codes u = nibble | high bit << 4 (value j: low nibble of qs[j] for j < 16,
+   high nibble of qs[j - 16] above, high bit j of qh), as ggml's dequantize_row_q5_0 / _1. */
+static void decode_q5_block(int qtype, const uint8_t* blk, uint8_t* u, float* s, float* b) {
+    const int q51 = qtype == LOOM_Q5_1;
+    const float d = f16_to_f32(blk);
+    const float m = q51 ? f16_to_f32(blk + 2) : -16.f * d;
+    const uint8_t* hb = blk + (q51 ? 4 : 2);
+    const uint32_t qh = (uint32_t)hb[0] | (uint32_t)hb[1] << 8 | (uint32_t)hb[2] << 16 |
+                        (uint32_t)hb[3] << 24;
+    const uint8_t* qs = hb + 4;
+    for (int j = 0; j < 16; j++) {
+        u[j] = (uint8_t)((qs[j] & 0xF) | ((qh >> j) & 1) << 4);
+        u[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    }
+    s[0] = s[1] = d;
+    b[0] = b[1] = m;
 }
 
 /* One row of K values -> codes u [K], scales s and offsets b [K / 16]. */
@@ -101,7 +125,9 @@ static void decode_row(int qtype, const uint8_t* row, int64_t K, uint8_t* u, flo
     const int bb = block_bytes(qtype);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t* blk = row + i * bb;
-        if (qtype == LOOM_Q8_0) {
+        if (qtype == LOOM_Q5_0 || qtype == LOOM_Q5_1) {
+            decode_q5_block(qtype, blk, u + 32 * i, s + 2 * i, b + 2 * i);
+        } else if (qtype == LOOM_Q8_0) {
             const float d = f16_to_f32(blk);
             for (int j = 0; j < 32; j++) u[32 * i + j] = (uint8_t)((int8_t)blk[2 + j] + 128);
             s[2 * i] = s[2 * i + 1] = d;
@@ -611,7 +637,7 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
             for (int64_t n = 0; n < N; n++) {
                 const uint8_t* row = w + n * row_bytes;
 #if LOOM_Q_VNNI
-                if (bv == 32) {
+                if (bv == 32 && qtype <= LOOM_Q4_1) { /* Q5_x: decode_row below */
                     gemv32_vnni(qtype, row, K, T, xq, dx, xs, part);
                 } else
 #endif

@@ -1,7 +1,9 @@
-"""Finding a GGUF model file and reading its metadata (through ggml's `gguf` package)."""
+"""Finding a GGUF model file and reading its metadata and tensors (runtime/gguf/reader.py: a
+header reader over one memory map, with ggml's `gguf` package's type tables)."""
 
 from __future__ import annotations
 
+import struct
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -25,16 +27,15 @@ def gguf_file(path: str | Path) -> Path | None:
 @lru_cache(maxsize=4)
 def open_reader(path: str):
     """A memory-mapped reader (tensor data is read on access, not here)."""
-    import gguf
+    from loom.runtime.gguf.reader import GGUFFile
 
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
+        return GGUFFile(path)
+    except (ValueError, OSError, struct.error, UnicodeDecodeError) as e:
         raise ValueError(f"model_path: {path!r} is not a readable GGUF file: {e}") from e
 
 
 @lru_cache(maxsize=4)
 def metadata(path: str) -> dict[str, Any]:
     """Every key-value field of the file as Python values (lists for arrays)."""
-    reader = open_reader(path)
-    return {name: field.contents() for name, field in reader.fields.items()}
+    return open_reader(path).fields

@@ -19,7 +19,7 @@ import torch
 from loom.runtime import native
 from loom.runtime.layers.quant_types import QuantizedTensor
 
-QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4}
+QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 6}
 MODES = {"int8": 0, "f32": 1, "int16": 2}
 DEFAULT_MODE = "int16"
 # instruction-set variants (native.ISA_FLAGS): "native" takes the VNNI path on CPUs with

@@ -20,6 +20,8 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "Q4_1": (32, 20),  # f16 scale, f16 min, 32 x 4-bit
     "Q4_K": (256, 144),  # f16 d, f16 dmin, 12 bytes of 6-bit sub-block scales/mins, 128 bytes of 4-bit
     "Q6_K": (256, 210),  # 128 bytes low 4 bits, 64 bytes high 2 bits, 16 x int8 scales, f16 d
+    "Q5_0": (32, 22),  # f16 scale, 32 high bits, 32 x 4-bit low bits (value - 16)
+    "Q5_1": (32, 24),  # f16 scale, f16 min, 32 high bits, 32 x 4-bit low bits
 }
 
 
