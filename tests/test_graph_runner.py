@@ -41,6 +41,10 @@ def serve(path: str, page_size: int, graphs: bool, backend: str):
             """The padded step, checked: only the real rows' out slots and the padding page
             change in the KV pool."""
             pool = runner.token_to_kv_pool
+            # a sentinel in the out slots: torch.empty may hand back memory that already holds
+            # these very values (an earlier test wrote the same prompt's KV there)
+            for buf in pool.k_buffers + pool.v_buffers:
+                buf[batch.out_cache_loc] = float("nan")
             before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
             logits = plain_run(batch)
             touched = torch.zeros(before[0].shape[0], dtype=torch.bool)

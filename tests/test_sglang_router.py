@@ -198,7 +198,9 @@ def test_power_of_two_sends_new_requests_to_the_less_loaded_worker(cluster):
             body = {"text": f"Busy {i}: a long story about the sea.", "sampling_params": params}
             busy.append(requests.post(one + "/generate", json=body, timeout=600).status_code)
 
-        threads = [threading.Thread(target=hog, args=(i,)) for i in range(4)]
+        # 16 hogs: the 4096-token pool runs 4 at a time and queues the rest, so worker 0 stays
+        # busy for 16 x 900 tokens (seconds even on an idle machine; 4 alone end in ~2 s)
+        threads = [threading.Thread(target=hog, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
         deadline, busy_since = time.monotonic() + 120, None
@@ -207,7 +209,7 @@ def test_power_of_two_sends_new_requests_to_the_less_loaded_worker(cluster):
         while busy_since is None or time.monotonic() - busy_since < 3:
             loads = {x["worker"]: x["load"] for x in router.get("/get_loads").json()["workers"]}
             running = server_info(one)["num_running_reqs"]
-            if running == 4 and loads[one] > loads[workers[1].url]:
+            if running >= 4 and loads[one] > loads[workers[1].url]:
                 busy_since = busy_since or time.monotonic()
             else:
                 busy_since = None
@@ -220,10 +222,10 @@ def test_power_of_two_sends_new_requests_to_the_less_loaded_worker(cluster):
         after = [_counters(w.url)[0] for w in workers]
         assert after[0] == before[0], (before, after)  # nothing new on the busy worker
         assert after[1] > before[1], (before, after)
-        assert server_info(one)["num_running_reqs"] == 4  # still busy all along
+        assert server_info(one)["num_running_reqs"] >= 1  # still busy all along
         for t in threads:
             t.join(600)
-        assert busy == [200] * 4
+        assert busy == [200] * 16
     finally:
         router.shutdown()
 
