@@ -66,31 +66,11 @@ class LoomSide:
 
 
 def _teacher_forced(gguf: str, ids: list[int], quantization: str | None, chunk: int):
-    """(logprob of each token given its prefix, the model's top-1 id at each position)."""
-    from loom.runtime.io_struct import TokenizedGenerateReq
-    from loom.runtime.sampling_params import make_sampling_params
-    from loom.runtime.scheduler.scheduler import Scheduler
-    from loom.runtime.server_args import ServerArgs
+    """(logprobs, top-1 ids) of runtime/teacher_forced.py, in a spawned process."""
+    from loom.runtime.teacher_forced import teacher_forced
 
-    s = Scheduler(
-        ServerArgs(
-            model_path=gguf, max_total_tokens=len(ids) + 64, quantization=quantization,
-            chunked_prefill_size=chunk, dtype="float32",
-        )
-    )  # fmt: skip
-    params = make_sampling_params({"max_new_tokens": 1, "temperature": 0})
-    s.add_request(
-        TokenizedGenerateReq(
-            rid="r", input_ids=ids, sampling_params=params, seed=0, return_logprob=True,
-            logprob_start_len=0, top_logprobs_num=1,
-        )
-    )  # fmt: skip
-    lp = top = None
-    while not s.is_idle:
-        for o in s.step():
-            lp = o.input_token_logprobs or lp
-            top = o.input_top_logprobs or top
-    return [x[0] for x in lp[1:]], [t[0][1] if t else None for t in top]
+    lp, top, _ = teacher_forced(gguf, ids, quantization, chunk)
+    return lp, top
 
 
 def agreement(gguf: str, ntok: int, chunk: int) -> None:

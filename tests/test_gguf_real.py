@@ -18,6 +18,7 @@ from loom.runtime.io_struct import TokenizedGenerateReq
 from loom.runtime.sampling_params import make_sampling_params
 from loom.runtime.scheduler.scheduler import Scheduler
 from loom.runtime.server_args import ServerArgs
+from loom.runtime.teacher_forced import teacher_forced
 
 TIE = 1e-4
 QUESTIONS = [
@@ -165,28 +166,6 @@ def test_header_reader_equals_gguf_reader_on_smollm2(real_gguf):
     from tests.test_gguf_files import _same_as_gguf_reader
 
     _same_as_gguf_reader(real_gguf("smollm2"))
-
-
-def teacher_forced(path: str, ids: list[int], quantization: str | None):
-    """(per-token logprobs of `ids`, the model's top-1 id at each position, the scheduler)."""
-    s = Scheduler(
-        ServerArgs(
-            model_path=path, max_total_tokens=len(ids) + 64, dtype="float32",
-            quantization=quantization,
-        )
-    )  # fmt: skip
-    s.add_request(
-        TokenizedGenerateReq(
-            rid="r", input_ids=ids, seed=0, return_logprob=True, logprob_start_len=0,
-            top_logprobs_num=1, sampling_params=make_sampling_params({"max_new_tokens": 1}),
-        )
-    )  # fmt: skip
-    lp = top = None
-    while not s.is_idle:
-        for o in s.step():
-            lp = o.input_token_logprobs or lp
-            top = o.input_top_logprobs or top
-    return [x[0] for x in lp[1:]], [t[0][1] for t in top[1:]], s
 
 
 def test_gemma_kept_quantized_matches_dequantized(real_gguf):

@@ -22,6 +22,7 @@ from loom.runtime.layers.quant_types import QuantizedTensor
 from loom.runtime.sampling_params import make_sampling_params
 from loom.runtime.scheduler.scheduler import Scheduler
 from loom.runtime.server_args import ServerArgs
+from loom.runtime.teacher_forced import teacher_forced
 
 PROMPTS = [[5, 17, 99, 3, 250], [7] * 3 + list(range(40, 70)), [300, 2, 9]]
 NEW = 12
@@ -207,30 +208,6 @@ def test_gguf_kept_quantized_matches_dequantized(real_gguf):
     assert qbytes * 3 < fbytes, (qbytes, fbytes)
 
 
-def _teacher_forced(path: str, ids: list[int], quantization: str | None, chunk: int):
-    """(top-1 ids, logprobs of the text's tokens after the first) of one teacher-forced pass,
-    `chunk` tokens a step."""
-    s = Scheduler(
-        ServerArgs(
-            model_path=path, max_total_tokens=len(ids) + 64, quantization=quantization,
-            chunked_prefill_size=chunk, dtype="float32",
-        )
-    )  # fmt: skip
-    s.add_request(
-        TokenizedGenerateReq(
-            rid="r", input_ids=ids, seed=0, return_logprob=True, logprob_start_len=0,
-            top_logprobs_num=1,
-            sampling_params=make_sampling_params({"max_new_tokens": 1, "temperature": 0}),
-        )
-    )  # fmt: skip
-    lp = top = None
-    while not s.is_idle:
-        for o in s.step():
-            lp = o.input_token_logprobs or lp
-            top = o.input_top_logprobs or top
-    return [t[0][1] for t in top[1:]], [v[0] for v in lp[1:]]
-
-
 def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
     """Issue 32's accuracy bar on CI's budget: SmolLM2's Q4_1 file with its blocks kept, every
     token through the decode kernels (8 a step: 16-bit activations), against the same file
@@ -244,8 +221,8 @@ def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
     path = str(real_gguf("smollm2"))
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     ids = load_tokenizer(path).encode(text)[:192]
-    ref_top, ref_lp = _teacher_forced(path, ids, None, len(ids))
-    top, lp = _teacher_forced(path, ids, "gguf", 8)
+    ref_lp, ref_top, _ = teacher_forced(path, ids, None, len(ids))
+    lp, top, _ = teacher_forced(path, ids, "gguf", 8)
     same = sum(a == b for a, b in zip(ref_top, top))
     assert same / len(ref_top) >= 0.99, (same, len(ref_top))
     ppl = [math.exp(-sum(x) / len(x)) for x in (ref_lp, lp)]
