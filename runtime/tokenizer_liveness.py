@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 # forever). The pipe is ordered (TM -> scheduler -> detokenizer -> TM), so a request sent before
 # a probe is either listed in its reply or its final output arrived before the reply.
 PROBE_QUIET_S = 2.0
+# seconds between a watched process's exit and the runtime being declared dead, so that every
+# process the same failure took down is named (the cause among them)
+CAUSE_GRACE_S = 1.5
 LOST_AFTER_PROBES = 2
 
 
@@ -86,9 +89,16 @@ class Liveness:
         state.notify()
 
     def _child_exited(self, proc) -> None:
-        asyncio.get_running_loop().remove_reader(proc.sentinel)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(proc.sentinel)
         proc.join(1.0)  # reap it, so its exit code is known
-        self._declare_dead(f"the {proc.name} process died (exit code {proc.exitcode})")
+        died = self._died
+        died.append(f"the {proc.name} process died (exit code {proc.exitcode})")
+        if len(died) == 1:
+            # one rank's death takes the others down within moments (their collectives fail),
+            # and the first to exit is not always the cause (rank 0 can exit before Ray reports
+            # the killed actor): wait CAUSE_GRACE_S for the rest, then name every one
+            loop.call_later(CAUSE_GRACE_S, lambda: self._declare_dead("; ".join(died)))
 
     def _declare_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

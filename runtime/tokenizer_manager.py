@@ -48,6 +48,7 @@ class TokenizerManager(RequestNormalizer, Liveness):
         self.rid_to_state: dict[str, ReqState] = {}
         self.control_waiters: dict[int, asyncio.Future] = {}
         self.dead_reason: str | None = None
+        self._died: list[str] = []  # Liveness._child_exited: the processes that exited
         self.watched_processes: list = []
         self.on_output = None  # metrics hook: on_output(state, num_new_tokens, now)
         self._next_control_id = 0
