@@ -18,10 +18,10 @@ logger = logging.getLogger(__name__)
 # forever). The pipe is ordered (TM -> scheduler -> detokenizer -> TM), so a request sent before
 # a probe is either listed in its reply or its final output arrived before the reply.
 PROBE_QUIET_S = 2.0
+LOST_AFTER_PROBES = 2
 # seconds between a watched process's exit and the runtime being declared dead, so that every
 # process the same failure took down is named (the cause among them)
 CAUSE_GRACE_S = 1.5
-LOST_AFTER_PROBES = 2
 
 
 class Liveness:
