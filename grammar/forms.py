@@ -2,7 +2,7 @@
 
 This is the part of structured generation loom owns, whatever engine computes the masks:
 
-    regex        -> Form("regex", pattern)                       (checked by the engine)
+    regex        -> Form("regex", pattern)     (\\d \\w \\s as ASCII; checked by the engine)
     choices      -> Form("regex", escaped alternation)
     json_schema  -> Form("lark", json_schema_to_lark(schema))    (any schema, recursion too)
                     or Form("regex", ...) for engines that prefer one while it is
@@ -53,7 +53,9 @@ def translate(
     if kind == "regex":
         if not spec:
             raise GrammarError("regex: empty pattern")
-        return Form("regex", spec)
+        from .regex_classes import ascii_classes
+
+        return Form("regex", ascii_classes(spec))
     if kind == "choices":
         from .choices import choices_to_regex
 

@@ -113,6 +113,12 @@ REGEXES = [
         ["hello", "你好  😀", "😀 😀 😀 😀"],
     ),
     (r"-?\d+(\.\d+)?", ["0", "-12.50"], ["1.", "--1", ".5"]),
+    # \d \w \s are ASCII classes (as in xgrammar): Unicode digits, letters and spaces are out
+    (
+        r"[A-Z]{2}-\d{2}\s\w+[^\W_]\S",
+        ["AB-12 x_9!", "ZZ-00\tab."],
+        ["AB-\u06f1\u06f2 ab!", "AB-12\u00a0ab!", "AB-12 \u00e9a!", "AB-12 a_!", "AB-12 ab "],
+    ),
 ]
 CHOICES = (["yes", "no", "maybe", "y"], ["y", "yes", "maybe"], ["ye", "yess", "No"])
 ARITH_VALID, ARITH_INVALID = ["1+2*(3-4)", "7", "(((1)))/2"], ["1+", "(1", "1234", "1 + 2"]
@@ -241,10 +247,10 @@ def test_regex_sound_and_complete(setup, i):
     pattern, good, bad = REGEXES[i]
     g = backend.compile("regex", pattern)
     for text in good:
-        assert re.fullmatch(pattern, text) and _accepts(backend, tok, g, text), text
+        assert re.fullmatch(pattern, text, re.A) and _accepts(backend, tok, g, text), text
     for text in bad:
-        assert not re.fullmatch(pattern, text) and not _accepts(backend, tok, g, text), text
-    _check_walks(backend, tok, g, lambda text: re.fullmatch(pattern, text) is not None)
+        assert not re.fullmatch(pattern, text, re.A) and not _accepts(backend, tok, g, text), text
+    _check_walks(backend, tok, g, lambda text: re.fullmatch(pattern, text, re.A) is not None)
 
 
 def test_choices(setup):
