@@ -53,7 +53,7 @@ _CONTINUATION = tuple(range(0x80, 0xC0))
 def closing_regex(kind: str, spec: Any, json_options=None) -> str:
     """The regex a closer is built from, or GrammarError naming the field when the kind has
     no regular form."""
-    if kind == "regex":  # interegular reads \\d \\w \\s as ASCII, as the engines' forms do
+    if kind == "regex":  # interegular reads \d \w \s as ASCII, as the engines' forms do
         return spec
     if kind == "choices":
         from .choices import choices_to_regex
