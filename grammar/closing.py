@@ -252,7 +252,13 @@ class ClosingGrammar(Grammar):
 
     @property
     def budget_closed(self) -> bool:
-        return self.steered_at is not None
+        """Steered, and the document is complete (the engine says so, or the shadow stands in
+        a final state): a budget under the shortest completion is steered from its first token
+        too, but ends cut and must not be reported closed."""
+        if self.steered_at is None:
+            return False
+        q = self._states[-1]
+        return self.inner.is_terminated() or (q >= 0 and bool(self.closer.need[q] == 0))
 
     def _active(self) -> tuple[int, int] | None:
         """(shadow state, tokens left) when the steering restricts this row, else None."""

@@ -116,6 +116,22 @@ def test_random_walks_close_within_budget_on_every_engine(backends, tokenizer, e
     assert plain_cut > 0  # the same walks without the closer get cut
 
 
+def test_a_budget_under_the_shortest_completion_is_not_reported_closed(backends, tokenizer):
+    """Steering starts at once, but nothing fits: the output is cut, and budget_closed (which
+    the OpenAI usage reports) stays false, as it turns true on the budget that fits."""
+    backend = backends["llguidance"]
+    closer = backend.closer_async("json_schema", PERSON).result()
+    need = int(closer.need[closer.initial])
+    for budget, closed in ((need - 3, False), (need, True)):
+        g = ClosingGrammar(backend.compile("json_schema", PERSON), closer, budget)
+        out = random_walk(g, budget, tokenizer.eos_token_id, random.Random(budget))
+        assert len(out) == budget and g.steered_at == 0
+        assert g.budget_closed is closed
+        if not closed:
+            with pytest.raises(ValueError):
+                json.loads(tokenizer.decode(out))
+
+
 def test_draft_rows_see_the_budget_left_after_the_draft(backends, tokenizer):
     """A verify step's row j is masked with the budget left after draft[:j] (the speculative
     rows' view), the same masks as stepping token by token; rollback undoes `steered_at`."""
