@@ -20,6 +20,7 @@ the parser of their output):
     python benchmarks/run_all.py --readme                       # every row: run, log, print
     python benchmarks/run_all.py --readme --rows prefix,serving # some rows
     python benchmarks/run_all.py --readme-from /tmp/loom_readme # print the rows from the logs
+    python benchmarks/run_all.py --readme-from /tmp/loom_readme --docs  # docs/benchmarks.md's logs
 
 Each row's output goes to LOGDIR/<row>.log (--readme-logs), whose first line names the commit,
 the load and the commands; the printed row carries that commit and the range of the 1-minute
@@ -181,8 +182,31 @@ def readme(a) -> None:
             lines += readme_rows.markdown(row, log.read_text())
         except readme_rows.RowError as e:
             lines.append(f"<!-- {key}: {e} (log: {log}) -->")
+    if a.docs:
+        _docs(keys, logdir)
+        return
     print("\n| command | workload | loom | baseline | ratio |\n|---|---|---|---|---|")
     print("\n".join(lines))
+
+
+def _docs(keys: list[str], logdir: Path) -> None:
+    """docs/benchmarks.md's section of the rows' logs: per row, the command and its whole log
+    (its first line names the commit, the load and the commands), then the rows it gives."""
+    for key in keys:
+        row, log = readme_rows.BY_KEY[key], logdir / f"{key}.log"
+        print(f"\n#### `{key}`\n\n`python benchmarks/run_all.py --readme --rows {key}`:\n")
+        if not log.exists():
+            print("    (not run: no log)")
+            continue
+        text = log.read_text()
+        print("\n".join("    " + line if line else "" for line in text.rstrip().split("\n")))
+        try:
+            rows = readme_rows.markdown(row, text)
+        except readme_rows.RowError as e:
+            print(f"\n(no README row: {e})")
+            continue
+        print("\n| command | workload | loom | baseline | ratio |\n|---|---|---|---|---|")
+        print("\n".join(rows))
 
 
 def main() -> None:
@@ -205,6 +229,9 @@ def main() -> None:
     p.add_argument("--readme-logs", default="/tmp/loom_readme", help="--readme: the rows' logs")
     p.add_argument(
         "--readme-from", default=None, help="print README rows from this folder's logs, run none"
+    )
+    p.add_argument(
+        "--docs", action="store_true", help="with --readme-from: the logs as docs markdown"
     )
     a = p.parse_args()
     if a.readme or a.readme_from:
