@@ -14,7 +14,6 @@ Modes alternate per round: median [min, max] of --rounds.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import time
