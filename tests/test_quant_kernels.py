@@ -104,7 +104,7 @@ def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
 
 
 def test_auto_mode_takes_the_f32_gemv_where_the_build_has_it(isa):
-    """ "auto" (the default) is "f32" in a build with AVX-512F/BW (the register-expanded decode
+    """The default mode, "auto", is "f32" in a build with AVX-512F/BW (the register-expanded decode
     GEMV) and "int16" otherwise (where "f32" would dequantize rows at batch 1)."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     f32v = "avx512f" in flags and "avx512bw" in flags and isa == "native"
@@ -122,11 +122,7 @@ def test_matmul_matches_reference(qtype, mode, isa):
         w = dequantize_ref(qt.qtype, qt.data, qt.shape)
         for t in (*range(1, 9), 13, 32, 33, 64):
             x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
-            bias = (
-                torch.randn(rows, generator=torch.Generator().manual_seed(99 + t))
-                if t % 2
-                else None
-            )
+            bias = torch.randn(rows, generator=torch.Generator().manual_seed(99 + t)) if t % 2 else None
             y = quant_ops.matmul(qt, x, bias, mode=mode, isa=isa)
             # int8 / int16 (decode): the kernel sees the activations rounded per block of 32,
             # as the reference does; larger T runs the f32 kernel in every mode
