@@ -1,6 +1,8 @@
 """Batch-1 decode GEMV of the quantized kernels (kernels/cpu/quant.c) on SmolLM2-135M's own
-blocks: ns per call and GB/s of blocks streamed, one thread, for each matrix of one layer and
-the tied LM head, and the whole model's per-token matmul time (30 layers + LM head).
+blocks: time per call and GB/s of blocks streamed, one thread, for each matrix of one layer and
+the tied LM head (the layer's matrices repeated: cache-resident), and then a whole token's
+matmuls in the forward's order over all 30 layers and the LM head (96 MB of blocks: streamed
+from the last-level cache or memory, as in a decode step).
 
     python benchmarks/bench_quant_gemv.py [--gguf smollm2] [--modes f32,int16] [--tokens 1]
         [--reps 200] [--threads 1]
@@ -14,6 +16,7 @@ Modes alternate per round: median [min, max] of --rounds.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import time
@@ -24,30 +27,32 @@ from loom.runtime.layers import quant_ops
 from loom.runtime.layers.quant_types import QuantizedTensor
 
 
-def layer_mats(path: str) -> dict[str, QuantizedTensor]:
-    """{qkv, o, gate_up, down, lm_head} of layer 0 as the C forward multiplies them (q, k, v
-    rows stacked; gate, up rows stacked)."""
+def model_mats(path: str) -> list[dict[str, QuantizedTensor]]:
+    """Per layer {qkv, o, gate_up, down} as the C forward multiplies them (q, k, v rows
+    stacked; gate, up rows stacked), the last entry {lm_head}."""
     from loom.runtime.gguf.weights import iterate_gguf_weights
 
     want = {
         "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
         "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
     }  # fmt: skip
-    parts: dict[str, list[QuantizedTensor]] = {}
+    parts: dict[int, dict[str, list[QuantizedTensor]]] = {}
     for name, t in iterate_gguf_weights(path, keep_quantized=True):
         if not isinstance(t, QuantizedTensor):
             continue
         if name == "model.embed_tokens.weight":
-            parts["lm_head"] = [t]
-        elif name.startswith("model.layers.0."):
+            parts.setdefault(-1, {})["lm_head"] = [t]
+        elif name.startswith("model.layers."):
             key = want.get(name.split(".")[-2])
             if key:
-                parts.setdefault(key, []).append(t)
-    out = {}
-    for key in ("qkv", "o", "gate_up", "down", "lm_head"):
-        ts = parts[key]
-        data = torch.cat([t.data for t in ts]).contiguous()
-        out[key] = QuantizedTensor(ts[0].qtype, (data.shape[0], ts[0].shape[1]), data)
+                parts.setdefault(int(name.split(".")[2]), {}).setdefault(key, []).append(t)
+    out = []
+    for layer in sorted(parts, key=lambda i: (i < 0, i)):
+        mats = {}
+        for key, ts in parts[layer].items():
+            data = torch.cat([t.data for t in ts]).contiguous()
+            mats[key] = QuantizedTensor(ts[0].qtype, (data.shape[0], ts[0].shape[1]), data)
+        out.append(mats)
     return out
 
 
@@ -58,6 +63,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--token-reps", type=int, default=20)
+    p.add_argument(
+        "--prefetch-rows", default="", help="comma list: f32 mode once per loom_q_prefetch_rows"
+    )
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     path = args.gguf
@@ -65,9 +74,16 @@ def main() -> None:
         from loom.runtime.gguf.named import resolve_model_name
 
         path = resolve_model_name(path)
-    mats = layer_mats(path)
+    model = model_mats(path)
+    mats = {**model[0], **model[-1]}
     lib = quant_ops.load()
     modes = args.modes.split(",")
+    knob = ctypes.c_int.in_dll(lib, "loom_q_prefetch_rows")
+    default_pf = knob.value
+    pfs = {m: default_pf for m in modes}
+    for v in filter(None, args.prefetch_rows.split(",")):
+        pfs[f"f32@{v}"] = int(v)
+    modes = list(pfs)
     T = args.tokens
     print(f"{path}: T={T}, threads {args.threads}, load {os.getloadavg()}")
     empty = lib.loom_q_vnni
@@ -76,14 +92,34 @@ def main() -> None:
         empty()
     print(f"empty ctypes call: {(time.perf_counter() - t0) / 10000 * 1e9:.0f} ns")
     res: dict[tuple[str, str], list[float]] = {}
+
+    def calls(mode: str, qt: QuantizedTensor) -> tuple:
+        n, k = qt.shape
+        x, y = torch.randn(T, k), torch.empty(T, n)
+        keep.append((x, y))
+        return (
+            quant_ops.QTYPES[qt.qtype], quant_ops.MODES[mode.split("@")[0]], qt.data.data_ptr(), n, k,
+            qt.row_bytes, x.data_ptr(), T, k, None, y.data_ptr(), n, 0, args.threads,
+        )  # fmt: skip
+
+    keep: list = []
+    token = {mode: [calls(mode, qt) for mats in model for qt in mats.values()] for mode in modes}
     for _ in range(args.rounds):
         for mode in modes:
+            knob.value = pfs[mode]
+            for c in token[mode]:  # a warm-up pass
+                lib.loom_q_matmul(*c)
+            t0 = time.thread_time()
+            for _ in range(args.token_reps):
+                for c in token[mode]:
+                    lib.loom_q_matmul(*c)
+            res.setdefault((mode, "token"), []).append((time.thread_time() - t0) / args.token_reps)
             for key, qt in mats.items():
                 n, k = qt.shape
                 x = torch.randn(T, k)
                 y = torch.empty(T, n)
                 call = (
-                    quant_ops.QTYPES[qt.qtype], quant_ops.MODES[mode], qt.data.data_ptr(), n, k,
+                    quant_ops.QTYPES[qt.qtype], quant_ops.MODES[mode.split("@")[0]], qt.data.data_ptr(), n, k,
                     qt.row_bytes, x.data_ptr(), T, k, None, y.data_ptr(), n, 0, args.threads,
                 )  # fmt: skip
                 reps = max(5, args.reps * 576 * 576 // (n * k))
@@ -105,7 +141,14 @@ def main() -> None:
                 f"  {gbs:5.2f} GB/s"
             )
             total += med * (1 if key == "lm_head" else layers)
-        print(f"{mode:6} per-token matmuls (30 layers + LM head): {total * 1e3:.2f} ms")
+        print(f"{mode:6} sum of the above x 30 layers + LM head: {total * 1e3:.2f} ms")
+        tok = res[(mode, "token")]
+        nbytes = sum(qt.data.numel() for mats in model for qt in mats.values())
+        print(
+            f"{mode:6} whole token, all {len(model) - 1} layers + LM head in order: "
+            f"{statistics.median(tok) * 1e3:.2f} ms [{min(tok) * 1e3:.2f}, {max(tok) * 1e3:.2f}]"
+            f"  {nbytes / statistics.median(tok) / 1e9:.2f} GB/s"
+        )
     print(f"load after {os.getloadavg()}")
 
 

@@ -606,6 +606,11 @@ static int matmul_i16(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t
    Why not integers: with 16-bit activations a block costs two u8 x s8 dots, their combination
    and a conversion to float per block, in a 256-bit lane per token; bench_quant_gemv.py
    measured this form 1.9x faster on SmolLM2's matrices (docs/benchmarks.md, "batch-1 GEMV"). */
+/* rows ahead whose block at the same position a pass prefetches (two groups of four on): the
+   hardware prefetcher alone left a token's matmuls ~1.5x slower streaming the 96 MB of SmolLM2
+   than with the same matrices cache-resident (docs/benchmarks.md, "batch-1 GEMV"). A tuning
+   knob the benchmark sets through ctypes (c_int.in_dll). */
+int loom_q_prefetch_rows = 8;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LOOM_Q_F32V 1
 #define F32V_MAX 8    /* tokens up to which LOOM_Q_F32 takes these kernels */
@@ -630,6 +635,7 @@ static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uin
     __m512 acc[16];
     float dsc[4][F32V_CHUNK], msc[4][F32V_CHUNK];
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t pf = loom_q_prefetch_rows;
     for (int i = 0; i < R * TT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += F32V_CHUNK) {
         const int n = nb - i0 < F32V_CHUNK ? (int)(nb - i0) : F32V_CHUNK;
@@ -642,6 +648,7 @@ static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uin
                 xb[t] = _mm512_loadu_ps(x + t * ldx + 32 * i + 16);
             }
             for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + i * bb), _MM_HINT_T0);
                 if (qtype == LOOM_Q8_0) {
                     __m512 lo, hi;
                     f32v_q8(w + r * row_bytes + i * bb, &lo, &hi);
