@@ -17,7 +17,9 @@
                   held as two int8 halves, two integer dot products per block (gemv32_i16,
                   below: why and how); other types take LOOM_Q_INT8 in this mode.
      LOOM_Q_F32   each weight row dequantized to f32 in a thread-local row buffer (L1) and
-                  dotted with the f32 activations by FMA: no activation rounding.
+                  dotted with the f32 activations by FMA: no activation rounding. For Q8_0 /
+                  Q4_0 / Q4_1 at T <= 8 in AVX-512 builds: matmul_f32v (below), the blocks
+                  expanded to f32 in registers, four rows a pass.
    Either way a row is decoded once per call and used for all T tokens, so a GEMV (T = 1..8)
    streams the weights once and a GEMM (prefill) reuses the decoded row from L1.
 
