@@ -25,6 +25,10 @@ example `git archive HEAD~1 | tar -x -C DIR`): each round runs both trees, alter
 in a fresh subprocess, and the table gives both sides and the per-round ratio base / this
 tree of the time outside the forward. --tree DIR measures that copy instead of the installed
 loom (so that others' uncommitted edits in a shared checkout stay out of both sides).
+
+--model picks the model (default the bundled one; a GGUF file or name such as smollm2, with
+--quantization gguf to keep its blocks); where the compiled C forward runs, `mm` and `attn`
+split its time into the matmuls and the attention (CpuForward.profile).
 """
 
 from __future__ import annotations
@@ -45,6 +49,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 PARTS = ("schedule", "build", "runner", "model", "sample", "process", "drain")
+SPLIT = ("mm", "attn")  # the C forward's own split of "model" (CpuForward.profile)
+
+
+def model_path(arg: str) -> str:
+    """--model: a benchmark model name or folder (common.resolve_model), or a GGUF file / name"""
+    if arg.endswith(".gguf"):
+        return arg
+    if arg in common.MODELS or Path(arg, "config.json").exists():
+        return common.resolve_model(arg)[1]
+    from loom.runtime.gguf.named import resolve_model_name
+
+    return resolve_model_name(arg)
 
 
 def _wrap(obj, name: str, key: str, spent: dict) -> None:
@@ -60,7 +76,9 @@ def _wrap(obj, name: str, key: str, spent: dict) -> None:
     setattr(obj, name, timed)
 
 
-def measure(sizes: list[int], pp: int, tg: int, temperature: float) -> dict:
+def measure(
+    sizes: list[int], pp: int, tg: int, temperature: float, model: str, quantization: str | None
+) -> dict:
     """{B: {part: median CPU ms}} for this process's loom."""
     import torch
 
@@ -71,17 +89,17 @@ def measure(sizes: list[int], pp: int, tg: int, temperature: float) -> dict:
     from loom.runtime.server_args import ServerArgs
 
     torch.set_num_threads(1)
-    _, path = common.resolve_model("bundled")
     sched = Scheduler(
         ServerArgs(
-            model_path=path,
+            model_path=model_path(model),
+            quantization=quantization,
             cpu_threads=1,
             max_running_requests=max(sizes),
             disable_radix_cache=True,
             log_level="warning",
         )
     )
-    spent = dict.fromkeys(PARTS, 0.0)
+    spent = dict.fromkeys(PARTS + SPLIT, 0.0)
     runner = sched.runner
     _wrap(sched.decode, "schedule", "schedule", spent)
     _wrap(ScheduleBatch, "build_input", "build", spent)
@@ -90,14 +108,18 @@ def measure(sizes: list[int], pp: int, tg: int, temperature: float) -> dict:
     _wrap(runner.model, "forward", "model", spent)
     if runner.cpu_forward is not None:
         compiled = runner.cpu_forward
+        compiled.profile = prof = torch.zeros(2, dtype=torch.float64)
 
         class Timed:
             covers = compiled.covers
 
             def __call__(self, batch):
-                t = time.thread_time()
+                t, before = time.thread_time(), prof.tolist()
                 out = compiled(batch)
                 spent["model"] += time.thread_time() - t
+                after = prof.tolist()
+                spent["mm"] += after[0] - before[0]
+                spent["attn"] += after[1] - before[1]
                 return out
 
         runner.cpu_forward = Timed()
@@ -132,7 +154,7 @@ def measure(sizes: list[int], pp: int, tg: int, temperature: float) -> dict:
     out = {}
     for b in sizes:
         steps = run(b)
-        med = {k: statistics.median(s[k] for s in steps) * 1e3 for k in ("step", *PARTS)}
+        med = {k: statistics.median(s[k] for s in steps) * 1e3 for k in ("step", *PARTS, *SPLIT)}
         med["runner"] -= med["model"] + med["sample"]
         med["outside"] = med["step"] - med["model"]
         out[b] = med
@@ -194,6 +216,7 @@ def _run_tree(args, pythonpath: str | None) -> dict:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, __file__, "--worker", "--batch-sizes", args.batch_sizes]
     cmd += ["--pp", str(args.pp), "--tg", str(args.tg), "--temperature", str(args.temperature)]
+    cmd += ["--model", args.model, "--quantization", args.quantization]
     cmd += ["--engine", "--engine-tg", str(args.engine_tg)] if args.engine else []
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return {int(k): v for k, v in json.loads(res.stdout.strip().splitlines()[-1]).items()}
@@ -212,11 +235,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tree", default=None)
     p.add_argument("--engine", action="store_true")
     p.add_argument("--engine-tg", type=int, default=512)
+    p.add_argument("--model", default="bundled", help="model name, folder or GGUF file")
+    p.add_argument("--quantization", default="", help="loom's --quantization ('': none)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.worker:
-        res = measure(sizes, args.pp, args.tg, args.temperature)
+        res = measure(
+            sizes, args.pp, args.tg, args.temperature, args.model, args.quantization or None
+        )
         if args.engine:
             engine = measure_engine(sizes, args.pp, args.engine_tg, args.temperature)
             for b, parts in engine.items():
@@ -224,7 +251,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(res))
         return
     print(
-        common.header(f"decode step around the forward (bundled, 1 thread, T={args.temperature})")
+        common.header(
+            f"decode step around the forward ({args.model}"
+            f"{' ' + args.quantization if args.quantization else ''}, 1 thread, "
+            f"T={args.temperature})"
+        )
     )
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"this tree": None}
@@ -235,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
             sides = {"base": str(base), **sides}
         runs = {name: (lambda pp=pp: _run_tree(args, pp)) for name, pp in sides.items()}
         res = common.alternate(runs, args.rounds)
-    cols = ("step", "model", "outside", *[k for k in PARTS if k != "model"])
+    cols = ("step", "model", *SPLIT, "outside", *[k for k in PARTS if k != "model"])
     print(f"| B | side | load | {' | '.join(cols)} |")
     print("|---|---|---|" + "---|" * len(cols))
     load = os.getloadavg()[0]

@@ -192,7 +192,7 @@ class CpuForward:
             f(inner.embed_tokens.weight), p(inner.norm.weight), f(model.lm_head.weight),
             p(rot.cos_cache), p(rot.sin_cache), layers, packed(model.lm_head.weight),
             q(inner.embed_tokens.weight), q(model.lm_head.weight),
-            quant_ops.MODES[quant_ops.DEFAULT_MODE],
+            quant_ops.MODES[quant_ops.resolve_mode()],
         )  # fmt: skip
         # bytes held in packed copies (the weights the C path reads a second time)
         self.packed_bytes = PACK_BUDGET - budget[0]

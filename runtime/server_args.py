@@ -144,6 +144,11 @@ class ServerArgs(ServerArgsValidation):
 
         name = self.model_path
         object.__setattr__(self, "model_path", resolve_model_name(name))
+        if self.quantization is None and self.model_path != name:
+            # a named model (`smollm2`) is a GGUF file: its blocks stay quantized by default
+            object.__setattr__(self, "quantization", "gguf")
+        if self.quantization == "none":  # asked for floats: a GGUF's weights dequantized
+            object.__setattr__(self, "quantization", None)
         if self.tokenizer_path is None:
             object.__setattr__(self, "tokenizer_path", self.model_path)
         if self.served_model_name is None:  # a named model is served under its name

@@ -8,7 +8,7 @@ SERVER_HELP = {
     "tool_call_parser": "How the model writes tool calls on /v1/chat/completions (qwen25: <tool_call> JSON, llama3: JSON, mistral: [TOOL_CALLS], react: Action/Action Input, smollm2: <tool_call>[JSON list], gemma3: JSON with parameters); default: react for the bundled model, else from the chat template, else from the model type, else qwen25",
     "reasoning_parser": "Split <think>...</think> into reasoning_content (qwen3: when the reply opens one; deepseek-r1: the reply starts inside it)",
     "dtype": "Weight and activation dtype; auto takes the config's torch_dtype",
-    "quantization": "Weight-only quantization of a float checkpoint at load, kept quantized in memory and multiplied by the quantized kernels: int8 (ggml Q8_0: int8 codes, one f16 scale per 32) or int4 (ggml Q4_1: 4-bit codes, f16 scale and minimum per 32; the embedding and LM head in Q8_0); gguf: a GGUF file's weights kept in the file's own block types (Q8_0/Q4_0/Q4_1/Q4_K/Q6_K; default for a GGUF: dequantized to float)",
+    "quantization": "Weight-only quantization of a float checkpoint at load, kept quantized in memory and multiplied by the quantized kernels: int8 (ggml Q8_0: int8 codes, one f16 scale per 32) or int4 (ggml Q4_1: 4-bit codes, f16 scale and minimum per 32; the embedding and LM head in Q8_0); gguf: a GGUF file's weights kept in the file's own block types (Q8_0/Q4_0/Q4_1/Q4_K/Q6_K; the default for a named model such as `--model smollm2`; a GGUF path defaults to dequantized float); none: no quantization (a named model dequantized to float)",
     "device": "cpu or cuda; default: cuda when available",
     "context_length": "Maximum context length; default: the config's max_position_embeddings",
     "host": "HTTP bind address",

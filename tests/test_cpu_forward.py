@@ -108,6 +108,20 @@ def test_logits_and_kv_match_eager_on_every_kind_of_step(tiny_model_dir, family)
     _compare(runner, st.batch([0, 1, 2], [5, 3, 4], ForwardMode.EXTEND, masks))
 
 
+@pytest.mark.parametrize("family", ["llama-d64", "llama-d128", "llama-mha"])
+@torch.inference_mode()
+def test_one_token_decode_attention_matches_eager(tiny_model_dir, family):
+    """forward.c's one-token decode attention (attn_one: head_dim 64 / 128, groups of up to 4
+    query heads, K / V rows prefetched and read once) beside the per-token loop for the shapes
+    it leaves (llama-mha: head_dim 16): decode steps over scattered slots and contexts from 1
+    to past ONE_PF + 60 columns, against eager."""
+    runner = _runner(tiny_model_dir(family))
+    st = _Steps(runner, 3, seed=7)
+    _compare(runner, st.batch([0, 1, 2], [1, 2, 60], ForwardMode.EXTEND))
+    for _ in range(3):
+        _compare(runner, st.batch([0, 1, 2], [1] * 3, ForwardMode.DECODE, all_logits=False))
+
+
 # (loom_block_attn_min, loom_small_attn_max): the default (small_attention for 2-32 tokens),
 # the packed block_attention for every multi-token request, the per-token loop for all
 ATTN_PATHS = {"small": (2, 32), "packed": (2, 0), "per-token": (1000, 0)}

@@ -103,6 +103,15 @@ def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
     assert quant_ops.vnni(isa) == (has and (isa == "native" or not avx512f))
 
 
+def test_auto_mode_takes_the_f32_gemv_where_the_build_has_it(isa):
+    """The default mode, "auto", is "f32" in a build with AVX-512F/BW (the register-expanded decode
+    GEMV) and "int16" otherwise (where "f32" would dequantize rows at batch 1)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    f32v = "avx512f" in flags and "avx512bw" in flags and isa == "native"
+    assert quant_ops.resolve_mode("auto", isa) == ("f32" if f32v else "int16")
+    assert quant_ops.resolve_mode("int8", isa) == "int8"
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("mode", ["f32", "int8", "int16"])
 def test_matmul_matches_reference(qtype, mode, isa):
@@ -209,3 +218,20 @@ def test_real_tensors_match_gguf(real_gguf):
         x = torch.randn(3, cols)
         torch.testing.assert_close(quant_ops.matmul(sub, x, mode="f32"), x @ ref[:64].T)
     assert seen == {"Q8_0", "Q4_1"}
+
+
+@pytest.mark.parametrize("qtype", I16_TYPES)
+def test_f32_decode_gemv_long_rows(qtype, isa):
+    """The f32 decode GEMV (T <= 8) over rows of several scale chunks (16 blocks each) and a
+    partial last one, row counts that leave 1-3 rows past the groups of four, and a strided,
+    accumulated output: against the dequantized weights in float64."""
+    for rows, nblocks in ((9, 37), (6, 16), (3, 18)):
+        qt = random_blocks(qtype, rows, nblocks * 32, rows)
+        w = dequantize_ref(qt.qtype, qt.data, qt.shape).double()
+        for t in range(1, 9):
+            x = torch.randn(t, qt.shape[1], generator=torch.Generator().manual_seed(t))
+            bias = torch.randn(rows, generator=torch.Generator().manual_seed(t + 7))
+            ref = x.double() @ w.T + bias.double()
+            y = quant_ops.matmul(qt, x, bias, mode="f32", isa=isa).double()
+            scale = (x.double().abs() @ w.abs().T).max().item()
+            assert (y - ref).abs().max().item() / scale < 2e-6, (qtype, rows, nblocks, t)

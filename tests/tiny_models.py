@@ -89,6 +89,12 @@ def _config(family: str):
         return tf.LlamaConfig(**{**common, "num_key_value_heads": 4})
     if family == "llama-mqa":
         return tf.LlamaConfig(**{**common, "num_key_value_heads": 1}, tie_word_embeddings=True)
+    if family == "llama-d64":  # head_dim 64, GQA group 3 (SmolLM2's attention shape)
+        return tf.LlamaConfig(**{**common, "hidden_size": 96, "num_attention_heads": 3,
+                                 "num_key_value_heads": 1}, head_dim=64)  # fmt: skip
+    if family == "llama-d128":  # head_dim 128, GQA group 2
+        return tf.LlamaConfig(**{**common, "num_attention_heads": 2, "num_key_value_heads": 1},
+                              head_dim=128)  # fmt: skip
     if family == "qwen2":
         return tf.Qwen2Config(**common, tie_word_embeddings=True)
     if family == "qwen3":

@@ -486,6 +486,92 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
     free(sc);
 }
 
+/* Decode attention: one query token, kv head kh, its G query heads, causal over all S columns
+   (a request's single decode token sees them all). One pass of scores with each K row
+   prefetched ONE_PF keys ahead (the rows are scattered over the pool by the req-to-token table,
+   so the hardware prefetcher does not see the next one), the softmax, then one pass over the V
+   rows with the G x D accumulators held in registers, so each V row is loaded once for the G
+   heads and nothing is stored per row. For G * D / 16 <= 16 with D = 64 or 128 (AVX-512); returns
+   0 where it does not apply and the per-token loop runs instead. sc: scratch [G * S]. */
+#define ONE_PF 4
+#if ISA_BITS == 512
+static inline __attribute__((always_inline)) void attn_one_t(const float* qb, int64_t S,
+                                                             const int64_t* cols, const float* kc,
+                                                             const float* vc, int64_t Hkv,
+                                                             int64_t kh, float scale, float* o,
+                                                             float* sc, const int G, const int DV) {
+    const int64_t D = 16 * DV;
+    __m512 q[16], acc[16];
+    float mx[4];
+    for (int g = 0; g < G; g++) {
+        mx[g] = -INFINITY;
+        for (int j = 0; j < DV; j++) q[g * DV + j] = _mm512_loadu_ps(qb + g * D + 16 * j);
+    }
+    for (int64_t c = 0; c < S; c++) {
+        if (c + ONE_PF < S) {
+            const char* pk = (const char*)(kc + (cols[c + ONE_PF] * Hkv + kh) * D);
+            for (int j = 0; j < DV; j++) _mm_prefetch(pk + 64 * j, _MM_HINT_T0);
+        }
+        const float* kp = kc + (cols[c] * Hkv + kh) * D;
+        __m512 k[8];
+        for (int j = 0; j < DV; j++) k[j] = _mm512_loadu_ps(kp + 16 * j);
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_mul_ps(q[g * DV], k[0]);
+            for (int j = 1; j < DV; j++) a = _mm512_fmadd_ps(q[g * DV + j], k[j], a);
+            const float s = _mm512_reduce_add_ps(a) * scale;
+            sc[g * S + c] = s;
+            mx[g] = s > mx[g] ? s : mx[g];
+        }
+    }
+    float inv[4];
+    for (int g = 0; g < G; g++) {
+        float* s = sc + g * S;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t c = 0; c < S; c++) {
+            const float e = fast_expf(s[c] - mx[g]);
+            s[c] = e;
+            sum += e;
+        }
+        inv[g] = sum > 0.f ? 1.f / sum : 0.f;
+    }
+    for (int i = 0; i < G * DV; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < S; c++) {
+        if (c + ONE_PF < S) {
+            const char* pv = (const char*)(vc + (cols[c + ONE_PF] * Hkv + kh) * D);
+            for (int j = 0; j < DV; j++) _mm_prefetch(pv + 64 * j, _MM_HINT_T0);
+        }
+        const float* vp = vc + (cols[c] * Hkv + kh) * D;
+        __m512 v[8];
+        for (int j = 0; j < DV; j++) v[j] = _mm512_loadu_ps(vp + 16 * j);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(sc[g * S + c]);
+            for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_fmadd_ps(p, v[j], acc[g * DV + j]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < DV; j++)
+            _mm512_storeu_ps(o + g * D + 16 * j, _mm512_mul_ps(acc[g * DV + j], _mm512_set1_ps(inv[g])));
+}
+#endif
+
+static int attn_one(const float* qb, int64_t S, const int64_t* cols, const float* kc,
+                    const float* vc, int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale,
+                    float* o, float* sc) {
+#if ISA_BITS == 512
+#define ONE_CASE(GG, DD)                                                                        \
+    if (G == (GG) && D == 16 * (DD)) {                                                          \
+        attn_one_t(qb, S, cols, kc, vc, Hkv, kh, scale, o, sc, GG, DD);                         \
+        return 1;                                                                               \
+    }
+    ONE_CASE(1, 4) ONE_CASE(2, 4) ONE_CASE(3, 4) ONE_CASE(4, 4) ONE_CASE(1, 8) ONE_CASE(2, 8)
+#undef ONE_CASE
+#endif
+    (void)qb, (void)S, (void)cols, (void)kc, (void)vc, (void)Hkv, (void)kh, (void)G, (void)D;
+    (void)scale, (void)o, (void)sc;
+    return 0;
+}
+
 /* Attention of one request's n query tokens (2 <= n <= loom_small_attn_max: a verify step's
    1 + k tokens) for kv head kh, reading each visible K and V row once and writing no copies:
    the R = n * G query rows (row r = j * G + g) are held transposed and pre-scaled, qt[d][r],
@@ -697,6 +783,10 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 }
                 if (n_tok >= block_min) continue; /* done above */
                 const uint8_t* mrow = mask_offs[b] >= 0 ? masks + mask_offs[b] + j * S : NULL;
+                if (n_tok == 1 && !mrow &&
+                    attn_one(qkv + t * QKV + kh * G * D, S, cols, L->k_cache, L->v_cache, Hkv,
+                             kh, G, D, m->scale, att + t * H * D + kh * G * D, sc))
+                    continue;
                 const int64_t len = mrow ? S : S - n_tok + j + 1;
                 const float* qb = qkv + t * QKV + kh * G * D;
                 float mx[G], den[G];

@@ -266,6 +266,8 @@ LOOM_API int64_t ngt_check(int64_t* h);
    qtype 0..6 = Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q5_1; mode 0 = int8 activations (T <= 8), 1 = f32,
    2 = 16-bit activations (Q8_0 / Q4_0 / Q4_1, T <= 8; other types: mode 0) */
 LOOM_API int loom_q_vnni(void);
+LOOM_API int loom_q_f32v(void);
+LOOM_API extern int loom_q_prefetch_rows;
 LOOM_API int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K,
                            int64_t row_bytes, const float* x, int64_t T, int64_t ldx,
                            const float* bias, float* y, int64_t ldy, int accumulate, int threads);

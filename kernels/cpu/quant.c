@@ -17,7 +17,9 @@
                   held as two int8 halves, two integer dot products per block (gemv32_i16,
                   below: why and how); other types take LOOM_Q_INT8 in this mode.
      LOOM_Q_F32   each weight row dequantized to f32 in a thread-local row buffer (L1) and
-                  dotted with the f32 activations by FMA: no activation rounding.
+                  dotted with the f32 activations by FMA: no activation rounding. For Q8_0 /
+                  Q4_0 / Q4_1 at T <= 8 in AVX-512 builds: matmul_f32v (below), the blocks
+                  expanded to f32 in registers, four rows a pass.
    Either way a row is decoded once per call and used for all T tokens, so a GEMV (T = 1..8)
    streams the weights once and a GEMM (prefill) reuses the decoded row from L1.
 
@@ -587,6 +589,152 @@ static int matmul_i16(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t
     return 0;
 }
 
+/* ---- f32 activations, weights expanded in registers: the decode GEMV (LOOM_Q_F32, T <= 8) --
+
+   For Q8_0 / Q4_0 / Q4_1 at T <= F32V_MAX tokens (AVX-512 builds). Each 32-value block becomes
+   two 16-lane f32 weight vectors in registers (values 0..15 and 16..31: the GGUF nibble order
+   needs no shuffle) that multiply the f32 activations as they are: nothing rounds the
+   activations (the 16-bit path's only approximation), and the weights are the same f32 values
+   d * u + m that the dequantizing reference and the prefill path compute.
+   - Q4_0 / Q4_1: the block's 16 possible values d * u + m form a table (one FMA on an iota);
+     vpermps picks each lane's value by its low 4 bits, i.e. the low nibble, and after a
+     4-bit shift the high one: no mask, no int -> float conversion, no separate offset term.
+   - Q8_0: the bytes sign-extend and convert; s = lo * xa + hi * xb, then acc += d * s.
+   Four rows go together (each activation vector loaded once for them, four independent
+   accumulator chains), the accumulators stay vectors across the row and are reduced once at
+   its end, and the f16 scales of F32V_CHUNK blocks are converted by one gather (block_scales).
+   Tokens go in passes of up to 4 over the same four rows (L1-resident by then).
+
+   Why not integers: with 16-bit activations a block costs two u8 x s8 dots, their combination
+   and a conversion to float per block, in a 256-bit lane per token; bench_quant_gemv.py
+   measured this form 1.9x faster on SmolLM2's matrices (docs/benchmarks.md, "batch-1 GEMV"). */
+/* rows ahead whose block at the same position a pass prefetches (two groups of four on): the
+   hardware prefetcher alone left a token's matmuls ~1.5x slower streaming the 96 MB of SmolLM2
+   than with the same matrices cache-resident (docs/benchmarks.md, "batch-1 GEMV"). A tuning
+   knob the benchmark sets through ctypes (c_int.in_dll). */
+int loom_q_prefetch_rows = 8;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LOOM_Q_F32V 1
+#define F32V_MAX 8    /* tokens up to which LOOM_Q_F32 takes these kernels */
+#define F32V_CHUNK 16 /* blocks whose scales one gather converts */
+
+/* a Q8_0 block's 32 codes as f32: values 0..15 in *lo, 16..31 in *hi */
+static inline __attribute__((always_inline)) void f32v_q8(const uint8_t* blk, __m512* lo,
+                                                          __m512* hi) {
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2))));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18))));
+}
+
+/* out[r * TT + t] = row r of R rows (row_bytes apart from w) . token t of TT (x rows ldx
+   apart) */
+static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uint8_t* w,
+                                                            int64_t row_bytes, int64_t K,
+                                                            const float* x, int64_t ldx,
+                                                            float* out, const int R,
+                                                            const int TT) {
+    const int64_t nb = K / 32;
+    const int bb = block_bytes(qtype);
+    __m512 acc[16];
+    float dsc[4][F32V_CHUNK], msc[4][F32V_CHUNK];
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t pf = loom_q_prefetch_rows;
+    for (int i = 0; i < R * TT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < nb; i0 += F32V_CHUNK) {
+        const int n = nb - i0 < F32V_CHUNK ? (int)(nb - i0) : F32V_CHUNK;
+        for (int r = 0; r < R; r++) block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
+        for (int j = 0; j < n; j++) {
+            const int64_t i = i0 + j;
+            __m512 xa[4], xb[4];
+            for (int t = 0; t < TT; t++) {
+                xa[t] = _mm512_loadu_ps(x + t * ldx + 32 * i);
+                xb[t] = _mm512_loadu_ps(x + t * ldx + 32 * i + 16);
+            }
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + i * bb), _MM_HINT_T0);
+                if (qtype == LOOM_Q8_0) {
+                    __m512 lo, hi;
+                    f32v_q8(w + r * row_bytes + i * bb, &lo, &hi);
+                    const __m512 d = _mm512_set1_ps(dsc[r][j]);
+                    for (int t = 0; t < TT; t++) {
+                        const __m512 s = _mm512_fmadd_ps(hi, xb[t], _mm512_mul_ps(lo, xa[t]));
+                        acc[r * TT + t] = _mm512_fmadd_ps(s, d, acc[r * TT + t]);
+                    }
+                } else {
+                    const __m512 tab = _mm512_fmadd_ps(iota, _mm512_set1_ps(dsc[r][j]),
+                                                       _mm512_set1_ps(msc[r][j]));
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        (const __m128i*)(w + r * row_bytes + i * bb + (qtype == LOOM_Q4_1 ? 4 : 2))));
+                    const __m512 lo = _mm512_permutexvar_ps(v, tab);
+                    const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
+                    for (int t = 0; t < TT; t++)
+                        acc[r * TT + t] = _mm512_fmadd_ps(
+                            hi, xb[t], _mm512_fmadd_ps(lo, xa[t], acc[r * TT + t]));
+                }
+            }
+        }
+    }
+    for (int i = 0; i < R * TT; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+/* rows n0 .. n0 + R - 1 (R <= 4) against tokens t0 .. t0 + TT - 1 (TT <= 4): one instance per
+   constant pair, so the accumulators are registers */
+static void f32v_block(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x,
+                       int64_t ldx, float* out, int R, int TT) {
+#define F32V_CASE(RR, TTT)                                                                     \
+    case 4 * (RR) + (TTT):                                                                     \
+        f32v_rows(qtype, w, row_bytes, K, x, ldx, out, RR, TTT);                               \
+        break;
+    switch (4 * R + TT) {
+        F32V_CASE(4, 1) F32V_CASE(4, 2) F32V_CASE(4, 3) F32V_CASE(4, 4)
+        F32V_CASE(1, 1) F32V_CASE(1, 2) F32V_CASE(1, 3) F32V_CASE(1, 4)
+        default: break;
+    }
+#undef F32V_CASE
+}
+
+/* loom_q_matmul's LOOM_Q_F32 branch for T <= F32V_MAX (Q8_0, Q4_0, Q4_1): groups of four rows
+   over the threads, each group's tokens in passes of up to four (7: 4 + 3). */
+static int matmul_f32v(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                       const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                       int64_t ldy, int accumulate, int threads) {
+    if (threads < 1) threads = 1;
+    const int64_t groups = (N + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = 4 * g;
+        const int R = N - n0 < 4 ? (int)(N - n0) : 4;
+        float part[4 * F32V_MAX];
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            const int TT = T - t0 < 4 ? (int)(T - t0) : 4;
+            float o[16];
+            if (R == 4) {
+                f32v_block(qtype, w + n0 * row_bytes, row_bytes, K, x + t0 * ldx, ldx, o, 4, TT);
+            } else {
+                for (int r = 0; r < R; r++)
+                    f32v_block(qtype, w + (n0 + r) * row_bytes, row_bytes, K, x + t0 * ldx, ldx,
+                               o + r * TT, 1, TT);
+            }
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < TT; t++) part[r * F32V_MAX + t0 + t] = o[r * TT + t];
+        }
+        for (int r = 0; r < R; r++) {
+            const float bn = bias ? bias[n0 + r] : 0.f;
+            for (int64_t t = 0; t < T; t++) {
+                float* yo = y + t * ldy + n0 + r;
+                *yo = (accumulate ? *yo : 0.f) + part[r * F32V_MAX + t] + bn;
+            }
+        }
+    }
+    return 0;
+}
+#else
+#define LOOM_Q_F32V 0
+#endif
+
+/* 1 where this build has the f32 decode GEMV (matmul_f32v), 0 where LOOM_Q_F32 dequantizes
+   rows at every token count. */
+int loom_q_f32v(void) { return LOOM_Q_F32V; }
+
 /* y[t, n] (+)= sum_k W[n, k] x[t, k] + bias[n] for x [T, K] f32 with rows ldx apart, y rows
    ldy apart; accumulate: add to y instead of storing; bias NULL: none. mode LOOM_Q_INT8 takes
    the int8-activation dot products for T <= GEMV_MAX (decode: the weights stream once, the
@@ -605,6 +753,11 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
     const int int8 = !i16 && (mode == LOOM_Q_INT8 || mode == LOOM_Q_I16) && T <= GEMV_MAX;
     if (i16) return matmul_i16(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
                                threads);
+#if LOOM_Q_F32V
+    if (mode == LOOM_Q_F32 && T <= F32V_MAX && has_i16(qtype))
+        return matmul_f32v(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
+                           threads);
+#endif
     int8_t* xq = NULL;
     float *dx = NULL, *xs = NULL;
     if (int8) {

@@ -29,13 +29,15 @@ def iterate_gguf_weights(
     arch = meta["general.architecture"]
     heads = meta[f"{arch}.attention.head_count"]
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
-    for tensor in open_reader(path).tensors:
+    reader = open_reader(path)
+    for tensor in reader.tensors:
         name = hf_name(arch, tensor.name)
         qtype = tensor.tensor_type.name
         shape = tuple(int(n) for n in reversed(tensor.shape))  # ggml lists the fastest dim first
         rows = fix_values(arch, name, np.asarray(tensor.data), heads, kv_heads)
         if keep_quantized and qtype in BLOCKS:
             data = torch.from_numpy(np.array(rows, dtype=np.uint8))  # a copy: the map is read-only
+            reader.drop_pages(tensor)
             yield name, QuantizedTensor(qtype, (shape[0], shape[-1]), data)
             continue
         if qtype in _FLOAT_TYPES and qtype != "BF16":
@@ -43,4 +45,5 @@ def iterate_gguf_weights(
         else:
             values = dequantize(rows, tensor.tensor_type)
         values = fix_float(arch, name, values.reshape(shape))
+        reader.drop_pages(tensor)
         yield name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))

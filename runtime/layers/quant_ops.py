@@ -7,7 +7,10 @@ activations) and takes integer dot products (AVX-512 VNNI where the CPU has it);
 (Q8_0 / Q4_0 / Q4_1, up to 8 tokens) quantizes them to 16 bits per block of 32, as two int8
 halves and two integer dot products (SmolLM2's top-1 against f32 weights: 100% over 2,000
 tokens, int8's 96.4%), other types taking "int8" in that mode; "f32"
-dequantizes each weight row into L1 and multiplies by FMA, without rounding the activations.
+dequantizes each weight row into L1 and multiplies by FMA, without rounding the activations;
+up to 8 tokens on Q8_0 / Q4_0 / Q4_1 in an AVX-512 build it expands the blocks to f32 in
+registers instead (quant.c matmul_f32v), faster than "int16" at 1..8 tokens there. "auto" (the
+default) is "f32" where the build has that kernel and "int16" elsewhere.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from loom.runtime.layers.quant_types import QuantizedTensor
 
 QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 6}
 MODES = {"int8": 0, "f32": 1, "int16": 2}
-DEFAULT_MODE = "int16"
+DEFAULT_MODE = "auto"
 # instruction-set variants (native.ISA_FLAGS): "native" takes the VNNI path on CPUs with
 # AVX-512 VNNI; "avx2" (AVX-512 off) the plain C path every other CPU takes
 
@@ -30,6 +33,16 @@ def load(isa: str = "native") -> ctypes.CDLL | None:
     """loom's C library (runtime/native.py: kernels/cpu/*.c, quant.c among them) for the `isa`
     variant; None without a C compiler."""
     return native.load(isa)
+
+
+def resolve_mode(mode: str | None = None, isa: str = "native") -> str:
+    """`mode` (None: DEFAULT_MODE) with "auto" made concrete for the `isa` build: "f32" where it
+    has the f32 decode GEMV (AVX-512), else "int16"."""
+    mode = mode or DEFAULT_MODE
+    if mode != "auto":
+        return mode
+    lib = load(isa)
+    return "f32" if lib is not None and lib.loom_q_f32v() else "int16"
 
 
 # multiply-adds per thread below which another thread costs more than it saves
@@ -51,9 +64,9 @@ def matmul(
 ) -> torch.Tensor:
     """x [..., cols] -> float32 [..., rows] = x @ W.T (+ bias). `out`: a float32 view [T, rows]
     whose rows may be strided (a column slice of a wider output). mode: MODES (None: the
-    module's DEFAULT_MODE)."""
+    module's DEFAULT_MODE; "auto": resolve_mode)."""
     rows, cols = qt.shape
-    mode = mode or DEFAULT_MODE
+    mode = resolve_mode(mode, isa)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols).to(torch.float32).contiguous()
     t = x2.shape[0]
