@@ -144,8 +144,9 @@ class ServerArgs(ServerArgsValidation):
 
         name = self.model_path
         object.__setattr__(self, "model_path", resolve_model_name(name))
-        if self.quantization is None and self.model_path != name:
-            # a named model (`smollm2`) is a GGUF file: its blocks stay quantized by default
+        if self.quantization is None and str(self.model_path).endswith(".gguf"):
+            # a GGUF file (a named model such as `smollm2` is one) keeps its blocks quantized
+            # by default, as llama.cpp runs it; `--quantization none` asks for floats
             object.__setattr__(self, "quantization", "gguf")
         if self.quantization == "none":  # asked for floats: a GGUF's weights dequantized
             object.__setattr__(self, "quantization", None)

@@ -62,11 +62,12 @@ def test_cli_model_alias_and_served_name(real_gguf):
 
 def test_a_named_model_stays_quantized_unless_asked(real_gguf):
     """`--model smollm2` keeps the file's blocks (quantization "gguf"); `--quantization none`
-    dequantizes it; the file's path keeps its float default; an explicit choice is kept."""
+    dequantizes it; a GGUF path is kept quantized too; an explicit choice is kept."""
     from loom.runtime.server_args import ServerArgs
 
     path = str(real_gguf("smollm2"))
     assert ServerArgs(model_path="smollm2").quantization == "gguf"
     assert ServerArgs(model_path="smollm2", quantization="none").quantization is None
-    assert ServerArgs(model_path=path).quantization is None
+    assert ServerArgs(model_path=path).quantization == "gguf"  # a GGUF path too
+    assert ServerArgs(model_path=path, quantization="none").quantization is None
     assert ServerArgs(model_path="smollm2", quantization="int8").quantization == "int8"

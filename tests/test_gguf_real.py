@@ -64,7 +64,9 @@ def hf_gguf(path: str, what: str):
 
 
 def loom_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    s = Scheduler(ServerArgs(model_path=path, max_total_tokens=8192, dtype="float32"))
+    s = Scheduler(  # dequantized to f32, as transformers loads the file
+        ServerArgs(model_path=path, max_total_tokens=8192, dtype="float32", quantization="none")
+    )
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     for i, ids in enumerate(prompts):
         req = TokenizedGenerateReq(
