@@ -101,6 +101,9 @@ class ModelInput:
     # `seq_lens` as an int64 tensor, when the scheduler built it with the other index vectors
     # (None: the runner makes it)
     seq_lens_tensor: torch.Tensor | None = None
+    # greedy chains whose grammar mask rows are left lazy (`step_grammar.LazyRows`, built on
+    # one rank only): the runner resolves them around the sampler's argmax
+    lazy_rows: Any = None
 
 
 @dataclass

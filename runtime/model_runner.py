@@ -25,7 +25,7 @@ from loom.runtime.memory_pool import (
 )
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
-from loom.runtime.sampler import greedy_verify, sample_verify_trees
+from loom.runtime.sampler import greedy_accepts, greedy_rows, sample_verify_trees
 from loom.runtime.sampling.logprobs import token_logprobs
 from loom.runtime.server_args import ServerArgs
 
@@ -187,8 +187,13 @@ class ModelRunner:
             and not info.trees
             and inp.logprob_top_nums.count(None) == len(inp.logprob_top_nums)
         ):  # greedy decode or chain verify with nothing to score: ids as Python lists
-            sampled, accepted = greedy_verify(logits[:n_sample], info.to(logits.device))
-            return _assemble(inp, sampled, accepted, None, [], None, None)
+            info = info.to(logits.device)
+            sampled = greedy_rows(logits[:n_sample], info)
+            if inp.lazy_rows is not None:  # the masked argmax where a lazy row needs it
+                inp.lazy_rows.resolve(logits[:n_sample], sampled)
+            return _assemble(inp, sampled, greedy_accepts(sampled, info), None, [], None, None)
+        if inp.lazy_rows is not None:  # a path that reads every row's mask: fill them all
+            inp.lazy_rows.fill(info, logits.shape[-1])
         counts = [c for c in inp.sample_counts if c]
         # rows whose logprobs were asked for: sampled rows of such requests, then prompt rows
         want = [n is not None for n, c in zip(inp.logprob_top_nums, inp.sample_counts) if c]

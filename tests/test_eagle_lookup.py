@@ -1,4 +1,4 @@
-"""Constrained requests under the head drafters (`eagle_lookup.ConstrainedLookup`): which
+"""Constrained requests under the head drafters (`head_policy.NgramPolicy`): which
 requests the head runs for, and that a request it skips costs no head work (no features
 kept, no catch-up, no draft loop) while its outputs stay those of plain decoding."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loom.runtime.spec.eagle_lookup import PROBE_EVERY, _net_gain
+from loom.runtime.spec.head_policy import PROBE_EVERY, _net_gain
 from loom.runtime.spec.medusa import save_medusa_heads
 from tests.runtime_helpers import free_head, make_scheduler, run_all, submit
 from tests.test_eagle import _prompts, _target, save_reduced_eagle3
@@ -49,10 +49,10 @@ def test_the_head_runs_for_constrained_requests_while_it_earns():
     every PROBE_EVERY-th constrained request anyway; the choice is per request, kept, and
     its row joins `headed` or `headless` (a finished request's row leaves both)."""
     from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
-    from loom.runtime.spec.eagle_lookup import ConstrainedLookup
+    from loom.runtime.spec.head_policy import NgramPolicy
 
     args = ServerArgs(model_path=BUNDLED_MODEL_PATH, speculative_algorithm="EAGLE3")
-    lk = ConstrainedLookup(args, None, 300, [0], 5)
+    lk = NgramPolicy(args, None, 300, [0], 5)
     grammar = object()
 
     def req(row, constrained=True):
@@ -118,8 +118,8 @@ def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, alg
         speculative_disable_by_batch_size=64, disable_radix_cache=radix_off,
     )  # fmt: skip
     drafter = sched.decode.drafter
-    drafter.lookup.head_gain = -1.0  # the head earns less than the n-gram draft
-    drafter.lookup.requests = 1  # the next constrained request is no probe
+    drafter.policy.head_gain = -1.0  # the head earns less than the n-gram draft
+    drafter.policy.requests = 1  # the next constrained request is no probe
     runner = drafter.runner
     seen = []  # per forward: (its request rows, whether it kept features)
     forward = runner.forward
@@ -138,7 +138,7 @@ def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, alg
         hook(inp, batch, out)
         rows = [i for i, p in enumerate(drafter.pending) if p is not None and p is not before[i]]
         drafted.extend(rows)
-        wrong.extend(r for r in rows if r in drafter.lookup.headless)
+        wrong.extend(r for r in rows if r in drafter.policy.headless)
 
     runner.spec_hook = after
     # three constrained requests alone, then the free ones beside the other three

@@ -31,13 +31,13 @@ import torch
 
 from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context, host_tensor
 from loom.runtime.spec import DraftTree, HeadDrafter, tree_depths
-from loom.runtime.spec.eagle_lookup import (
-    ConstrainedLookup,
+from loom.runtime.spec.eagle_tree import TreeAttention, graft_forced, grow_trees
+from loom.runtime.spec.head_policy import (
     HeadGate,
+    NgramPolicy,
     matmul_numel,
     target_matmul_numel,
 )
-from loom.runtime.spec.eagle_tree import TreeAttention, graft_forced, grow_trees
 from loom.runtime.spec.stats import AcceptanceStats
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def bundled_head_path(args) -> str:
 
 
 class EagleSpeculator(HeadDrafter):
-    def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids, grammar=None):
         from loom.runtime.attention.base import create_attention_backend
         from loom.runtime.memory_pool import TokenToKVPool
         from loom.runtime.models.llama import head_dim_of
@@ -109,9 +109,12 @@ class EagleSpeculator(HeadDrafter):
         # per request row: (the request length the draft is for, (tokens, parents))
         self.pending: list[tuple[int, tuple[list[int], list[int]]] | None] = [None] * rows
         # constrained requests: the head's draft or the n-gram speculator's, by expected gain
-        self.lookup = ConstrainedLookup(args, tokenizer, vocab_size, eos_token_ids, self.steps)
+        self.policy = NgramPolicy(
+            args, tokenizer, vocab_size, eos_token_ids, self.steps, grammar=grammar
+        )
+        self.grammar = self.policy.grammar
         # positions = tree depths (a graft: clamped), or an n-gram chain's
-        self.stats = AcceptanceStats(max(self.steps, self.lookup.ngram.num_draft))
+        self.stats = AcceptanceStats(max(self.steps, self.policy.num_draft))
         # the off-switch / chain cut by measured costs; a draft level of the head reads its
         # layers and its (draft-vocabulary) LM head
         layers = matmul_numel(head.layers if head.variant == "eagle" else [head.midlayer])
@@ -136,7 +139,7 @@ class EagleSpeculator(HeadDrafter):
         large to draft captures none, so it runs the compiled CPU forward (which covers no
         capture) like plain decoding; the next step captures again."""
         on = batch_size < self.disable_batch_size and self.gate.enabled(batch_size, self.steps)
-        self.lookup.enabled_for(batch_size)
+        self.policy.enabled_for(batch_size)
         self._head_capture(on)
         return on
 
@@ -164,32 +167,31 @@ class EagleSpeculator(HeadDrafter):
             req.draft_expected = sum(self.gate.gains(depth))
             return DraftTree(tokens, parents) if tokens else []
         # constrained: the n-gram speculator's draft (walked by the grammar) or the head's
-        ngram, ngram_expected = self.lookup.ngram_draft(req, room)
+        ngram, ngram_expected = self.policy.ngram_draft(req, room)
         ngram_forced = req.draft_forced
-        if not use_head:  # the head skips this constrained request (`ConstrainedLookup`)
+        if not use_head:  # the head skips this constrained request (`NgramPolicy`)
             return self._take_ngram(req, ngram, ngram_expected, ngram_forced)
-        rules = self.lookup.ngram  # the grammar rules (forced text, the cut) are its own
-        forced = rules._forced(req, min(budget, self.steps))
+        forced = self.grammar.forced(req, min(budget, self.steps))
         if forced:  # forced text leads; the head's subtree follows where it agrees with it
             tokens, parents = graft_forced(tokens, parents, forced)
         tokens, parents = tokens[:budget], parents[:budget]
-        head_expected = self.lookup.head_expected(len(forced), tokens, parents)
+        head_expected = self.policy.head_expected(len(forced), tokens, parents)
         if ngram and ngram_expected >= head_expected:
             return self._take_ngram(req, ngram, ngram_expected, ngram_forced)
-        self.lookup.chosen["head"] += 1
+        self.policy.chosen["head"] += 1
         req.draft_source, req.draft_expected = "head", head_expected
         if self.topk == 1:  # a chain: the chain verify path
             if tokens:
-                tokens = rules._walk_grammar(req, tokens)
+                tokens = self.grammar.walk(req, tokens)
             req.draft_forced = min(len(forced), len(tokens))
             return tokens
         if tokens:  # pruned before verification
-            tokens, parents = rules._walk_grammar_tree(req, tokens, parents)
+            tokens, parents = self.grammar.walk_tree(req, tokens, parents)
         req.draft_forced = min(len(forced), len(tokens))
         return DraftTree(tokens, parents) if tokens else []
 
     def _take_ngram(self, req, ngram: list[int], expected: float, forced: int):
-        self.lookup.take_ngram(req, ngram, expected, forced)
+        self.policy.take_ngram(req, ngram, expected, forced)
         if self.topk == 1 or not ngram:
             return ngram
         return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
@@ -205,7 +207,7 @@ class EagleSpeculator(HeadDrafter):
         t0 = time.perf_counter()
         final, aux = captured
         feats = final if self.head.variant == "eagle" else torch.cat(aux, dim=-1)
-        plan = _catch_up_plan(inp, out, self.lookup.headless)
+        plan = _catch_up_plan(inp, out, self.policy.headless)
         if plan is None:
             return
         # a chain drafts as many levels as pay at this batch size; a tree its full shape
@@ -300,7 +302,7 @@ def _catch_up_plan(inp, out, headless=()):
     tree verify those rows are the last real token's and the accepted path's (`rows`), while
     the head's KV goes to the slots of the positions they now hold (`slot_rows`: the target
     moved the path's KV there). Requests in rows `headless` are left out (the head skips them:
-    `ConstrainedLookup.uses_head`)."""
+    `NgramPolicy.uses_head`)."""
     rows, slot_rows, next_ids = [], [], []
     req_rows, prefix_lens, seq_lens, last_rows, drafting = [], [], [], [], []
     fed = inp.input_ids.tolist()
