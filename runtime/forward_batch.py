@@ -58,6 +58,11 @@ class ForwardBatch:
     # tree: rows are the fed tokens in order, columns the KV positions read through
     # req_to_token; tree nodes sit at columns kv_len + 1 + node index); None: all causal
     custom_masks: list[torch.Tensor | None] | None = None
+    # what the model keeps for a drafter (`ModelInput.capture`): None nothing, else a tuple
+    # of layer ids, possibly empty; the forward sets `captured` = (final hidden states
+    # [T, hidden], [residual stream after each such layer])
+    capture: tuple[int, ...] | None = None
+    captured: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -101,6 +106,9 @@ class ModelInput:
     # `seq_lens` as an int64 tensor, when the scheduler built it with the other index vectors
     # (None: the runner makes it)
     seq_lens_tensor: torch.Tensor | None = None
+    # layers whose hidden states the forward keeps for the drafter (None: none; (): the final
+    # hidden states only), returned in `ForwardOutput.hidden`
+    capture: tuple[int, ...] | None = None
     # greedy chains whose grammar mask rows are left lazy (`step_grammar.LazyRows`, built on
     # one rank only): the runner resolves them around the sampler's argmax
     lazy_rows: Any = None
@@ -125,6 +133,8 @@ class ForwardOutput:
     # per request with a draft: the accepted draft nodes, in order (a chain: 0 .. k-1; a
     # tree: its accepted root path). Fed row 0 is the last real token, fed row 1 + j node j.
     accepted_nodes: list[list[int]] | None = None
+    # `ModelInput.capture`'s hidden states: (final [T, hidden], [per captured layer]), or None
+    hidden: Any = None
 
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}

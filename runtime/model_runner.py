@@ -53,9 +53,6 @@ class ModelRunner:
         self.last_model_seconds = 0.0
         self._on_cpu = torch.device(self.device).type == "cpu"
         self._aranges: dict[int, torch.Tensor] = {}
-        # called as spec_hook(inp, batch, out) after each step's sampling (a model-based
-        # drafter reads the target's captured hidden states here and drafts the next step)
-        self.spec_hook = None
         # the compiled CPU forward for small steps (runtime/cpu_forward.py), with the default
         # CPU attention backend only (an explicit torch/triton backend runs eager); None: eager
         self.cpu_forward = None
@@ -137,6 +134,7 @@ class ModelRunner:
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
             logits_indices=to_dev(logits_indices),
+            capture=inp.capture,
         )
         if inp.draft_parents is not None and any(p is not None for p in inp.draft_parents):
             batch.custom_masks = [
@@ -160,8 +158,7 @@ class ModelRunner:
         out = self._sample(inp, logits, len(sample_rows), lp_targets)
         if batch.custom_masks is not None:
             self._move_tree_kv(inp, out.accepted_nodes)
-        if self.spec_hook is not None:
-            self.spec_hook(inp, batch, out)
+        out.hidden = batch.captured  # a drafter's features (`inp.capture`), for after the step
         return out
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

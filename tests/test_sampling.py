@@ -467,9 +467,7 @@ def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows():
         lazy = SamplingInfo.from_reqs(reqs, vocab)
         lazy_rows = owner.rows(reqs, lazy, lazy_ok=True)
         assert lazy.vocab_mask is None
-        assert len(lazy_rows.chains if lazy_rows else ()) == sum(
-            gr is not None for gr in grammars
-        )
+        assert len(lazy_rows.chains if lazy_rows else ()) == sum(gr is not None for gr in grammars)
         rows = logits.clone()
         got = greedy_rows(rows, lazy)
         if lazy_rows is not None:

@@ -47,6 +47,24 @@ def tree_depths(parents: list[int]) -> list[int]:
 
 
 class Drafter(ABC):
+    """The scheduler's side of speculation, one seam: it asks for drafts (`draft`,
+    `draft_prefill`), puts them in the step's `ModelInput` (`draft_ids` / `draft_parents`)
+    with `step_capture` (the layers whose hidden states the forward keeps for the drafter),
+    and after the forward hands the drafter the step and its output (`after_forward`, the
+    captured hidden states in `ForwardOutput.hidden`); result processing reports what was
+    accepted (`on_verified`, `on_finished`). Nothing is injected into the runner or written
+    onto the model."""
+
+    # what the next forward keeps for this drafter (None: nothing; (): the final hidden
+    # states only; else those and the residual stream after each listed layer)
+    step_capture: tuple[int, ...] | None = None
+
+    def after_forward(self, inp, out) -> None:
+        """After each forward of the scheduler's, before its results are processed: a
+        model-based drafter reads the target's hidden states (`out.hidden`) and drafts the
+        next step. Default: nothing."""
+        return None
+
     @abstractmethod
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
         """Tokens to verify after `req`'s current tokens (at most `room`): a chain, or a
@@ -118,7 +136,6 @@ class HeadDrafter(Drafter):
     draft_seconds: float = 0.0
     draft_decode_seconds: float = 0.0
 
-    inner: Any  # the target's inner model (capture_layers / captured)
     runner: Any  # the target's ModelRunner (its forward time prices the head's)
 
     def set_verify_cost(self, cost) -> bool:
@@ -127,16 +144,8 @@ class HeadDrafter(Drafter):
         return True
 
     def _capture(self, layers) -> None:
-        """What the target's next forward keeps (`capture_layers`). Set as a plain attribute:
-        nn.Module.__setattr__ checks parameters, buffers and submodules first, and this runs
-        twice a step."""
-        object.__setattr__(self.inner, "capture_layers", layers)
-
-    def _take_captured(self):
-        """The last forward's captures, cleared (never read twice)."""
-        captured = getattr(self.inner, "captured", None)
-        object.__setattr__(self.inner, "captured", None)
-        return captured
+        """What the target's next forward keeps (`step_capture`)."""
+        self.step_capture = layers
 
     def _spent(self, inp, t0: float) -> None:
         """Count the head's wall time since `t0` (perf_counter) after the step `inp`."""

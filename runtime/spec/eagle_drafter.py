@@ -1,7 +1,8 @@
 """EAGLE / EAGLE-3 drafting beside the target: the head's KV, its catch-up and its draft loop.
 
-The drafter hooks the model runner (`runner.spec_hook`), so all head work happens right
-after each target step, on the target's device, batched over the step's requests:
+The scheduler calls the drafter after each target forward (`after_forward`, the target's
+features in `ForwardOutput.hidden`), so all head work happens right after each target step,
+on the target's device, batched over the step's requests:
 
 1. catch-up: one head extend over the positions the step committed. Entry p reads [emb(token
    p+1); target feature p]: the fed tokens shifted by one, then the step's accepted drafts
@@ -101,10 +102,8 @@ class EagleSpeculator(HeadDrafter):
         # the catch-up's attention: the target's backend kind (on the CPU, cpu_paged: a few
         # new entries per request read the head's pool in place through the C extend kernel)
         self.extend_backend = create_attention_backend(args.effective_attention_backend)
-        inner = runner.model.model
         self.capture = tuple(head.aux_layers or ())  # () = the final hidden state only
-        inner.capture_layers = self.capture
-        self.inner = inner
+        self.step_capture = self.capture
         rows = runner.req_to_token_pool.size
         # per request row: (the request length the draft is for, (tokens, parents))
         self.pending: list[tuple[int, tuple[list[int], list[int]]] | None] = [None] * rows
@@ -127,7 +126,6 @@ class EagleSpeculator(HeadDrafter):
             from loom.runtime.spec.head_kernel import CompiledEagleHead
 
             self.compiled = CompiledEagleHead.build(head, self.kv, self.topk)
-        runner.spec_hook = self._after_step
         logger.info(
             "%s head from %s: %d draft steps, top-%d, %d draft tokens",
             algo, path, self.steps, self.topk, self.num_nodes,
@@ -197,10 +195,11 @@ class EagleSpeculator(HeadDrafter):
         return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
 
     # ------------------------------------------------------------ runner side
-    def _after_step(self, inp, batch, out) -> None:
+    @torch.inference_mode()
+    def after_forward(self, inp, out) -> None:
         import time
 
-        captured = self._take_captured()
+        captured = out.hidden
         self._capture(self.capture)  # a step enabled_for turned off is over
         if len(inp.seq_lens) >= self.disable_batch_size or captured is None:
             return  # no drafting at this size; the head's KV for these positions goes stale
@@ -212,7 +211,7 @@ class EagleSpeculator(HeadDrafter):
             return
         # a chain drafts as many levels as pay at this batch size; a tree its full shape
         levels = self.gate.levels(self.steps) if self.topk == 1 else self.steps
-        self._run(plan, feats, batch, levels)
+        self._run(plan, feats, inp, levels)
         self._spent(inp, t0)
 
     def summary(self) -> dict:
@@ -222,12 +221,12 @@ class EagleSpeculator(HeadDrafter):
             out["spec_draft_split_seconds"] = [round(catch_up, 4), round(loop, 4)]
         return out
 
-    def _run_compiled(self, plan, feats: torch.Tensor, batch, levels: int) -> None:
+    def _run_compiled(self, plan, feats: torch.Tensor, inp, levels: int) -> None:
         starts = [0] + [r + 1 for r in plan.last_rows]
         drafting = plan.drafting if levels else []
         tokens, _, _ = self.compiled.run(
             host_tensor(plan.next_ids, torch.int64),
-            _rows(batch.positions, plan.rows), _rows(batch.out_cache_loc, plan.slot_rows),
+            _rows(inp.positions, plan.rows), _rows(inp.out_cache_loc, plan.slot_rows),
             _rows(feats, plan.rows).float(),
             starts, plan.req_rows, plan.seq_lens, self.runner.req_to_token_pool.req_to_token,
             drafting, max(1, levels),
@@ -239,18 +238,19 @@ class EagleSpeculator(HeadDrafter):
                 (chain, list(range(-1, len(chain) - 1))),
             )
 
-    def _run(self, plan, feats: torch.Tensor, batch, levels: int) -> None:
+    def _run(self, plan, feats: torch.Tensor, inp, levels: int) -> None:
+        """`inp`: the target step's ModelInput (host tensors; moved to the head's device)."""
         if self.compiled is not None:
-            return self._run_compiled(plan, feats, batch, levels)
+            return self._run_compiled(plan, feats, inp, levels)
         dev = feats.device
         head = self.head
         rows_t = torch.tensor(plan.rows, dtype=torch.int64)
-        positions = batch.positions.index_select(0, rows_t.to(dev))
+        positions = inp.positions.to(dev).index_select(0, rows_t.to(dev))
         hb = ForwardBatch(
             mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(plan.next_ids, dtype=torch.int64).to(dev),
             positions=positions,
-            out_cache_loc=batch.out_cache_loc.index_select(
+            out_cache_loc=inp.out_cache_loc.to(dev).index_select(
                 0, torch.tensor(plan.slot_rows, dtype=torch.int64, device=dev)
             ),
             req_pool_indices=torch.tensor(plan.req_rows, dtype=torch.int64).to(dev),

@@ -1,6 +1,7 @@
 """Medusa drafting beside the target: one batched call of all heads, then a sparse tree.
 
-After each target step (`runner.spec_hook`), every request that sampled a token gets the
+After each target step (`after_forward`, called by the scheduler with the target's final
+hidden states in `ForwardOutput.hidden`), every request that sampled a token gets the
 target's final hidden state at its last kept row (the last accepted tree node, else the row
 that sampled); all heads run on those rows in one batched call, and each head's top-k
 log-probabilities and ids come back to the host in one copy. They wait in a per-request-row
@@ -97,11 +98,8 @@ class MedusaSpeculator(HeadDrafter):
         self.disable_batch_size = args.speculative_disable_by_batch_size
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos = frozenset(eos_token_ids)
-        inner = runner.model.model
         self.capture = ()  # keep the final hidden states of each forward
-        inner.capture_layers = self.capture
-        inner.captured = None
-        self.inner = inner
+        self.step_capture = self.capture
         self.pending: list[tuple | None] = [None] * runner.req_to_token_pool.size
         # constrained requests: the heads' draft or the n-gram speculator's, by expected gain
         self.policy = NgramPolicy(
@@ -117,7 +115,6 @@ class MedusaSpeculator(HeadDrafter):
             from loom.runtime.spec.head_kernel import CompiledMedusaHeads
 
             self.compiled = CompiledMedusaHeads.build(self.heads)
-        runner.spec_hook = self._after_step
         logger.info(
             "MEDUSA heads from %s: %d heads, trees of %d nodes (top-%d per head)",
             path, self.heads.num_heads, self.num_nodes, self.topk,
@@ -129,7 +126,7 @@ class MedusaSpeculator(HeadDrafter):
             batch_size, self.heads.num_heads
         )
         # keep the target's final hidden states only for steps that may draft (the compiled
-        # CPU forward returns them too, when capture_layers is (); larger steps skip the copy)
+        # CPU forward returns them too, when the capture is (); larger steps skip the copy)
         # and hold a request that uses the heads
         self.policy.enabled_for(batch_size)
         self._head_capture(enabled)
@@ -177,8 +174,9 @@ class MedusaSpeculator(HeadDrafter):
         return DraftTree(tokens, parents) if tokens else []
 
     # ------------------------------------------------------------ runner side
-    def _after_step(self, inp, batch, out) -> None:
-        captured = self._take_captured()
+    @torch.inference_mode()
+    def after_forward(self, inp, out) -> None:
+        captured = out.hidden
         if captured is None or len(inp.seq_lens) >= self.disable_batch_size:
             return  # this step kept no hidden states, or its batch is too large to draft
         t0 = time.perf_counter()
