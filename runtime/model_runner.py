@@ -136,10 +136,10 @@ class ModelRunner:
             logits_indices=to_dev(logits_indices),
             capture=inp.capture,
         )
-        if inp.draft_parents is not None and any(p is not None for p in inp.draft_parents):
+        if inp.drafts.has_trees:
             batch.custom_masks = [
                 None if par is None else tree_mask(prefix, par, self.device)
-                for prefix, par in zip(inp.prefix_lens, inp.draft_parents)
+                for prefix, par in zip(inp.prefix_lens, inp.drafts.parents)
             ]
         graphed = self.graph_runner is not None and self.graph_runner.can_run(batch)
         compiled = not graphed and self.cpu_forward is not None and self.cpu_forward.covers(batch)
@@ -239,7 +239,7 @@ class ModelRunner:
         a plain sequence again (the scheduler then frees the columns after the path).
         Sources never precede their destination, so one gathered copy is safe."""
         src_cols, dst_cols, rows = [], [], []
-        for i, par in enumerate(inp.draft_parents):
+        for i, par in enumerate(inp.drafts.parents):
             if par is None:
                 continue
             base = inp.prefix_lens[i] + 1
@@ -317,14 +317,14 @@ def _assemble(inp: ModelInput, sampled, accepted, trees, chosen, top_v, top_i) -
     out = ForwardOutput([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)],
                         [[] for _ in range(n)], [[] for _ in range(n)],
                         accepted_nodes=[[] for _ in range(n)])  # fmt: skip
-    parents = inp.draft_parents or [None] * n
+    parents = inp.drafts.parents
     tree_iter = iter(trees or ())
     row = lp = 0
     pending_lp = []
     for i, (count, top_n) in enumerate(zip(inp.sample_counts, inp.logprob_top_nums)):
         if not count:
             continue
-        draft = inp.draft_ids[i]
+        draft = inp.drafts.tokens[i]
         if parents[i] is not None:
             path, _ = next(tree_iter)
             keep_rows = [0] + [1 + a for a in path]

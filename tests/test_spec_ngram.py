@@ -398,7 +398,7 @@ def test_greedy_outputs_identical_with_tree_drafts(tiny_model_dir, monkeypatch, 
 
     def counting_move(self, inp, accepted_nodes):
         moved.extend(
-            a for par, nodes in zip(inp.draft_parents, accepted_nodes) if par for a in nodes
+            a for par, nodes in zip(inp.drafts.parents, accepted_nodes) if par for a in nodes
         )
         return move(self, inp, accepted_nodes)
 

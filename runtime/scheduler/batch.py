@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loom.runtime.forward_batch import ForwardMode, ModelInput, host_tensor
+from loom.runtime.forward_batch import ForwardMode, ModelInput, StepDrafts, host_tensor
 from loom.runtime.req import Req
 from loom.runtime.sampling.info import SamplingInfo
 from loom.runtime.spec import tree_depths
@@ -172,12 +172,11 @@ class ScheduleBatch:
             seq_lens_tensor=index[2 * t + b :],
             prefix_lens=prefix_lens,
             sample_counts=counts,
-            draft_ids=drafts,
+            drafts=StepDrafts(drafts, parents),
             sampling=sampling,
             logprob_top_nums=top_nums,
             input_logprob_starts=lp_starts,
             input_logprob_targets=lp_targets,
-            draft_parents=parents,
             lazy_rows=self.lazy_rows,
         )
         return self.model_input

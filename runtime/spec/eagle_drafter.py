@@ -309,7 +309,7 @@ def _catch_up_plan(inp, out, headless=()):
     pool_rows = inp.req_pool_indices.tolist()
     start = 0
     decode = inp.mode.is_decode
-    trees = inp.draft_parents or [None] * len(inp.seq_lens)
+    trees = inp.drafts.parents
     for i, (prefix, seq, count) in enumerate(zip(inp.prefix_lens, inp.seq_lens, inp.sample_counts)):
         ext = seq - prefix
         got = out.next_ids[i]
