@@ -48,7 +48,7 @@ def tree_depths(parents: list[int]) -> list[int]:
 
 class Drafter(ABC):
     """The scheduler's side of speculation, one seam: it asks for drafts (`draft`,
-    `draft_prefill`), puts them in the step's `ModelInput` (`draft_ids` / `draft_parents`)
+    `draft_prefill`), puts them in the step's `ModelInput` (`drafts`, a `StepDrafts`)
     with `step_capture` (the layers whose hidden states the forward keeps for the drafter),
     and after the forward hands the drafter the step and its output (`after_forward`, the
     captured hidden states in `ForwardOutput.hidden`); result processing reports what was
