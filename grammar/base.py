@@ -77,7 +77,7 @@ class Grammar(ABC):
     def is_forced(self) -> bool:
         """Whether every valid continuation starts with the same bytes: `jump_forward`'s text,
         or only the first bytes of a character it cannot return yet. The lazy greedy rows
-        (runtime/sampling/grammar_rows.py `resolve_lazy_grammars`) mask such a state instead
+        (runtime/step_grammar.py `LazyRows.resolve`) mask such a state instead
         of trusting `accept_token`, which an engine may make looser than its mask there."""
         return self.jump_forward() is not None
 

@@ -323,7 +323,7 @@ class ClosingGrammar(Grammar):
 
     def is_forced(self) -> bool:
         # a restricted row's mask is tighter than `accept_token`: the lazy greedy rows
-        # (runtime/sampling/grammar_rows.py) must mask it instead of trusting an accept
+        # (runtime/step_grammar.py `LazyRows`) must mask it instead of trusting an accept
         return self._active() is not None or self.inner.is_forced()
 
     def forced_token(self) -> int | None:

@@ -197,7 +197,7 @@ class CpuForward:
         # bytes held in packed copies (the weights the C path reads a second time)
         self.packed_bytes = PACK_BUDGET - budget[0]
         self._model_ptr = ctypes.addressof(self._struct)
-        self._aux_ids: dict[tuple[int, ...], torch.Tensor] = {}  # capture_layers -> its ids
+        self._aux_ids: dict[tuple[int, ...], torch.Tensor] = {}  # batch.capture -> its ids
 
     @classmethod
     def build(cls, model, pool, *, tp_size: int, pp_size: int) -> CpuForward | None:
@@ -214,7 +214,7 @@ class CpuForward:
         """Whether this step runs in C: few enough tokens. A drafter's captures (final hidden
         states for Medusa / EAGLE, inner layers' residual streams for EAGLE-3) come back from
         C too; a capture of a layer the model lacks runs eager (and fails there as it would)."""
-        capture = self.model.model.capture_layers
+        capture = batch.capture
         n = self._struct.layers
         return 0 < batch.input_ids.numel() <= self.max_tokens and (
             capture is None or all(0 <= i < n for i in capture)
@@ -247,10 +247,9 @@ class CpuForward:
         table = batch.req_to_token_pool.req_to_token
         want = batch.logits_indices.contiguous()
         logits = torch.empty((want.numel(), self._struct.vocab), dtype=torch.float32)
-        inner = self.model.model
         feats = aux_ids = None
         n_aux = 0
-        capture = inner.capture_layers
+        capture = batch.capture
         if capture is not None:  # LlamaModel.forward's contract: (final hidden, [aux per layer])
             n_aux = len(capture)
             if capture:  # the same few tuples every step (a drafter's aux layers)
@@ -268,9 +267,9 @@ class CpuForward:
             logits.data_ptr(), torch.get_num_threads(), _ptr(self.profile), _ptr(feats),
             n_aux, _ptr(aux_ids), aux_ptr,
         )  # fmt: skip
-        if feats is not None:  # a plain attribute (nn.Module.__setattr__ is ~10x dearer)
+        if feats is not None:
             hidden, *aux = feats.unbind(0)
-            object.__setattr__(inner, "captured", (hidden, aux))
+            batch.captured = (hidden, aux)
         if rc == -1:
             raise IndexError(f"position {int(pos.max())} is past the rotary table")
         if rc == -2:

@@ -58,6 +58,11 @@ class ForwardBatch:
     # tree: rows are the fed tokens in order, columns the KV positions read through
     # req_to_token; tree nodes sit at columns kv_len + 1 + node index); None: all causal
     custom_masks: list[torch.Tensor | None] | None = None
+    # what the model keeps for a drafter (`ModelInput.capture`): None nothing, else a tuple
+    # of layer ids, possibly empty; the forward sets `captured` = (final hidden states
+    # [T, hidden], [residual stream after each such layer])
+    capture: tuple[int, ...] | None = None
+    captured: Any = None
 
     @property
     def batch_size(self) -> int:
@@ -69,17 +74,32 @@ class ForwardBatch:
 
 
 @dataclass
+class StepDrafts:
+    """A step's drafts, one entry per request (the scheduler's drafter proposed them):
+    `tokens[i]` the draft tokens request i verifies after its last real token ([]: none);
+    `parents[i]` their tree's parents (`loom.runtime.spec.DraftTree`: -1 the last real token,
+    else an earlier node), None for a chain."""
+
+    tokens: list[list[int]]
+    parents: list[list[int] | None]
+
+    @property
+    def has_trees(self) -> bool:
+        return any(p is not None for p in self.parents)
+
+
+@dataclass
 class ModelInput:
     """One step as the scheduler plans it, on the CPU (the runner moves it to its device).
 
     Token tensors have length T, per-request lists length B. Request i computes positions
     prefix_lens[i] .. seq_lens[i]-1. Sampling: request i samples `sample_counts[i]` tokens
-    (0: none, e.g. a prompt chunk; 1: the next token; 1 + len(draft_ids[i]): draft
+    (0: none, e.g. a prompt chunk; 1: the next token; 1 + len(drafts.tokens[i]): draft
     verification), from the logits of its last `sample_counts[i]` positions; `sampling` has
     one row per request with sample_counts > 0. Prompt logprobs: `input_logprob_targets[i]`
     are the prompt tokens scored by the logits of this step's positions starting at
     `input_logprob_starts[i]` (an index into this request's positions), or None. A draft
-    tree (`draft_parents[i]`) fills KV columns prefix_lens[i] .. seq_lens[i]-1 in node
+    tree (`drafts.parents[i]`) fills KV columns prefix_lens[i] .. seq_lens[i]-1 in node
     order; its positions (`positions`) are the last real token's + 1 + node depth.
     """
 
@@ -91,16 +111,20 @@ class ModelInput:
     seq_lens: list[int]
     prefix_lens: list[int]
     sample_counts: list[int]
-    draft_ids: list[list[int]]
+    drafts: StepDrafts
     sampling: SamplingInfo | None
     logprob_top_nums: list[int | None]  # per request: None = no logprobs, else top-k count
     input_logprob_starts: list[int]
     input_logprob_targets: list[list[int] | None]
-    # per request: the draft tree's parents (`loom.runtime.spec.DraftTree`), None for a chain
-    draft_parents: list[list[int] | None] | None = None
     # `seq_lens` as an int64 tensor, when the scheduler built it with the other index vectors
     # (None: the runner makes it)
     seq_lens_tensor: torch.Tensor | None = None
+    # layers whose hidden states the forward keeps for the drafter (None: none; (): the final
+    # hidden states only), returned in `ForwardOutput.hidden`
+    capture: tuple[int, ...] | None = None
+    # greedy chains whose grammar mask rows are left lazy (`step_grammar.LazyRows`, built on
+    # one rank only): the runner resolves them around the sampler's argmax
+    lazy_rows: Any = None
 
 
 @dataclass
@@ -122,6 +146,8 @@ class ForwardOutput:
     # per request with a draft: the accepted draft nodes, in order (a chain: 0 .. k-1; a
     # tree: its accepted root path). Fed row 0 is the last real token, fed row 1 + j node j.
     accepted_nodes: list[list[int]] | None = None
+    # `ModelInput.capture`'s hidden states: (final [T, hidden], [per captured layer]), or None
+    hidden: Any = None
 
 
 _NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}

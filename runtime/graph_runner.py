@@ -14,7 +14,7 @@ row) of a decode step, with the triton attention backend, whose decode metadata 
 (`TritonAttnBackend.graph_decode_metadata`: a split count fixed by the context length, no
 shared-prefix groups). Everything else runs eagerly: extend and verify steps, batches over
 the largest size, steps whose drafter reads the forward's hidden states (EAGLE's and
-Medusa's `spec_hook` and the model's `capture_layers`), the torch and cpu_paged backends
+Medusa's: `ForwardBatch.capture` set), the torch and cpu_paged backends
 (their decode metadata has data-dependent shapes), MoE models (their dispatch counts tokens
 on the host), tensor, expert and pipeline parallel ranks (not verified on a GPU yet), and
 every CPU run.
@@ -122,10 +122,9 @@ class GraphRunner:
             batch.mode.is_decode
             and batch.batch_size <= self.max_bs
             and batch.custom_masks is None
-            and self.runner.spec_hook is None
-            # a drafter reading the forward's hidden states (EAGLE, Medusa: `capture_layers`)
+            # a drafter reading the forward's hidden states (EAGLE, Medusa: `batch.capture`)
             # needs the Python-side capture a replay skips
-            and getattr(getattr(self.runner.model, "model", None), "capture_layers", None) is None
+            and batch.capture is None
         )
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:

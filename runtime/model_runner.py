@@ -25,7 +25,7 @@ from loom.runtime.memory_pool import (
 )
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
-from loom.runtime.sampler import greedy_verify, sample_verify_trees
+from loom.runtime.sampler import greedy_accepts, greedy_rows, sample_verify_trees
 from loom.runtime.sampling.logprobs import token_logprobs
 from loom.runtime.server_args import ServerArgs
 
@@ -53,9 +53,6 @@ class ModelRunner:
         self.last_model_seconds = 0.0
         self._on_cpu = torch.device(self.device).type == "cpu"
         self._aranges: dict[int, torch.Tensor] = {}
-        # called as spec_hook(inp, batch, out) after each step's sampling (a model-based
-        # drafter reads the target's captured hidden states here and drafts the next step)
-        self.spec_hook = None
         # the compiled CPU forward for small steps (runtime/cpu_forward.py), with the default
         # CPU attention backend only (an explicit torch/triton backend runs eager); None: eager
         self.cpu_forward = None
@@ -137,11 +134,12 @@ class ModelRunner:
             token_to_kv_pool=self.token_to_kv_pool,
             attn_backend=self.attn_backend,
             logits_indices=to_dev(logits_indices),
+            capture=inp.capture,
         )
-        if inp.draft_parents is not None and any(p is not None for p in inp.draft_parents):
+        if inp.drafts.has_trees:
             batch.custom_masks = [
                 None if par is None else tree_mask(prefix, par, self.device)
-                for prefix, par in zip(inp.prefix_lens, inp.draft_parents)
+                for prefix, par in zip(inp.prefix_lens, inp.drafts.parents)
             ]
         graphed = self.graph_runner is not None and self.graph_runner.can_run(batch)
         compiled = not graphed and self.cpu_forward is not None and self.cpu_forward.covers(batch)
@@ -160,8 +158,7 @@ class ModelRunner:
         out = self._sample(inp, logits, len(sample_rows), lp_targets)
         if batch.custom_masks is not None:
             self._move_tree_kv(inp, out.accepted_nodes)
-        if self.spec_hook is not None:
-            self.spec_hook(inp, batch, out)
+        out.hidden = batch.captured  # a drafter's features (`inp.capture`), for after the step
         return out
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -187,8 +184,13 @@ class ModelRunner:
             and not info.trees
             and inp.logprob_top_nums.count(None) == len(inp.logprob_top_nums)
         ):  # greedy decode or chain verify with nothing to score: ids as Python lists
-            sampled, accepted = greedy_verify(logits[:n_sample], info.to(logits.device))
-            return _assemble(inp, sampled, accepted, None, [], None, None)
+            info = info.to(logits.device)
+            sampled = greedy_rows(logits[:n_sample], info)
+            if inp.lazy_rows is not None:  # the masked argmax where a lazy row needs it
+                inp.lazy_rows.resolve(logits[:n_sample], sampled)
+            return _assemble(inp, sampled, greedy_accepts(sampled, info), None, [], None, None)
+        if inp.lazy_rows is not None:  # a path that reads every row's mask: fill them all
+            inp.lazy_rows.fill(info, logits.shape[-1])
         counts = [c for c in inp.sample_counts if c]
         # rows whose logprobs were asked for: sampled rows of such requests, then prompt rows
         want = [n is not None for n, c in zip(inp.logprob_top_nums, inp.sample_counts) if c]
@@ -237,7 +239,7 @@ class ModelRunner:
         a plain sequence again (the scheduler then frees the columns after the path).
         Sources never precede their destination, so one gathered copy is safe."""
         src_cols, dst_cols, rows = [], [], []
-        for i, par in enumerate(inp.draft_parents):
+        for i, par in enumerate(inp.drafts.parents):
             if par is None:
                 continue
             base = inp.prefix_lens[i] + 1
@@ -315,14 +317,14 @@ def _assemble(inp: ModelInput, sampled, accepted, trees, chosen, top_v, top_i) -
     out = ForwardOutput([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)],
                         [[] for _ in range(n)], [[] for _ in range(n)],
                         accepted_nodes=[[] for _ in range(n)])  # fmt: skip
-    parents = inp.draft_parents or [None] * n
+    parents = inp.drafts.parents
     tree_iter = iter(trees or ())
     row = lp = 0
     pending_lp = []
     for i, (count, top_n) in enumerate(zip(inp.sample_counts, inp.logprob_top_nums)):
         if not count:
             continue
-        draft = inp.draft_ids[i]
+        draft = inp.drafts.tokens[i]
         if parents[i] is not None:
             path, _ = next(tree_iter)
             keep_rows = [0] + [1 + a for a in path]

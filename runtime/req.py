@@ -87,6 +87,10 @@ class Req:
         # expects accepted, which the verify-or-not cut weighs (`spec.Drafter`)
         self.draft_source: str | None = None
         self.draft_expected = 0.0
+        # head drafters, constrained requests: the n-gram draft's expected accepted length at
+        # this step's draft (`NgramPolicy.ngram_draft`), what a verified head draft is
+        # measured against (`head_policy._net_gain`)
+        self.ngram_expected = 0.0
         # head drafters: whether the head drafts for this constrained request (decided at its
         # first draft and kept; None: not decided yet)
         self.spec_head: bool | None = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from loom.runtime.sampling.grammar_rows import fill_lazy_grammars, resolve_lazy_grammars
 from loom.runtime.sampling.info import SamplingInfo
 from loom.runtime.sampling.penalties import apply_penalties
 from loom.runtime.sampling.rng import hashed_uniform, hashed_uniform_column
@@ -31,14 +30,24 @@ def greedy_verify(logits: torch.Tensor, info: SamplingInfo) -> tuple[list[int], 
     """`sample_and_verify` for rows that are all greedy with no draft tree, as Python lists:
     bias, penalties, bans and the grammar mask applied, then each row's argmax; a chain's row
     accepts its draft token when it is that argmax (so the token kept is the argmax either
-    way). A decode or verify step at temperature 0 builds no token tensors."""
+    way). A decode or verify step at temperature 0 builds no token tensors. The runner calls
+    the two halves itself where rows were left lazy (`step_grammar.LazyRows.resolve` fixes
+    the ids between them: the sampler never sees a grammar)."""
+    ids = greedy_rows(logits, info)
+    return ids, greedy_accepts(ids, info)
+
+
+def greedy_rows(logits: torch.Tensor, info: SamplingInfo) -> list[int]:
+    """Bias, penalties, bans and the mask rows applied, then each row's argmax (a list)."""
     apply_penalties(logits, info)
-    ids = greedy_ids(logits)
-    if info.lazy_grammars:
-        resolve_lazy_grammars(logits, ids, info.lazy_grammars)
+    return greedy_ids(logits)
+
+
+def greedy_accepts(ids: list[int], info: SamplingInfo) -> list[bool] | None:
+    """Per row: whether its argmax is the draft token it verifies (None: no drafts)."""
     if info.draft_tokens is None:
-        return ids, None
-    return ids, [i == d for i, d in zip(ids, info.draft_tokens.tolist())]
+        return None
+    return [i == d for i, d in zip(ids, info.draft_tokens.tolist())]
 
 
 def sample_and_verify(
@@ -62,8 +71,6 @@ def sample_verify_trees(
     the accepted run and the token of the first rejected row (or the last row's sample).
     Tree rows are verified by `verify_trees`. Noise is counter-based (seed, position), so a
     request's output is reproducible."""
-    if info.lazy_grammars:
-        fill_lazy_grammars(info, logits.shape[-1])
     apply_penalties(logits, info)
     greedy_ids = argmax_rows(logits)
     drafts = info.draft_tokens

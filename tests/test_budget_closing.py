@@ -23,9 +23,9 @@ from transformers import AutoTokenizer
 from loom.grammar.backend import GrammarBackend
 from loom.grammar.base import GrammarError, allocate_token_bitmask, unpack_bitmask
 from loom.grammar.closing import ClosingGrammar
-from loom.runtime.sampling.grammar_rows import fill_draft_rows
 from loom.runtime.server.runtime_client import Runtime
 from loom.runtime.server_args import BUNDLED_MODEL_PATH
+from loom.runtime.step_grammar import fill_draft_rows
 
 MODEL = "loom-bundled"
 FORMATS = jsonschema.FormatChecker()

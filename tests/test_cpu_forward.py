@@ -61,16 +61,16 @@ class _Steps:
         )  # fmt: skip
 
 
-def _compare(runner: ModelRunner, batch: ForwardBatch) -> None:
-    """Eager (torch backend) and C logits and written KV agree; the C KV stays in the pool."""
+def _compare(runner: ModelRunner, batch: ForwardBatch, capture=None) -> None:
+    """Eager (torch backend) and C logits and written KV agree; the C KV stays in the pool.
+    `capture`: the layers whose features both keep (`ForwardBatch.capture`)."""
     pool = runner.token_to_kv_pool
     before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
     batch.attn_backend.init_forward_metadata(batch)
-    inner = runner.model.model
-    inner.captured = None
+    batch.capture, batch.captured = capture, None
     with forward_context(batch):
         want = runner.model(batch.input_ids, batch.positions)
-    want_cap, inner.captured = inner.captured, None
+    want_cap, batch.captured = batch.captured, None
     eager_kv = [b.clone() for b in pool.k_buffers + pool.v_buffers]
     for b, old in zip(pool.k_buffers + pool.v_buffers, before):
         b.copy_(old)
@@ -79,10 +79,10 @@ def _compare(runner: ModelRunner, batch: ForwardBatch) -> None:
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    if inner.capture_layers is not None:  # a drafter's features: final hidden + inner layers'
-        (hid, aux), (want_hid, want_aux) = inner.captured, want_cap
+    if capture is not None:  # a drafter's features: final hidden + inner layers'
+        (hid, aux), (want_hid, want_aux) = batch.captured, want_cap
         torch.testing.assert_close(hid, want_hid, rtol=1e-4, atol=1e-4)
-        assert len(aux) == len(want_aux) == len(inner.capture_layers)
+        assert len(aux) == len(want_aux) == len(capture)
         for a, ref in zip(aux, want_aux):
             torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-4)
     for b, ref in zip(pool.k_buffers + pool.v_buffers, eager_kv):
@@ -213,14 +213,11 @@ def test_eagle3_aux_captures_match_eager(tiny_model_dir, family):
     named twice as eager does) and the final hidden states come back from C as eager's."""
     runner = _runner(BUNDLED_MODEL_PATH if family == "bundled" else tiny_model_dir(family))
     st = _Steps(runner, 2, seed=7)
-    runner.model.model.capture_layers = (1, 0, 1)
-    try:
-        _compare(runner, st.batch([0, 1], [6, 3], ForwardMode.EXTEND))
-        _compare(runner, st.batch([0, 1], [1, 1], ForwardMode.DECODE, all_logits=False))
-        masks = [tree_mask(st.lens[0], [-1, 0, 0, 1], "cpu"), None]
-        _compare(runner, st.batch([0, 1], [5, 2], ForwardMode.EXTEND, masks))
-    finally:
-        runner.model.model.capture_layers = None
+    cap = (1, 0, 1)
+    _compare(runner, st.batch([0, 1], [6, 3], ForwardMode.EXTEND), cap)
+    _compare(runner, st.batch([0, 1], [1, 1], ForwardMode.DECODE, all_logits=False), cap)
+    masks = [tree_mask(st.lens[0], [-1, 0, 0, 1], "cpu"), None]
+    _compare(runner, st.batch([0, 1], [5, 2], ForwardMode.EXTEND, masks), cap)
 
 
 @pytest.fixture(scope="module")
@@ -316,11 +313,9 @@ def test_large_steps_and_eagle_capture_fall_back_and_bad_input_is_an_error(tiny_
     big = st.batch([0], [17], ForwardMode.EXTEND)
     assert not runner.cpu_forward.covers(big)
     small = st.batch([1], [2], ForwardMode.EXTEND)
-    runner.model.model.capture_layers = (0, 2)  # a layer the model lacks: eager (and its error)
-    try:
-        assert not runner.cpu_forward.covers(small)
-    finally:
-        runner.model.model.capture_layers = None
+    small.capture = (0, 2)  # a layer the model lacks: eager (and its error)
+    assert not runner.cpu_forward.covers(small)
+    small.capture = None
     runner.cpu_forward.profile = prof = torch.zeros(2, dtype=torch.float64)
     runner.cpu_forward(small)  # the benchmark's split: CPU seconds in matmuls, in attention
     assert prof[0] > 0 and prof[1] > 0

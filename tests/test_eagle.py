@@ -385,7 +385,7 @@ def test_head_gate_by_measured_costs():
     under one more token's cost plus one more head level's, except every PROBE_EVERY-th
     round; a head level too dear for any position declines; rates follow what verifies
     accepted."""
-    from loom.runtime.spec.eagle_lookup import PROBE_EVERY, HeadGate
+    from loom.runtime.spec.head_policy import PROBE_EVERY, HeadGate
     from loom.runtime.spec.speculator import extra_cost
 
     gate = HeadGate(4)

@@ -1,4 +1,4 @@
-"""Constrained requests under the head drafters (`eagle_lookup.ConstrainedLookup`): which
+"""Constrained requests under the head drafters (`head_policy.NgramPolicy`): which
 requests the head runs for, and that a request it skips costs no head work (no features
 kept, no catch-up, no draft loop) while its outputs stay those of plain decoding."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loom.runtime.spec.eagle_lookup import PROBE_EVERY, _net_gain
+from loom.runtime.spec.head_policy import PROBE_EVERY, _net_gain
 from loom.runtime.spec.medusa import save_medusa_heads
 from tests.runtime_helpers import free_head, make_scheduler, run_all, submit
 from tests.test_eagle import _prompts, _target, save_reduced_eagle3
@@ -49,10 +49,10 @@ def test_the_head_runs_for_constrained_requests_while_it_earns():
     every PROBE_EVERY-th constrained request anyway; the choice is per request, kept, and
     its row joins `headed` or `headless` (a finished request's row leaves both)."""
     from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
-    from loom.runtime.spec.eagle_lookup import ConstrainedLookup
+    from loom.runtime.spec.head_policy import NgramPolicy
 
     args = ServerArgs(model_path=BUNDLED_MODEL_PATH, speculative_algorithm="EAGLE3")
-    lk = ConstrainedLookup(args, None, 300, [0], 5)
+    lk = NgramPolicy(args, None, 300, [0], 5)
     grammar = object()
 
     def req(row, constrained=True):
@@ -118,29 +118,29 @@ def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, alg
         speculative_disable_by_batch_size=64, disable_radix_cache=radix_off,
     )  # fmt: skip
     drafter = sched.decode.drafter
-    drafter.lookup.head_gain = -1.0  # the head earns less than the n-gram draft
-    drafter.lookup.requests = 1  # the next constrained request is no probe
+    drafter.policy.head_gain = -1.0  # the head earns less than the n-gram draft
+    drafter.policy.requests = 1  # the next constrained request is no probe
     runner = drafter.runner
     seen = []  # per forward: (its request rows, whether it kept features)
     forward = runner.forward
 
     def spy(inp):
         if any(inp.sample_counts):  # not a finishing step (a finished request's last KV)
-            seen.append(drafter.inner.capture_layers is not None)  # features kept for the head
+            seen.append(inp.capture is not None)  # features kept for the head
         return forward(inp)
 
     runner.forward = spy
     drafted, wrong = [], []  # request rows the head drafted for; those of skipped requests
-    hook = runner.spec_hook
+    hook = drafter.after_forward
 
-    def after(inp, batch, out):
+    def after(inp, out):
         before = list(drafter.pending)
-        hook(inp, batch, out)
+        hook(inp, out)
         rows = [i for i, p in enumerate(drafter.pending) if p is not None and p is not before[i]]
         drafted.extend(rows)
-        wrong.extend(r for r in rows if r in drafter.lookup.headless)
+        wrong.extend(r for r in rows if r in drafter.policy.headless)
 
-    runner.spec_hook = after
+    drafter.after_forward = after
     # three constrained requests alone, then the free ones beside the other three
     jobs = list(enumerate(prompts))
     for i, (ids, params) in jobs[2:5]:
@@ -160,3 +160,52 @@ def test_constrained_requests_the_head_skips_cost_no_head_work(llama, heads, alg
     assert state["spec_verify_ct"] > 0
     assert drafted and not wrong, (drafted, wrong)
     assert any(seen[alone:])  # the free requests' forwards kept features
+
+
+@pytest.mark.parametrize("algo", ["EAGLE3", "MEDUSA"])
+def test_the_head_drafters_meet_the_step_through_one_seam(llama, heads, algo):
+    """The scheduler asks the drafter what the forward keeps (`step_capture` ->
+    `ModelInput.capture`), the runner returns those hidden states in `ForwardOutput.hidden`,
+    and the scheduler hands the step to the drafter (`after_forward`): a forward that kept
+    features returns them and one that kept none returns none; no hook sits on the runner and
+    nothing is written onto the model. Constrained requests that use the head record, at
+    their verify, the n-gram estimate of the same step's draft (`Req.ngram_expected`)."""
+    tok = make_scheduler(llama).tokenizer
+    sched = _sched(
+        llama, speculative_algorithm=algo, speculative_draft_model_path=heads[algo],
+        speculative_disable_by_batch_size=64,
+    )  # fmt: skip
+    drafter = sched.decode.drafter
+    drafter.policy.head_gain = 10.0  # constrained requests use the head
+    seen, hook = [], drafter.after_forward
+
+    def after(inp, out):
+        seen.append((inp.capture, out.hidden))
+        hook(inp, out)
+
+    drafter.after_forward = after
+    estimates, verified = {}, []
+    ngram_draft, on_verified = drafter.policy.ngram_draft, drafter.policy.on_verified
+
+    def spy_draft(req, room):
+        ngram, expected = ngram_draft(req, room)
+        estimates[req.rid] = expected
+        return ngram, expected
+
+    def spy_verified(req, drafted, accepted, step_seconds=0.0):
+        if req.grammar is not None and req.spec_head and req.rid in estimates:
+            verified.append((req.draft_source, req.ngram_expected, estimates[req.rid]))
+        on_verified(req, drafted, accepted, step_seconds)
+
+    drafter.policy.ngram_draft, drafter.policy.on_verified = spy_draft, spy_verified
+    for i, (ids, params) in enumerate(_prompts(tok, 2, 3)):
+        submit(sched, f"p{i}", ids, params)
+    run_all(sched)
+    assert seen and any(cap is not None for cap, _ in seen)
+    for cap, hidden in seen:
+        assert (cap is None) == (hidden is None)
+        if cap is not None:
+            assert len(hidden[1]) == len(cap)  # one feature tensor per captured layer
+    assert not hasattr(sched.runner, "spec_hook")
+    assert not {"capture_layers", "captured"} & set(vars(sched.runner.model.model))
+    assert verified and all(got == want for _, got, want in verified), verified

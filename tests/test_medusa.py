@@ -365,7 +365,7 @@ def test_train_medusa_writes_loadable_heads_and_resumes(llama, tmp_path, capsys)
 # --------------------------------------------------------------------------- compiled forward
 @torch.inference_mode()
 def test_compiled_cpu_forward_returns_the_final_hidden_states(llama):
-    """With capture_layers == () (Medusa's final-only capture) the compiled CPU forward still
+    """With `ForwardBatch.capture` == () (Medusa's final-only capture) the compiled CPU forward still
     covers the step and returns the same final hidden states as the eager model, every row."""
     from loom.runtime import cpu_forward
     from loom.runtime.forward_batch import ForwardMode, forward_context
@@ -374,20 +374,20 @@ def test_compiled_cpu_forward_returns_the_final_hidden_states(llama):
     if cpu_forward.load() is None:
         pytest.skip("no C compiler")
     runner = _runner(llama)
-    inner, pool = runner.model.model, runner.token_to_kv_pool
-    inner.capture_layers = ()
+    pool = runner.token_to_kv_pool
     st = _Steps(runner, 2, seed=1)
     for ext, mode in (([4, 3], ForwardMode.EXTEND), ([1, 1], ForwardMode.DECODE)):
         batch = st.batch([0, 1], ext, mode, all_logits=False)
+        batch.capture = ()
         before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
         batch.attn_backend.init_forward_metadata(batch)
         with forward_context(batch):
             runner.model(batch.input_ids, batch.positions)
-        want = inner.captured[0].clone()
+        want = batch.captured[0].clone()
         for b, old in zip(pool.k_buffers + pool.v_buffers, before):
             b.copy_(old)
-        inner.captured = None
+        batch.captured = None
         assert runner.cpu_forward.covers(batch)
         runner.cpu_forward(batch)
-        assert inner.captured[0].shape == (sum(ext), runner.model.config.hidden_size)
-        torch.testing.assert_close(inner.captured[0], want, rtol=1e-4, atol=1e-4)
+        assert batch.captured[0].shape == (sum(ext), runner.model.config.hidden_size)
+        torch.testing.assert_close(batch.captured[0], want, rtol=1e-4, atol=1e-4)

@@ -147,7 +147,7 @@ def test_drafts_are_cut_to_the_step_token_cap(model):
     forward = sched.runner.forward
 
     def spy(inp):
-        if any(inp.draft_ids):
+        if any(inp.drafts.tokens):
             fed.append((len(inp.sample_counts), len(inp.input_ids)))
         return forward(inp)
 

@@ -348,7 +348,7 @@ class _ModGrammar:
 
 
 def test_lazy_grammar_rows_verify_as_fully_masked_rows():
-    """A greedy chain verified with its grammar rows left to the sampler (`lazy_grammars`:
+    """A greedy chain verified with its grammar rows left lazy (`step_grammar.LazyRows`:
     at the row whose argmax is not its draft token, the grammar's accept of that argmax, or
     else that row's mask) keeps the same accepted run and tokens as the same chain with every
     row masked, over random logits and legal drafts that the masked argmax accepts at random
@@ -357,10 +357,10 @@ def test_lazy_grammar_rows_verify_as_fully_masked_rows():
     row that accepts its draft, or when the accept check is not rolled back."""
     from loom.grammar.base import allocate_token_bitmask
     from loom.runtime.req import Req
-    from loom.runtime.sampler import greedy_verify, sample_and_verify
-    from loom.runtime.sampling.grammar_rows import fill_draft_rows
+    from loom.runtime.sampler import greedy_accepts, greedy_rows, sample_and_verify
     from loom.runtime.sampling.penalties import apply_vocab_mask_
     from loom.runtime.sampling_params import make_sampling_params
+    from loom.runtime.step_grammar import LazyRows, fill_draft_rows
 
     vocab, rng = 40, random.Random(0)
     g = torch.Generator().manual_seed(1)
@@ -399,9 +399,11 @@ def test_lazy_grammar_rows_verify_as_fully_masked_rows():
         k = next((j for j, a in enumerate(acc[: len(draft)]) if not a), len(draft))
 
         lazy = SamplingInfo.from_reqs([req], vocab, drafts=[draft])
-        lazy.lazy_grammars = [(0, grammar, draft, frozenset({EOS}))]
         grammar.masks = 0
-        got, got_acc = greedy_verify(rows.clone(), lazy)
+        lazy_logits = rows.clone()
+        got = greedy_rows(lazy_logits, lazy)
+        LazyRows([(0, grammar, draft, frozenset({EOS}))]).resolve(lazy_logits, got)
+        got_acc = greedy_accepts(got, lazy)
         masks_lazy += grammar.masks
         got_k = next((j for j, a in enumerate(got_acc[: len(draft)]) if not a), len(draft))
         assert (got_k, got[: k + 1]) == (k, ids[: k + 1]), trial
@@ -414,7 +416,7 @@ def test_lazy_grammar_rows_verify_as_fully_masked_rows():
 
 def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows():
     """Plain decode rows (no draft) of greedy requests with a grammar, left to the sampler by
-    `_fill_grammar_mask(..., lazy_ok=True)`: the argmax is kept where the grammar accepts it,
+    `StepGrammar.rows(..., lazy_ok=True)`: the argmax is kept where the grammar accepts it,
     else that row alone is masked. Over random batches mixing constrained and free requests,
     with penalties, logit_bias and min_new_tokens EOS bans (applied before the argmax) and
     EOS often the argmax (always masked: the grammar may or may not end there), the tokens are
@@ -423,9 +425,9 @@ def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows():
     when the accept check is not rolled back, or when a state with forced text is not masked
     (the toy's accept is laxer there, as llguidance's)."""
     from loom.runtime.req import Req
-    from loom.runtime.sampler import greedy_verify
+    from loom.runtime.sampler import greedy_accepts, greedy_rows
     from loom.runtime.sampling_params import make_sampling_params
-    from loom.runtime.scheduler.batch import _fill_grammar_mask
+    from loom.runtime.step_grammar import StepGrammar
 
     vocab, rng = 40, random.Random(5)
     g = torch.Generator().manual_seed(6)
@@ -453,9 +455,9 @@ def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows():
         logits = torch.randn(len(reqs), vocab, generator=g)
         logits[:, EOS] += torch.rand(len(reqs), generator=g) * 4  # EOS the argmax at times
 
+        owner = StepGrammar(None, vocab)
         full = SamplingInfo.from_reqs(reqs, vocab)
-        _fill_grammar_mask(reqs, full, vocab)
-        assert full.lazy_grammars is None
+        assert owner.rows(reqs, full) is None
         masks_full += sum(gr.masks for gr in grammars if gr is not None)
         want = sample(logits.clone(), full).tolist()
 
@@ -463,11 +465,14 @@ def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows():
             if gr is not None:
                 gr.masks = 0
         lazy = SamplingInfo.from_reqs(reqs, vocab)
-        _fill_grammar_mask(reqs, lazy, vocab, lazy_ok=True)
+        lazy_rows = owner.rows(reqs, lazy, lazy_ok=True)
         assert lazy.vocab_mask is None
-        assert len(lazy.lazy_grammars or ()) == sum(gr is not None for gr in grammars)
+        assert len(lazy_rows.chains if lazy_rows else ()) == sum(gr is not None for gr in grammars)
         rows = logits.clone()
-        got, acc = greedy_verify(rows, lazy)
+        got = greedy_rows(rows, lazy)
+        if lazy_rows is not None:
+            lazy_rows.resolve(rows, got)
+        acc = greedy_accepts(got, lazy)
         assert (got, acc) == (want, None), trial
         assert [None if gr is None else gr.tokens for gr in grammars] == starts
         masks_lazy += sum(gr.masks for gr in grammars if gr is not None)
@@ -483,13 +488,13 @@ def test_greedy_grammar_decode_is_the_same_with_lazy_rows(tiny_model_dir, monkey
     """End to end with llguidance on the tiny random model (whose argmax the grammar often
     refuses): greedy JSON-schema, regex and free requests in one batch, and alone, give the
     same tokens with the plain rows' grammar masks left to the sampler as with every row
-    masked (the reference: `_fill_grammar_mask` fills every row when more than one rank
+    masked (the reference: `StepGrammar.rows` fills every row when more than one rank
     holds the plan), with fewer masks; jump-forward on, EOS allowed where the grammar ends."""
     import json
 
     from loom.grammar.engines.llguidance_engine import LLGuidanceGrammar
+    from loom.runtime import step_grammar as grammar_mod
     from loom.runtime.distributed import ParallelState
-    from loom.runtime.scheduler import batch as batch_mod
     from tests.runtime_helpers import make_scheduler
 
     schema = {
@@ -524,7 +529,7 @@ def test_greedy_grammar_decode_is_the_same_with_lazy_rows(tiny_model_dir, monkey
         return out, masks[0]
 
     lazy, masks_lazy = generate()
-    monkeypatch.setattr(batch_mod, "get_parallel_state", lambda: ParallelState(world_size=2))
+    monkeypatch.setattr(grammar_mod, "get_parallel_state", lambda: ParallelState(world_size=2))
     full, masks_full = generate()
     assert lazy == full
     assert masks_lazy < masks_full

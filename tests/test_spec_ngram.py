@@ -338,7 +338,7 @@ def test_greedy_outputs_identical_with_ngram(tiny_model_dir, config):
 @pytest.mark.parametrize("engine", ["xgrammar", "outlines"])
 def test_greedy_constrained_outputs_identical_with_every_engine(engine):
     """Greedy chains verify with their grammar rows left to the sampler (one mask at most,
-    where the argmax leaves the draft: `grammar_rows.resolve_lazy_grammars`), which leans on each
+    where the argmax leaves the draft: `step_grammar.LazyRows.resolve`), which leans on each
     engine's accept_token refusing exactly what its mask refuses: outputs under JSON, regex
     and EBNF constraints stay those of plain decoding with the other engines too."""
     pytest.importorskip(engine if engine == "xgrammar" else "outlines_core")
@@ -354,7 +354,9 @@ def test_greedy_constrained_outputs_identical_with_every_engine(engine):
         assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, (engine, i)
         if spec[f"p{i}"].finish_reason["type"] == "stop":
             _validate(params, spec[f"p{i}"].text)
-    assert sched.decode.drafter.lazy_rows and sched.get_state()["spec_verify_ct"] > 0
+    assert sched.decode.drafter.grammar.lazy and sched.get_state()["spec_verify_ct"] > 0
+    # one owner of the step's grammar rows: the drafter's walks, the step's rows, the commits
+    assert sched.decode.drafter.grammar is sched.grammar is sched.output.grammar
 
 
 def test_verify_slots_through_the_numpy_view_match_the_general_path(tiny_model_dir, monkeypatch):
@@ -396,7 +398,7 @@ def test_greedy_outputs_identical_with_tree_drafts(tiny_model_dir, monkeypatch, 
 
     def counting_move(self, inp, accepted_nodes):
         moved.extend(
-            a for par, nodes in zip(inp.draft_parents, accepted_nodes) if par for a in nodes
+            a for par, nodes in zip(inp.drafts.parents, accepted_nodes) if par for a in nodes
         )
         return move(self, inp, accepted_nodes)
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from loom.runtime.distributed import get_parallel_state
+from loom.runtime.forward_batch import get_forward_batch
 from loom.runtime.layers.activation import SiluAndMul
 from loom.runtime.layers.attention import Attention
 from loom.runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -108,9 +109,6 @@ class LlamaModel(nn.Module):
     the first stage embeds, the last normalises; the others pass hidden states on."""
 
     layer_cls = LlamaDecoderLayer
-    # EAGLE drafting (runtime/spec/eagle.py): when set (a tuple of layer ids, possibly empty),
-    # forward keeps `captured` = (final hidden states, [residual stream after each such layer])
-    capture_layers: tuple[int, ...] | None = None
 
     def __init__(self, config):
         super().__init__()
@@ -135,7 +133,9 @@ class LlamaModel(nn.Module):
             hidden, residual = stage.recv(
                 len(input_ids), self.hidden_size, stage.dtype, input_ids.device
             )
-        capture, aux = self.capture_layers, {}
+        # a drafter's features (`ForwardBatch.capture`): kept on the step's batch, not here
+        batch = get_forward_batch()
+        capture, aux = batch.capture, {}
         for i in range(stage.start, stage.end):
             hidden, residual = self.layers[i](positions, hidden, residual)
             if capture and i in capture:
@@ -146,7 +146,7 @@ class LlamaModel(nn.Module):
             return None
         hidden, _ = self.norm(hidden, residual)
         if capture is not None:
-            self.captured = (hidden, [aux[i] for i in capture])
+            batch.captured = (hidden, [aux[i] for i in capture])
         return hidden
 
 

@@ -39,12 +39,6 @@ class SamplingInfo:
     # tree drafts: per tree (its root row, node tokens, node parents, node draft probs or None);
     # row root + 1 + i holds the state after node i's path (see `verify_trees`)
     trees: list[tuple[int, list[int], list[int], Any]] | None = None
-    # greedy chains whose grammar rows were left all-allowed (`vocab_mask` rows unfilled, or
-    # no mask at all; a plain decode row is a chain with no draft tokens):
-    # (first row, the request's grammar, its draft tokens, its EOS ids);
-    # `greedy_verify` masks at most the row that decides the chain
-    # (`grammar_rows.resolve_lazy_grammars`)
-    lazy_grammars: list[tuple[int, Any, list[int], frozenset]] | None = None
 
     @classmethod
     def from_reqs(

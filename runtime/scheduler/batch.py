@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from loom.runtime.distributed import get_parallel_state
-from loom.runtime.forward_batch import ForwardMode, ModelInput, host_tensor
+from loom.runtime.forward_batch import ForwardMode, ModelInput, StepDrafts, host_tensor
 from loom.runtime.req import Req
-from loom.runtime.sampling.grammar_rows import fill_draft_rows
 from loom.runtime.sampling.info import SamplingInfo
 from loom.runtime.spec import tree_depths
+from loom.runtime.step_grammar import StepGrammar
 
 
 class ScheduleBatch:
@@ -25,6 +24,9 @@ class ScheduleBatch:
         # KV slots of the step's positions, in order (a decode step allocates them at once;
         # otherwise each request's `new_slots`)
         self.out_cache_loc: torch.Tensor | None = None
+        # the step's grammar owner (`build_input`) and the rows it left lazy
+        self.grammar: StepGrammar | None = None
+        self.lazy_rows = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -44,9 +46,12 @@ class ScheduleBatch:
             return self.reqs[0].new_slots
         return torch.cat([r.new_slots for r in self.reqs])
 
-    def build_input(self, vocab_size: int) -> ModelInput:
+    def build_input(self, vocab_size: int, grammar: StepGrammar | None = None) -> ModelInput:
         """The step's tokens, positions and KV slots, what each request samples and with
-        which parameters (grammar masks filled here, where the grammars live)."""
+        which parameters (grammar mask rows filled here, where the grammars live, by the
+        step's grammar owner `grammar`; None: a fresh one)."""
+        self.grammar = grammar
+        self.lazy_rows = None
         if self.is_decode and all(
             r.draft_parents is None
             and r.extend_len == 1 + len(r.draft_ids)
@@ -97,7 +102,7 @@ class ScheduleBatch:
                 draft_probs=[r.draft_probs for r in sampling_reqs],
             )
             lazy_ok = not sampling.trees and not any(r.return_logprob for r in self.reqs)
-            _fill_grammar_mask(sampling_reqs, sampling, vocab_size, lazy_ok)
+            self.lazy_rows = self._grammar(vocab_size).rows(sampling_reqs, sampling, lazy_ok)
         return self._model_input(
             self.mode, ids, positions, seq_lens, prefix_lens, counts, drafts, sampling,
             top_nums, lp_starts, lp_targets, [r.draft_parents for r in self.reqs],
@@ -135,13 +140,18 @@ class ScheduleBatch:
             drafts = [r.draft_ids for r in sampling_reqs] if chains else None
             sampling = SamplingInfo.from_reqs(sampling_reqs, vocab_size, drafts=drafts)
             # no trees, no logprobs here: greedy grammar rows are masked only if needed
-            _fill_grammar_mask(sampling_reqs, sampling, vocab_size, lazy_ok=True)
+            self.lazy_rows = self._grammar(vocab_size).rows(sampling_reqs, sampling, lazy_ok=True)
         b = len(reqs)
         mode = ForwardMode.EXTEND if chains else ForwardMode.DECODE  # `self.mode`, known here
         return self._model_input(
             mode, ids, positions, seq_lens, prefix_lens, counts, [r.draft_ids for r in reqs],
             sampling, [None] * b, [0] * b, [None] * b, [None] * b,
         )  # fmt: skip
+
+    def _grammar(self, vocab_size: int) -> StepGrammar:
+        if self.grammar is None:  # a batch built without the scheduler's owner (tests, tools)
+            self.grammar = StepGrammar(None, vocab_size)
+        return self.grammar
 
     def _model_input(
         self, mode, ids, positions, seq_lens, prefix_lens, counts, drafts, sampling,
@@ -162,12 +172,12 @@ class ScheduleBatch:
             seq_lens_tensor=index[2 * t + b :],
             prefix_lens=prefix_lens,
             sample_counts=counts,
-            draft_ids=drafts,
+            drafts=StepDrafts(drafts, parents),
             sampling=sampling,
             logprob_top_nums=top_nums,
             input_logprob_starts=lp_starts,
             input_logprob_targets=lp_targets,
-            draft_parents=parents,
+            lazy_rows=self.lazy_rows,
         )
         return self.model_input
 
@@ -186,40 +196,3 @@ def _input_logprob_span(req: Req, begin: int, end: int) -> tuple[int, list[int] 
     if lo >= hi:
         return 0, None
     return lo - begin, req.origin_input_ids[lo + 1 : hi + 1]
-
-
-def _fill_grammar_mask(
-    reqs: list[Req], info: SamplingInfo, vocab_size: int, lazy_ok: bool = False
-) -> None:
-    """One mask row per sampled position: a drafted request brings the rows its grammar walk
-    filled (`req.draft_masks`: row 0 after the last real token, then one after each draft
-    position), also when the step verifies none of its draft (not worth verifying, KV short,
-    the first draft token refused): row 0 is then this step's row, not computed twice.
-    A request without rows (`draft_masks` None: a greedy request's chain, or no draft, a
-    chain of length 0) is left to the sampler (`SamplingInfo.lazy_grammars`: it masks a row
-    only where the grammar refuses the unmasked argmax) when every row of the step samples
-    greedily with nothing to score (`lazy_ok`: no tree, no logprobs) on one rank (the
-    grammar objects stay in this process), else its rows are filled here."""
-    if not any(r.grammar is not None for r in reqs):
-        return
-    from loom.grammar.base import allocate_token_bitmask
-
-    lazy_ok = lazy_ok and info.all_greedy and get_parallel_state().world_size == 1
-    lazy, mask = [], None
-    row = 0
-    for r in reqs:
-        if r.grammar is not None:
-            if r.draft_masks is None and lazy_ok:
-                lazy.append((row, r.grammar, r.draft_ids, r.eos_token_ids))
-            else:
-                if mask is None:
-                    mask = allocate_token_bitmask(
-                        sum(1 + len(x.draft_ids) for x in reqs), vocab_size
-                    )
-                if r.draft_masks is not None:
-                    mask[row : row + 1 + len(r.draft_ids)] = r.draft_masks[: 1 + len(r.draft_ids)]
-                else:  # no draft: this step's row alone
-                    fill_draft_rows(r.grammar, r.draft_ids, mask, row)
-        row += 1 + len(r.draft_ids)
-    info.vocab_mask = mask
-    info.lazy_grammars = lazy or None

@@ -10,9 +10,9 @@ from loom.runtime.forward_batch import ForwardOutput
 from loom.runtime.io_struct import ReqOutput
 from loom.runtime.req import Req
 from loom.runtime.scheduler.batch import ScheduleBatch
-from loom.runtime.scheduler.jump_forward import try_jump_forward
 from loom.runtime.scheduler.kv import KVManager
 from loom.runtime.spec import tree_depths
+from loom.runtime.step_grammar import StepGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,14 @@ class OutputProcessor:
     checks, KV bookkeeping through the KV manager) and keeps the outputs to stream."""
 
     def __init__(
-        self, kv: KVManager, tokenizer, context_len: int, jump_forward: bool, stats, drafter=None
-    ):
+        self, kv: KVManager, tokenizer, context_len: int, jump_forward: bool, stats, drafter=None,
+        grammar: StepGrammar | None = None,
+    ):  # fmt: skip
         self.kv = kv
         self.drafter = drafter
         self.tokenizer = tokenizer
+        # the step's grammar owner: commit and jump-forward (None: one of its own)
+        self.grammar = grammar or StepGrammar(tokenizer, 0)
         self.context_len = context_len
         self.jump_forward = jump_forward
         self.stats = stats
@@ -139,7 +142,7 @@ class OutputProcessor:
                 self.kv.cache_unfinished(req)
             if req.stream:
                 self.pending.append(req)
-            if jump and try_jump_forward(req, self.tokenizer, self.kv):
+            if jump and self.grammar.jump_forward(req, self.kv):
                 routes.requeue.append(req)
             else:
                 routes.running.append(req)
@@ -165,19 +168,17 @@ class OutputProcessor:
             req.logprob.output_token_logprobs.append((logprob, token))
             if req.logprob.top_num:
                 req.logprob.output_top_logprobs.append(top)
-        if req.grammar is not None and token not in req.eos_token_ids:
-            try:
-                req.grammar.accept_token(token)
-            except Exception as e:  # noqa: BLE001 - one request fails, not the scheduler
-                # the mask should have made this impossible: end this request loudly instead
-                # of letting the error kill the scheduler (and every other request with it)
-                logger.error("request %s: grammar refused sampled token %d: %s", req.rid, token, e)
-                req.finished_reason = {
-                    "type": "abort",
-                    "message": f"internal error: the grammar refused sampled token {token}: {e}",
-                    "status_code": 500,
-                }
-                return
+        e = self.grammar.commit(req, token)
+        if e is not None:
+            # the mask should have made this impossible: end this request loudly instead of
+            # letting the error kill the scheduler (and every other request with it)
+            logger.error("request %s: grammar refused sampled token %d: %s", req.rid, token, e)
+            req.finished_reason = {
+                "type": "abort",
+                "message": f"internal error: the grammar refused sampled token {token}: {e}",
+                "status_code": 500,
+            }
+            return
         self._check_finished(req, token)
 
     def _check_finished(self, req: Req, token: int) -> None:

@@ -29,6 +29,7 @@ from loom.runtime.scheduler.kv import KVManager
 from loom.runtime.scheduler.output import OutputProcessor
 from loom.runtime.scheduler.prefill import PrefillManager
 from loom.runtime.server_args import ServerArgs
+from loom.runtime.step_grammar import StepGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +68,14 @@ class Scheduler:
         self.prefill = PrefillManager(
             self.kv, args, r.max_running_requests, random.Random(args.random_seed)
         )
+        # the one owner of a step's grammar rows (drafts' walks, mask rows, commit, jumps)
+        self.grammar = StepGrammar(self.tokenizer, r.vocab_size, self.eos_token_ids,
+                                   lazy=args.world_size == 1)  # fmt: skip
         if drafter is None:
             from loom.runtime.spec.factory import create_drafter
 
-            drafter = create_drafter(
-                args, self.tokenizer, self.vocab_size, self.eos_token_ids, runner=self.runner
-            )
+            drafter = create_drafter(args, self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                     runner=self.runner, grammar=self.grammar)  # fmt: skip
         self.decode = DecodeManager(
             self.kv, args.schedule_conservativeness, self.context_len, drafter
         )
@@ -86,6 +89,7 @@ class Scheduler:
             not args.disable_jump_forward,
             self.stats,
             drafter,
+            grammar=self.grammar,
         )
         # prefill/decode disaggregation (runtime/disagg/): the prefill or decode side
         self.disagg = None
@@ -115,7 +119,13 @@ class Scheduler:
         if batch is None:
             self.check_integrity()
             return self.output.drain()
-        result = self.runner.forward(batch.build_input(self.vocab_size))
+        inp = batch.build_input(self.vocab_size, self.grammar)
+        drafter = self.decode.drafter
+        if drafter is not None:  # the one speculation seam: what the forward keeps for it
+            inp.capture = drafter.step_capture
+        result = self.runner.forward(inp)
+        if drafter is not None:  # the drafter reads the step (hidden states in `result.hidden`)
+            drafter.after_forward(inp, result)
         routes = self.output.process(batch, result)
         self.decode.after_step(batch, routes.running, routes.finishing)
         self.prefill.requeue(routes.requeue, routes.chunked)

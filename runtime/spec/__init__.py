@@ -47,6 +47,24 @@ def tree_depths(parents: list[int]) -> list[int]:
 
 
 class Drafter(ABC):
+    """The scheduler's side of speculation, one seam: it asks for drafts (`draft`,
+    `draft_prefill`), puts them in the step's `ModelInput` (`drafts`, a `StepDrafts`)
+    with `step_capture` (the layers whose hidden states the forward keeps for the drafter),
+    and after the forward hands the drafter the step and its output (`after_forward`, the
+    captured hidden states in `ForwardOutput.hidden`); result processing reports what was
+    accepted (`on_verified`, `on_finished`). Nothing is injected into the runner or written
+    onto the model."""
+
+    # what the next forward keeps for this drafter (None: nothing; (): the final hidden
+    # states only; else those and the residual stream after each listed layer)
+    step_capture: tuple[int, ...] | None = None
+
+    def after_forward(self, inp, out) -> None:
+        """After each forward of the scheduler's, before its results are processed: a
+        model-based drafter reads the target's hidden states (`out.hidden`) and drafts the
+        next step. Default: nothing."""
+        return None
+
     @abstractmethod
     def draft(self, req, room: int, free_drafts: bool = True) -> list[int] | DraftTree:
         """Tokens to verify after `req`'s current tokens (at most `room`): a chain, or a
@@ -105,46 +123,36 @@ class HeadDrafter(Drafter):
     `stats` (an AcceptanceStats) and `draft_seconds` (head time, for bench_spec's step split;
     `draft_decode_seconds` the part after decode / verify steps, steps whose every fed row
     samples: prefill catch-ups aside).
-    Its grammar rules (forced text; the cut at the first refused token, with every draft
-    position's mask) are those of the n-gram speculator it owns for constrained requests
-    (`eagle_lookup.ConstrainedLookup.ngram`): `lookup` drafts constrained requests (and their
-    prefill) from it, `gate` (an `eagle_lookup.HeadGate`) decides by measured costs whether a
-    batch's drafts are worth a verify."""
+    It composes two policies: `policy` (a `head_policy.NgramPolicy`: constrained requests get
+    the head's draft or the n-gram speculator's, and their prefill the latter's) and `gate`
+    (a `head_policy.HeadGate`: whether a batch's drafts are worth a verify, by measured
+    costs). Grammar work (forced text, the walk and cut with every draft position's mask) is
+    the step's grammar owner's (`grammar`, a `step_grammar.StepGrammar`)."""
 
     stats: Any
-    lookup: Any
+    policy: Any
     gate: Any
+    grammar: Any
     draft_seconds: float = 0.0
     draft_decode_seconds: float = 0.0
 
-    inner: Any  # the target's inner model (capture_layers / captured)
     runner: Any  # the target's ModelRunner (its forward time prices the head's)
 
     def set_verify_cost(self, cost) -> bool:
         self.gate.set_cost(cost)
-        lookup = getattr(self.lookup, "ngram", None)
-        if lookup is not None:
-            lookup.set_verify_cost(cost)
+        self.policy.set_verify_cost(cost)
         return True
 
     def _capture(self, layers) -> None:
-        """What the target's next forward keeps (`capture_layers`). Set as a plain attribute:
-        nn.Module.__setattr__ checks parameters, buffers and submodules first, and this runs
-        twice a step."""
-        object.__setattr__(self.inner, "capture_layers", layers)
-
-    def _take_captured(self):
-        """The last forward's captures, cleared (never read twice)."""
-        captured = getattr(self.inner, "captured", None)
-        object.__setattr__(self.inner, "captured", None)
-        return captured
+        """What the target's next forward keeps (`step_capture`)."""
+        self.step_capture = layers
 
     def _spent(self, inp, t0: float) -> None:
         """Count the head's wall time since `t0` (perf_counter) after the step `inp`."""
         dt = time.perf_counter() - t0
         self.draft_seconds += dt
-        if self.lookup.priced:  # constrained requests that use the head pay for it
-            self.lookup.charge(inp.req_pool_indices.tolist(), dt)
+        if self.policy.priced:  # constrained requests that use the head pay for it
+            self.policy.charge(inp.req_pool_indices.tolist(), dt)
         if all(s - p == c for s, p, c in zip(inp.seq_lens, inp.prefix_lens, inp.sample_counts)):
             self.draft_decode_seconds += dt
 
@@ -155,19 +163,19 @@ class HeadDrafter(Drafter):
             isinstance(d, list) and (not d or r.draft_source == "ngram")
             for r, d in zip(reqs, drafts)
         ):  # n-gram chains only (constrained requests the head skips): the speculator's cut
-            return self.lookup.ngram.worth_verifying(reqs, drafts)
+            return self.policy.worth_verifying(reqs, drafts)
         expected = [r.draft_expected if d else 0.0 for r, d in zip(reqs, drafts)]
         return self.gate.worth(expected, max(map(len, drafts)))
 
     def _head_capture(self, on: bool) -> None:
         """The next forward keeps the head's features when it may draft (`on`) and a request
-        in it may use the head (`lookup.uses_head`; none decided yet counts as may)."""
-        lk = self.lookup
+        in it may use the head (`policy.uses_head`; none decided yet counts as may)."""
+        lk = self.policy
         self._capture(self.capture if on and (lk.headed or not lk.headless) else None)
 
     def _uses_head(self, req) -> bool:
-        """`lookup.uses_head`; a request that does turns this step's capture on."""
-        use = self.lookup.uses_head(req)
+        """`policy.uses_head`; a request that does turns this step's capture on."""
+        use = self.policy.uses_head(req)
         if use:
             self._capture(self.capture)
         return use
@@ -178,16 +186,16 @@ class HeadDrafter(Drafter):
         prefill's features first). A prefill whose requests the head skips keeps no features."""
         self._uses_head(req)
         self._head_capture(True)
-        return self.lookup.draft_prefill(req, room)
+        return self.policy.draft_prefill(req, room)
 
     def on_verified(self, req, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted, req.draft_forced)
         if req.draft_source == "free":
             self.gate.record(drafted, accepted)
-        self.lookup.on_verified(req, drafted, accepted, self.runner.last_model_seconds)
+        self.policy.on_verified(req, drafted, accepted, self.runner.last_model_seconds)
 
     def on_finished(self, req) -> None:
-        self.lookup.on_finished(req)
+        self.policy.on_finished(req)
 
     def log_line(self) -> str:
         return self.stats.log_line() if self.stats.verify_ct else ""
@@ -197,5 +205,5 @@ class HeadDrafter(Drafter):
             **self.stats.summary(),
             "spec_draft_seconds": round(self.draft_seconds, 4),
             "spec_draft_decode_seconds": round(self.draft_decode_seconds, 4),
-            **self.lookup.summary(),
+            **self.policy.summary(),
         }

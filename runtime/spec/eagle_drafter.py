@@ -1,7 +1,8 @@
 """EAGLE / EAGLE-3 drafting beside the target: the head's KV, its catch-up and its draft loop.
 
-The drafter hooks the model runner (`runner.spec_hook`), so all head work happens right
-after each target step, on the target's device, batched over the step's requests:
+The scheduler calls the drafter after each target forward (`after_forward`, the target's
+features in `ForwardOutput.hidden`), so all head work happens right after each target step,
+on the target's device, batched over the step's requests:
 
 1. catch-up: one head extend over the positions the step committed. Entry p reads [emb(token
    p+1); target feature p]: the fed tokens shifted by one, then the step's accepted drafts
@@ -31,13 +32,13 @@ import torch
 
 from loom.runtime.forward_batch import ForwardBatch, ForwardMode, forward_context, host_tensor
 from loom.runtime.spec import DraftTree, HeadDrafter, tree_depths
-from loom.runtime.spec.eagle_lookup import (
-    ConstrainedLookup,
+from loom.runtime.spec.eagle_tree import TreeAttention, graft_forced, grow_trees
+from loom.runtime.spec.head_policy import (
     HeadGate,
+    NgramPolicy,
     matmul_numel,
     target_matmul_numel,
 )
-from loom.runtime.spec.eagle_tree import TreeAttention, graft_forced, grow_trees
 from loom.runtime.spec.stats import AcceptanceStats
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def bundled_head_path(args) -> str:
 
 
 class EagleSpeculator(HeadDrafter):
-    def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids, grammar=None):
         from loom.runtime.attention.base import create_attention_backend
         from loom.runtime.memory_pool import TokenToKVPool
         from loom.runtime.models.llama import head_dim_of
@@ -101,17 +102,18 @@ class EagleSpeculator(HeadDrafter):
         # the catch-up's attention: the target's backend kind (on the CPU, cpu_paged: a few
         # new entries per request read the head's pool in place through the C extend kernel)
         self.extend_backend = create_attention_backend(args.effective_attention_backend)
-        inner = runner.model.model
         self.capture = tuple(head.aux_layers or ())  # () = the final hidden state only
-        inner.capture_layers = self.capture
-        self.inner = inner
+        self.step_capture = self.capture
         rows = runner.req_to_token_pool.size
         # per request row: (the request length the draft is for, (tokens, parents))
         self.pending: list[tuple[int, tuple[list[int], list[int]]] | None] = [None] * rows
         # constrained requests: the head's draft or the n-gram speculator's, by expected gain
-        self.lookup = ConstrainedLookup(args, tokenizer, vocab_size, eos_token_ids, self.steps)
+        self.policy = NgramPolicy(
+            args, tokenizer, vocab_size, eos_token_ids, self.steps, grammar=grammar
+        )
+        self.grammar = self.policy.grammar
         # positions = tree depths (a graft: clamped), or an n-gram chain's
-        self.stats = AcceptanceStats(max(self.steps, self.lookup.ngram.num_draft))
+        self.stats = AcceptanceStats(max(self.steps, self.policy.num_draft))
         # the off-switch / chain cut by measured costs; a draft level of the head reads its
         # layers and its (draft-vocabulary) LM head
         layers = matmul_numel(head.layers if head.variant == "eagle" else [head.midlayer])
@@ -124,7 +126,6 @@ class EagleSpeculator(HeadDrafter):
             from loom.runtime.spec.head_kernel import CompiledEagleHead
 
             self.compiled = CompiledEagleHead.build(head, self.kv, self.topk)
-        runner.spec_hook = self._after_step
         logger.info(
             "%s head from %s: %d draft steps, top-%d, %d draft tokens",
             algo, path, self.steps, self.topk, self.num_nodes,
@@ -136,7 +137,7 @@ class EagleSpeculator(HeadDrafter):
         large to draft captures none, so it runs the compiled CPU forward (which covers no
         capture) like plain decoding; the next step captures again."""
         on = batch_size < self.disable_batch_size and self.gate.enabled(batch_size, self.steps)
-        self.lookup.enabled_for(batch_size)
+        self.policy.enabled_for(batch_size)
         self._head_capture(on)
         return on
 
@@ -164,53 +165,53 @@ class EagleSpeculator(HeadDrafter):
             req.draft_expected = sum(self.gate.gains(depth))
             return DraftTree(tokens, parents) if tokens else []
         # constrained: the n-gram speculator's draft (walked by the grammar) or the head's
-        ngram, ngram_expected = self.lookup.ngram_draft(req, room)
+        ngram, ngram_expected = self.policy.ngram_draft(req, room)
         ngram_forced = req.draft_forced
-        if not use_head:  # the head skips this constrained request (`ConstrainedLookup`)
+        if not use_head:  # the head skips this constrained request (`NgramPolicy`)
             return self._take_ngram(req, ngram, ngram_expected, ngram_forced)
-        rules = self.lookup.ngram  # the grammar rules (forced text, the cut) are its own
-        forced = rules._forced(req, min(budget, self.steps))
+        forced = self.grammar.forced(req, min(budget, self.steps))
         if forced:  # forced text leads; the head's subtree follows where it agrees with it
             tokens, parents = graft_forced(tokens, parents, forced)
         tokens, parents = tokens[:budget], parents[:budget]
-        head_expected = self.lookup.head_expected(len(forced), tokens, parents)
+        head_expected = self.policy.head_expected(len(forced), tokens, parents)
         if ngram and ngram_expected >= head_expected:
             return self._take_ngram(req, ngram, ngram_expected, ngram_forced)
-        self.lookup.chosen["head"] += 1
+        self.policy.chosen["head"] += 1
         req.draft_source, req.draft_expected = "head", head_expected
         if self.topk == 1:  # a chain: the chain verify path
             if tokens:
-                tokens = rules._walk_grammar(req, tokens)
+                tokens = self.grammar.walk(req, tokens)
             req.draft_forced = min(len(forced), len(tokens))
             return tokens
         if tokens:  # pruned before verification
-            tokens, parents = rules._walk_grammar_tree(req, tokens, parents)
+            tokens, parents = self.grammar.walk_tree(req, tokens, parents)
         req.draft_forced = min(len(forced), len(tokens))
         return DraftTree(tokens, parents) if tokens else []
 
     def _take_ngram(self, req, ngram: list[int], expected: float, forced: int):
-        self.lookup.take_ngram(req, ngram, expected, forced)
+        self.policy.take_ngram(req, ngram, expected, forced)
         if self.topk == 1 or not ngram:
             return ngram
         return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
 
     # ------------------------------------------------------------ runner side
-    def _after_step(self, inp, batch, out) -> None:
+    @torch.inference_mode()
+    def after_forward(self, inp, out) -> None:
         import time
 
-        captured = self._take_captured()
+        captured = out.hidden
         self._capture(self.capture)  # a step enabled_for turned off is over
         if len(inp.seq_lens) >= self.disable_batch_size or captured is None:
             return  # no drafting at this size; the head's KV for these positions goes stale
         t0 = time.perf_counter()
         final, aux = captured
         feats = final if self.head.variant == "eagle" else torch.cat(aux, dim=-1)
-        plan = _catch_up_plan(inp, out, self.lookup.headless)
+        plan = _catch_up_plan(inp, out, self.policy.headless)
         if plan is None:
             return
         # a chain drafts as many levels as pay at this batch size; a tree its full shape
         levels = self.gate.levels(self.steps) if self.topk == 1 else self.steps
-        self._run(plan, feats, batch, levels)
+        self._run(plan, feats, inp, levels)
         self._spent(inp, t0)
 
     def summary(self) -> dict:
@@ -220,12 +221,12 @@ class EagleSpeculator(HeadDrafter):
             out["spec_draft_split_seconds"] = [round(catch_up, 4), round(loop, 4)]
         return out
 
-    def _run_compiled(self, plan, feats: torch.Tensor, batch, levels: int) -> None:
+    def _run_compiled(self, plan, feats: torch.Tensor, inp, levels: int) -> None:
         starts = [0] + [r + 1 for r in plan.last_rows]
         drafting = plan.drafting if levels else []
         tokens, _, _ = self.compiled.run(
             host_tensor(plan.next_ids, torch.int64),
-            _rows(batch.positions, plan.rows), _rows(batch.out_cache_loc, plan.slot_rows),
+            _rows(inp.positions, plan.rows), _rows(inp.out_cache_loc, plan.slot_rows),
             _rows(feats, plan.rows).float(),
             starts, plan.req_rows, plan.seq_lens, self.runner.req_to_token_pool.req_to_token,
             drafting, max(1, levels),
@@ -237,18 +238,19 @@ class EagleSpeculator(HeadDrafter):
                 (chain, list(range(-1, len(chain) - 1))),
             )
 
-    def _run(self, plan, feats: torch.Tensor, batch, levels: int) -> None:
+    def _run(self, plan, feats: torch.Tensor, inp, levels: int) -> None:
+        """`inp`: the target step's ModelInput (host tensors; moved to the head's device)."""
         if self.compiled is not None:
-            return self._run_compiled(plan, feats, batch, levels)
+            return self._run_compiled(plan, feats, inp, levels)
         dev = feats.device
         head = self.head
         rows_t = torch.tensor(plan.rows, dtype=torch.int64)
-        positions = batch.positions.index_select(0, rows_t.to(dev))
+        positions = inp.positions.to(dev).index_select(0, rows_t.to(dev))
         hb = ForwardBatch(
             mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(plan.next_ids, dtype=torch.int64).to(dev),
             positions=positions,
-            out_cache_loc=batch.out_cache_loc.index_select(
+            out_cache_loc=inp.out_cache_loc.to(dev).index_select(
                 0, torch.tensor(plan.slot_rows, dtype=torch.int64, device=dev)
             ),
             req_pool_indices=torch.tensor(plan.req_rows, dtype=torch.int64).to(dev),
@@ -300,14 +302,14 @@ def _catch_up_plan(inp, out, headless=()):
     tree verify those rows are the last real token's and the accepted path's (`rows`), while
     the head's KV goes to the slots of the positions they now hold (`slot_rows`: the target
     moved the path's KV there). Requests in rows `headless` are left out (the head skips them:
-    `ConstrainedLookup.uses_head`)."""
+    `NgramPolicy.uses_head`)."""
     rows, slot_rows, next_ids = [], [], []
     req_rows, prefix_lens, seq_lens, last_rows, drafting = [], [], [], [], []
     fed = inp.input_ids.tolist()
     pool_rows = inp.req_pool_indices.tolist()
     start = 0
     decode = inp.mode.is_decode
-    trees = inp.draft_parents or [None] * len(inp.seq_lens)
+    trees = inp.drafts.parents
     for i, (prefix, seq, count) in enumerate(zip(inp.prefix_lens, inp.seq_lens, inp.sample_counts)):
         ext = seq - prefix
         got = out.next_ids[i]

@@ -53,15 +53,10 @@ def target_pass(model, ids: torch.Tensor, capture: tuple[int, ...] | None):
         logits_indices=torch.arange(n, device=device),
     )
     batch.attn_backend.init_forward_metadata(batch)
-    inner = model.model
-    saved = inner.capture_layers, getattr(inner, "captured", None)
-    inner.capture_layers = tuple(capture or ())
-    try:
-        with forward_context(batch):
-            logits = model(batch.input_ids, batch.positions)
-        final, aux = inner.captured
-    finally:
-        inner.capture_layers, inner.captured = saved
+    batch.capture = tuple(capture or ())
+    with forward_context(batch):
+        logits = model(batch.input_ids, batch.positions)
+    final, aux = batch.captured
     feats = torch.cat(aux, dim=-1) if capture else final
     return logits.view(b, t, -1), feats.view(b, t, -1)
 

@@ -1,6 +1,7 @@
 """Medusa drafting beside the target: one batched call of all heads, then a sparse tree.
 
-After each target step (`runner.spec_hook`), every request that sampled a token gets the
+After each target step (`after_forward`, called by the scheduler with the target's final
+hidden states in `ForwardOutput.hidden`), every request that sampled a token gets the
 target's final hidden state at its last kept row (the last accepted tree node, else the row
 that sampled); all heads run on those rows in one batched call, and each head's top-k
 log-probabilities and ids come back to the host in one copy. They wait in a per-request-row
@@ -12,7 +13,7 @@ log-probabilities along its path (the path's estimated probability). `best_first
 takes the `--speculative-num-draft-tokens - 1` best nodes; a child never scores above its
 parent, so the set is a tree. A constrained request puts the grammar's forced text first (a
 chain of probability-1 drafts), the heads' tree below it (heads from depth f on), and the
-whole tree is pruned by the grammar before verification (`_walk_grammar_tree`).
+whole tree is pruned by the grammar before verification (`StepGrammar.walk_tree`).
 
 The drafts are deterministic given the context, so their q is one-hot (`DraftTree.probs`
 None): at temperature > 0 the tree verification's multi-candidate rejection sampling keeps
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from loom.runtime.spec import DraftTree, HeadDrafter, tree_depths
-from loom.runtime.spec.eagle_lookup import ConstrainedLookup, HeadGate
+from loom.runtime.spec.head_policy import HeadGate, NgramPolicy
 from loom.runtime.spec.stats import AcceptanceStats
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def best_first_tree(
 
 
 class MedusaSpeculator(HeadDrafter):
-    def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, args, runner, tokenizer, vocab_size: int, eos_token_ids, grammar=None):
         from loom.runtime.spec.medusa import load_medusa_heads
 
         if runner is None:
@@ -97,17 +98,15 @@ class MedusaSpeculator(HeadDrafter):
         self.disable_batch_size = args.speculative_disable_by_batch_size
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos = frozenset(eos_token_ids)
-        inner = runner.model.model
         self.capture = ()  # keep the final hidden states of each forward
-        inner.capture_layers = self.capture
-        inner.captured = None
-        self.inner = inner
+        self.step_capture = self.capture
         self.pending: list[tuple | None] = [None] * runner.req_to_token_pool.size
         # constrained requests: the heads' draft or the n-gram speculator's, by expected gain
-        self.lookup = ConstrainedLookup(
-            args, tokenizer, vocab_size, eos_token_ids, self.heads.num_heads
+        self.policy = NgramPolicy(
+            args, tokenizer, vocab_size, eos_token_ids, self.heads.num_heads, grammar=grammar
         )
-        self.stats = AcceptanceStats(max(self.heads.num_heads, self.lookup.ngram.num_draft))
+        self.grammar = self.policy.grammar
+        self.stats = AcceptanceStats(max(self.heads.num_heads, self.policy.num_draft))
         self.gate = HeadGate(self.heads.num_heads)  # the off-switch by measured costs
         # all heads, log-softmax and top-k as one C call (runtime/spec/head_kernel.py); with
         # --cpu-forward eager, the eager heads
@@ -116,7 +115,6 @@ class MedusaSpeculator(HeadDrafter):
             from loom.runtime.spec.head_kernel import CompiledMedusaHeads
 
             self.compiled = CompiledMedusaHeads.build(self.heads)
-        runner.spec_hook = self._after_step
         logger.info(
             "MEDUSA heads from %s: %d heads, trees of %d nodes (top-%d per head)",
             path, self.heads.num_heads, self.num_nodes, self.topk,
@@ -128,9 +126,9 @@ class MedusaSpeculator(HeadDrafter):
             batch_size, self.heads.num_heads
         )
         # keep the target's final hidden states only for steps that may draft (the compiled
-        # CPU forward returns them too, when capture_layers is (); larger steps skip the copy)
+        # CPU forward returns them too, when the capture is (); larger steps skip the copy)
         # and hold a request that uses the heads
-        self.lookup.enabled_for(batch_size)
+        self.policy.enabled_for(batch_size)
         self._head_capture(enabled)
         return enabled
 
@@ -145,30 +143,30 @@ class MedusaSpeculator(HeadDrafter):
             self.stats.skipped += 1
             return []
         if not self._uses_head(req):  # a constrained request the heads skip: n-gram chains
-            ngram, expected = self.lookup.ngram_draft(req, room)
-            return self.lookup.take_ngram(req, ngram, expected, req.draft_forced)
+            ngram, expected = self.policy.ngram_draft(req, room)
+            return self.policy.take_ngram(req, ngram, expected, req.draft_forced)
         if pending is None or pending[0] != req.seq_len:
             return []
         _, ids, logps = pending
         budget = min(room, self.num_nodes)
         ngram, ngram_expected, ngram_forced = [], 0.0, 0
         if req.grammar is not None:  # the n-gram speculator's draft, walked by the grammar
-            ngram, ngram_expected = self.lookup.ngram_draft(req, room)
+            ngram, ngram_expected = self.policy.ngram_draft(req, room)
             ngram_forced = req.draft_forced
-        forced = self.lookup.ngram._forced(req, budget) if req.grammar is not None else []
+        forced = self.grammar.forced(req, budget)
         f = len(forced)
         tokens, parents = best_first_tree(ids[f:], logps[f:], budget - f)
         tokens = forced + tokens
         parents = [i - 1 for i in range(f)] + [f - 1 if p < 0 else f + p for p in parents]
         if req.grammar is not None:
-            if ngram and ngram_expected >= self.lookup.head_expected(f, tokens, parents):
-                self.lookup.take_ngram(req, ngram, ngram_expected, ngram_forced)
+            if ngram and ngram_expected >= self.policy.head_expected(f, tokens, parents):
+                self.policy.take_ngram(req, ngram, ngram_expected, ngram_forced)
                 return DraftTree(ngram, list(range(-1, len(ngram) - 1)))
-            self.lookup.chosen["head"] += 1
+            self.policy.chosen["head"] += 1
             req.draft_source = "head"
-            req.draft_expected = self.lookup.head_expected(f, tokens, parents)
+            req.draft_expected = self.policy.head_expected(f, tokens, parents)
             if tokens:
-                tokens, parents = self.lookup.ngram._walk_grammar_tree(req, tokens, parents)
+                tokens, parents = self.grammar.walk_tree(req, tokens, parents)
         else:
             req.draft_source = "free"
             req.draft_expected = sum(self.gate.gains(1 + max(tree_depths(parents), default=-1)))
@@ -176,8 +174,9 @@ class MedusaSpeculator(HeadDrafter):
         return DraftTree(tokens, parents) if tokens else []
 
     # ------------------------------------------------------------ runner side
-    def _after_step(self, inp, batch, out) -> None:
-        captured = self._take_captured()
+    @torch.inference_mode()
+    def after_forward(self, inp, out) -> None:
+        captured = out.hidden
         if captured is None or len(inp.seq_lens) >= self.disable_batch_size:
             return  # this step kept no hidden states, or its batch is too large to draft
         t0 = time.perf_counter()
@@ -188,7 +187,7 @@ class MedusaSpeculator(HeadDrafter):
             zip(inp.prefix_lens, inp.seq_lens, inp.sample_counts)
         ):
             ext = seq - prefix
-            if count and pool[i] not in self.lookup.headless:
+            if count and pool[i] not in self.policy.headless:
                 nodes = out.accepted_nodes[i] if out.accepted_nodes else []
                 kept = 1 + nodes[-1] if nodes else 0  # row of the last accepted node
                 rows.append(start + ext - count + kept)

@@ -3,11 +3,9 @@
 Per step and request: the grammar's forced text first (what jump-forward would emit; under
 the grammar's mask those tokens are the only ones allowed, so verification accepts them),
 then the n-gram trie's continuation, cut to the adaptive length. A constrained request's
-draft is walked through its grammar (accept, then roll back): it is cut at the first token the
-grammar refuses, and the mask of every draft position (and the one after) is kept for the
-verify step, so an accepted token is always legal; a chain whose first trie token the grammar
-refuses (a skip-gram's guess after a new value) is drafted again from the exact match. The
-grammar itself advances only when result processing appends the accepted tokens.
+draft is walked through its grammar by the step's grammar owner (`step_grammar.StepGrammar`:
+forced text, the walk, the cut, the mask rows); a chain whose first trie token the grammar
+refuses (a skip-gram's guess after a new value) is drafted again from the exact match.
 
 Adaptive length: each request keeps a running acceptance rate per draft position (given the
 draft reached it); the chance position j is accepted is the product of the rates up to j.
@@ -41,12 +39,12 @@ from loom.runtime.spec import Drafter, DraftTree, tree_depths
 from loom.runtime.spec.ngram import MAX_PROMPT_TOKENS, NgramDrafter, NgramState
 from loom.runtime.spec.ngram_copy import PromptCopy
 from loom.runtime.spec.stats import AcceptanceStats
+from loom.runtime.step_grammar import StepGrammar
 
 TOKEN_COST = 0.05
 LEARN_QUEUE = 64
 LEARN_PER_STEP = 16  # tokens of finished requests the trie learns per drafting step
 PROBE_EVERY = 16
-FORCED_CACHE = 4096  # forced texts whose token ids are remembered
 
 
 def extra_cost(batch_size: int, longest_draft: int) -> float:
@@ -68,7 +66,10 @@ PREFILL_TOKEN_COST = 0.2
 
 
 class NgramSpeculator(Drafter):
-    def __init__(self, args, tokenizer, vocab_size: int, eos_token_ids):
+    """`grammar`: the step's grammar owner (`StepGrammar`; None: one of its own, with lazy
+    greedy rows where no other rank receives the step's plan)."""
+
+    def __init__(self, args, tokenizer, vocab_size: int, eos_token_ids, grammar=None):
         self.num_draft = args.effective_num_draft_tokens - 1
         self.disable_batch_size = args.speculative_disable_by_batch_size
         self.ngram = NgramDrafter(
@@ -87,10 +88,9 @@ class NgramSpeculator(Drafter):
             args.speculative_ngram_min_bfs_breadth,
             args.speculative_ngram_max_bfs_breadth,
         )
-        self.tokenizer = tokenizer
-        self.forced_ids: dict[str, list[int]] = {}
-        self.vocab_size = vocab_size
-        self.eos = frozenset(eos_token_ids)
+        self.grammar = grammar or StepGrammar(
+            tokenizer, vocab_size, eos_token_ids, lazy=args.world_size == 1
+        )
         self.stats = AcceptanceStats(self.num_draft)
         self.finished: deque = deque(maxlen=LEARN_QUEUE)  # finished requests not yet learnt
         # a new request's per-position rates start from every request's so far (a slower
@@ -103,9 +103,6 @@ class NgramSpeculator(Drafter):
         self.opening_rates = [[1.0] * self.num_draft for _ in range(1 + OPENING_STEPS)]
         self.opening_ct = [0] * (1 + OPENING_STEPS)
         self.batch_size = 1  # of the step being drafted (`enabled_for`)
-        # a greedy chain's grammar rows are left to the sampler (`_walk_grammar`); the step's
-        # plan holds the grammar objects then, so only where no other rank receives it
-        self.lazy_rows = args.world_size == 1
         # the verify cost table (`set_verify_cost`); None: the bundled fit, `extra_cost`
         self.cost = None
 
@@ -145,14 +142,14 @@ class NgramSpeculator(Drafter):
             return []
         self._learn_finished()
         budget = min(room, self.num_draft)
-        forced = self._forced(req, budget) if req.grammar is not None else []
+        forced = self.grammar.forced(req, budget)
         gains = self._gains(state, len(req.output_ids))[: max(0, budget - len(forced))]
         if self.breadth[1] > 1 and gains:
             return self._draft_tree(req, state, forced, gains, budget)
         ngram = self.ngram.propose(req, state, len(gains), after=forced)
         draft = forced + ngram
         if req.grammar is not None and draft:
-            draft = self._walk_grammar(req, draft)
+            draft = self.grammar.walk(req, draft)
             if ngram and len(draft) == len(forced):
                 # the grammar refused the trie's first token: a skip-gram's guess (a sibling
                 # value's continuation after `28`, prompt text after `27`) where the exact
@@ -160,7 +157,7 @@ class NgramSpeculator(Drafter):
                 exact = self.ngram.propose(req, state, len(gains), after=forced, skip=False)
                 if exact and exact != ngram:
                     ngram = exact
-                    draft = self._walk_grammar(req, forced + exact)
+                    draft = self.grammar.walk(req, forced + exact)
         req.draft_forced = min(len(forced), len(draft))
         # each position's chance of acceptance (forced text: 1), for the batch's cut
         state.gains = ([1.0] * len(forced) + gains[: len(ngram)])[: len(draft)]
@@ -182,12 +179,12 @@ class NgramSpeculator(Drafter):
         budget = min(room, self.num_draft)
         if budget <= 0:
             return []
-        forced = self._forced(req, budget) if req.grammar is not None else []
+        forced = self.grammar.forced(req, budget)
         n = len(self._opening_gains(state, 0, PREFILL_TOKEN_COST)[: budget - len(forced)])
         ngram = self.ngram.propose(req, state, n, after=forced) if n else []
         draft = forced + ngram
         if req.grammar is not None and draft:
-            draft = self._walk_grammar(req, draft)
+            draft = self.grammar.walk(req, draft)
         req.draft_forced = min(len(forced), len(draft))
         return draft
 
@@ -219,101 +216,9 @@ class NgramSpeculator(Drafter):
         tokens = forced + tokens
         parents = [i - 1 for i in range(f)] + [f - 1 if p < 0 else f + p for p in parents]
         if req.grammar is not None and tokens:
-            tokens, parents = self._walk_grammar_tree(req, tokens, parents)
+            tokens, parents = self.grammar.walk_tree(req, tokens, parents)
         req.draft_forced = min(f, len(tokens))  # the forced chain is never cut before a node
         return DraftTree(tokens, parents) if tokens else []
-
-    def _forced(self, req, budget: int) -> list[int]:
-        if self.tokenizer is None or budget <= 0:
-            return []
-        text = req.grammar.jump_forward()
-        if not text:
-            return []
-        text = text[: 8 * budget]
-        ids = self.forced_ids.get(text)
-        if ids is None:  # a schema's keys and punctuation recur in every request
-            if len(self.forced_ids) >= FORCED_CACHE:
-                self.forced_ids.clear()
-            ids = self.forced_ids[text] = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids[:budget]
-
-    def _walk_grammar(self, req, draft: list[int]) -> list[int]:
-        """The draft cut at the first token the grammar refuses, with the mask rows of its
-        positions (`req.draft_masks`). A greedy request's rows are not computed here: the
-        sampler masks only the row that decides its chain (`SamplingInfo.lazy_grammars`),
-        where a row per position cost a fresh grammar state's mask each (most of a JSON verify
-        step's grammar time)."""
-        from loom.grammar.base import GrammarError, allocate_token_bitmask
-
-        g = req.grammar
-        lazy = self.lazy_rows and req.sampling_params.is_greedy and not req.return_logprob
-        masks = None if lazy else allocate_token_bitmask(len(draft) + 1, self.vocab_size)
-        words = None if lazy else masks.numpy()  # the same memory: bit reads, no indexing
-        n = 0
-        for t in draft:
-            if not lazy:  # row n: the state after the n tokens accepted so far
-                g.fill_mask(masks, n)
-            if t in self.eos or t >= self.vocab_size:
-                break
-            if not lazy and not (int(words[n, t >> 5]) >> (t & 31)) & 1:
-                break
-            try:
-                g.accept_token(t)
-            except GrammarError:
-                break
-            n += 1
-        else:
-            if not lazy:
-                g.fill_mask(masks, n)
-        g.rollback(n)
-        req.draft_masks = None if lazy else masks[: n + 1]
-        return draft[:n]
-
-    def _walk_grammar_tree(
-        self, req, tokens: list[int], parents: list[int]
-    ) -> tuple[list[int], list[int]]:
-        """Each branch walked through the grammar (accept down, roll back up): a node the
-        grammar refuses is cut with its subtree; mask row 0 is what may follow the last real
-        token, row 1 + i what may follow node i (`req.draft_masks`, in the kept nodes' order)."""
-        from loom.grammar.base import GrammarError, allocate_token_bitmask
-
-        g = req.grammar
-        n = len(tokens)
-        masks = allocate_token_bitmask(n + 1, self.vocab_size)
-        words = masks.numpy()
-        children: list[list[int]] = [[] for _ in range(n + 1)]
-        for i, p in enumerate(parents):
-            children[p + 1].append(i)
-        kept = [False] * n
-
-        def visit(node: int) -> None:
-            row = node + 1
-            g.fill_mask(masks, row)
-            for k in children[row]:
-                t = tokens[k]
-                if t in self.eos or t >= self.vocab_size:
-                    continue
-                if not (int(words[row, t >> 5]) >> (t & 31)) & 1:
-                    continue
-                try:
-                    g.accept_token(t)
-                except GrammarError:
-                    continue
-                kept[k] = True
-                visit(k)
-                g.rollback(1)
-
-        visit(-1)
-        index = {}
-        new_tokens, new_parents, rows = [], [], [0]
-        for i in range(n):
-            if kept[i]:
-                index[i] = len(new_tokens)
-                new_tokens.append(tokens[i])
-                new_parents.append(-1 if parents[i] < 0 else index[parents[i]])
-                rows.append(i + 1)
-        req.draft_masks = masks[rows]
-        return new_tokens, new_parents
 
     def _gains(self, state: NgramState, output_len: int) -> list[float]:
         """The chance each draft position is accepted, for the positions worth drafting."""
@@ -381,10 +286,7 @@ class NgramSpeculator(Drafter):
         if best_d < longest:
             for r, d, g in zip(reqs, drafts, gains):
                 if len(d) > best_d:
-                    del d[best_d:]
-                    if r.draft_masks is not None:
-                        r.draft_masks = r.draft_masks[: best_d + 1]
-                    r.draft_forced = min(r.draft_forced, best_d)
+                    self.grammar.cut(r, d, best_d)
                     r.spec_state.expected = sum(g[:best_d])
         return True
 

@@ -196,13 +196,20 @@ def _net_gain(source, accepted: int, ngram_expected: float, spent: float, step: 
     return earned - cost
 
 
-class ConstrainedLookup:
-    """The n-gram speculator beside a head drafter, for constrained requests only."""
+class NgramPolicy:
+    """The head drafters' policy for constrained requests: the n-gram speculator's draft or
+    the head's, per request step (the module docstring). The head drafters call its public
+    methods only; `ngram` (the `NgramSpeculator`) is its own. `grammar`: the step's grammar
+    owner, shared with the speculator (None: the speculator's own)."""
 
-    def __init__(self, args, tokenizer, vocab_size: int, eos_token_ids, positions: int):
+    def __init__(
+        self, args, tokenizer, vocab_size: int, eos_token_ids, positions: int, grammar=None
+    ):
         from loom.runtime.spec.speculator import NgramSpeculator
 
-        self.ngram = NgramSpeculator(args, tokenizer, vocab_size, eos_token_ids)
+        self.ngram = NgramSpeculator(args, tokenizer, vocab_size, eos_token_ids, grammar=grammar)
+        self.grammar = self.ngram.grammar
+        self.num_draft = self.ngram.num_draft
         self.head_rates = [1.0] * max(1, positions)
         self.chosen = {"head": 0, "ngram": 0}
         # request rows whose live request the head drafts for / skips (no features kept for
@@ -224,6 +231,14 @@ class ConstrainedLookup:
     def enabled_for(self, batch_size: int) -> None:
         """The step's batch size: the n-gram speculator's learning budget is shared by it."""
         self.ngram.enabled_for(batch_size)
+
+    def set_verify_cost(self, cost) -> None:
+        self.ngram.set_verify_cost(cost)
+
+    def worth_verifying(self, reqs: list, drafts: list) -> bool:
+        """A batch of n-gram chains only (constrained requests the head skips): cut and
+        judged by the n-gram speculator's own rule, as NGRAM's."""
+        return self.ngram.worth_verifying(reqs, drafts)
 
     def uses_head(self, req) -> bool:
         """Whether the head runs for `req`: always for a free request; for a constrained one,
@@ -297,8 +312,7 @@ class ConstrainedLookup:
             _update(self.head_rates, drafted, accepted, req.draft_forced)
         spent = self.head_seconds.pop(req.req_pool_idx, 0.0)
         if req.grammar is not None and req.spec_head:
-            net = _net_gain(source, accepted, getattr(req, "ngram_expected", 0.0), spent,
-                            step_seconds)  # fmt: skip
+            net = _net_gain(source, accepted, req.ngram_expected, spent, step_seconds)
             self.head_gain += GAIN_DECAY * (net - self.head_gain)
 
     def on_finished(self, req) -> None:
