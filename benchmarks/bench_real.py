@@ -90,13 +90,13 @@ def agreement(gguf: str, ntok: int, chunk: int) -> None:
     text = (root / "README.md").read_text() + (root / "docs" / "architecture.md").read_text()
     ids = load_tokenizer(gguf).encode(text)[:ntok]
     res = {}
-    for q in ("gguf", None):  # the f32 reference reads the text in one step
+    for q in ("gguf", "none"):  # the f32 reference reads the text in one step
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(1, mp_context=ctx) as pool:
-            step = chunk if q else len(ids)
+            step = chunk if q == "gguf" else len(ids)
             vals, res[q] = pool.submit(_teacher_forced, gguf, ids, q, step).result()
-        print(f"{q or 'f32'}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}", flush=True)
-    pairs = [(a, b) for a, b in zip(res[None], res["gguf"]) if a is not None and b is not None]
+        print(f"{'f32' if q == 'none' else q}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}", flush=True)
+    pairs = [(a, b) for a, b in zip(res["none"], res["gguf"]) if a is not None and b is not None]
     same = sum(a == b for a, b in pairs)
     print(f"top-1 agreement {same}/{len(pairs)} = {same / len(pairs):.4f} (chunk {chunk})")
 
@@ -166,7 +166,7 @@ def main() -> None:
     print(f"model {gguf}, threads {args.threads}, pp {args.pp}, tg {args.tg}, rounds {args.rounds}")
     print(f"load before: {os.getloadavg()}")
     rng = random.Random(0)
-    loom_side = LoomSide(gguf, args.threads, max(sizes), args.quantization or None)
+    loom_side = LoomSide(gguf, args.threads, max(sizes), args.quantization or "none")
     sched_pids = [c.pid for c in __import__("psutil").Process().children(recursive=True)]
     peers = {}
     if not args.no_llamacpp:

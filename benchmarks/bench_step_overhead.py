@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.worker:
         res = measure(
-            sizes, args.pp, args.tg, args.temperature, args.model, args.quantization or None
+            sizes, args.pp, args.tg, args.temperature, args.model, args.quantization or "none"
         )
         if args.engine:
             engine = measure_engine(sizes, args.pp, args.engine_tg, args.temperature)

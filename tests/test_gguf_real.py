@@ -192,7 +192,7 @@ def test_gemma_kept_quantized_matches_dequantized(real_gguf):
     assert embed.quant.parts[0][1].qtype == "Q8_0" and embed.quant.rows == 262144
     assert model.lm_head.weight is embed  # tied: one quantized table serves both
     del sq, model, embed, quants
-    lf, tf, _ = teacher_forced(path, ids, None)
+    lf, tf, _ = teacher_forced(path, ids, "none")
     same = sum(a == b for a, b in zip(tq, tf, strict=True))
     assert same >= 0.99 * len(tf), (same, len(tf))
     pq, pf = math.exp(-sum(lq) / len(lq)), math.exp(-sum(lf) / len(lf))

@@ -195,7 +195,7 @@ def test_gguf_kept_quantized_matches_dequantized(real_gguf):
     saved, PROMPTS = PROMPTS, [ids]
     try:
         ours, sq = run(str(path), quantization="gguf")
-        ref, sf = run(str(path))
+        ref, sf = run(str(path), quantization="none")
     finally:
         PROMPTS = saved
     assert sq.runner.cpu_forward is not None
@@ -222,7 +222,7 @@ def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
     path = str(real_gguf("smollm2"))
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     ids = load_tokenizer(path).encode(text)[:192]
-    ref_lp, ref_top, _ = teacher_forced(path, ids, None, len(ids))
+    ref_lp, ref_top, _ = teacher_forced(path, ids, "none", len(ids))
     lp, top, _ = teacher_forced(path, ids, "gguf", 8)
     same = sum(a == b for a, b in zip(ref_top, top))
     assert same / len(ref_top) >= 0.99, (same, len(ref_top))
