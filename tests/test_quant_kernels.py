@@ -34,6 +34,8 @@ I16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the types with 16-bit kernels ("int16" o
 def seen(x: torch.Tensor, qtype: str, mode: str) -> torch.Tensor:
     """The activations as `mode`'s kernel for `qtype` rounds them at this token count."""
     t = x.shape[0]
+    if mode == "bi":  # 16-bit activations for every type and token count
+        return quantize_act16_ref(x)
     if mode == "int16" and qtype in I16_TYPES and t <= I16_MAX:
         return quantize_act16_ref(x)
     if mode in ("int8", "int16") and t <= GEMV_MAX:
@@ -104,7 +106,7 @@ def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("mode", ["f32", "int8", "int16"])
+@pytest.mark.parametrize("mode", ["f32", "int8", "int16", "bi"])
 def test_matmul_matches_reference(qtype, mode, isa):
     values = BLOCKS[qtype][0]
     for rows, nblocks, seed in ((1, 1, 0), (7, 3, 1), (45, 2, 2)):
@@ -113,7 +115,11 @@ def test_matmul_matches_reference(qtype, mode, isa):
         w = dequantize_ref(qt.qtype, qt.data, qt.shape)
         for t in (*range(1, 9), 13, 32, 33, 64):
             x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
-            bias = torch.randn(rows, generator=torch.Generator().manual_seed(99 + t)) if t % 2 else None
+            bias = (
+                torch.randn(rows, generator=torch.Generator().manual_seed(99 + t))
+                if t % 2
+                else None
+            )
             y = quant_ops.matmul(qt, x, bias, mode=mode, isa=isa)
             # int8 / int16 (decode): the kernel sees the activations rounded per block of 32,
             # as the reference does; larger T runs the f32 kernel in every mode
@@ -209,3 +215,35 @@ def test_real_tensors_match_gguf(real_gguf):
         x = torch.randn(3, cols)
         torch.testing.assert_close(quant_ops.matmul(sub, x, mode="f32"), x @ ref[:64].T)
     assert seen == {"Q8_0", "Q4_1"}
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bi_rows_are_batch_invariant(qtype, isa):
+    """Mode "bi" (quant_bi.c): a token's outputs are bitwise the same alone, in a batch of
+    any size (the GEMV up to 4 tokens, the 16-token tile above, partial token groups) and on
+    one or two threads; units per row below, at and above the 16 partial sums."""
+    values = BLOCKS[qtype][0]
+    nblocks = (1, 2, 3) if values == 256 else (3, 16, 18, 48)
+    prev = torch.get_num_threads()
+    try:
+        for nb in nblocks:
+            cols = nb * values
+            qt = random_blocks(qtype, 37, cols, nb)
+            x = torch.randn(40, cols, generator=torch.Generator().manual_seed(nb))
+            x[3, :32] = 0.0  # an all-zero activation block
+            bias = torch.randn(37, generator=torch.Generator().manual_seed(7))
+            torch.set_num_threads(1)
+            alone = torch.cat(
+                [quant_ops.matmul(qt, x[i : i + 1], bias, mode="bi", isa=isa) for i in range(40)]
+            )
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for t in (2, 4, 5, 8, 9, 16, 17, 32, 40):
+                    got = quant_ops.matmul(qt, x[:t], bias, mode="bi", isa=isa)
+                    assert torch.equal(got, alone[:t]), (qtype, cols, t, threads)
+                # and a token's place in the batch does not matter either
+                perm = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+                got = quant_ops.matmul(qt, x[perm], bias, mode="bi", isa=isa)
+                assert torch.equal(got, alone[perm]), (qtype, cols, threads)
+    finally:
+        torch.set_num_threads(prev)

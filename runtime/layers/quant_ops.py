@@ -7,7 +7,9 @@ activations) and takes integer dot products (AVX-512 VNNI where the CPU has it);
 (Q8_0 / Q4_0 / Q4_1, up to 8 tokens) quantizes them to 16 bits per block of 32, as two int8
 halves and two integer dot products (SmolLM2's top-1 against f32 weights: 100% over 2,000
 tokens, int8's 96.4%), other types taking "int8" in that mode; "f32"
-dequantizes each weight row into L1 and multiplies by FMA, without rounding the activations.
+dequantizes each weight row into L1 and multiplies by FMA, without rounding the activations;
+"bi" (kernels/cpu/quant_bi.c) takes the 16-bit activations for every type and token count with
+one arithmetic per token, so a token's outputs are bitwise the same alone or in any batch.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from loom.runtime import native
 from loom.runtime.layers.quant_types import QuantizedTensor
 
 QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 6}
-MODES = {"int8": 0, "f32": 1, "int16": 2}
-DEFAULT_MODE = "int16"
+MODES = {"int8": 0, "f32": 1, "int16": 2, "bi": 3}
+DEFAULT_MODE = "bi"
 # instruction-set variants (native.ISA_FLAGS): "native" takes the VNNI path on CPUs with
 # AVX-512 VNNI; "avx2" (AVX-512 off) the plain C path every other CPU takes
 
