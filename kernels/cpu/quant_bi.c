@@ -38,6 +38,7 @@ enum { BQ8_0 = 0, BQ4_0 = 1, BQ4_1 = 2, BQ4_K = 3, BQ6_K = 4, BQ5_0 = 5, BQ5_1 =
 #define BI_GEMV_MAX 4 /* tokens up to which the GEMV runs (more: the tile, whose 16 lanes at 5-8 tokens are
                         still faster: bench_quant_tile.py) */
 #define BI_ROWS 4 /* rows of one tile pass */
+#define BI_ROWS8 8 /* rows of one pass of the 8-token tile */
 #define BI_TOK 16 /* tokens of one tile pass (the lanes of a zmm) */
 #define BI_Q 32512
 
@@ -290,6 +291,59 @@ static inline __attribute__((always_inline)) void bi_tile_core(
         }
 }
 
+/* 5..8 tokens: BI_ROWS8 rows against 8 token lanes (ymm), so no lane idles: xp [K / 2][8]
+   int16 pairs, dxt / xst [nu][8]; sums [BI_ROWS8][8]. The same per-lane steps as the tile. */
+static inline __attribute__((always_inline)) void bi_tile8_core(
+    const int16_t* const* w, const float* const* s, const float* const* b, int asym, int64_t K,
+    const int G, const int32_t* xp, const float* dxt, const float* xst, float* sums) {
+    const int64_t nu = K / G;
+    __m256 Pb[BI_ROWS8][16];
+    for (int c = 0; c < 16; c++) {
+        __m256 Pc[BI_ROWS8];
+        for (int r = 0; r < BI_ROWS8; r++) Pc[r] = _mm256_setzero_ps();
+        for (int64_t j = c; j < nu; j += 16) {
+            __m256i acc[BI_ROWS8], acc2[BI_ROWS8];
+            for (int r = 0; r < BI_ROWS8; r++) acc[r] = acc2[r] = _mm256_setzero_si256();
+            const int32_t* xj = xp + j * G / 2 * 8;
+#pragma GCC unroll 8
+            for (int p = 0; p < G / 2; p += 2) {
+                const __m256i x = _mm256_loadu_si256((const __m256i*)(xj + 8 * p));
+                const __m256i x2 = _mm256_loadu_si256((const __m256i*)(xj + 8 * p + 8));
+                for (int r = 0; r < BI_ROWS8; r++) {
+                    int32_t pair, pair2;
+                    memcpy(&pair, w[r] + j * G + 2 * p, 4);
+                    memcpy(&pair2, w[r] + j * G + 2 * p + 2, 4);
+                    acc[r] = _mm256_dpwssd_epi32(acc[r], _mm256_set1_epi32(pair), x);
+                    acc2[r] = _mm256_dpwssd_epi32(acc2[r], _mm256_set1_epi32(pair2), x2);
+                }
+            }
+            const __m256 dx = _mm256_loadu_ps(dxt + j * 8);
+            const __m256 xs = asym ? _mm256_loadu_ps(xst + j * 8) : _mm256_setzero_ps();
+            for (int r = 0; r < BI_ROWS8; r++) {
+                const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(s[r][j]), dx);
+                Pc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], acc2[r])), sd, Pc[r]);
+                if (asym) Pc[r] = _mm256_fmadd_ps(_mm256_set1_ps(b[r][j]), xs, Pc[r]);
+            }
+        }
+        for (int r = 0; r < BI_ROWS8; r++) Pb[r][c] = Pc[r];
+    }
+    for (int r = 0; r < BI_ROWS8; r++) {
+        __m256 l1[8], l2[4];
+        for (int c = 0; c < 8; c++) l1[c] = _mm256_add_ps(Pb[r][c], Pb[r][c + 8]);
+        for (int c = 0; c < 4; c++) l2[c] = _mm256_add_ps(l1[c], l1[c + 4]);
+        _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(_mm256_add_ps(l2[0], l2[2]), _mm256_add_ps(l2[1], l2[3])));
+    }
+}
+
+static void bi_tile8(const int16_t* const* w, const float* const* s, const float* const* b,
+                     int asym, int64_t K, int G, const int32_t* xp, const float* dxt,
+                     const float* xst, float* sums) {
+    if (G == 32)
+        bi_tile8_core(w, s, b, asym, K, 32, xp, dxt, xst, sums);
+    else
+        bi_tile8_core(w, s, b, asym, K, 16, xp, dxt, xst, sums);
+}
+
 /* bi_tile_core specialised: G 32 or 16, one or two token groups */
 static void bi_tile(const int16_t* const* w, const float* const* s, const float* const* b,
                     int asym, int64_t K, int G, int TG, const int32_t* xp, int64_t xstride,
@@ -344,13 +398,14 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     memset(q + T * K, 0, sizeof(int16_t) * 64);
 #if BI_AVX512
     const int tile = T > BI_GEMV_MAX;
-    const int64_t ntg = (T + BI_TOK - 1) / BI_TOK;
-    int32_t* xp = NULL; /* [ntg][K / 2][16]: token pairs of codes, a zmm per pair */
-    float *dxt = NULL, *xst = NULL; /* [ntg][nu][16] */
+    const int L = T <= 8 ? 8 : BI_TOK; /* token lanes: ymm up to 8 tokens, else zmm */
+    const int64_t ntg = (T + L - 1) / L;
+    int32_t* xp = NULL; /* [ntg][K / 2][L]: token pairs of codes, a vector per pair */
+    float *dxt = NULL, *xst = NULL; /* [ntg][nu][L] */
     if (tile) {
-        xp = aligned_alloc(64, sizeof(int32_t) * (size_t)(ntg * (K / 2) * 16));
-        dxt = aligned_alloc(64, sizeof(float) * (size_t)(ntg * nu * 16));
-        xst = aligned_alloc(64, sizeof(float) * (size_t)(ntg * nu * 16));
+        xp = aligned_alloc(64, sizeof(int32_t) * (size_t)(ntg * (K / 2) * L));
+        dxt = aligned_alloc(64, sizeof(float) * (size_t)(ntg * nu * L));
+        xst = aligned_alloc(64, sizeof(float) * (size_t)(ntg * nu * L));
         if (!xp || !dxt || !xst) {
             free(xp);
             free(dxt);
@@ -361,30 +416,30 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
             return -2;
         }
         /* the last group's missing tokens: zero codes and scales */
-        for (int64_t t = T; t < ntg * BI_TOK; t++) {
-            const int64_t g = t / BI_TOK, i = t % BI_TOK;
-            for (int64_t p = 0; p < K / 2; p++) xp[(g * (K / 2) + p) * 16 + i] = 0;
-            for (int64_t j = 0; j < nu; j++) dxt[(g * nu + j) * 16 + i] = xst[(g * nu + j) * 16 + i] = 0.f;
+        for (int64_t t = T; t < ntg * L; t++) {
+            const int64_t g = t / L, i = t % L;
+            for (int64_t p = 0; p < K / 2; p++) xp[(g * (K / 2) + p) * L + i] = 0;
+            for (int64_t j = 0; j < nu; j++) dxt[(g * nu + j) * L + i] = xst[(g * nu + j) * L + i] = 0.f;
         }
     }
 #endif
     int failed = 0;
     if (threads < 1) threads = 1;
 #if BI_AVX512
-    const int64_t per = tile ? BI_ROWS : 1;
+    const int64_t per = !tile ? 1 : L == 8 ? BI_ROWS8 : BI_ROWS;
 #else
     const int64_t per = 1;
 #endif
     const int64_t ntiles = (N + per - 1) / per;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        int16_t* wd = malloc(sizeof(int16_t) * (size_t)(BI_ROWS * K + 64));
-        float* sd = malloc(sizeof(float) * (size_t)(BI_ROWS * nu + 16));
-        float* bd = malloc(sizeof(float) * (size_t)(BI_ROWS * nu + 16));
+        int16_t* wd = malloc(sizeof(int16_t) * (size_t)(BI_ROWS8 * K + 64));
+        float* sd = malloc(sizeof(float) * (size_t)(BI_ROWS8 * nu + 16));
+        float* bd = malloc(sizeof(float) * (size_t)(BI_ROWS8 * nu + 16));
         uint8_t* u = malloc((size_t)K + 64);
         float* s16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
         float* b16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
-        float* part = malloc(sizeof(float) * (size_t)(BI_ROWS * (T > 16 ? T : 16) + 16));
+        float* part = malloc(sizeof(float) * (size_t)(BI_ROWS8 * (T > 16 ? T : 16) + 16));
         /* every token's codes (and, for the tile, its lanes of the packed groups) */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
@@ -392,12 +447,12 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
             bi_quantize(x + t * ldx, K, G, qt, dxu + t * nu, xsu + t * nu);
 #if BI_AVX512
             if (tile) {
-                const int64_t g = t / BI_TOK, i = t % BI_TOK;
-                int32_t* xo = xp + g * (K / 2) * 16 + i;
-                for (int64_t p = 0; p < K / 2; p++) memcpy(xo + 16 * p, qt + 2 * p, 4);
+                const int64_t g = t / L, i = t % L;
+                int32_t* xo = xp + g * (K / 2) * L + i;
+                for (int64_t p = 0; p < K / 2; p++) memcpy(xo + L * p, qt + 2 * p, 4);
                 for (int64_t j = 0; j < nu; j++) {
-                    dxt[(g * nu + j) * 16 + i] = dxu[t * nu + j];
-                    xst[(g * nu + j) * 16 + i] = xsu[t * nu + j];
+                    dxt[(g * nu + j) * L + i] = dxu[t * nu + j];
+                    xst[(g * nu + j) * L + i] = xsu[t * nu + j];
                 }
             }
 #endif
@@ -413,7 +468,21 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
                     bi_decode_row(qtype, w + (n0 + r) * row_bytes, K, wd + r * K, sd + r * nu,
                                   bd + r * nu, u, s16, b16);
 #if BI_AVX512
-                if (tile) {
+                if (tile && L == 8) {
+                    const int16_t* wr[BI_ROWS8];
+                    const float* sr[BI_ROWS8];
+                    const float* br[BI_ROWS8];
+                    for (int r = 0; r < BI_ROWS8; r++) {
+                        const int rr = r < R ? r : 0;
+                        wr[r] = wd + rr * K;
+                        sr[r] = sd + rr * nu;
+                        br[r] = bd + rr * nu;
+                    }
+                    float sums[BI_ROWS8 * 8];
+                    bi_tile8(wr, sr, br, asym, K, G, xp, dxt, xst, sums);
+                    for (int r = 0; r < R; r++)
+                        for (int i = 0; i < T; i++) part[r * T + i] = sums[8 * r + i];
+                } else if (tile) {
                     const int16_t* wr[BI_ROWS];
                     const float* sr[BI_ROWS];
                     const float* br[BI_ROWS];
