@@ -31,9 +31,15 @@ I16_MAX = 8  # quant.c: token count up to which "int16" takes the 16-bit kernels
 I16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the types with 16-bit kernels ("int16" on others: int8)
 
 
-def seen(x: torch.Tensor, qtype: str, mode: str) -> torch.Tensor:
+def seen(x: torch.Tensor, qtype: str, mode: str, isa: str = "native") -> torch.Tensor:
     """The activations as `mode`'s kernel for `qtype` rounds them at this token count."""
     t = x.shape[0]
+    if mode == "auto":  # quant.c: the f32 GEMV (where built) up to 8 tokens, else "bi"
+        lib = quant_ops.load(isa)
+        f32v = lib is not None and lib.loom_q_f32v() and qtype in I16_TYPES and t <= 8
+        mode = "f32" if f32v else "bi"
+    if mode == "bi":  # 16-bit activations for every type and token count
+        return quantize_act16_ref(x)
     if mode == "int16" and qtype in I16_TYPES and t <= I16_MAX:
         return quantize_act16_ref(x)
     if mode in ("int8", "int16") and t <= GEMV_MAX:
@@ -103,17 +109,24 @@ def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
     assert quant_ops.vnni(isa) == (has and (isa == "native" or not avx512f))
 
 
-def test_auto_mode_takes_the_f32_gemv_where_the_build_has_it(isa):
-    """The default mode, "auto", is "f32" in a build with AVX-512F/BW (the register-expanded decode
-    GEMV) and "int16" otherwise (where "f32" would dequantize rows at batch 1)."""
+def test_auto_mode_takes_the_f32_gemv_up_to_8_tokens_and_bi_above(isa):
+    """The default mode, "auto", resolved per call in quant.c: bitwise "f32" (the
+    register-expanded decode GEMV) for Q8_0 / Q4_0 / Q4_1 up to 8 tokens in a build with
+    AVX-512F/BW, bitwise "bi" for other types, more tokens, or another build."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     f32v = "avx512f" in flags and "avx512bw" in flags and isa == "native"
-    assert quant_ops.resolve_mode("auto", isa) == ("f32" if f32v else "int16")
-    assert quant_ops.resolve_mode("int8", isa) == "int8"
+    assert quant_ops.resolve_mode(None) == "auto"
+    for qtype in ("Q4_1", "Q6_K"):
+        qt = random_blocks(qtype, 24, 2 * BLOCKS[qtype][0], 3)
+        for t in (1, 8, 9, 20):
+            x = torch.randn(t, qt.shape[1], generator=torch.Generator().manual_seed(t))
+            got = quant_ops.matmul(qt, x, mode="auto", isa=isa)
+            expect = "f32" if f32v and qtype in I16_TYPES and t <= 8 else "bi"
+            assert torch.equal(got, quant_ops.matmul(qt, x, mode=expect, isa=isa)), (qtype, t)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("mode", ["f32", "int8", "int16"])
+@pytest.mark.parametrize("mode", ["f32", "int8", "int16", "bi", "auto"])
 def test_matmul_matches_reference(qtype, mode, isa):
     values = BLOCKS[qtype][0]
     for rows, nblocks, seed in ((1, 1, 0), (7, 3, 1), (45, 2, 2)):
@@ -122,11 +135,15 @@ def test_matmul_matches_reference(qtype, mode, isa):
         w = dequantize_ref(qt.qtype, qt.data, qt.shape)
         for t in (*range(1, 9), 13, 32, 33, 64):
             x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
-            bias = torch.randn(rows, generator=torch.Generator().manual_seed(99 + t)) if t % 2 else None
+            bias = (
+                torch.randn(rows, generator=torch.Generator().manual_seed(99 + t))
+                if t % 2
+                else None
+            )
             y = quant_ops.matmul(qt, x, bias, mode=mode, isa=isa)
             # int8 / int16 (decode): the kernel sees the activations rounded per block of 32,
             # as the reference does; larger T runs the f32 kernel in every mode
-            xs = seen(x, qtype, mode)
+            xs = seen(x, qtype, mode, isa)
             ref = xs @ w.T
             # rounding error scales with the terms summed, not with the sum (a single output
             # that nearly cancels has a tiny |ref|): measured against sum |x| |w| + |bias|
@@ -235,3 +252,35 @@ def test_f32_decode_gemv_long_rows(qtype, isa):
             y = quant_ops.matmul(qt, x, bias, mode="f32", isa=isa).double()
             scale = (x.double().abs() @ w.abs().T).max().item()
             assert (y - ref).abs().max().item() / scale < 2e-6, (qtype, rows, nblocks, t)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bi_rows_are_batch_invariant(qtype, isa):
+    """Mode "bi" (quant_bi.c): a token's outputs are bitwise the same alone, in a batch of
+    any size (the GEMV up to 4 tokens, the 16-token tile above, partial token groups) and on
+    one or two threads; units per row below, at and above the 16 partial sums."""
+    values = BLOCKS[qtype][0]
+    nblocks = (1, 2, 3) if values == 256 else (3, 16, 18, 48)
+    prev = torch.get_num_threads()
+    try:
+        for nb in nblocks:
+            cols = nb * values
+            qt = random_blocks(qtype, 37, cols, nb)
+            x = torch.randn(40, cols, generator=torch.Generator().manual_seed(nb))
+            x[3, :32] = 0.0  # an all-zero activation block
+            bias = torch.randn(37, generator=torch.Generator().manual_seed(7))
+            torch.set_num_threads(1)
+            alone = torch.cat(
+                [quant_ops.matmul(qt, x[i : i + 1], bias, mode="bi", isa=isa) for i in range(40)]
+            )
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for t in (2, 4, 5, 8, 9, 16, 17, 32, 40):
+                    got = quant_ops.matmul(qt, x[:t], bias, mode="bi", isa=isa)
+                    assert torch.equal(got, alone[:t]), (qtype, cols, t, threads)
+                # and a token's place in the batch does not matter either
+                perm = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+                got = quant_ops.matmul(qt, x[perm], bias, mode="bi", isa=isa)
+                assert torch.equal(got, alone[perm]), (qtype, cols, threads)
+    finally:
+        torch.set_num_threads(prev)

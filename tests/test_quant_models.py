@@ -79,7 +79,7 @@ def run(path: str, **kw) -> dict[str, dict]:
     "family,quantization",
     [("llama", "int4"), ("llama-mqa", "int8"), ("qwen2", "int4"), ("qwen3-moe", "int8")],
 )
-@pytest.mark.parametrize("mode", ["f32", "int8", "int16"])
+@pytest.mark.parametrize("mode", ["f32", "int8", "int16", "bi", "auto"])
 def test_quantized_model_matches_its_float_twin(
     tiny_model_dir, tmp_path, monkeypatch, family, quantization, mode
 ):
@@ -90,8 +90,8 @@ def test_quantized_model_matches_its_float_twin(
     model = sched.runner.model
     ref, _ = run(twin)
     # f32 activations: the kernels are exact up to summation order; int8 / int16 activations
-    # (decode steps only) round each block of 32 to 8 / 16 bits
-    tol = {"f32": 2e-4, "int16": 1e-3, "int8": 5e-2}[mode]
+    # (decode steps only) round each block of 32 to 8 / 16 bits; "bi" rounds every step's to 16
+    tol = {"f32": 2e-4, "int16": 1e-3, "int8": 5e-2, "bi": 1e-3, "auto": 1e-3}[mode]
     for rid in ours:
         a, b = torch.tensor(ours[rid]["lp"][1:]), torch.tensor(ref[rid]["lp"][1:])
         assert (a - b).abs().max().item() < tol, (rid, (a - b).abs().max().item())
@@ -181,11 +181,13 @@ def test_compiled_forward_reads_quantized_weights(tiny_model_dir, monkeypatch, m
         assert ours[rid]["ids"] == ref[rid]["ids"], rid
 
 
-def test_gguf_kept_quantized_matches_dequantized(real_gguf):
+@pytest.mark.parametrize("mode", ["f32", "bi"])
+def test_gguf_kept_quantized_matches_dequantized(real_gguf, monkeypatch, mode):
     """SmolLM2's Q4_1 file with --quantization gguf (the file's blocks, read by the C forward)
-    against the same file dequantized to float32: prompt logprobs (prefill: the f32-activation
-    kernels) agree to float rounding, and the quantized model holds less than a third of the
-    float one's weight bytes."""
+    against the same file dequantized to float32: prompt logprobs agree to float rounding with
+    f32 activations, and within 3e-3 with "bi"'s 16-bit ones (measured 1.05e-3 on this text);
+    the quantized model holds less than a third of the float one's weight bytes."""
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", mode)
     path = real_gguf("smollm2")
     from loom.runtime.tokenizer import load_tokenizer
 
@@ -200,7 +202,7 @@ def test_gguf_kept_quantized_matches_dequantized(real_gguf):
         PROMPTS = saved
     assert sq.runner.cpu_forward is not None
     a, b = torch.tensor(ours["r0"]["lp"][1:]), torch.tensor(ref["r0"]["lp"][1:])
-    assert (a - b).abs().max().item() < 1e-3
+    assert (a - b).abs().max().item() < {"f32": 1e-3, "bi": 3e-3}[mode]
     qbytes = sum(
         p.quant.nbytes for p in set(sq.runner.model.parameters()) if getattr(p, "quant", None)
     )
@@ -228,3 +230,62 @@ def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
     assert same / len(ref_top) >= 0.99, (same, len(ref_top))
     ppl = [math.exp(-sum(x) / len(x)) for x in (ref_lp, lp)]
     assert abs(ppl[1] / ppl[0] - 1) < 0.01, ppl
+
+
+def test_smollm2_quantized_speculation_matches_plain_and_logits_ignore_the_batch(
+    real_gguf, monkeypatch
+):
+    """Batch invariance on the real model (mode "bi"): greedy NGRAM speculation
+    on SmolLM2's Q4_1 blocks gives plain decoding's tokens (its verify steps run several
+    tokens a forward, where plain decoding runs one); a request's decode logprobs are bitwise
+    the same alone and beside 11 others (with "int16", which switches arithmetic at 8 tokens,
+    they differ in the 4th digit), and a prompt's prefill logprobs alone and beside two others.
+    Issue 33 saw a quantized target's speculative output change with that switch."""
+    from loom.runtime.spec import speculator
+    from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
+
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "bi")
+    # verify every draft: the cost model would skip verify steps and test less
+    monkeypatch.setattr(speculator, "extra_cost", lambda batch_size, longest: 0.0)
+    path = str(real_gguf("smollm2"))
+    texts = [
+        "The capital of France is Paris. The capital of France is",
+        "def add(a, b):\n    return a + b\n\ndef add(",
+        "One, two, three, four, one, two, three,",
+    ]
+
+    def generate(**kw):
+        sched = make_scheduler(path, quantization="gguf", disable_jump_forward=True, **kw)
+        tok = sched.tokenizer
+        for i, t in enumerate(texts):
+            submit(sched, f"p{i}", tok.encode(t), greedy(16))
+        return run_all(sched), sched
+
+    plain, _ = generate()
+    spec, sched = generate(
+        speculative_algorithm="NGRAM",
+        speculative_disable_by_batch_size=64,
+        speculative_verify_cost="bundled",  # no start-up measurement
+    )
+    for i in range(len(texts)):
+        assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, i
+    assert sched.get_state()["spec_verify_ct"] > 0
+
+    # decode: a request's output logprobs alone (1 token a step: the GEMV) and beside 11
+    # others (12 a step: the tile), bitwise
+    def decode_lps(prompts):
+        sched = make_scheduler(path, quantization="gguf", disable_jump_forward=True)
+        for i, p in enumerate(prompts):
+            submit(sched, f"q{i}", p, greedy(6), return_logprob=True, logprob_start_len=-1)
+        lps = {}
+        while not sched.is_idle:
+            for o in sched.step():
+                lps.setdefault(o.rid, []).extend(o.output_token_logprobs or [])
+        return lps
+
+    tok = sched.tokenizer
+    ids = [tok.encode(t) for t in texts]
+    others = [tok.encode(f"Item {k}: the number {k * 7} is") for k in range(11)]
+    alone = decode_lps(ids[:1])
+    batched = decode_lps(ids[:1] + others)
+    assert len(alone["q0"]) == 6 and alone["q0"] == batched["q0"]

@@ -264,7 +264,9 @@ LOOM_API int64_t ngt_check(int64_t* h);
 
 /* quant.c: matmuls and row gathers on ggml block-quantized weights (runtime/layers/quant_ops.py);
    qtype 0..6 = Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q5_1; mode 0 = int8 activations (T <= 8), 1 = f32,
-   2 = 16-bit activations (Q8_0 / Q4_0 / Q4_1, T <= 8; other types: mode 0) */
+   2 = 16-bit activations (Q8_0 / Q4_0 / Q4_1, T <= 8; other types: mode 0), 3 = 16-bit
+   activations for every type and T, batch-invariant (quant_bi.c), 4 = auto (per call: 1's f32
+   GEMV where the build has it and T <= 8 on Q8_0 / Q4_0 / Q4_1, else 3) */
 LOOM_API int loom_q_vnni(void);
 LOOM_API int loom_q_f32v(void);
 LOOM_API extern int loom_q_prefetch_rows;
@@ -273,6 +275,14 @@ LOOM_API int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int
                            const float* bias, float* y, int64_t ldy, int accumulate, int threads);
 LOOM_API int loom_q_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                          const int64_t* ids, int64_t T, float* out, int threads);
+
+/* quant.c -> quant_bi.c (internal): one row's codes / scales / offsets, an f16 value, and the
+   batch-invariant matmul (loom_q_matmul's mode 3, its arguments) */
+void loom_q_decode_row(int qtype, const uint8_t* row, int64_t K, uint8_t* u, float* s, float* b);
+float loom_q_f16(const uint8_t* p);
+int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                     const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                     int64_t ldy, int accumulate, int threads);
 
 /* layout.c: for "Struct.field" its offset and size, for "Struct" 0 and its sizeof, for a
    constant's name its value and 0; returns 0, or -1 for a name it does not list */

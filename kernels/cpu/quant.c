@@ -39,7 +39,7 @@
 
 enum { LOOM_Q8_0 = 0, LOOM_Q4_0 = 1, LOOM_Q4_1 = 2, LOOM_Q4_K = 3, LOOM_Q6_K = 4 };
 enum { LOOM_Q5_0 = 5, LOOM_Q5_1 = 6 };
-enum { LOOM_Q_INT8 = 0, LOOM_Q_F32 = 1, LOOM_Q_I16 = 2 };
+enum { LOOM_Q_INT8 = 0, LOOM_Q_F32 = 1, LOOM_Q_I16 = 2, LOOM_Q_BI = 3, LOOM_Q_AUTO = 4 };
 
 #define GROUP 16 /* values sharing one (s, b) after decoding */
 #define ABLOCK 32 /* activation values sharing one int8 scale */
@@ -86,6 +86,8 @@ static inline void k4_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* m
         *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
     }
 }
+
+float loom_q_f16(const uint8_t* p) { return f16_to_f32(p); }
 
 static int block_values(int qtype) { return qtype == LOOM_Q4_K || qtype == LOOM_Q6_K ? 256 : 32; }
 
@@ -184,6 +186,10 @@ static void decode_row(int qtype, const uint8_t* row, int64_t K, uint8_t* u, flo
             }
         }
     }
+}
+
+void loom_q_decode_row(int qtype, const uint8_t* row, int64_t K, uint8_t* u, float* s, float* b) {
+    decode_row(qtype, row, K, u, s, b);
 }
 
 /* x [T, K] f32 -> xq [T, K] int8, dx [T, K / 32] (the block's scale), xs [T, K / 16] (each
@@ -729,6 +735,7 @@ static int matmul_f32v(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_
 }
 #else
 #define LOOM_Q_F32V 0
+#define F32V_MAX 0
 #endif
 
 /* 1 where this build has the f32 decode GEMV (matmul_f32v), 0 where LOOM_Q_F32 dequantizes
@@ -748,6 +755,13 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
     const int bv = block_values(qtype);
     if (bv == 0 || block_bytes(qtype) == 0 || K % bv || row_bytes != K / bv * block_bytes(qtype))
         return -1;
+    /* LOOM_Q_AUTO, per call: the f32 decode GEMV where it exists (unrounded activations, the
+       fastest at T <= F32V_MAX), the batch-invariant 16-bit tile above it and for other types */
+    if (mode == LOOM_Q_AUTO)
+        mode = LOOM_Q_F32V && T <= F32V_MAX && has_i16(qtype) ? LOOM_Q_F32 : LOOM_Q_BI;
+    if (mode == LOOM_Q_BI) /* quant_bi.c: the same arithmetic for every T */
+        return loom_q_matmul_bi(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
+                                threads);
     /* LOOM_Q_I16 on a type without 16-bit kernels takes the int8 ones (T <= GEMV_MAX) */
     const int i16 = mode == LOOM_Q_I16 && has_i16(qtype) && T <= I16_MAX;
     const int int8 = !i16 && (mode == LOOM_Q_INT8 || mode == LOOM_Q_I16) && T <= GEMV_MAX;

@@ -9,8 +9,14 @@ halves and two integer dot products (SmolLM2's top-1 against f32 weights: 100% o
 tokens, int8's 96.4%), other types taking "int8" in that mode; "f32"
 dequantizes each weight row into L1 and multiplies by FMA, without rounding the activations;
 up to 8 tokens on Q8_0 / Q4_0 / Q4_1 in an AVX-512 build it expands the blocks to f32 in
-registers instead (quant.c matmul_f32v), faster than "int16" at 1..8 tokens there. "auto" (the
-default) is "f32" where the build has that kernel and "int16" elsewhere.
+registers instead (quant.c matmul_f32v), faster than "int16" at 1..8 tokens there.
+"bi" (kernels/cpu/quant_bi.c) takes the 16-bit activations for every type and token count with
+one arithmetic per token, so a token's outputs are bitwise the same alone or in any batch.
+"auto" (the default) chooses per call in quant.c: that f32 GEMV where it exists (AVX-512 build,
+Q8_0 / Q4_0 / Q4_1, up to 8 tokens: 2.4x "bi"'s speed at one token, bench_quant_gemv), "bi"
+otherwise (its tile is the fastest above 8 tokens). So a token's outputs are the same in every
+forward of up to 8 rows (a batch-1 decode step and its speculative verify steps) and in every
+forward above 8, and differ between the two in the last bits; "bi" alone is invariant for all.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from loom.runtime import native
 from loom.runtime.layers.quant_types import QuantizedTensor
 
 QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 6}
-MODES = {"int8": 0, "f32": 1, "int16": 2}
+MODES = {"int8": 0, "f32": 1, "int16": 2, "bi": 3, "auto": 4}
 DEFAULT_MODE = "auto"
 # instruction-set variants (native.ISA_FLAGS): "native" takes the VNNI path on CPUs with
 # AVX-512 VNNI; "avx2" (AVX-512 off) the plain C path every other CPU takes
@@ -36,13 +42,8 @@ def load(isa: str = "native") -> ctypes.CDLL | None:
 
 
 def resolve_mode(mode: str | None = None, isa: str = "native") -> str:
-    """`mode` (None: DEFAULT_MODE) with "auto" made concrete for the `isa` build: "f32" where it
-    has the f32 decode GEMV (AVX-512), else "int16"."""
-    mode = mode or DEFAULT_MODE
-    if mode != "auto":
-        return mode
-    lib = load(isa)
-    return "f32" if lib is not None and lib.loom_q_f32v() else "int16"
+    """`mode`, None meaning DEFAULT_MODE. "auto" is resolved per call by quant.c (T and type)."""
+    return mode or DEFAULT_MODE
 
 
 # multiply-adds per thread below which another thread costs more than it saves

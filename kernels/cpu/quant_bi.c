@@ -1,0 +1,537 @@
+/* Batch-invariant matmul on ggml block-quantized weights: quant.c's mode LOOM_Q_BI (3).
+
+   Why: the other modes switch arithmetic by token count (16-bit integer dots up to 8 tokens, an
+   f32 GEMM above), so one token's logits depended on how many tokens shared its forward, and
+   greedy speculation on a quantized target could differ from speculation off. Here every token
+   gets one arithmetic, defined per (row n, token t) below, whatever T, the thread count or the
+   kernel that runs it: a single-token GEMV (T <= BI_GEMV_MAX, lanes = units of one row) and a
+   multi-token tile (lanes = 16 tokens, 4 rows a pass, each weight unit decoded once per call and
+   used by every token) compute it bit for bit.
+
+   The arithmetic ("canonical"):
+   - activations: per block of 32 values, dx = max|x| / 32512 and codes q = round(x / dx) in
+     [-32512, 32512] (int16; quant.c's quantize_act16 codes: the accuracy of its 16-bit mode);
+   - weights: a row decodes to int16 codes w and per unit (G = 32 values, Q6_K: 16) a scale s and,
+     for the types with a free minimum (Q4_1, Q5_1, Q4_K), an offset b; the other types' offset is
+     folded into signed codes (w = u - 128 / 8 / 16 / 32 for Q8_0 / Q4_0 / Q5_0 / Q6_K);
+   - unit j: I_j = sum w q, an exact int32 (|I| <= 32 * 128 * 32512 < 2^31), in any order;
+   - 16 f32 partials P[c] (c = j mod 16), each over its units in increasing j, from +0:
+       P[c] = fma((float) I_j, s_j * dx_j, P[c]);   asym: P[c] = fma(b_j, xs_j, P[c])
+     with xs_j = dx_j * (float) (sum of the unit's q);
+   - a fixed tree: P[c] + P[c + 8], then + [c + 4], then + [c + 2], then the two halves;
+   - y = (accumulate ? y : 0) + sum + bias.
+   Integer sums are exact, so only the float steps above fix the bits; the GEMV runs them on a
+   zmm of 16 units (lane c = P[c]), the tile on 16 vectors of 16 tokens, the portable C on
+   scalars with fmaf, each the same operations on the same values. */
+
+#include "loom_cpu.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define BI_AVX512 1
+#else
+#define BI_AVX512 0
+#endif
+
+enum { BQ8_0 = 0, BQ4_0 = 1, BQ4_1 = 2, BQ4_K = 3, BQ6_K = 4, BQ5_0 = 5, BQ5_1 = 6 };
+
+#define BI_GEMV_MAX 4 /* tokens up to which the GEMV runs (more: the tile, whose 16 lanes at 5-8 tokens are
+                        still faster: bench_quant_tile.py) */
+#define BI_ROWS 4 /* rows of one tile pass */
+#define BI_ROWS8 8 /* rows of one pass of the 8-token tile */
+#define BI_TOK 16 /* tokens of one tile pass (the lanes of a zmm) */
+#define BI_Q 32512
+
+static int unit_len(int qtype) { return qtype == BQ6_K ? 16 : 32; }
+static int is_asym(int qtype) { return qtype == BQ4_1 || qtype == BQ5_1 || qtype == BQ4_K; }
+static int sym_offset(int qtype) {
+    switch (qtype) {
+        case BQ8_0: return 128;
+        case BQ4_0: return 8;
+        case BQ5_0: return 16;
+        case BQ6_K: return 32;
+        default: return 0;
+    }
+}
+
+#define bi_f16 loom_q_f16
+
+/* One row -> int16 codes w [K], scale s and offset b per unit (b unused for symmetric types).
+   u, s16, b16: scratch of K bytes and K / 16 floats for quant.c's generic decoder. */
+static void bi_decode_row(int qtype, const uint8_t* row, int64_t K, int16_t* w, float* s,
+                          float* b, uint8_t* u, float* s16, float* b16) {
+    const int G = unit_len(qtype);
+    const int64_t nu = K / G;
+    if (qtype == BQ4_0 || qtype == BQ4_1 || qtype == BQ8_0) {
+        const int bb = qtype == BQ8_0 ? 34 : qtype == BQ4_0 ? 18 : 20;
+        for (int64_t i = 0; i < nu; i++) {
+            const uint8_t* blk = row + i * bb;
+            const float d = bi_f16(blk);
+            s[i] = d;
+            int16_t* wo = w + 32 * i;
+            if (qtype == BQ8_0) {
+#if BI_AVX512
+                _mm512_storeu_si512((void*)wo, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 2))));
+#else
+                for (int j = 0; j < 32; j++) wo[j] = (int8_t)blk[2 + j];
+#endif
+                b[i] = 0.f;
+            } else {
+                const uint8_t* qs = blk + (qtype == BQ4_1 ? 4 : 2);
+                const int c = qtype == BQ4_0 ? 8 : 0;
+#if BI_AVX512
+                const __m128i q = _mm_loadu_si128((const __m128i*)qs), low = _mm_set1_epi8(0x0F);
+                const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low),
+                                                     _mm_and_si128(q, low));
+                _mm512_storeu_si512((void*)wo, _mm512_sub_epi16(_mm512_cvtepu8_epi16(nib), _mm512_set1_epi16((short)c)));
+#else
+                for (int j = 0; j < 16; j++) {
+                    wo[j] = (int16_t)((qs[j] & 0xF) - c);
+                    wo[j + 16] = (int16_t)((qs[j] >> 4) - c);
+                }
+#endif
+                b[i] = qtype == BQ4_1 ? bi_f16(blk + 2) : 0.f;
+            }
+        }
+        return;
+    }
+    loom_q_decode_row(qtype, row, K, u, s16, b16);
+    const int c = sym_offset(qtype);
+    for (int64_t k = 0; k < K; k++) w[k] = (int16_t)((int)u[k] - c);
+    for (int64_t j = 0; j < nu; j++) {
+        s[j] = s16[j * G / 16];
+        b[j] = b16[j * G / 16];
+    }
+}
+
+/* Token x [K] -> codes q [K], and per unit dx (its block's scale) and xs = dx * sum of q.
+   Rounding: sign(v) * floor(|v| + 0.5) in f32, v = x * (1 / dx) (quant_ref.quantize_act16_ref's
+   steps), the same in the AVX-512 and the portable code. */
+static void bi_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu, float* xsu) {
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const float* xb = x + k0;
+        int sum[2] = {0, 0};
+        float dd;
+#if BI_AVX512
+        const __m512 a0 = _mm512_loadu_ps(xb), a1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+        dd = amax / (float)BI_Q;
+        const __m512 inv = _mm512_set1_ps(dd > 0 ? 1.f / dd : 0.f), half = _mm512_set1_ps(0.5f);
+        const __m512 lim = _mm512_set1_ps((float)BI_Q);
+        __m512i qi[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512 v = _mm512_mul_ps(h ? a1 : a0, inv);
+            const __m512 r = _mm512_min_ps(_mm512_roundscale_ps(_mm512_add_ps(_mm512_abs_ps(v), half),
+                                                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                           lim);
+            const __m512i m = _mm512_cvttps_epi32(r);
+            const __mmask16 neg = _mm512_cmplt_ps_mask(v, _mm512_setzero_ps());
+            qi[h] = _mm512_mask_sub_epi32(m, neg, _mm512_setzero_si512(), m);
+            _mm256_storeu_si256((__m256i*)(q + k0 + 16 * h), _mm512_cvtepi32_epi16(qi[h]));
+            sum[h] = _mm512_reduce_add_epi32(qi[h]);
+        }
+#else
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) {
+            const float a = xb[j] < 0 ? -xb[j] : xb[j];
+            amax = a > amax ? a : amax;
+        }
+        dd = amax / (float)BI_Q;
+        const float inv = dd > 0 ? 1.f / dd : 0.f;
+        for (int j = 0; j < 32; j++) {
+            const float v = xb[j] * inv;
+            float r = floorf((v < 0 ? -v : v) + 0.5f);
+            r = r < (float)BI_Q ? r : (float)BI_Q;
+            const int c = v < 0 ? -(int)r : (int)r;
+            q[k0 + j] = (int16_t)c;
+            sum[j / 16] += c;
+        }
+#endif
+        if (G == 32) {
+            dxu[k0 / 32] = dd;
+            xsu[k0 / 32] = dd * (float)(sum[0] + sum[1]);
+        } else {
+            dxu[k0 / 16] = dxu[k0 / 16 + 1] = dd;
+            xsu[k0 / 16] = dd * (float)sum[0];
+            xsu[k0 / 16 + 1] = dd * (float)sum[1];
+        }
+    }
+}
+
+#if !BI_AVX512
+/* the canonical tree over 16 partials (scalar form) */
+static inline float bi_tree(const float* P) {
+    float l1[8], l2[4];
+    for (int c = 0; c < 8; c++) l1[c] = P[c] + P[c + 8];
+    for (int c = 0; c < 4; c++) l2[c] = l1[c] + l1[c + 4];
+    return (l2[0] + l2[2]) + (l2[1] + l2[3]);
+}
+#endif
+
+#if BI_AVX512
+/* 16 vectors of 16 int32 -> one vector whose lane c is the sum of v[c]'s lanes */
+static inline __m512i bi_reduce16(const __m512i* v) {
+    __m512i a[8], u[4], z[2];
+    for (int k = 0; k < 8; k++)
+        a[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
+                                _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++)
+        u[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * k], a[2 * k + 1]),
+                                _mm512_unpackhi_epi64(a[2 * k], a[2 * k + 1]));
+    /* u[m], 128-bit chunk h, lane i: chunk h's sum of v[4m + i] */
+    for (int k = 0; k < 2; k++)
+        z[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_i32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* the canonical tree over the 16 lanes of P */
+static inline float bi_tree512(__m512 P) {
+    const __m256 l1 = _mm256_add_ps(_mm512_castps512_ps256(P), _mm512_extractf32x8_ps(P, 1));
+    const __m128 l2 = _mm_add_ps(_mm256_castps256_ps128(l1), _mm256_extractf128_ps(l1, 1));
+    const __m128 l3 = _mm_add_ps(l2, _mm_movehl_ps(l2, l2));
+    return _mm_cvtss_f32(_mm_add_ss(l3, _mm_shuffle_ps(l3, l3, 1)));
+}
+
+/* one decoded row against T <= BI_GEMV_MAX tokens (codes q [T, K], dxu / xsu [T, nu]) */
+static void bi_gemv(const int16_t* w, const float* s, const float* b, int asym, int64_t K, int G,
+                    int64_t T, const int16_t* q, const float* dxu, const float* xsu, float* out) {
+    const int64_t nu = K / G;
+    const __mmask32 wm = G == 32 ? 0xFFFFFFFFu : 0xFFFFu;
+    __m512 P[BI_GEMV_MAX];
+    for (int64_t t = 0; t < T; t++) P[t] = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < nu; j0 += 16) {
+        const int n = nu - j0 < 16 ? (int)(nu - j0) : 16;
+        const __mmask16 m = (__mmask16)((1u << n) - 1);
+        __m512i wv[16];
+        for (int c = 0; c < 16; c++)
+            wv[c] = c < n ? _mm512_maskz_loadu_epi16(wm, w + (j0 + c) * G) : _mm512_setzero_si512();
+        const __m512 sv = _mm512_maskz_loadu_ps(m, s + j0);
+        const __m512 bv = asym ? _mm512_maskz_loadu_ps(m, b + j0) : _mm512_setzero_ps();
+        for (int64_t t = 0; t < T; t++) {
+            const int16_t* qt = q + t * K + j0 * G;
+            __m512i v[16];
+            for (int c = 0; c < 16; c++)
+                v[c] = c < n ? _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv[c],
+                                                   _mm512_maskz_loadu_epi16(wm, qt + c * G))
+                             : _mm512_setzero_si512();
+            const __m512i I = bi_reduce16(v);
+            const __m512 sd = _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(m, dxu + t * nu + j0));
+            P[t] = _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(I), sd, P[t], m);
+            if (asym)
+                P[t] = _mm512_mask3_fmadd_ps(bv, _mm512_maskz_loadu_ps(m, xsu + t * nu + j0), P[t], m);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) out[t] = bi_tree512(P[t]);
+}
+
+/* BI_ROWS decoded rows against TG groups of 16 tokens (G values a unit, TG: compile-time
+   constants where inlined): xp [TG][K / 2][16] int16 pairs, xstride apart; dxt / xst [TG][nu][16],
+   sstride apart; sums [TG][BI_ROWS][16]. Each pair of a unit: TG activation loads, BI_ROWS
+   weight broadcasts, TG * BI_ROWS vpdpwssd. */
+static inline __attribute__((always_inline)) void bi_tile_core(
+    const int16_t* const* w, const float* const* s, const float* const* b, int asym, int64_t K,
+    const int G, const int TG, const int32_t* xp, int64_t xstride, const float* dxt,
+    const float* xst, int64_t sstride, float* sums) {
+    const int64_t nu = K / G;
+    __m512 Pb[2][BI_ROWS][16];
+    for (int c = 0; c < 16; c++) {
+        __m512 Pc[2][BI_ROWS];
+        for (int g = 0; g < TG; g++)
+            for (int r = 0; r < BI_ROWS; r++) Pc[g][r] = _mm512_setzero_ps();
+        for (int64_t j = c; j < nu; j += 16) {
+            /* two accumulator sets (even / odd pairs): 16 independent vpdpwssd chains */
+            __m512i acc[2][BI_ROWS], acc2[2][BI_ROWS];
+            for (int g = 0; g < TG; g++)
+                for (int r = 0; r < BI_ROWS; r++) acc[g][r] = acc2[g][r] = _mm512_setzero_si512();
+            const int32_t* xj = xp + j * G / 2 * 16;
+            const int16_t* wj[BI_ROWS];
+            for (int r = 0; r < BI_ROWS; r++) wj[r] = w[r] + j * G;
+#pragma GCC unroll 8
+            for (int p = 0; p < G / 2; p += 2) {
+                __m512i x[2], x2[2];
+                for (int g = 0; g < TG; g++) {
+                    x[g] = _mm512_loadu_si512((const void*)(xj + g * xstride + 16 * p));
+                    x2[g] = _mm512_loadu_si512((const void*)(xj + g * xstride + 16 * p + 16));
+                }
+                for (int r = 0; r < BI_ROWS; r++) {
+                    int32_t pair, pair2;
+                    memcpy(&pair, wj[r] + 2 * p, 4);
+                    memcpy(&pair2, wj[r] + 2 * p + 2, 4);
+                    const __m512i wv = _mm512_set1_epi32(pair), wv2 = _mm512_set1_epi32(pair2);
+                    for (int g = 0; g < TG; g++) {
+                        acc[g][r] = _mm512_dpwssd_epi32(acc[g][r], wv, x[g]);
+                        acc2[g][r] = _mm512_dpwssd_epi32(acc2[g][r], wv2, x2[g]);
+                    }
+                }
+            }
+            for (int g = 0; g < TG; g++)
+                for (int r = 0; r < BI_ROWS; r++) acc[g][r] = _mm512_add_epi32(acc[g][r], acc2[g][r]);
+            for (int g = 0; g < TG; g++) {
+                const __m512 dx = _mm512_loadu_ps(dxt + g * sstride + j * 16);
+                const __m512 xs = asym ? _mm512_loadu_ps(xst + g * sstride + j * 16) : _mm512_setzero_ps();
+                for (int r = 0; r < BI_ROWS; r++) {
+                    const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(s[r][j]), dx);
+                    Pc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g][r]), sd, Pc[g][r]);
+                    if (asym) Pc[g][r] = _mm512_fmadd_ps(_mm512_set1_ps(b[r][j]), xs, Pc[g][r]);
+                }
+            }
+        }
+        for (int g = 0; g < TG; g++)
+            for (int r = 0; r < BI_ROWS; r++) Pb[g][r][c] = Pc[g][r];
+    }
+    for (int g = 0; g < TG; g++)
+        for (int r = 0; r < BI_ROWS; r++) {
+            __m512 l1[8], l2[4];
+            for (int c = 0; c < 8; c++) l1[c] = _mm512_add_ps(Pb[g][r][c], Pb[g][r][c + 8]);
+            for (int c = 0; c < 4; c++) l2[c] = _mm512_add_ps(l1[c], l1[c + 4]);
+            _mm512_storeu_ps(sums + 16 * (g * BI_ROWS + r),
+                             _mm512_add_ps(_mm512_add_ps(l2[0], l2[2]), _mm512_add_ps(l2[1], l2[3])));
+        }
+}
+
+/* 5..8 tokens: BI_ROWS8 rows against 8 token lanes (ymm), so no lane idles: xp [K / 2][8]
+   int16 pairs, dxt / xst [nu][8]; sums [BI_ROWS8][8]. The same per-lane steps as the tile. */
+static inline __attribute__((always_inline)) void bi_tile8_core(
+    const int16_t* const* w, const float* const* s, const float* const* b, int asym, int64_t K,
+    const int G, const int32_t* xp, const float* dxt, const float* xst, float* sums) {
+    const int64_t nu = K / G;
+    __m256 Pb[BI_ROWS8][16];
+    for (int c = 0; c < 16; c++) {
+        __m256 Pc[BI_ROWS8];
+        for (int r = 0; r < BI_ROWS8; r++) Pc[r] = _mm256_setzero_ps();
+        for (int64_t j = c; j < nu; j += 16) {
+            __m256i acc[BI_ROWS8], acc2[BI_ROWS8];
+            for (int r = 0; r < BI_ROWS8; r++) acc[r] = acc2[r] = _mm256_setzero_si256();
+            const int32_t* xj = xp + j * G / 2 * 8;
+#pragma GCC unroll 8
+            for (int p = 0; p < G / 2; p += 2) {
+                const __m256i x = _mm256_loadu_si256((const __m256i*)(xj + 8 * p));
+                const __m256i x2 = _mm256_loadu_si256((const __m256i*)(xj + 8 * p + 8));
+                for (int r = 0; r < BI_ROWS8; r++) {
+                    int32_t pair, pair2;
+                    memcpy(&pair, w[r] + j * G + 2 * p, 4);
+                    memcpy(&pair2, w[r] + j * G + 2 * p + 2, 4);
+                    acc[r] = _mm256_dpwssd_epi32(acc[r], _mm256_set1_epi32(pair), x);
+                    acc2[r] = _mm256_dpwssd_epi32(acc2[r], _mm256_set1_epi32(pair2), x2);
+                }
+            }
+            const __m256 dx = _mm256_loadu_ps(dxt + j * 8);
+            const __m256 xs = asym ? _mm256_loadu_ps(xst + j * 8) : _mm256_setzero_ps();
+            for (int r = 0; r < BI_ROWS8; r++) {
+                const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(s[r][j]), dx);
+                Pc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[r], acc2[r])), sd, Pc[r]);
+                if (asym) Pc[r] = _mm256_fmadd_ps(_mm256_set1_ps(b[r][j]), xs, Pc[r]);
+            }
+        }
+        for (int r = 0; r < BI_ROWS8; r++) Pb[r][c] = Pc[r];
+    }
+    for (int r = 0; r < BI_ROWS8; r++) {
+        __m256 l1[8], l2[4];
+        for (int c = 0; c < 8; c++) l1[c] = _mm256_add_ps(Pb[r][c], Pb[r][c + 8]);
+        for (int c = 0; c < 4; c++) l2[c] = _mm256_add_ps(l1[c], l1[c + 4]);
+        _mm256_storeu_ps(sums + 8 * r, _mm256_add_ps(_mm256_add_ps(l2[0], l2[2]), _mm256_add_ps(l2[1], l2[3])));
+    }
+}
+
+static void bi_tile8(const int16_t* const* w, const float* const* s, const float* const* b,
+                     int asym, int64_t K, int G, const int32_t* xp, const float* dxt,
+                     const float* xst, float* sums) {
+    if (G == 32)
+        bi_tile8_core(w, s, b, asym, K, 32, xp, dxt, xst, sums);
+    else
+        bi_tile8_core(w, s, b, asym, K, 16, xp, dxt, xst, sums);
+}
+
+/* bi_tile_core specialised: G 32 or 16, one or two token groups */
+static void bi_tile(const int16_t* const* w, const float* const* s, const float* const* b,
+                    int asym, int64_t K, int G, int TG, const int32_t* xp, int64_t xstride,
+                    const float* dxt, const float* xst, int64_t sstride, float* sums) {
+    if (G == 32 && TG == 2)
+        bi_tile_core(w, s, b, asym, K, 32, 2, xp, xstride, dxt, xst, sstride, sums);
+    else if (G == 32)
+        bi_tile_core(w, s, b, asym, K, 32, 1, xp, xstride, dxt, xst, sstride, sums);
+    else if (TG == 2)
+        bi_tile_core(w, s, b, asym, K, 16, 2, xp, xstride, dxt, xst, sstride, sums);
+    else
+        bi_tile_core(w, s, b, asym, K, 16, 1, xp, xstride, dxt, xst, sstride, sums);
+}
+#endif
+
+#if !BI_AVX512
+/* portable C: the canonical steps on scalars (any T) */
+static void bi_dot_c(const int16_t* w, const float* s, const float* b, int asym, int64_t K, int G,
+                     int64_t T, const int16_t* q, const float* dxu, const float* xsu, float* out) {
+    const int64_t nu = K / G;
+    for (int64_t t = 0; t < T; t++) {
+        float P[16] = {0};
+        for (int64_t j = 0; j < nu; j++) {
+            const int16_t* qj = q + t * K + j * G;
+            int32_t I = 0;
+            for (int k = 0; k < G; k++) I += (int32_t)w[j * G + k] * qj[k];
+            const float sd = s[j] * dxu[t * nu + j];
+            P[j % 16] = fmaf((float)I, sd, P[j % 16]);
+            if (asym) P[j % 16] = fmaf(b[j], xsu[t * nu + j], P[j % 16]);
+        }
+        out[t] = bi_tree(P);
+    }
+}
+#endif
+
+/* loom_q_matmul's LOOM_Q_BI (its arguments; checked there) */
+int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                     const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                     int64_t ldy, int accumulate, int threads) {
+    const int G = unit_len(qtype), asym = is_asym(qtype);
+    const int64_t nu = K / G;
+    if (K % G) return -1;
+    int16_t* q = malloc(sizeof(int16_t) * (size_t)(T * K + 64));
+    float* dxu = malloc(sizeof(float) * (size_t)(T * nu + 16));
+    float* xsu = malloc(sizeof(float) * (size_t)(T * nu + 16));
+    if (!q || !dxu || !xsu) {
+        free(q);
+        free(dxu);
+        free(xsu);
+        return -2;
+    }
+    memset(q + T * K, 0, sizeof(int16_t) * 64);
+#if BI_AVX512
+    const int tile = T > BI_GEMV_MAX;
+    const int L = T <= 8 ? 8 : BI_TOK; /* token lanes: ymm up to 8 tokens, else zmm */
+    const int64_t ntg = (T + L - 1) / L;
+    int32_t* xp = NULL; /* [ntg][K / 2][L]: token pairs of codes, a vector per pair */
+    float *dxt = NULL, *xst = NULL; /* [ntg][nu][L] */
+    if (tile) {
+        xp = aligned_alloc(64, sizeof(int32_t) * (size_t)(ntg * (K / 2) * L));
+        dxt = aligned_alloc(64, sizeof(float) * (size_t)(ntg * nu * L));
+        xst = aligned_alloc(64, sizeof(float) * (size_t)(ntg * nu * L));
+        if (!xp || !dxt || !xst) {
+            free(xp);
+            free(dxt);
+            free(xst);
+            free(q);
+            free(dxu);
+            free(xsu);
+            return -2;
+        }
+        /* the last group's missing tokens: zero codes and scales */
+        for (int64_t t = T; t < ntg * L; t++) {
+            const int64_t g = t / L, i = t % L;
+            for (int64_t p = 0; p < K / 2; p++) xp[(g * (K / 2) + p) * L + i] = 0;
+            for (int64_t j = 0; j < nu; j++) dxt[(g * nu + j) * L + i] = xst[(g * nu + j) * L + i] = 0.f;
+        }
+    }
+#endif
+    int failed = 0;
+    if (threads < 1) threads = 1;
+#if BI_AVX512
+    const int64_t per = !tile ? 1 : L == 8 ? BI_ROWS8 : BI_ROWS;
+#else
+    const int64_t per = 1;
+#endif
+    const int64_t ntiles = (N + per - 1) / per;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        int16_t* wd = malloc(sizeof(int16_t) * (size_t)(BI_ROWS8 * K + 64));
+        float* sd = malloc(sizeof(float) * (size_t)(BI_ROWS8 * nu + 16));
+        float* bd = malloc(sizeof(float) * (size_t)(BI_ROWS8 * nu + 16));
+        uint8_t* u = malloc((size_t)K + 64);
+        float* s16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
+        float* b16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
+        float* part = malloc(sizeof(float) * (size_t)(BI_ROWS8 * (T > 16 ? T : 16) + 16));
+        /* every token's codes (and, for the tile, its lanes of the packed groups) */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            int16_t* qt = q + t * K;
+            bi_quantize(x + t * ldx, K, G, qt, dxu + t * nu, xsu + t * nu);
+#if BI_AVX512
+            if (tile) {
+                const int64_t g = t / L, i = t % L;
+                int32_t* xo = xp + g * (K / 2) * L + i;
+                for (int64_t p = 0; p < K / 2; p++) memcpy(xo + L * p, qt + 2 * p, 4);
+                for (int64_t j = 0; j < nu; j++) {
+                    dxt[(g * nu + j) * L + i] = dxu[t * nu + j];
+                    xst[(g * nu + j) * L + i] = xsu[t * nu + j];
+                }
+            }
+#endif
+        }
+        if (!wd || !sd || !bd || !u || !s16 || !b16 || !part) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t tl = 0; tl < ntiles; tl++) {
+                const int64_t n0 = tl * per;
+                const int R = N - n0 < per ? (int)(N - n0) : (int)per;
+                for (int r = 0; r < R; r++)
+                    bi_decode_row(qtype, w + (n0 + r) * row_bytes, K, wd + r * K, sd + r * nu,
+                                  bd + r * nu, u, s16, b16);
+#if BI_AVX512
+                if (tile && L == 8) {
+                    const int16_t* wr[BI_ROWS8];
+                    const float* sr[BI_ROWS8];
+                    const float* br[BI_ROWS8];
+                    for (int r = 0; r < BI_ROWS8; r++) {
+                        const int rr = r < R ? r : 0;
+                        wr[r] = wd + rr * K;
+                        sr[r] = sd + rr * nu;
+                        br[r] = bd + rr * nu;
+                    }
+                    float sums[BI_ROWS8 * 8];
+                    bi_tile8(wr, sr, br, asym, K, G, xp, dxt, xst, sums);
+                    for (int r = 0; r < R; r++)
+                        for (int i = 0; i < T; i++) part[r * T + i] = sums[8 * r + i];
+                } else if (tile) {
+                    const int16_t* wr[BI_ROWS];
+                    const float* sr[BI_ROWS];
+                    const float* br[BI_ROWS];
+                    for (int r = 0; r < BI_ROWS; r++) {
+                        const int rr = r < R ? r : 0;
+                        wr[r] = wd + rr * K;
+                        sr[r] = sd + rr * nu;
+                        br[r] = bd + rr * nu;
+                    }
+                    for (int64_t g0 = 0; g0 < ntg; g0 += 2) {
+                        const int TG = ntg - g0 >= 2 ? 2 : 1;
+                        float sums[2 * BI_ROWS * 16];
+                        bi_tile(wr, sr, br, asym, K, G, TG, xp + g0 * (K / 2) * 16, (K / 2) * 16,
+                                dxt + g0 * nu * 16, xst + g0 * nu * 16, nu * 16, sums);
+                        for (int g = 0; g < TG; g++)
+                            for (int r = 0; r < R; r++)
+                                for (int i = 0; i < BI_TOK && (g0 + g) * BI_TOK + i < T; i++)
+                                    part[r * T + (g0 + g) * BI_TOK + i] = sums[16 * (g * BI_ROWS + r) + i];
+                    }
+                } else {
+                    bi_gemv(wd, sd, bd, asym, K, G, T, q, dxu, xsu, part);
+                }
+#else
+                bi_dot_c(wd, sd, bd, asym, K, G, T, q, dxu, xsu, part);
+#endif
+                for (int r = 0; r < R; r++) {
+                    const float bn = bias ? bias[n0 + r] : 0.f;
+                    for (int64_t t = 0; t < T; t++) {
+                        float* yo = y + t * ldy + n0 + r;
+                        *yo = (accumulate ? *yo : 0.f) + part[r * T + t] + bn;
+                    }
+                }
+            }
+        }
+        free(wd);
+        free(sd);
+        free(bd);
+        free(u);
+        free(s16);
+        free(b16);
+        free(part);
+    }
+#if BI_AVX512
+    free(xp);
+    free(dxt);
+    free(xst);
+#endif
+    free(q);
+    free(dxu);
+    free(xsu);
+    return failed ? -2 : 0;
+}
