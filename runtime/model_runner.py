@@ -41,6 +41,12 @@ class ModelRunner:
         self.device = args.resolved_device
         self.config = load_config(args.model_path)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
+        if args.quantized_matmul != "auto":  # validated: the weights are quantized
+            from loom.runtime.layers import quant_ops
+            from loom.runtime.server_args_choices import QUANTIZED_MATMULS
+
+            # process-wide (one model a scheduler process; the C forward reads it at build)
+            quant_ops.DEFAULT_MODE = QUANTIZED_MATMULS[args.quantized_matmul]
         self.model = load_model(
             args.model_path, self.dtype, self.device, self.config, quantization=args.quantization
         )

@@ -20,6 +20,7 @@ from loom.runtime.server_args_choices import (
     LOAD_BALANCE_METHODS,
     MOE_A2A_BACKENDS,
     QUANTIZATIONS,
+    QUANTIZED_MATMULS,
     REASONING_PARSERS,
     SCHEDULE_POLICIES,
     TOOL_CALL_PARSERS,
@@ -45,6 +46,7 @@ class ServerArgs(ServerArgsValidation):
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES (memory_pool.resolve_kv_dtype)
     quantization: str | None = None  # QUANTIZATIONS
+    quantized_matmul: str = "auto"  # QUANTIZED_MATMULS (runtime/layers/quant_ops.py's modes)
     device: str | None = None
     context_length: int | None = None
 
@@ -283,6 +285,8 @@ class ServerArgs(ServerArgsValidation):
                 kwargs["choices"] = DTYPES
             if f.name == "quantization":
                 kwargs["choices"] = QUANTIZATIONS
+            if f.name == "quantized_matmul":
+                kwargs["choices"] = QUANTIZED_MATMULS
             if f.name == "load_balance_method":
                 kwargs["choices"] = LOAD_BALANCE_METHODS
             if f.name == "distributed_executor_backend":

@@ -37,3 +37,6 @@ HICACHE_STORAGE_BACKENDS = ("file", "redis")
 HICACHE_L2_DTYPES = ("exact", "bf16", "int8")
 # --quantization: weight-only quantization of a float checkpoint at load (model_loader)
 QUANTIZATIONS = ("int8", "int4", "gguf", "none")
+# --quantized-matmul -> quant_ops mode: "auto" (per call: the f32 decode GEMV up to 8 rows where
+# built, the batch-invariant kernels above), "batch-invariant" (one arithmetic for every row count)
+QUANTIZED_MATMULS = {"auto": "auto", "batch-invariant": "bi"}

@@ -9,6 +9,7 @@ SERVER_HELP = {
     "reasoning_parser": "Split <think>...</think> into reasoning_content (qwen3: when the reply opens one; deepseek-r1: the reply starts inside it)",
     "dtype": "Weight and activation dtype; auto takes the config's torch_dtype",
     "quantization": "Weight-only quantization of a float checkpoint at load, kept quantized in memory and multiplied by the quantized kernels: int8 (ggml Q8_0: int8 codes, one f16 scale per 32) or int4 (ggml Q4_1: 4-bit codes, f16 scale and minimum per 32; the embedding and LM head in Q8_0); gguf: a GGUF file's weights kept in the file's own block types (Q8_0/Q4_0/Q4_1/Q4_K/Q6_K; the default for a GGUF file, named (`--model smollm2`) or by path); none: no quantization (a GGUF's weights dequantized to float)",
+    "quantized_matmul": "Kernels of the quantized matmuls: auto takes the fastest per step (on AVX-512 CPUs an f32 GEMV with unrounded activations for steps of up to 8 rows, the batch-invariant kernel above), so a token's logits differ in the last bits between small and large steps; batch-invariant takes that kernel for every step, so outputs never depend on the batch (greedy speculative decoding equals plain decoding at any batch size), several times slower for one row",
     "device": "cpu or cuda; default: cuda when available",
     "context_length": "Maximum context length; default: the config's max_position_embeddings",
     "host": "HTTP bind address",

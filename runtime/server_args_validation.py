@@ -24,6 +24,7 @@ from loom.runtime.server_args_choices import (
     MOE_A2A_BACKENDS,
     NGRAM_MATCH_TYPES,
     QUANTIZATIONS,
+    QUANTIZED_MATMULS,
     REASONING_PARSERS,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
@@ -61,6 +62,16 @@ class ServerArgsValidation:
             self.quantization is None or self.quantization in QUANTIZATIONS,
             "quantization",
             f"must be one of {QUANTIZATIONS}, got {self.quantization!r}",
+        )
+        need(
+            self.quantized_matmul in QUANTIZED_MATMULS,
+            "quantized_matmul",
+            f"must be one of {tuple(QUANTIZED_MATMULS)}, got {self.quantized_matmul!r}",
+        )
+        need(
+            self.quantized_matmul == "auto" or self.quantization is not None,
+            "quantized_matmul",
+            "needs quantized weights (--quantization, or a GGUF file's default)",
         )
         need(
             self.kv_cache_dtype not in KV_CACHE_DTYPES_NOT_YET,

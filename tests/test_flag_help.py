@@ -7,6 +7,7 @@ a reason it names no limit of loom's) is added here. (`--cpu-forward` once said 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +142,13 @@ def check_quantization(h):
     assert BLOCKS["Q8_0"][0] == int(q8) and BLOCKS["Q4_1"][0] == int(q4)
 
 
+def check_quantized_matmul(h):
+    (rows,) = _grab(h, r"for steps of up to (\d+) rows")
+    src = (Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "quant.c").read_text()
+    (f32v_max,) = re.findall(r"#define F32V_MAX (\d+) ", src)
+    assert int(rows) == int(f32v_max)
+
+
 CHECKS = {
     ("serve", "cpu_forward"): check_cpu_forward,
     ("serve", "cuda_graph_max_bs"): check_cuda_graph_max_bs,
@@ -157,6 +165,7 @@ CHECKS = {
     ("serve", "hicache_size"): check_hicache_size,
     ("serve", "hicache_storage_url"): check_hicache_storage_url,
     ("serve", "quantization"): check_quantization,
+    ("serve", "quantized_matmul"): check_quantized_matmul,
     ("router", "request_timeout"): check_router_request_timeout,
 }
 # Numbers that are names or other projects' values, not limits of loom's code.

@@ -235,16 +235,17 @@ def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
 def test_smollm2_quantized_speculation_matches_plain_and_logits_ignore_the_batch(
     real_gguf, monkeypatch
 ):
-    """Batch invariance on the real model (mode "bi"): greedy NGRAM speculation
-    on SmolLM2's Q4_1 blocks gives plain decoding's tokens (its verify steps run several
-    tokens a forward, where plain decoding runs one); a request's decode logprobs are bitwise
+    """Batch invariance on the real model (`--quantized-matmul batch-invariant`, mode "bi"):
+    greedy NGRAM speculation on SmolLM2's Q4_1 blocks gives plain decoding's tokens (its
+    verify steps run several tokens a forward, where plain decoding runs one); a request's
+    decode logprobs are bitwise
     the same alone and beside 11 others (with "int16", which switches arithmetic at 8 tokens,
     they differ in the 4th digit), and a prompt's prefill logprobs alone and beside two others.
     Issue 33 saw a quantized target's speculative output change with that switch."""
     from loom.runtime.spec import speculator
     from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
 
-    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "bi")
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "auto")  # the flag below must set "bi"
     # verify every draft: the cost model would skip verify steps and test less
     monkeypatch.setattr(speculator, "extra_cost", lambda batch_size, longest: 0.0)
     path = str(real_gguf("smollm2"))
@@ -255,7 +256,10 @@ def test_smollm2_quantized_speculation_matches_plain_and_logits_ignore_the_batch
     ]
 
     def generate(**kw):
-        sched = make_scheduler(path, quantization="gguf", disable_jump_forward=True, **kw)
+        sched = make_scheduler(
+            path, quantization="gguf", quantized_matmul="batch-invariant",
+            disable_jump_forward=True, **kw,
+        )  # fmt: skip
         tok = sched.tokenizer
         for i, t in enumerate(texts):
             submit(sched, f"p{i}", tok.encode(t), greedy(16))
@@ -274,7 +278,10 @@ def test_smollm2_quantized_speculation_matches_plain_and_logits_ignore_the_batch
     # decode: a request's output logprobs alone (1 token a step: the GEMV) and beside 11
     # others (12 a step: the tile), bitwise
     def decode_lps(prompts):
-        sched = make_scheduler(path, quantization="gguf", disable_jump_forward=True)
+        sched = make_scheduler(
+            path, quantization="gguf", quantized_matmul="batch-invariant",
+            disable_jump_forward=True,
+        )  # fmt: skip
         for i, p in enumerate(prompts):
             submit(sched, f"q{i}", p, greedy(6), return_logprob=True, logprob_start_len=-1)
         lps = {}

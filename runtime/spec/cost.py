@@ -170,7 +170,8 @@ def cache_path(args) -> Path:
     except OSError:
         pass
     key = json.dumps(
-        [str(model), stamp, args.dtype, args.quantization, args.effective_cpu_threads,
+        [str(model), stamp, args.dtype, args.quantization, args.quantized_matmul,
+         args.effective_cpu_threads,
          args.attention_backend, args.page_size, cpu],
         default=str,
     )  # fmt: skip
