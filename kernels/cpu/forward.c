@@ -495,6 +495,20 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
    0 where it does not apply and the per-token loop runs instead. sc: scratch [G * S]. */
 #define ONE_PF 4
 #if ISA_BITS == 512
+/* row c of a K or V cache (pool slot cols[c], KV head kh) into r[0..DV), prefetching the row
+   ONE_PF keys ahead */
+static inline __attribute__((always_inline)) void kv_row(const float* cache, const int64_t* cols,
+                                                         int64_t c, int64_t S, int64_t Hkv,
+                                                         int64_t kh, const int DV, __m512* r) {
+    const int64_t D = 16 * DV;
+    if (c + ONE_PF < S) {
+        const char* p = (const char*)(cache + (cols[c + ONE_PF] * Hkv + kh) * D);
+        for (int j = 0; j < DV; j++) _mm_prefetch(p + 64 * j, _MM_HINT_T0);
+    }
+    const float* row = cache + (cols[c] * Hkv + kh) * D;
+    for (int j = 0; j < DV; j++) r[j] = _mm512_loadu_ps(row + 16 * j);
+}
+
 static inline __attribute__((always_inline)) void attn_one_t(const float* qb, int64_t S,
                                                              const int64_t* cols, const float* kc,
                                                              const float* vc, int64_t Hkv,
@@ -508,13 +522,8 @@ static inline __attribute__((always_inline)) void attn_one_t(const float* qb, in
         for (int j = 0; j < DV; j++) q[g * DV + j] = _mm512_loadu_ps(qb + g * D + 16 * j);
     }
     for (int64_t c = 0; c < S; c++) {
-        if (c + ONE_PF < S) {
-            const char* pk = (const char*)(kc + (cols[c + ONE_PF] * Hkv + kh) * D);
-            for (int j = 0; j < DV; j++) _mm_prefetch(pk + 64 * j, _MM_HINT_T0);
-        }
-        const float* kp = kc + (cols[c] * Hkv + kh) * D;
         __m512 k[8];
-        for (int j = 0; j < DV; j++) k[j] = _mm512_loadu_ps(kp + 16 * j);
+        kv_row(kc, cols, c, S, Hkv, kh, DV, k);
         for (int g = 0; g < G; g++) {
             __m512 a = _mm512_mul_ps(q[g * DV], k[0]);
             for (int j = 1; j < DV; j++) a = _mm512_fmadd_ps(q[g * DV + j], k[j], a);
@@ -537,13 +546,8 @@ static inline __attribute__((always_inline)) void attn_one_t(const float* qb, in
     }
     for (int i = 0; i < G * DV; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < S; c++) {
-        if (c + ONE_PF < S) {
-            const char* pv = (const char*)(vc + (cols[c + ONE_PF] * Hkv + kh) * D);
-            for (int j = 0; j < DV; j++) _mm_prefetch(pv + 64 * j, _MM_HINT_T0);
-        }
-        const float* vp = vc + (cols[c] * Hkv + kh) * D;
         __m512 v[8];
-        for (int j = 0; j < DV; j++) v[j] = _mm512_loadu_ps(vp + 16 * j);
+        kv_row(vc, cols, c, S, Hkv, kh, DV, v);
         for (int g = 0; g < G; g++) {
             const __m512 p = _mm512_set1_ps(sc[g * S + c]);
             for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_fmadd_ps(p, v[j], acc[g * DV + j]);

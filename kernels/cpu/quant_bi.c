@@ -379,6 +379,21 @@ static void bi_dot_c(const int16_t* w, const float* s, const float* b, int asym,
 }
 #endif
 
+#if BI_AVX512
+/* the first n decoded rows of a tile (rows past the R real ones repeat row 0: their sums are
+   computed and dropped) */
+static void bi_row_ptrs(int n, int R, const int16_t* wd, const float* sd, const float* bd,
+                        int64_t K, int64_t nu, const int16_t** wr, const float** sr,
+                        const float** br) {
+    for (int r = 0; r < n; r++) {
+        const int rr = r < R ? r : 0;
+        wr[r] = wd + rr * K;
+        sr[r] = sd + rr * nu;
+        br[r] = bd + rr * nu;
+    }
+}
+#endif
+
 /* loom_q_matmul's LOOM_Q_BI (its arguments; checked there) */
 int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
@@ -472,12 +487,7 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
                     const int16_t* wr[BI_ROWS8];
                     const float* sr[BI_ROWS8];
                     const float* br[BI_ROWS8];
-                    for (int r = 0; r < BI_ROWS8; r++) {
-                        const int rr = r < R ? r : 0;
-                        wr[r] = wd + rr * K;
-                        sr[r] = sd + rr * nu;
-                        br[r] = bd + rr * nu;
-                    }
+                    bi_row_ptrs(BI_ROWS8, R, wd, sd, bd, K, nu, wr, sr, br);
                     float sums[BI_ROWS8 * 8];
                     bi_tile8(wr, sr, br, asym, K, G, xp, dxt, xst, sums);
                     for (int r = 0; r < R; r++)
@@ -486,12 +496,7 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
                     const int16_t* wr[BI_ROWS];
                     const float* sr[BI_ROWS];
                     const float* br[BI_ROWS];
-                    for (int r = 0; r < BI_ROWS; r++) {
-                        const int rr = r < R ? r : 0;
-                        wr[r] = wd + rr * K;
-                        sr[r] = sd + rr * nu;
-                        br[r] = bd + rr * nu;
-                    }
+                    bi_row_ptrs(BI_ROWS, R, wd, sd, bd, K, nu, wr, sr, br);
                     for (int64_t g0 = 0; g0 < ntg; g0 += 2) {
                         const int TG = ntg - g0 >= 2 ? 2 : 1;
                         float sums[2 * BI_ROWS * 16];
