@@ -6,7 +6,7 @@ not comparable; each prompt, chat-templated as bench_spec sends it, and its gree
 from plain decoding on the bundled model). Per repeat, for each trie (the order alternating),
 thread time of:
 
-- serve (3 times): the jobs one after another through a fresh `NgramDrafter(1, 12, 7, 1 M)`
+- serve (3 times): the jobs one after another through a fresh `NgramLookup(1, 12, 7, 1 M)`
   with a `PromptCopy`, as a scheduler drafts them: a `propose(req, state, 7)` before each
   output token, the finished request learnt (`PromptCopy.learn`); the drafts of both tries
   must be identical (checked every repeat);
@@ -144,7 +144,7 @@ def job_streams() -> tuple[object, list[tuple[list[int], list[int]]]]:
 
 
 def extend_all(ngram, trie, tokens) -> None:
-    """Each token in turn, as `NgramDrafter.observe` inserts a request's new tokens: one
+    """Each token in turn, as `NgramLookup.observe` inserts a request's new tokens: one
     `extend_many` call where the store has it (the C store's loop is in C), else `extend`
     token by token (older revisions)."""
     if hasattr(trie, "extend_many"):
@@ -163,7 +163,7 @@ def walk_all(trie, tokens, w: int = 12) -> int:
 
 
 def serve(ngram, copy_cls, tok, streams) -> list[list[int]]:
-    d = ngram.NgramDrafter(1, 12, 7, 1_000_000)
+    d = ngram.NgramLookup(1, 12, 7, 1_000_000)
     d.copy = copy_cls(tok)
     drafts = []
     for prompt, output in streams:

@@ -16,7 +16,7 @@ import torch
 from loom.runtime.req import Req
 from loom.runtime.sampling_params import make_sampling_params
 from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
-from loom.runtime.spec.ngram import NgramDrafter, NgramState
+from loom.runtime.spec.ngram import NgramLookup, NgramState
 from tests.conftest_grammar import ARITH_GBNF, ARITH_LARK
 from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
 
@@ -37,9 +37,9 @@ def _req(ids: list[int]) -> Req:
     return Req("r", ids, make_sampling_params({}), seed=0)
 
 
-def _drafter(**kw) -> NgramDrafter:
+def _drafter(**kw) -> NgramLookup:
     args = dict(min_window=1, max_window=4, branch_length=6, capacity=10_000)
-    return NgramDrafter(**{**args, **kw})
+    return NgramLookup(**{**args, **kw})
 
 
 def test_trie_drafts_what_followed_the_suffix_before():

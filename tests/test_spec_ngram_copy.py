@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from loom.runtime.req import Req
 from loom.runtime.sampling_params import make_sampling_params
-from loom.runtime.spec.ngram import NgramDrafter, NgramState
+from loom.runtime.spec.ngram import NgramLookup, NgramState
 from loom.runtime.spec.ngram_copy import PromptCopy
 
 # a byte-level BPE vocabulary: "Ġ" marks a leading space
@@ -38,13 +38,13 @@ def _req(prompt: list[int], output: list[int] = ()) -> Req:
     return req
 
 
-def _drafter(copy: bool = True) -> NgramDrafter:
-    d = NgramDrafter(min_window=1, max_window=4, branch_length=6, capacity=10_000)
+def _drafter(copy: bool = True) -> NgramLookup:
+    d = NgramLookup(min_window=1, max_window=4, branch_length=6, capacity=10_000)
     d.copy = PromptCopy(Tokenizer()) if copy else None
     return d
 
 
-def _finish(d: NgramDrafter, prompt: list[int], output: list[int]) -> None:
+def _finish(d: NgramLookup, prompt: list[int], output: list[int]) -> None:
     """What the speculator does with a finished request: the trie and the anchors learn it."""
     done = _req(prompt, output)
     d.observe(done, NgramState(4))
@@ -55,7 +55,7 @@ def _finish(d: NgramDrafter, prompt: list[int], output: list[int]) -> None:
 CITY = ids("{", "city", '":', 'Ġ"')
 
 
-def _cities(d: NgramDrafter, *cities: str) -> None:
+def _cities(d: NgramLookup, *cities: str) -> None:
     """Finished answers that each copied the city of their prompt."""
     for city in cities:
         _finish(d, ids("Ġlives", "Ġin", "Ġ" + city, "."), CITY + ids(city, '"}'))

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from loom.runtime.spec import ngram_store_c
-from loom.runtime.spec.ngram import NgramDrafter, NgramState
+from loom.runtime.spec.ngram import NgramLookup, NgramState
 from loom.runtime.spec.ngram_store import PyNgramTrie
 
 needs_c = pytest.mark.skipif(ngram_store_c.load() is None, reason="no C compiler")
@@ -82,7 +82,7 @@ def test_pointers_end_before_a_node_evicted_since_they_were_made(store):
     reuse the ids, end before the first evicted one when it extends again: its next token
     goes under no node that now holds an old id (nothing but the root gets token 4 below),
     and it matches again as its suffixes regrow."""
-    d = NgramDrafter(1, 3, 2, capacity=200)
+    d = NgramLookup(1, 3, 2, capacity=200)
     trie = d.trie = store(d.trie.depth, 200)
     req = _Req([1, 2, 3])
     state = NgramState(4)
@@ -189,7 +189,7 @@ def test_drafts_are_the_same_from_either_store(match_type):
     words = [[rng.randrange(50) for _ in range(rng.randrange(1, 5))] for _ in range(40)]
     drafters = []
     for store in (PyNgramTrie, ngram_store_c.CNgramTrie):
-        d = NgramDrafter(1, 4, 3, capacity=400, match_type=match_type)
+        d = NgramLookup(1, 4, 3, capacity=400, match_type=match_type)
         d.trie = store(d.trie.depth, 400)
         drafters.append(d)
     for _ in range(30):

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from loom.runtime.spec.ngram_copy import CONTEXT, PromptCopy
 from loom.runtime.spec.ngram_store_c import new_ngram_store
 
-__all__ = ["MAX_PROMPT_TOKENS", "NgramDrafter", "NgramState", "new_ngram_store"]
+__all__ = ["MAX_PROMPT_TOKENS", "NgramLookup", "NgramState", "new_ngram_store"]
 
 MAX_PROMPT_TOKENS = 2048
 SKIP_MIN_CONTEXT = 2  # tokens of context a skip-gram match needs
@@ -70,14 +70,16 @@ class NgramState:
         # a chain drafted but not verified: (tokens, output length then, opening, forced)
         self.shadow: tuple | None = None
         # the request ran in a decode batch too large to draft since it last drafted (its
-        # tokens since then are unseen: `NgramDrafter.catch_up` bounds what it costs)
+        # tokens since then are unseen: `NgramLookup.catch_up` bounds what it costs)
         self.skipped = False
         # `PromptCopy.index` of the request's prompt, built at its first copy lookup
         self.prompt_index: dict[int, int] | None = None
 
 
-class NgramDrafter:
-    """`propose(req, max_len, after=())`: up to max_len tokens the request's history predicts
+class NgramLookup:
+    """The n-gram lookup a drafter asks (not a `Drafter` itself: `NgramSpeculator` is the
+    n-gram drafter, `NgramPolicy` the head drafters' constrained fallback).
+    `propose(req, max_len, after=())`: up to max_len tokens the request's history predicts
     after its current tokens followed by `after` (forced text not yet in the sequence).
     `copy` (a `PromptCopy`, or None): words the answer copies from its prompt."""
 

@@ -8,7 +8,7 @@ verify stops at it. This learns, from finished requests, per answer context (its
 tokens: `city": "`), the prompt token that the copied word followed (its anchor: ` in` before
 ` Paris`) and whether the answer dropped the word's leading space; a draft at that context
 then proposes the word after the anchor in its own prompt, spelt the same way
-(`NgramDrafter.propose`, which continues after the word as the trie continued after another
+(`NgramLookup.propose`, which continues after the word as the trie continued after another
 value there). An anchor keeps a score: 1 when learnt, +1 each time a finished answer wrote
 the word it names at its context, -1 each time it wrote another; it drafts from MIN_SCORE
 (confirmed at least once more than refuted), so free text, whose words rarely follow one

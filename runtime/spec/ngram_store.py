@@ -22,7 +22,7 @@ An evicted id goes to a free list and is reused by a later node.
 A request's suffix pointers (`extend`) are ids, and an id names another node once reused, so
 pointers held across other requests' inserts are checked with `fresh(pointers, at)` (`at`:
 the trie's clock when they were made) before use: they end before the first node evicted
-since (the longer suffixes regrow one a token, as after `NgramDrafter.catch_up`).
+since (the longer suffixes regrow one a token, as after `NgramLookup.catch_up`).
 
 Bounded: at most `capacity` nodes, the least recently touched evicted first, approximately
 (an evicted node's subtree is cut off with it and ages out of the queue in turn): the queue
@@ -171,7 +171,7 @@ class PyNgramTrie:
         skip_min_context: int,
         skip_scan: int,
     ) -> int | None:
-        """`NgramDrafter._match`'s search (the policy is described there): the deepest
+        """`NgramLookup._match`'s search (the policy is described there): the deepest
         window w of `windows` (min, max; min >= 1) of the suffix `pointers` (the nodes of
         the suffixes of 1, 2, .. tokens) + `after` whose node has a continuation; with
         `skip` and no `after`, a sibling of a new last token after a known context

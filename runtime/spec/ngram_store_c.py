@@ -15,7 +15,7 @@ Same semantics, field for field, as the Python store (tests/test_spec_ngram_stor
 random streams through both and compares every field, child order and pointer): the same
 ids (a free stack, grown _GROW ids at a time, ascending ids popped first), the same CLOCK
 queue and SECOND_CHANCES, the same `fresh` after an eviction. `extend` takes many tokens in
-one call (`NgramDrafter.observe` inserts a request's new tokens at once). The readers'
+one call (`NgramLookup.observe` inserts a request's new tokens at once). The readers'
 loops over a node's children (the most recent / frequent child, the skip-gram's sibling
 scan) are C calls too; the fields a reader indexes (`token`, `count`, `stamp`, `ostamp`,
 `parent`, `died`) are memoryviews over the arrays.
@@ -177,7 +177,7 @@ class CNgramTrie:
         skip_min_context: int,
         skip_scan: int,
     ) -> int | None:
-        """`NgramDrafter._match`'s search in one call (see there); None: no match."""
+        """`NgramLookup._match`'s search in one call (see there); None: no match."""
         ptrs, toks = array("q", pointers), array("q", after)
         node = self._lib.ngt_match(
             self._addr,

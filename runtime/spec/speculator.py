@@ -36,7 +36,7 @@ import math
 from collections import deque
 
 from loom.runtime.spec import Drafter, DraftTree, tree_depths
-from loom.runtime.spec.ngram import MAX_PROMPT_TOKENS, NgramDrafter, NgramState
+from loom.runtime.spec.ngram import MAX_PROMPT_TOKENS, NgramLookup, NgramState
 from loom.runtime.spec.ngram_copy import PromptCopy
 from loom.runtime.spec.stats import AcceptanceStats
 from loom.runtime.step_grammar import StepGrammar
@@ -72,7 +72,7 @@ class NgramSpeculator(Drafter):
     def __init__(self, args, tokenizer, vocab_size: int, eos_token_ids, grammar=None):
         self.num_draft = args.effective_num_draft_tokens - 1
         self.disable_batch_size = args.speculative_disable_by_batch_size
-        self.ngram = NgramDrafter(
+        self.ngram = NgramLookup(
             args.speculative_ngram_min_match_window_size,
             args.speculative_ngram_max_match_window_size,
             # a draft never reads deeper than the match window + the draft budget, so the
