@@ -36,13 +36,19 @@ def smollm2_gguf() -> str:
 
 
 class LoomSide:
-    def __init__(self, gguf: str, threads: int, max_running: int, quantization: str | None):
+    def __init__(
+        self, gguf: str, threads: int, max_running: int, quantization: str | None, kv_tokens: int
+    ):
         import loom
 
+        # the KV pool llama-batched-bench gets (peers.llamacpp.batched's -c): equal memory for
+        # the peak-RSS comparison; loom's default pool (a 2 GB budget) is touched page by page
+        # as its FIFO free list walks it, so long runs would count pool llama.cpp never has
         self.engine = loom.Engine(
             gguf,
             quantization=quantization,
             max_running_requests=max_running,
+            max_total_tokens=kv_tokens,
             random_seed=0,
             cpu_threads=threads,
             log_level="warning",
@@ -95,7 +101,10 @@ def agreement(gguf: str, ntok: int, chunk: int) -> None:
         with ProcessPoolExecutor(1, mp_context=ctx) as pool:
             step = chunk if q == "gguf" else len(ids)
             vals, res[q] = pool.submit(_teacher_forced, gguf, ids, q, step).result()
-        print(f"{'f32' if q == 'none' else q}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}", flush=True)
+        print(
+            f"{'f32' if q == 'none' else q}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}",
+            flush=True,
+        )
     pairs = [(a, b) for a, b in zip(res["none"], res["gguf"]) if a is not None and b is not None]
     same = sum(a == b for a, b in pairs)
     print(f"top-1 agreement {same}/{len(pairs)} = {same / len(pairs):.4f} (chunk {chunk})")
@@ -166,7 +175,8 @@ def main() -> None:
     print(f"model {gguf}, threads {args.threads}, pp {args.pp}, tg {args.tg}, rounds {args.rounds}")
     print(f"load before: {os.getloadavg()}")
     rng = random.Random(0)
-    loom_side = LoomSide(gguf, args.threads, max(sizes), args.quantization or "none")
+    kv_tokens = max(sizes) * (args.pp + args.tg) + 64  # as peers.llamacpp.batched sizes -c
+    loom_side = LoomSide(gguf, args.threads, max(sizes), args.quantization or "none", kv_tokens)
     sched_pids = [c.pid for c in __import__("psutil").Process().children(recursive=True)]
     peers = {}
     if not args.no_llamacpp:
