@@ -41,7 +41,7 @@ def load(isa: str = "native") -> ctypes.CDLL | None:
     return native.load(isa)
 
 
-def resolve_mode(mode: str | None = None, isa: str = "native") -> str:
+def resolve_mode(mode: str | None = None) -> str:
     """`mode`, None meaning DEFAULT_MODE. "auto" is resolved per call by quant.c (T and type)."""
     return mode or DEFAULT_MODE
 
@@ -67,7 +67,7 @@ def matmul(
     whose rows may be strided (a column slice of a wider output). mode: MODES (None: the
     module's DEFAULT_MODE; "auto": resolve_mode)."""
     rows, cols = qt.shape
-    mode = resolve_mode(mode, isa)
+    mode = resolve_mode(mode)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols).to(torch.float32).contiguous()
     t = x2.shape[0]
