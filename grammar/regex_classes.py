@@ -18,7 +18,7 @@ would emit their non-UTF-8 encodings; none of the engines nests classes the same
 
 from __future__ import annotations
 
-_CLASSES = {
+ASCII_CLASSES = {
     "d": [(0x30, 0x39)],
     "w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
     "s": [(0x09, 0x0D), (0x20, 0x20)],
@@ -42,10 +42,10 @@ def _spell(ranges: list[tuple[int, int]]) -> str:
     return "".join(f"\\u{{{a:X}}}" if a == b else f"\\u{{{a:X}}}-\\u{{{b:X}}}" for a, b in ranges)
 
 
-_INSIDE = {k: _spell(v) for k, v in _CLASSES.items()}
-_INSIDE.update({k.upper(): _spell(_complement(v)) for k, v in _CLASSES.items()})
-_OUTSIDE = {k: f"[{_INSIDE[k]}]" for k in _CLASSES}
-_OUTSIDE.update({k.upper(): f"[^{_INSIDE[k]}]" for k in _CLASSES})
+_INSIDE = {k: _spell(v) for k, v in ASCII_CLASSES.items()}
+_INSIDE.update({k.upper(): _spell(_complement(v)) for k, v in ASCII_CLASSES.items()})
+_OUTSIDE = {k: f"[{_INSIDE[k]}]" for k in ASCII_CLASSES}
+_OUTSIDE.update({k.upper(): f"[^{_INSIDE[k]}]" for k in ASCII_CLASSES})
 
 
 def ascii_classes(pattern: str) -> str:

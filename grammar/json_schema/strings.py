@@ -12,6 +12,8 @@ import re._constants as C  # noqa: N812
 import re._parser as sre
 import warnings
 
+from ..regex_classes import ASCII_CLASSES  # one reading of \d \w \s for every regex
+
 _META = set("\\.^$*+?{}[]|()")
 _CLASS_META = set("\\]^-[&~")
 CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
@@ -271,9 +273,7 @@ def _emit(items) -> str:
 
 
 def _category(cat) -> list[tuple[int, int]]:
-    digit = [(0x30, 0x39)]
-    word = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
-    space = [(0x09, 0x0D), (0x20, 0x20)]
+    digit, word, space = ASCII_CLASSES["d"], ASCII_CLASSES["w"], ASCII_CLASSES["s"]
     table = {
         C.CATEGORY_DIGIT: digit,
         C.CATEGORY_WORD: word,
