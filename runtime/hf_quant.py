@@ -1,5 +1,6 @@
-"""Hugging Face weight-only quantized checkpoints (GPTQ and AWQ `quantization_config`) read into
-the ggml block types loom's quantized layers keep (runtime/layers/quant_linear.py).
+"""Hugging Face weight-only quantized checkpoints (GPTQ, AWQ and compressed-tensors
+`quantization_config`) read into the ggml block types loom's quantized layers keep
+(runtime/layers/quant_linear.py).
 
 A quantized linear `p` is stored as p.qweight (int32-packed codes), p.qzeros (int32-packed zero
 points), p.scales (f16, one per group of `group_size` input columns and output row) and, for
@@ -16,10 +17,21 @@ Mapped per block of 32 (the group size must be a multiple of 32), no requantizat
                                    inexact step: at most half an f16 ulp of m).
 An activation-order GPTQ checkpoint (g_idx not k // group) and 8-bit zero points other than
 128 are refused with the field named.
+
+compressed-tensors (llm-compressor's `pack-quantized` format, vLLM's W4A16 / W8A16 checkpoints):
+p.weight_packed [N, K * bits / 32] int32, element k of row n at bit bits * k of the row (dense,
+little-endian), stored as q + 2^(bits - 1) for the signed code q; p.weight_scale [N, K / group]
+("group"), [N, 1] ("channel") or [1] ("tensor"); asymmetric schemes add p.weight_zero_point,
+packed the same way along N. w = scale * (q - zero_point), so the stored unsigned values are the
+codes and zero_point + 2^(bits - 1) the zeros of the formula above. Only weight-only integer
+schemes of 4 or 8 bits are read; activation quantization, sparsity, transforms and other
+formats are refused by field. A scale that is not f16 is rounded to f16 for the block
+(exact for bf16 scales in f16's normal range; relative 2^-11 for f32).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -27,6 +39,7 @@ import torch
 from loom.runtime.layers.quant_types import QuantizedTensor
 
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_CT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -39,9 +52,81 @@ def quant_method(config) -> dict | None:
     method = str(qc.get("quant_method", "")).lower()
     if method in ("gptq", "awq"):
         return qc
+    if method == "compressed-tensors":
+        _check_compressed_tensors(qc)
+        return qc
     raise ValueError(
-        f"quantization_config: quant_method {method!r} is not supported (gptq, awq)"
+        f"quantization_config: quant_method {method!r} is not supported "
+        "(gptq, awq, compressed-tensors)"
     )
+
+
+def _check_compressed_tensors(qc: dict) -> None:
+    """Refuse, by field, what loom's blocks cannot hold exactly as the checkpoint means it."""
+    for field in ("sparsity_config", "transform_config"):
+        if qc.get(field):
+            raise ValueError(f"quantization_config: {field} is not supported")
+    if qc.get("kv_cache_scheme"):
+        raise ValueError("quantization_config: kv_cache_scheme is not supported")
+    for name, group in (qc.get("config_groups") or {}).items():
+        where = f"quantization_config: config_groups.{name}"
+        fmt = group.get("format") or qc.get("format")
+        if fmt != "pack-quantized":
+            raise ValueError(f"{where}.format {fmt!r} is not supported (pack-quantized)")
+        if group.get("input_activations") or group.get("output_activations"):
+            raise ValueError(
+                f"{where}.input_activations: activation quantization is not supported "
+                "(weight-only schemes such as W4A16 / W8A16)"
+            )
+        w = group.get("weights") or {}
+        if w.get("type") != "int" or int(w.get("num_bits", 0)) not in (4, 8):
+            raise ValueError(f"{where}.weights: int with num_bits 4 or 8 only, got {w}")
+        if w.get("strategy") not in ("group", "channel", "tensor"):
+            raise ValueError(f"{where}.weights.strategy {w.get('strategy')!r} is not supported")
+        if w.get("dynamic"):
+            raise ValueError(f"{where}.weights.dynamic is not supported")
+
+
+def _ct_scheme(qc: dict, module: str) -> dict:
+    """The `weights` arguments of the first config group whose targets name `module`
+    ("Linear" matches every packed linear, "re:..." is a regular expression, else the name)."""
+    for group in qc["config_groups"].values():
+        for t in group.get("targets", ()):
+            if t == "Linear" or (t.startswith("re:") and re.match(t[3:], module)) or t == module:
+                return group["weights"]
+    raise ValueError(f"quantization_config: no config_groups target matches {module}")
+
+
+def ct_unpack(parts: dict[str, torch.Tensor], w: dict) -> tuple[torch.Tensor, ...]:
+    """compressed-tensors parts -> (codes [N, K], zeros [N, K / group], scales, bits, group)."""
+    bits = int(w["num_bits"])
+    n, k = (int(x) for x in parts["weight_shape"].tolist())
+    codes = _unpack_cols(parts["weight_packed"], bits, None)[:, :k]  # dense, along K
+    scales = (
+        parts["weight_scale"].float().reshape(n if parts["weight_scale"].numel() > 1 else 1, -1)
+    )
+    scales = scales.expand(n, scales.shape[1]).contiguous()
+    group = k // scales.shape[1] if w["strategy"] == "group" else k
+    if w["strategy"] == "group" and int(w.get("group_size") or 0) != group:
+        raise ValueError(f"quantization_config: group_size {w.get('group_size')} for [{n}, {k}]")
+    zp = parts.get("weight_zero_point")
+    if zp is not None and w["strategy"] != "tensor":  # asymmetric: packed along N
+        zeros = _unpack_cols(zp.T.contiguous(), bits, None)[:, :n].T.contiguous()
+    elif zp is not None:  # one signed zero point, unpacked
+        zeros = torch.full_like(
+            scales, int(zp.reshape(-1)[0]) + (1 << (bits - 1)), dtype=torch.int64
+        )
+    elif w.get("symmetric", True):
+        zeros = torch.full_like(scales, 1 << (bits - 1), dtype=torch.int64)
+    else:
+        raise ValueError(
+            "model_path: an asymmetric compressed-tensors weight lacks weight_zero_point"
+        )
+    if group % 32 or k % group:
+        raise ValueError(
+            f"quantization_config: group_size {group} must be a multiple of 32 dividing {k}"
+        )
+    return codes.contiguous(), zeros.reshape(n, -1), scales, bits, group
 
 
 def _unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -130,15 +215,24 @@ def hf_quantized_weights(
     weights: Iterable[tuple[str, torch.Tensor]], qc: dict
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """The checkpoint's tensors with every packed linear (prefix.qweight / qzeros / scales /
-    g_idx) replaced by one `prefix.weight` QuantizedTensor; other tensors pass through."""
+    g_idx, or compressed-tensors' prefix.weight_packed / weight_scale / ...) replaced by one
+    `prefix.weight` QuantizedTensor; other tensors pass through."""
+    ct = qc["quant_method"].lower() == "compressed-tensors"
+    leaves = _CT_PARTS if ct else _PARTS
     packed: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in weights:
         prefix, _, leaf = name.rpartition(".")
-        if leaf in _PARTS:
+        if leaf in leaves:
             packed.setdefault(prefix, {})[leaf] = t
         else:
             yield name, t
     for prefix, parts in packed.items():
+        if ct:
+            missing = {"weight_packed", "weight_scale", "weight_shape"} - set(parts)
+            if missing:
+                raise ValueError(f"model_path: {prefix} lacks {sorted(missing)}")
+            yield f"{prefix}.weight", to_blocks(*ct_unpack(parts, _ct_scheme(qc, prefix)))
+            continue
         missing = {"qweight", "qzeros", "scales"} - set(parts)
         if missing:
             raise ValueError(f"model_path: {prefix} lacks {sorted(missing)}")

@@ -68,9 +68,10 @@ def write_checkpoint(src: str, dst: Path, method: str, bits: int, group: int, sy
             packed[name] = floats[name] = t.float()
             continue
         codes, zero, scale = quantize(t, bits, group, sym)
-        floats[name] = scale.float().repeat_interleave(group, 1) * (
-            codes - zero.repeat_interleave(group, 1)
-        ).float()
+        floats[name] = (
+            scale.float().repeat_interleave(group, 1)
+            * (codes - zero.repeat_interleave(group, 1)).float()
+        )
         if method == "gptq":  # codes along K, zeros along N and stored minus one (v1)
             packed[f"{prefix}.qweight"] = pack_along(codes.T.numpy(), bits, 0)
             packed[f"{prefix}.qzeros"] = pack_along((zero - 1).T.numpy(), bits, 1)
@@ -109,9 +110,7 @@ def test_packed_checkpoint_equals_its_dequantized_twin(
     )
     ours, sq = run(path)
     theirs, _ = run(ref)
-    held = {
-        n: p.quant for n, p in sq.runner.model.named_parameters() if getattr(p, "quant", None)
-    }
+    held = {n: p.quant for n, p in sq.runner.model.named_parameters() if getattr(p, "quant", None)}
     assert len(held) == 2 * 4 and all(isinstance(q, QuantWeight) for q in held.values())
     assert {qt.qtype for q in held.values() for _, qt in q.parts} == {qtype}
     for rid in ours:
@@ -160,4 +159,117 @@ def test_bad_quantization_configs_name_the_field():
     with pytest.raises(ValueError, match="quantization_config: desc_act"):
         hf_quant.unpack(parts, {"quant_method": "gptq", "bits": 4, "group_size": 32})
     with pytest.raises(ValueError, match="quantization_config: group_size 16"):
-        hf_quant.unpack({**parts, "g_idx": None}, {"quant_method": "gptq", "bits": 4, "group_size": 16})
+        hf_quant.unpack(
+            {**parts, "g_idx": None}, {"quant_method": "gptq", "bits": 4, "group_size": 16}
+        )
+
+
+def write_compressed_tensors(src: str, dst: Path, bits: int, strategy: str, group, sym: bool):
+    """`src` quantized and saved by compressed-tensors itself (llm-compressor's save path:
+    apply_quantization_config, min-max scales from the library's calculate_qparams,
+    ModelCompressor.compress_model, save_pretrained, update_config), and beside it a float
+    folder of the weights the library's own decompressor reads back from that file."""
+    from compressed_tensors.compressors import ModelCompressor, PackedQuantizationCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy,
+                            group_size=group)  # fmt: skip
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
+    for m in model.modules():
+        if hasattr(m, "weight_scale"):
+            w = m.weight.data
+            g = w.reshape(w.shape[0], -1, group or w.shape[1])
+            s, z = calculate_qparams(g.amin(-1), g.amax(-1), args)
+            m.weight_scale.data.copy_(s.reshape(m.weight_scale.shape))
+            if hasattr(m, "weight_zero_point"):
+                m.weight_zero_point.data.copy_(z.reshape(m.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    shutil.copytree(src, dst)  # the tokenizer; the weights and config are replaced
+    for f in dst.glob("*.safetensors"):
+        f.unlink()
+    model.save_pretrained(dst)
+    compressor.update_config(str(dst))
+    ref = dst.parent / f"{dst.name}-ref"
+    shutil.copytree(src, ref)
+    tensors = load_file(str(dst / "model.safetensors"))
+    floats = {}
+    for name, t in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "weight_packed":
+            parts = {
+                k.rpartition(".")[2]: v for k, v in tensors.items() if k.startswith(prefix + ".")
+            }
+            floats[f"{prefix}.weight"] = PackedQuantizationCompressor.decompress(parts, scheme)[
+                "weight"
+            ].float()
+        elif not leaf.startswith("weight_"):
+            floats[name] = t.float()
+    for f in ref.glob("*.safetensors"):
+        f.unlink()
+    save_file({k: v.contiguous() for k, v in floats.items()}, str(ref / "model.safetensors"))
+    return str(dst), str(ref)
+
+
+@pytest.mark.parametrize(
+    "bits,strategy,group,sym,qtype,tol",
+    [
+        (4, "group", 32, True, "Q4_0", 2e-3),  # W4A16: f32 scales rounded to the block's f16
+        (4, "group", 64, False, "Q4_1", 5e-3),  # W4A16 asymmetric
+        (8, "channel", None, True, "Q8_0", 2e-3),  # W8A16
+    ],
+)
+def test_compressed_tensors_checkpoint_equals_its_decompressed_twin(
+    tiny_model_dir, tmp_path, monkeypatch, bits, strategy, group, sym, qtype, tol
+):
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "f32")
+    path, ref = write_compressed_tensors(
+        tiny_model_dir("llama"), tmp_path / "ct", bits, strategy, group, sym
+    )
+    qc = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    ours, sq = run(path)
+    theirs, _ = run(ref)
+    held = {n: p.quant for n, p in sq.runner.model.named_parameters() if getattr(p, "quant", None)}
+    assert len(held) == 2 * 4 and {qt.qtype for q in held.values() for _, qt in q.parts} == {qtype}
+    for rid in ours:
+        a, b = torch.tensor(ours[rid]["lp"][1:]), torch.tensor(theirs[rid]["lp"][1:])
+        assert (a - b).abs().max().item() < tol, (rid, (a - b).abs().max().item())
+        assert ours[rid]["ids"] == theirs[rid]["ids"], rid
+
+
+@pytest.mark.parametrize(
+    "patch,field",
+    [
+        ({"format": "int-quantized"}, "config_groups.group_0.format 'int-quantized'"),
+        ({"input_activations": {"num_bits": 8, "type": "int"}}, "input_activations"),
+        ({"weights": {"num_bits": 2, "type": "int", "strategy": "group"}}, "weights: int"),
+        ({"weights": {"num_bits": 4, "type": "int", "strategy": "block"}}, "strategy 'block'"),
+    ],
+)
+def test_compressed_tensors_refusals_name_the_field(patch, field):
+    group = {"format": "pack-quantized", "targets": ["Linear"],
+             "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}}  # fmt: skip
+
+    class Cfg:
+        quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                               "config_groups": {"group_0": {**group, **patch}}}  # fmt: skip
+
+    with pytest.raises(ValueError, match=f"quantization_config: .*{field.replace('.', '[.]')}"):
+        hf_quant.quant_method(Cfg())
+    Cfg.quantization_config = {**Cfg.quantization_config, "config_groups": {"group_0": group},
+                               "sparsity_config": {"format": "sparse-24-bitmask"}}  # fmt: skip
+    with pytest.raises(ValueError, match="quantization_config: sparsity_config"):
+        hf_quant.quant_method(Cfg())
