@@ -67,6 +67,11 @@ def main() -> None:
     p.add_argument(
         "--prefetch-rows", default="", help="comma list: f32 mode once per loom_q_prefetch_rows"
     )
+    p.add_argument(
+        "--wide-rows",
+        default="",
+        help="comma list: f32 mode once per loom_q_wide_rows (T > 4; 0 = two passes of 4 tokens)",
+    )
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     path = args.gguf
@@ -79,10 +84,12 @@ def main() -> None:
     lib = quant_ops.load()
     modes = args.modes.split(",")
     knob = ctypes.c_int.in_dll(lib, "loom_q_prefetch_rows")
-    default_pf = knob.value
-    pfs = {m: default_pf for m in modes}
+    wide = ctypes.c_int.in_dll(lib, "loom_q_wide_rows")
+    pfs = {m: (knob.value, wide.value) for m in modes}  # mode -> (prefetch rows, wide rows)
     for v in filter(None, args.prefetch_rows.split(",")):
-        pfs[f"f32@{v}"] = int(v)
+        pfs[f"f32@{v}"] = (int(v), wide.value)
+    for v in filter(None, args.wide_rows.split(",")):
+        pfs[f"f32w{v}"] = (knob.value, int(v))
     modes = list(pfs)
     T = args.tokens
     print(f"{path}: T={T}, threads {args.threads}, load {os.getloadavg()}")
@@ -98,7 +105,7 @@ def main() -> None:
         x, y = torch.randn(T, k), torch.empty(T, n)
         keep.append((x, y))
         return (
-            quant_ops.QTYPES[qt.qtype], quant_ops.MODES[mode.split("@")[0]], qt.data.data_ptr(), n, k,
+            quant_ops.QTYPES[qt.qtype], quant_ops.MODES[mode.split("@")[0].split("w")[0]], qt.data.data_ptr(), n, k,
             qt.row_bytes, x.data_ptr(), T, k, None, y.data_ptr(), n, 0, args.threads,
         )  # fmt: skip
 
@@ -106,7 +113,7 @@ def main() -> None:
     token = {mode: [calls(mode, qt) for mats in model for qt in mats.values()] for mode in modes}
     for _ in range(args.rounds):
         for mode in modes:
-            knob.value = pfs[mode]
+            knob.value, wide.value = pfs[mode]
             for c in token[mode]:  # a warm-up pass
                 lib.loom_q_matmul(*c)
             t0 = time.thread_time()
@@ -119,7 +126,7 @@ def main() -> None:
                 x = torch.randn(T, k)
                 y = torch.empty(T, n)
                 call = (
-                    quant_ops.QTYPES[qt.qtype], quant_ops.MODES[mode.split("@")[0]], qt.data.data_ptr(), n, k,
+                    quant_ops.QTYPES[qt.qtype], quant_ops.MODES[mode.split("@")[0].split("w")[0]], qt.data.data_ptr(), n, k,
                     qt.row_bytes, x.data_ptr(), T, k, None, y.data_ptr(), n, 0, args.threads,
                 )  # fmt: skip
                 reps = max(5, args.reps * 576 * 576 // (n * k))

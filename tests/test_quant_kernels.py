@@ -8,6 +8,7 @@ and larger, both activation modes and both instruction-set builds (VNNI and port
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -252,6 +253,33 @@ def test_f32_decode_gemv_long_rows(qtype, isa):
             y = quant_ops.matmul(qt, x, bias, mode="f32", isa=isa).double()
             scale = (x.double().abs() @ w.abs().T).max().item()
             assert (y - ref).abs().max().item() / scale < 2e-6, (qtype, rows, nblocks, t)
+
+
+@pytest.mark.parametrize("qtype", I16_TYPES)
+def test_f32_decode_gemv_is_batch_invariant(qtype, isa):
+    """Mode "f32" up to 8 tokens: a token's outputs are bitwise the same alone and in a batch of
+    2..8, whichever way the kernel groups rows and tokens (loom_q_wide_rows 1-3: one pass of
+    5-8 tokens; 0: passes of four), on one or two threads. What lets a batch-1 decode and its
+    verify steps of <= 8 rows agree bitwise under mode auto."""
+    lib = quant_ops.load(isa)
+    wide = ctypes.c_int.in_dll(lib, "loom_q_wide_rows")
+    default, prev = wide.value, torch.get_num_threads()
+    qt = random_blocks(qtype, 37, 40 * 32, 5)
+    x = torch.randn(8, qt.shape[1], generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(6))
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([quant_ops.matmul(qt, x[i : i + 1], bias, mode="f32", isa=isa)
+                           for i in range(8)])  # fmt: skip
+        for rows, threads in ((0, 1), (1, 2), (2, 1), (3, 1), (3, 2)):
+            wide.value = rows
+            torch.set_num_threads(threads)
+            for t in range(2, 9):
+                got = quant_ops.matmul(qt, x[:t], bias, mode="f32", isa=isa)
+                assert torch.equal(got, alone[:t]), (qtype, rows, threads, t)
+    finally:
+        wide.value = default
+        torch.set_num_threads(prev)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -270,6 +270,7 @@ LOOM_API int64_t ngt_check(int64_t* h);
 LOOM_API int loom_q_vnni(void);
 LOOM_API int loom_q_f32v(void);
 LOOM_API extern int loom_q_prefetch_rows;
+LOOM_API extern int loom_q_wide_rows;
 LOOM_API int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K,
                            int64_t row_bytes, const float* x, int64_t T, int64_t ldx,
                            const float* bias, float* y, int64_t ldy, int accumulate, int threads);

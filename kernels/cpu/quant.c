@@ -619,6 +619,10 @@ static int matmul_i16(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t
    than with the same matrices cache-resident (docs/benchmarks.md, "batch-1 GEMV"). A tuning
    knob the benchmark sets through ctypes (c_int.in_dll). */
 int loom_q_prefetch_rows = 8;
+/* rows a group of f32v_wide (T > 4) takes: 1 .. F32V_WR (3: 5-8 tokens 1.15-1.4x faster than two
+   passes of four, bench_quant_gemv.py --wide-rows); any other value keeps the two passes. A
+   tuning knob the benchmark sets through ctypes, like the one above. */
+int loom_q_wide_rows = 3;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LOOM_Q_F32V 1
 #define F32V_MAX 8    /* tokens up to which LOOM_Q_F32 takes these kernels */
@@ -698,12 +702,103 @@ static void f32v_block(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K
 #undef F32V_CASE
 }
 
+/* out[r * TT + t] as f32v_rows computes it, for R <= F32V_WR rows and 4 < TT <= 8 tokens in
+   one pass: each block's weights are expanded once for all TT tokens (two passes of f32v_rows
+   expand them twice), the accumulators are R * TT registers and each token's activations are
+   loaded once a block for the R rows. Every accumulator takes the same FMAs in the same order
+   as in f32v_rows, so the outputs are bitwise those of f32v_rows (and so of T = 1). */
+#define F32V_WR 3
+static inline __attribute__((always_inline)) void f32v_wide(int qtype, const uint8_t* w,
+                                                            int64_t row_bytes, int64_t K,
+                                                            const float* x, int64_t ldx,
+                                                            float* out, const int R,
+                                                            const int TT) {
+    const int64_t nb = K / 32;
+    const int bb = block_bytes(qtype);
+    __m512 acc[F32V_WR * F32V_MAX];
+    float dsc[F32V_WR][F32V_CHUNK], msc[F32V_WR][F32V_CHUNK];
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t pf = loom_q_prefetch_rows;
+    for (int i = 0; i < R * TT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < nb; i0 += F32V_CHUNK) {
+        const int n = nb - i0 < F32V_CHUNK ? (int)(nb - i0) : F32V_CHUNK;
+        for (int r = 0; r < R; r++) block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
+        for (int j = 0; j < n; j++) {
+            const int64_t i = i0 + j;
+            __m512 lo[F32V_WR], hi[F32V_WR], d[F32V_WR];
+            for (int r = 0; r < R; r++) {
+                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + i * bb), _MM_HINT_T0);
+                if (qtype == LOOM_Q8_0) {
+                    f32v_q8(w + r * row_bytes + i * bb, &lo[r], &hi[r]);
+                    d[r] = _mm512_set1_ps(dsc[r][j]);
+                } else {
+                    const __m512 tab = _mm512_fmadd_ps(iota, _mm512_set1_ps(dsc[r][j]),
+                                                       _mm512_set1_ps(msc[r][j]));
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        (const __m128i*)(w + r * row_bytes + i * bb + (qtype == LOOM_Q4_1 ? 4 : 2))));
+                    lo[r] = _mm512_permutexvar_ps(v, tab);
+                    hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
+                }
+            }
+            for (int t = 0; t < TT; t++) {
+                const __m512 xa = _mm512_loadu_ps(x + t * ldx + 32 * i);
+                const __m512 xb = _mm512_loadu_ps(x + t * ldx + 32 * i + 16);
+                for (int r = 0; r < R; r++) {
+                    if (qtype == LOOM_Q8_0) {
+                        const __m512 s = _mm512_fmadd_ps(hi[r], xb, _mm512_mul_ps(lo[r], xa));
+                        acc[r * TT + t] = _mm512_fmadd_ps(s, d[r], acc[r * TT + t]);
+                    } else {
+                        acc[r * TT + t] = _mm512_fmadd_ps(
+                            hi[r], xb, _mm512_fmadd_ps(lo[r], xa, acc[r * TT + t]));
+                    }
+                }
+            }
+        }
+    }
+    for (int i = 0; i < R * TT; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+/* f32v_wide for R rows (1 .. F32V_WR) and TT tokens (5 .. 8), one instance per constant pair */
+static void f32v_wide_block(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K,
+                            const float* x, int64_t ldx, float* out, int R, int TT) {
+#define F32V_WCASE(RR, TTT)                                                                    \
+    case 8 * (RR) + (TTT):                                                                     \
+        f32v_wide(qtype, w, row_bytes, K, x, ldx, out, RR, TTT);                               \
+        break;
+    switch (8 * R + TT) {
+        F32V_WCASE(1, 5) F32V_WCASE(1, 6) F32V_WCASE(1, 7) F32V_WCASE(1, 8)
+        F32V_WCASE(2, 5) F32V_WCASE(2, 6) F32V_WCASE(2, 7) F32V_WCASE(2, 8)
+        F32V_WCASE(3, 5) F32V_WCASE(3, 6) F32V_WCASE(3, 7) F32V_WCASE(3, 8)
+        default: break;
+    }
+#undef F32V_WCASE
+}
+
 /* loom_q_matmul's LOOM_Q_F32 branch for T <= F32V_MAX (Q8_0, Q4_0, Q4_1): groups of four rows
    over the threads, each group's tokens in passes of up to four (7: 4 + 3). */
 static int matmul_f32v(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                        const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                        int64_t ldy, int accumulate, int threads) {
     if (threads < 1) threads = 1;
+    const int wr = loom_q_wide_rows;
+    if (T > 4 && wr >= 1 && wr <= F32V_WR) {
+        const int64_t wgroups = (N + wr - 1) / wr;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t g = 0; g < wgroups; g++) {
+            const int64_t n0 = wr * g;
+            const int R = N - n0 < wr ? (int)(N - n0) : wr;
+            float o[F32V_WR * F32V_MAX];
+            f32v_wide_block(qtype, w + n0 * row_bytes, row_bytes, K, x, ldx, o, R, (int)T);
+            for (int r = 0; r < R; r++) {
+                const float bn = bias ? bias[n0 + r] : 0.f;
+                for (int64_t t = 0; t < T; t++) {
+                    float* yo = y + t * ldy + n0 + r;
+                    *yo = (accumulate ? *yo : 0.f) + o[r * T + t] + bn;
+                }
+            }
+        }
+        return 0;
+    }
     const int64_t groups = (N + 3) / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
