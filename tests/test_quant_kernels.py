@@ -307,3 +307,19 @@ def test_f32_decode_gemv_is_batch_invariant_up_to_8_rows(qtype, isa):
             assert torch.equal(got, alone[:t]), (qtype, cols, t)
         perm = torch.randperm(8, generator=torch.Generator().manual_seed(3))
         assert torch.equal(quant_ops.matmul(qt, x[perm], mode="auto", isa=isa), alone[perm])
+
+
+def test_matmul_of_no_rows_reads_nothing(monkeypatch):
+    """A step with no logits rows (a prefill chunk that finishes no request) multiplies the
+    head by an empty x: the result is empty, and the full-matrix reference (which dequantizes
+    every row: Gemma 3's 262k-row head is 671 MB of float32) is never called."""
+    import loom.kernels.quant_ref as ref
+
+    def fail(*a, **k):
+        raise AssertionError("matmul_ref called for an empty x")
+
+    monkeypatch.setattr(ref, "matmul_ref", fail)
+    qt = random_blocks("Q8_0", 40, 64)
+    for x in (torch.empty(0, 64), torch.empty(2, 0, 64)):
+        y = quant_ops.matmul(qt, x, torch.randn(40))
+        assert y.shape == (*x.shape[:-1], 40) and y.dtype == torch.float32
