@@ -30,6 +30,7 @@ QTYPES = list(BLOCKS)
 GEMV_MAX = 8  # quant.c: token count up to which "int8" takes the int8 dot products
 I16_MAX = 8  # quant.c: token count up to which "int16" takes the 16-bit kernels
 I16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the types with 16-bit kernels ("int16" on others: int8)
+F32V_TYPES = QTYPES  # the types the f32 decode GEMV (quant.c matmul_f32v) reads: all of them
 
 
 def seen(x: torch.Tensor, qtype: str, mode: str, isa: str = "native") -> torch.Tensor:
@@ -37,7 +38,7 @@ def seen(x: torch.Tensor, qtype: str, mode: str, isa: str = "native") -> torch.T
     t = x.shape[0]
     if mode == "auto":  # quant.c: the f32 GEMV (where built) up to 8 tokens, else "bi"
         lib = quant_ops.load(isa)
-        f32v = lib is not None and lib.loom_q_f32v() and qtype in I16_TYPES and t <= 8
+        f32v = lib is not None and lib.loom_q_f32v() and qtype in F32V_TYPES and t <= 8
         mode = "f32" if f32v else "bi"
     if mode == "bi":  # 16-bit activations for every type and token count
         return quantize_act16_ref(x)
@@ -112,17 +113,17 @@ def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
 
 def test_auto_mode_takes_the_f32_gemv_up_to_8_tokens_and_bi_above(isa):
     """The default mode, "auto", resolved per call in quant.c: bitwise "f32" (the
-    register-expanded decode GEMV) for Q8_0 / Q4_0 / Q4_1 up to 8 tokens in a build with
-    AVX-512F/BW, bitwise "bi" for other types, more tokens, or another build."""
+    register-expanded decode GEMV) for every block type up to 8 tokens in a build with
+    AVX-512F/BW, bitwise "bi" for more tokens or another build."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     f32v = "avx512f" in flags and "avx512bw" in flags and isa == "native"
     assert quant_ops.resolve_mode(None) == "auto"
-    for qtype in ("Q4_1", "Q6_K"):
+    for qtype in ("Q4_1", "Q6_K", "Q5_0", "Q4_K"):
         qt = random_blocks(qtype, 24, 2 * BLOCKS[qtype][0], 3)
         for t in (1, 8, 9, 20):
             x = torch.randn(t, qt.shape[1], generator=torch.Generator().manual_seed(t))
             got = quant_ops.matmul(qt, x, mode="auto", isa=isa)
-            expect = "f32" if f32v and qtype in I16_TYPES and t <= 8 else "bi"
+            expect = "f32" if f32v and qtype in F32V_TYPES and t <= 8 else "bi"
             assert torch.equal(got, quant_ops.matmul(qt, x, mode=expect, isa=isa)), (qtype, t)
 
 
@@ -238,13 +239,15 @@ def test_real_tensors_match_gguf(real_gguf):
     assert seen == {"Q8_0", "Q4_1"}
 
 
-@pytest.mark.parametrize("qtype", I16_TYPES)
+@pytest.mark.parametrize("qtype", F32V_TYPES)
 def test_f32_decode_gemv_long_rows(qtype, isa):
-    """The f32 decode GEMV (T <= 8) over rows of several scale chunks (16 blocks each) and a
-    partial last one, row counts that leave 1-3 rows past the groups of four, and a strided,
-    accumulated output: against the dequantized weights in float64."""
-    for rows, nblocks in ((9, 37), (6, 16), (3, 18)):
-        qt = random_blocks(qtype, rows, nblocks * 32, rows)
+    """The f32 decode GEMV (T <= 8) over rows of several scale chunks (16 units of 32 values
+    each: two K super-blocks) and a partial last one, row counts that leave 1-3 rows past the
+    groups of four: against the dequantized weights in float64."""
+    values = BLOCKS[qtype][0]
+    shapes = ((9, 5), (6, 2), (3, 3)) if values == 256 else ((9, 37), (6, 16), (3, 18))
+    for rows, nblocks in shapes:
+        qt = random_blocks(qtype, rows, nblocks * values, rows)
         w = dequantize_ref(qt.qtype, qt.data, qt.shape).double()
         for t in range(1, 9):
             x = torch.randn(t, qt.shape[1], generator=torch.Generator().manual_seed(t))
@@ -255,7 +258,7 @@ def test_f32_decode_gemv_long_rows(qtype, isa):
             assert (y - ref).abs().max().item() / scale < 2e-6, (qtype, rows, nblocks, t)
 
 
-@pytest.mark.parametrize("qtype", I16_TYPES)
+@pytest.mark.parametrize("qtype", F32V_TYPES)
 def test_f32_decode_gemv_is_batch_invariant(qtype, isa):
     """Mode "f32" up to 8 tokens: a token's outputs are bitwise the same alone and in a batch of
     2..8, whichever way the kernel groups rows and tokens (loom_q_wide_rows 1-3: one pass of
@@ -264,7 +267,7 @@ def test_f32_decode_gemv_is_batch_invariant(qtype, isa):
     lib = quant_ops.load(isa)
     wide = ctypes.c_int.in_dll(lib, "loom_q_wide_rows")
     default, prev = wide.value, torch.get_num_threads()
-    qt = random_blocks(qtype, 37, 40 * 32, 5)
+    qt = random_blocks(qtype, 37, 5 * 256, 5)  # 40 units of 32: scale chunks 16 + 16 + 8
     x = torch.randn(8, qt.shape[1], generator=torch.Generator().manual_seed(5))
     bias = torch.randn(37, generator=torch.Generator().manual_seed(6))
     try:
@@ -312,3 +315,39 @@ def test_bi_rows_are_batch_invariant(qtype, isa):
                 assert torch.equal(got, alone[perm]), (qtype, cols, threads)
     finally:
         torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("qtype", F32V_TYPES)
+def test_f32_decode_gemv_is_batch_invariant_up_to_8_rows(qtype, isa):
+    """Mode "auto" at 1..8 tokens (the f32 decode GEMV on AVX-512 builds, "bi" elsewhere): a
+    token's outputs are bitwise the same alone and in any batch of up to 8 rows, at any place
+    in it, so a batch-1 decode step and its <= 8-row verify steps agree bitwise."""
+    values = BLOCKS[qtype][0]
+    for rows, nblocks in ((7, 3), (13, 1)):
+        cols = nblocks * values
+        qt = random_blocks(qtype, rows, cols, nblocks)
+        x = torch.randn(8, cols, generator=torch.Generator().manual_seed(rows))
+        alone = torch.cat(
+            [quant_ops.matmul(qt, x[i : i + 1], mode="auto", isa=isa) for i in range(8)]
+        )
+        for t in range(2, 9):
+            got = quant_ops.matmul(qt, x[:t], mode="auto", isa=isa)
+            assert torch.equal(got, alone[:t]), (qtype, cols, t)
+        perm = torch.randperm(8, generator=torch.Generator().manual_seed(3))
+        assert torch.equal(quant_ops.matmul(qt, x[perm], mode="auto", isa=isa), alone[perm])
+
+
+def test_matmul_of_no_rows_reads_nothing(monkeypatch):
+    """A step with no logits rows (a prefill chunk that finishes no request) multiplies the
+    head by an empty x: the result is empty, and the full-matrix reference (which dequantizes
+    every row: Gemma 3's 262k-row head is 671 MB of float32) is never called."""
+    import loom.kernels.quant_ref as ref
+
+    def fail(*a, **k):
+        raise AssertionError("matmul_ref called for an empty x")
+
+    monkeypatch.setattr(ref, "matmul_ref", fail)
+    qt = random_blocks("Q8_0", 40, 64)
+    for x in (torch.empty(0, 64), torch.empty(2, 0, 64)):
+        y = quant_ops.matmul(qt, x, torch.randn(40))
+        assert y.shape == (*x.shape[:-1], 40) and y.dtype == torch.float32

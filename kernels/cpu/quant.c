@@ -17,8 +17,8 @@
                   held as two int8 halves, two integer dot products per block (gemv32_i16,
                   below: why and how); other types take LOOM_Q_INT8 in this mode.
      LOOM_Q_F32   each weight row dequantized to f32 in a thread-local row buffer (L1) and
-                  dotted with the f32 activations by FMA: no activation rounding. For Q8_0 /
-                  Q4_0 / Q4_1 at T <= 8 in AVX-512 builds: matmul_f32v (below), the blocks
+                  dotted with the f32 activations by FMA: no activation rounding. For every
+                  type at T <= 8 in AVX-512 builds: matmul_f32v (below), the blocks
                   expanded to f32 in registers, four rows a pass.
    Either way a row is decoded once per call and used for all T tokens, so a GEMV (T = 1..8)
    streams the weights once and a GEMM (prefill) reuses the decoded row from L1.
@@ -337,6 +337,12 @@ static int has_i16(int qtype) {
     return qtype == LOOM_Q8_0 || qtype == LOOM_Q4_0 || qtype == LOOM_Q4_1;
 }
 
+/* the types the f32 decode GEMV (matmul_f32v) reads: every type but none */
+static int has_f32v(int qtype) {
+    return has_i16(qtype) || qtype == LOOM_Q5_0 || qtype == LOOM_Q5_1 || qtype == LOOM_Q4_K ||
+           qtype == LOOM_Q6_K;
+}
+
 /* x [K] f32 -> hi, lo [K] int8, d [K / 32] (the block's scale), xs [K / 32] (d * the block's
    sum of codes: what a block offset m multiplies). */
 static void quantize_act16(const float* x, int64_t K, int8_t* hi, int8_t* lo, float* d,
@@ -597,7 +603,8 @@ static int matmul_i16(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t
 
 /* ---- f32 activations, weights expanded in registers: the decode GEMV (LOOM_Q_F32, T <= 8) --
 
-   For Q8_0 / Q4_0 / Q4_1 at T <= F32V_MAX tokens (AVX-512 builds). Each 32-value block becomes
+   For Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q6_K at T <= F32V_MAX tokens (AVX-512
+   builds; has_f32v). Each 32-value block (a K type: each 32-value unit of a super-block) becomes
    two 16-lane f32 weight vectors in registers (values 0..15 and 16..31: the GGUF nibble order
    needs no shuffle) that multiply the f32 activations as they are: nothing rounds the
    activations (the 16-bit path's only approximation), and the weights are the same f32 values
@@ -606,6 +613,8 @@ static int matmul_i16(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t
      vpermps picks each lane's value by its low 4 bits, i.e. the low nibble, and after a
      4-bit shift the high one: no mask, no int -> float conversion, no separate offset term.
    - Q8_0: the bytes sign-extend and convert; s = lo * xa + hi * xb, then acc += d * s.
+   - Q5_0 / Q5_1, Q4_K, Q6_K: f32v_unit below (a 32-entry table and vpermt2ps; the Q4 table
+     with a unit's own scale and min; 6-bit codes converted and scaled per group of 16).
    Four rows go together (each activation vector loaded once for them, four independent
    accumulator chains), the accumulators stay vectors across the row and are reduced once at
    its end, and the f16 scales of F32V_CHUNK blocks are converted by one gather (block_scales).
@@ -635,6 +644,111 @@ static inline __attribute__((always_inline)) void f32v_q8(const uint8_t* blk, __
     *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18))));
 }
 
+/* The types f32v_unit expands (Gemma 3's Q5_0 / Q4_K / Q6_K, and Q5_1) */
+static inline int f32v_unit_type(int qtype) {
+    return qtype == LOOM_Q5_0 || qtype == LOOM_Q5_1 || qtype == LOOM_Q4_K || qtype == LOOM_Q6_K;
+}
+
+/* Per 32-value unit i0 .. i0 + n - 1 of a row of f32v_unit_type blocks, the two floats
+   f32v_unit takes: Q5_x the block's d and offset m (-16 d for Q5_0); Q4_K the unit's
+   sub-block scale d * sc and offset -dmin * min; Q6_K the scales d * sc of its two groups of
+   16 (a: values 0..15, b: 16..31; the offset is -32 times each). i0 is a multiple of 8 for
+   the K types (F32V_CHUNK is), so a chunk covers whole super-blocks. */
+static inline void f32v_scales(int qtype, const uint8_t* row, int64_t i0, int n, float* a,
+                               float* b) {
+    const int bb = block_bytes(qtype);
+    if (qtype == LOOM_Q5_0 || qtype == LOOM_Q5_1) {
+        for (int j = 0; j < n; j++) {
+            const uint8_t* blk = row + (i0 + j) * bb;
+            a[j] = f16_to_f32(blk);
+            b[j] = qtype == LOOM_Q5_1 ? f16_to_f32(blk + 2) : -16.f * a[j];
+        }
+    } else if (qtype == LOOM_Q4_K) {
+        for (int j = 0; j < n; j += 8) {
+            const uint8_t* blk = row + (i0 + j) / 8 * bb;
+            const float d = f16_to_f32(blk), dmin = f16_to_f32(blk + 2);
+            for (int u = 0; u < 8; u++) {
+                uint8_t sc, mn;
+                k4_scale_min(u, blk + 4, &sc, &mn);
+                a[j + u] = d * sc;
+                b[j + u] = -dmin * mn;
+            }
+        }
+    } else { /* Q6_K */
+        for (int j = 0; j < n; j += 8) {
+            const uint8_t* blk = row + (i0 + j) / 8 * bb;
+            const int8_t* sc = (const int8_t*)(blk + 192);
+            const float d = f16_to_f32(blk + 208);
+            for (int u = 0; u < 8; u++) {
+                a[j + u] = d * sc[2 * u];
+                b[j + u] = d * sc[2 * u + 1];
+            }
+        }
+    }
+}
+
+/* Unit i (32 values) of a row of f32v_unit_type blocks as f32 weights: values 0..15 in *lo,
+   16..31 in *hi, each the f32 value s * u + b of the dequantizing reference (one FMA, or an
+   exact small-integer product for Q6_K). a, b: f32v_scales' pair for the unit.
+   - Q5_x: the 32 possible values form two 16-entry tables (codes 0..15 and 16..31);
+     vpermt2ps picks by 5 index bits: the nibble, and bit 4 set from qh's bit for the lane.
+   - Q4_K: unit j of a super-block holds the low (j even) or high (j odd) nibbles of the 32
+     bytes qs[32 (j / 2) ..]; the unit's 16-entry table as Q4_0 / Q4_1's.
+   - Q6_K: unit j's codes are 4 bits of ql (bytes 64 (j / 4) + 32 (j % 2) .., the high
+     nibble for j % 4 >= 2) and 2 bits of qh (bytes 32 (j / 4) .., shifted by 2 (j % 4)), as
+     ggml's dequantize_row_q6_K; (code - 32) converts exactly and is scaled per 16 values. */
+static inline __attribute__((always_inline)) void f32v_unit(int qtype, const uint8_t* row,
+                                                            int64_t i, float a, float b,
+                                                            __m512* lo, __m512* hi) {
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i nib = _mm512_set1_epi32(15);
+    if (qtype == LOOM_Q5_0 || qtype == LOOM_Q5_1) {
+        const uint8_t* blk = row + i * block_bytes(qtype);
+        const uint8_t* qhp = blk + (qtype == LOOM_Q5_1 ? 4 : 2);
+        uint32_t qh;
+        memcpy(&qh, qhp, 4);
+        const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(a), _mm512_set1_ps(b));
+        const __m512 t1 = _mm512_fmadd_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)),
+                                          _mm512_set1_ps(a), _mm512_set1_ps(b));
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qhp + 4)));
+        const __m512i bit4 = _mm512_set1_epi32(16);
+        const __m512i il = _mm512_and_si512(v, nib), ih = _mm512_srli_epi32(v, 4);
+        *lo = _mm512_permutex2var_ps(t0, _mm512_mask_or_epi32(il, (__mmask16)qh, il, bit4), t1);
+        *hi = _mm512_permutex2var_ps(
+            t0, _mm512_mask_or_epi32(ih, (__mmask16)(qh >> 16), ih, bit4), t1);
+    } else if (qtype == LOOM_Q4_K) {
+        const int j = (int)(i & 7);
+        const uint8_t* q = row + (i >> 3) * 144 + 16 + 32 * (j >> 1);
+        const __m512 tab = _mm512_fmadd_ps(iota, _mm512_set1_ps(a), _mm512_set1_ps(b));
+        __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16)));
+        if (j & 1) {
+            v0 = _mm512_srli_epi32(v0, 4);
+            v1 = _mm512_srli_epi32(v1, 4);
+        }
+        *lo = _mm512_permutexvar_ps(v0, tab); /* vpermps reads the low 4 index bits */
+        *hi = _mm512_permutexvar_ps(v1, tab);
+    } else { /* Q6_K */
+        const int j = (int)(i & 7);
+        const uint8_t* blk = row + (i >> 3) * 210;
+        const uint8_t* ql = blk + 64 * (j >> 2) + 32 * (j & 1);
+        const uint8_t* qh = blk + 128 + 32 * (j >> 2);
+        const __m128i ns = _mm_cvtsi32_si128(4 * ((j >> 1) & 1)), hs = _mm_cvtsi32_si128(2 * (j & 3));
+        const __m512i three = _mm512_set1_epi32(3), off = _mm512_set1_epi32(32);
+        __m512i c[2];
+        for (int h = 0; h < 2; h++) {
+            const __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(ql + 16 * h)));
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qh + 16 * h)));
+            c[h] = _mm512_sub_epi32(
+                _mm512_or_si512(_mm512_and_si512(_mm512_srl_epi32(l, ns), nib),
+                                _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(u, hs), three), 4)),
+                off);
+        }
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(c[0]), _mm512_set1_ps(a));
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(c[1]), _mm512_set1_ps(b));
+    }
+}
+
 /* out[r * TT + t] = row r of R rows (row_bytes apart from w) . token t of TT (x rows ldx
    apart) */
 static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uint8_t* w,
@@ -651,7 +765,12 @@ static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uin
     for (int i = 0; i < R * TT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += F32V_CHUNK) {
         const int n = nb - i0 < F32V_CHUNK ? (int)(nb - i0) : F32V_CHUNK;
-        for (int r = 0; r < R; r++) block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
+        for (int r = 0; r < R; r++) {
+            if (f32v_unit_type(qtype))
+                f32v_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
+            else
+                block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
+        }
         for (int j = 0; j < n; j++) {
             const int64_t i = i0 + j;
             __m512 xa[4], xb[4];
@@ -660,8 +779,16 @@ static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uin
                 xb[t] = _mm512_loadu_ps(x + t * ldx + 32 * i + 16);
             }
             for (int r = 0; r < R; r++) {
-                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + i * bb), _MM_HINT_T0);
-                if (qtype == LOOM_Q8_0) {
+                /* unit i's bytes sit near i * (the row's bytes per 32 values) */
+                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + i * row_bytes / nb),
+                             _MM_HINT_T0);
+                if (f32v_unit_type(qtype)) {
+                    __m512 lo, hi;
+                    f32v_unit(qtype, w + r * row_bytes, i, dsc[r][j], msc[r][j], &lo, &hi);
+                    for (int t = 0; t < TT; t++)
+                        acc[r * TT + t] = _mm512_fmadd_ps(
+                            hi, xb[t], _mm512_fmadd_ps(lo, xa[t], acc[r * TT + t]));
+                } else if (qtype == LOOM_Q8_0) {
                     __m512 lo, hi;
                     f32v_q8(w + r * row_bytes + i * bb, &lo, &hi);
                     const __m512 d = _mm512_set1_ps(dsc[r][j]);
@@ -722,13 +849,21 @@ static inline __attribute__((always_inline)) void f32v_wide(int qtype, const uin
     for (int i = 0; i < R * TT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += F32V_CHUNK) {
         const int n = nb - i0 < F32V_CHUNK ? (int)(nb - i0) : F32V_CHUNK;
-        for (int r = 0; r < R; r++) block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
+        for (int r = 0; r < R; r++) {
+            if (f32v_unit_type(qtype))
+                f32v_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
+            else
+                block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
+        }
         for (int j = 0; j < n; j++) {
             const int64_t i = i0 + j;
             __m512 lo[F32V_WR], hi[F32V_WR], d[F32V_WR];
             for (int r = 0; r < R; r++) {
-                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + i * bb), _MM_HINT_T0);
-                if (qtype == LOOM_Q8_0) {
+                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + i * row_bytes / nb),
+                             _MM_HINT_T0);
+                if (f32v_unit_type(qtype)) {
+                    f32v_unit(qtype, w + r * row_bytes, i, dsc[r][j], msc[r][j], &lo[r], &hi[r]);
+                } else if (qtype == LOOM_Q8_0) {
                     f32v_q8(w + r * row_bytes + i * bb, &lo[r], &hi[r]);
                     d[r] = _mm512_set1_ps(dsc[r][j]);
                 } else {
@@ -774,7 +909,7 @@ static void f32v_wide_block(int qtype, const uint8_t* w, int64_t row_bytes, int6
 #undef F32V_WCASE
 }
 
-/* loom_q_matmul's LOOM_Q_F32 branch for T <= F32V_MAX (Q8_0, Q4_0, Q4_1): groups of four rows
+/* loom_q_matmul's LOOM_Q_F32 branch for T <= F32V_MAX (has_f32v types): groups of four rows
    over the threads, each group's tokens in passes of up to four (7: 4 + 3). */
 static int matmul_f32v(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                        const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
@@ -853,7 +988,7 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
     /* LOOM_Q_AUTO, per call: the f32 decode GEMV where it exists (unrounded activations, the
        fastest at T <= F32V_MAX), the batch-invariant 16-bit tile above it and for other types */
     if (mode == LOOM_Q_AUTO)
-        mode = LOOM_Q_F32V && T <= F32V_MAX && has_i16(qtype) ? LOOM_Q_F32 : LOOM_Q_BI;
+        mode = LOOM_Q_F32V && T <= F32V_MAX && has_f32v(qtype) ? LOOM_Q_F32 : LOOM_Q_BI;
     if (mode == LOOM_Q_BI) /* quant_bi.c: the same arithmetic for every T */
         return loom_q_matmul_bi(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
                                 threads);
@@ -863,7 +998,7 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
     if (i16) return matmul_i16(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
                                threads);
 #if LOOM_Q_F32V
-    if (mode == LOOM_Q_F32 && T <= F32V_MAX && has_i16(qtype))
+    if (mode == LOOM_Q_F32 && T <= F32V_MAX && has_f32v(qtype))
         return matmul_f32v(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
                            threads);
 #endif

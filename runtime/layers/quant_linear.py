@@ -91,7 +91,9 @@ class QuantWeight:
         if len(self.parts) == 1 and self.parts[0][1].shape[0] == self.rows:
             out = quant_ops.matmul(self.parts[0][1], x2, bias)
         else:
-            out = torch.zeros(x2.shape[0], self.rows, dtype=torch.float32)
+            # segments that cover every row write all of out (Gemma 3's q/k Q5_0 + v Q8_0)
+            alloc = torch.empty if self.complete else torch.zeros
+            out = alloc(x2.shape[0], self.rows, dtype=torch.float32)
             for off, qt in self.parts:
                 b = None if bias is None else bias[off : off + qt.shape[0]]
                 quant_ops.matmul(qt, x2, b, out=out[:, off : off + qt.shape[0]])

@@ -8,13 +8,13 @@ activations) and takes integer dot products (AVX-512 VNNI where the CPU has it);
 halves and two integer dot products (SmolLM2's top-1 against f32 weights: 100% over 2,000
 tokens, int8's 96.4%), other types taking "int8" in that mode; "f32"
 dequantizes each weight row into L1 and multiplies by FMA, without rounding the activations;
-up to 8 tokens on Q8_0 / Q4_0 / Q4_1 in an AVX-512 build it expands the blocks to f32 in
-registers instead (quant.c matmul_f32v), faster than "int16" at 1..8 tokens there.
+up to 8 tokens in an AVX-512 build it expands the blocks (every type) to f32 in registers
+instead (quant.c matmul_f32v), faster than "int16" at 1..8 tokens there.
 "bi" (kernels/cpu/quant_bi.c) takes the 16-bit activations for every type and token count with
 one arithmetic per token, so a token's outputs are bitwise the same alone or in any batch.
 "auto" (the default) chooses per call in quant.c: that f32 GEMV where it exists (AVX-512 build,
-Q8_0 / Q4_0 / Q4_1, up to 8 tokens: 2.4x "bi"'s speed at one token, bench_quant_gemv), "bi"
-otherwise (its tile is the fastest above 8 tokens). So a token's outputs are the same in every
+any block type, up to 8 tokens: 2.4x "bi"'s speed at one token on SmolLM2's Q4_1, ~4x on
+Gemma 3's Q5_0; docs/benchmarks.md), "bi" otherwise (its tile is the fastest above 8 tokens). So a token's outputs are the same in every
 forward of up to 8 rows (a batch-1 decode step and its speculative verify steps) and in every
 forward above 8, and differ between the two in the last bits; "bi" alone is invariant for all.
 """
@@ -74,8 +74,12 @@ def matmul(
     if out is None:
         out = torch.empty(t, rows, dtype=torch.float32)
     assert out.dtype == torch.float32 and out.stride(1) == 1 and tuple(out.shape) == (t, rows)
+    if t == 0:  # no rows (a prefill chunk that needs no logits): nothing to read. The
+        # reference below would dequantize the whole matrix for nothing (Gemma 3's head:
+        # 671 MB and ~1 s)
+        return out.reshape(*lead, rows)
     lib = load(isa) if x2.device.type == "cpu" else None
-    if lib is None or t == 0:
+    if lib is None:
         from loom.kernels.quant_ref import matmul_ref
 
         out.copy_(matmul_ref(qt.qtype, qt.data, qt.shape, x2) + (0 if bias is None else bias))
