@@ -137,6 +137,9 @@ def limit_malloc_arenas() -> bool:
 
 
 def configure_child_process(args, name: str, owner_pid: int) -> None:
+    # what the fork server preloaded (torch, transformers) is shared with it page by page until
+    # written: a collection here would write every tracked object's header and copy its page
+    gc.freeze()
     limit_malloc_arenas()
     mp.current_process().name = name
     configure_logging(args.log_level)
