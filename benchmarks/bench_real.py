@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import os
 import random
-import resource
 import statistics
 import sys
 import time
@@ -116,12 +115,18 @@ class TreeMemory:
     server, the scheduler, the detokenizer, the grammar translation workers). Shared pages
     (torch's, the fork server's preloaded modules) are counted once: the figure is the sum of
     the processes' PSS (/proc/PID/smaps_rollup), sampled every `period` s; its peak can miss
-    a transient shorter than that, which VmHWM (per process, exact) does not."""
+    a transient shorter than that, which VmHWM (per process, exact) does not.
+
+    llama-batched-bench's peak is its own VmHWM, read here while it runs (`llama_hwm`), not
+    getrusage(RUSAGE_CHILDREN): subprocess starts it by vfork, and the kernel then records the
+    *parent's* resident peak as the child's ru_maxrss at exec (this process's ~315 MB was
+    reported as llama.cpp's when the owner imported torch)."""
 
     def __init__(self, period: float = 0.1):
         import threading
 
         self.peak_pss = 0.0
+        self.llama_hwm = 0.0
         self.hwm: dict[int, tuple[str, float]] = {}  # pid -> (role, VmHWM MB), last seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
@@ -132,25 +137,21 @@ class TreeMemory:
         import psutil
 
         me = psutil.Process()
-        out = [me]
-        for p in me.children(recursive=True):
-            try:
-                if not p.name().startswith("llama"):
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
+        return [me, *me.children(recursive=True)]
 
     def sample(self) -> None:
         total = 0.0
         for p in self.processes():
             try:
+                if p.name().startswith("llama"):
+                    self.llama_hwm = max(self.llama_hwm, peak_rss_mb(p.pid))
+                    continue
                 for line in Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines():
                     if line.startswith("Pss:"):
                         total += int(line.split()[1]) / 1024
                 role = "owner" if p.pid == os.getpid() else " ".join(p.cmdline())[:40]
                 self.hwm[p.pid] = (role, peak_rss_mb(p.pid))
-            except OSError:  # exited meanwhile
+            except (OSError, __import__("psutil").Error):  # exited meanwhile
                 pass
         self.peak_pss = max(self.peak_pss, total)
 
@@ -282,8 +283,7 @@ def main() -> None:
         print(f"loom process tree ({len(hwm)} processes): peak summed PSS {tree.peak_pss:.0f} MB"
               f" (sampled 10 Hz); VmHWM each: " + ", ".join(f"{h:.0f}" for _, h in hwm))  # fmt: skip
         if peers:
-            theirs = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-            print(f"llama-batched-bench peak RSS: {theirs:.0f} MB")
+            print(f"llama-batched-bench peak RSS: {tree.llama_hwm:.0f} MB (its VmHWM)")
     finally:
         loom_side.close()
     print(f"load after: {os.getloadavg()}")
