@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import os
 import random
-import resource
 import statistics
 import sys
 import time
@@ -110,6 +109,62 @@ def agreement(gguf: str, ntok: int, chunk: int) -> None:
     print(f"top-1 agreement {same}/{len(pairs)} = {same / len(pairs):.4f} (chunk {chunk})")
 
 
+class TreeMemory:
+    """The memory a user's loom process tree holds: this process (the Engine's owner, where
+    the tokenizer manager runs) and every process under it but the llama.cpp runs (the fork
+    server, the scheduler, the detokenizer, the grammar translation workers). Shared pages
+    (torch's, the fork server's preloaded modules) are counted once: the figure is the sum of
+    the processes' PSS (/proc/PID/smaps_rollup), sampled every `period` s; its peak can miss
+    a transient shorter than that, which VmHWM (per process, exact) does not.
+
+    llama-batched-bench's peak is its own VmHWM, read here while it runs (`llama_hwm`), not
+    getrusage(RUSAGE_CHILDREN): subprocess starts it by vfork, and the kernel then records the
+    *parent's* resident peak as the child's ru_maxrss at exec (this process's ~315 MB was
+    reported as llama.cpp's when the owner imported torch)."""
+
+    def __init__(self, period: float = 0.1):
+        import threading
+
+        self.peak_pss = 0.0
+        self.llama_hwm = 0.0
+        self.hwm: dict[int, tuple[str, float]] = {}  # pid -> (role, VmHWM MB), last seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def processes() -> list:
+        import psutil
+
+        me = psutil.Process()
+        return [me, *me.children(recursive=True)]
+
+    def sample(self) -> None:
+        total = 0.0
+        for p in self.processes():
+            try:
+                if p.name().startswith("llama"):
+                    self.llama_hwm = max(self.llama_hwm, peak_rss_mb(p.pid))
+                    continue
+                for line in Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) / 1024
+                role = "owner" if p.pid == os.getpid() else " ".join(p.cmdline())[:40]
+                self.hwm[p.pid] = (role, peak_rss_mb(p.pid))
+            except (OSError, __import__("psutil").Error):  # exited meanwhile
+                pass
+        self.peak_pss = max(self.peak_pss, total)
+
+    def _run(self, period: float) -> None:
+        while not self._stop.wait(period):
+            self.sample()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
 def peak_rss_mb(pid: int) -> float:
     """VmHWM of a live process (its peak resident set), MB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -175,6 +230,7 @@ def main() -> None:
     print(f"model {gguf}, threads {args.threads}, pp {args.pp}, tg {args.tg}, rounds {args.rounds}")
     print(f"load before: {os.getloadavg()}")
     rng = random.Random(0)
+    tree = TreeMemory()
     kv_tokens = max(sizes) * (args.pp + args.tg) + 64  # as peers.llamacpp.batched sizes -c
     loom_side = LoomSide(gguf, args.threads, max(sizes), args.quantization or "none", kv_tokens)
     sched_pids = [c.pid for c in __import__("psutil").Process().children(recursive=True)]
@@ -222,9 +278,12 @@ def main() -> None:
                  f"tg {args.tg}, load {os.getloadavg()[0]:.1f}")  # fmt: skip
         rss = max((peak_rss_mb(pid) for pid in sched_pids), default=float("nan"))
         print(f"loom peak RSS (largest engine process): {rss:.0f} MB")
+        tree.close()
+        hwm = sorted(tree.hwm.values(), key=lambda r: -r[1])
+        print(f"loom process tree ({len(hwm)} processes): peak summed PSS {tree.peak_pss:.0f} MB"
+              f" (sampled 10 Hz); VmHWM each: " + ", ".join(f"{h:.0f}" for _, h in hwm))  # fmt: skip
         if peers:
-            theirs = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-            print(f"llama-batched-bench peak RSS: {theirs:.0f} MB")
+            print(f"llama-batched-bench peak RSS: {tree.llama_hwm:.0f} MB (its VmHWM)")
     finally:
         loom_side.close()
     print(f"load after: {os.getloadavg()}")

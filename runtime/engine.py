@@ -22,8 +22,7 @@ class Engine:
     """`Engine(model_path=None, **server_args)`; None means the bundled model."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any):
-        from loom.runtime.distributed import check_layout
-        from loom.runtime.model_loader import check_model_folder, load_config
+        from loom.runtime.model_config import check_model_folder, load_config
         from loom.runtime.process import check_main_guard
 
         check_main_guard("loom.Engine()")
@@ -38,6 +37,8 @@ class Engine:
                              "(`loom serve --dp-size N` places replicas with Ray)")  # fmt: skip
         check_model_folder(self.server_args.model_path)  # a bad path fails here, clearly
         if self.server_args.world_size > 1:  # and so does an impossible split
+            from loom.runtime.distributed import check_layout  # imports torch: not for 1 rank
+
             check_layout(self.server_args, load_config(self.server_args.model_path))
         self._procs: list = []
         self._closed = False

@@ -13,6 +13,7 @@ import torch
 
 from loom.runtime.gguf.file import gguf_file
 from loom.runtime.layers.quant_types import QuantizedTensor
+from loom.runtime.model_config import check_model_folder, load_config  # noqa: F401 - re-exported
 from loom.runtime.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -27,33 +28,6 @@ _DTYPES = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
-
-
-def check_model_folder(path: str) -> Path:
-    if gguf_file(path) is not None:
-        return Path(path)
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(
-            f"model_path: {path!r} is not a local folder or .gguf file (loom loads models offline)"
-        )
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"model_path: {path!r} has no config.json")
-    return folder
-
-
-def load_config(path: str):
-    import transformers
-
-    if (file := gguf_file(path)) is not None:
-        from loom.runtime.gguf.config import gguf_config
-
-        return gguf_config(str(file))
-    folder = check_model_folder(path)
-    try:
-        return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"model_path: cannot read {folder / 'config.json'}: {e}") from e
 
 
 def resolve_dtype(dtype: str, config, device: str) -> torch.dtype:

@@ -116,7 +116,31 @@ def _exit_with_parent(owner_pid: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+# glibc's M_ARENA_MAX (malloc.h): at most this many malloc arenas. By default every thread
+# that allocates gets one, up to 8 per core, and each keeps the memory freed into it; a
+# scheduler's threads (compiles, the loop, torch's) held ~45 MB that way (VmHWM 549 -> 503
+# MB on SmolLM2 at batch 1, docs/benchmarks.md "Issue 32: peak RSS of loom's process tree").
+M_ARENA_MAX = -8
+MALLOC_ARENAS = 2
+
+
+def limit_malloc_arenas() -> bool:
+    """mallopt(M_ARENA_MAX, MALLOC_ARENAS) in this process, before its threads start, unless
+    the user set MALLOC_ARENA_MAX (glibc reads that itself). False where libc is not glibc."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_ARENA_MAX, MALLOC_ARENAS))
+    except (OSError, AttributeError):
+        return False
+
+
 def configure_child_process(args, name: str, owner_pid: int) -> None:
+    # what the fork server preloaded (torch, transformers) is shared with it page by page until
+    # written: a collection here would write every tracked object's header and copy its page
+    gc.freeze()
+    limit_malloc_arenas()
     mp.current_process().name = name
     configure_logging(args.log_level)
     _exit_with_parent(owner_pid)

@@ -28,6 +28,11 @@ from loom.runtime.server_args_choices import (
 from loom.runtime.server_args_help import SERVER_HELP
 from loom.runtime.server_args_validation import ServerArgsValidation
 
+# the device nodes of the NVIDIA, ROCm and WSL GPU drivers: torch.cuda finds a device only
+# through one of them, so a machine with none resolves to "cpu" without importing torch (in the
+# owner process, which otherwise never needs it)
+_GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
 API_KEY_ENV = "LOOM_API_KEY"
 BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parent / "bundled")
 
@@ -214,6 +219,8 @@ class ServerArgs(ServerArgsValidation):
     def resolved_device(self) -> str:
         if self.device:
             return self.device
+        if not any(os.path.exists(d) for d in _GPU_DEVICE_NODES):
+            return "cpu"  # without them torch sees no GPU either; not importing it saves ~200 MB
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,6 +6,16 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+_GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(path: str) -> str | None:
+    try:
+        config = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
+
 
 @lru_cache(maxsize=8)
 def load_tokenizer(path: str):
@@ -17,8 +27,13 @@ def load_tokenizer(path: str):
         from loom.runtime.gguf.tokenizer import gguf_tokenizer
 
         return gguf_tokenizer(str(file))
+    # AutoTokenizer imports transformers' configuration module, and with it torch (~200 MB in
+    # the owner process, which never runs the model); a folder that names the generic fast
+    # class gets the same object from that class directly
+    auto = _tokenizer_class(path) not in _GENERIC_FAST
+    cls = transformers.AutoTokenizer if auto else transformers.PreTrainedTokenizerFast
     try:
-        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer_path: cannot load a tokenizer from {path!r}: {e}") from e
 

@@ -246,3 +246,47 @@ def test_dropped_pages_read_back_the_same_bytes(tiny_gguf):
     assert resident() < full
     for t, b in zip(ours.tensors, before, strict=True):
         assert np.array_equal(t.data, b), t.name
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])
+def test_llama_gguf_config_equals_transformers_llama_config(tiny_gguf, tmp_path, scaling):
+    """runtime/gguf/config.py's plain Llama config (no transformers import: ~65 MB) has every
+    model field of transformers' LlamaConfig built from the same values, with its values."""
+    import gguf
+    import transformers
+
+    from loom.runtime.gguf.config import LlamaGGUFConfig
+
+    _, file = tiny_gguf("llama")
+    if scaling:  # the same file with linear rope scaling in its metadata
+        scaled = tmp_path / "scaled.gguf"
+        reader = gguf.GGUFReader(str(file))
+        writer = gguf.GGUFWriter(str(scaled), "llama")
+        for field in reader.fields.values():
+            if field.name.startswith(("llama.", "tokenizer.", "general.name")):
+                writer.add_key_value(field.name, field.contents(), field.types[0],
+                                     field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(2.0)
+        for t in reader.tensors:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        file = scaled
+    got = load_config(str(file))
+    assert isinstance(got, LlamaGGUFConfig)
+    fields = {k: v for k, v in got.to_dict().items() if k not in ("rope_parameters", "model_type")}
+    fields.pop("architectures")
+    theta = got.rope_parameters["rope_theta"]
+    want = transformers.LlamaConfig(**fields, rope_theta=theta, rope_scaling=scaling)
+    want.architectures = ["LlamaForCausalLM"]
+    generic = set(transformers.PretrainedConfig().to_dict())  # labels, output flags, version
+    model_fields = set(want.to_dict()) - generic
+    assert model_fields <= set(got.to_dict()), model_fields - set(got.to_dict())
+    for key in model_fields | {"architectures", "model_type", "tie_word_embeddings"}:
+        assert getattr(got, key) == getattr(want, key), key
+    assert got.rope_parameters == want.rope_parameters
+    if scaling:
+        assert got.rope_parameters["rope_type"] == "linear"

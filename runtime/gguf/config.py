@@ -9,8 +9,6 @@ from loom.runtime.gguf.names import SUPPORTED_ARCHS
 
 
 def gguf_config(path: str):
-    import transformers
-
     meta = metadata(path)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -42,9 +40,10 @@ def gguf_config(path: str):
         tie_word_embeddings="output.weight" not in names,
     )
     if arch == "llama":
-        config = transformers.LlamaConfig(**common, **_rope(get, "rope_theta"))
-        config.architectures = ["LlamaForCausalLM"]
+        return LlamaGGUFConfig(common, _rope(get, "rope_theta"))
     else:
+        import transformers
+
         config = transformers.Gemma3TextConfig(
             **common,
             sliding_window=get("attention.sliding_window", 4096),
@@ -57,6 +56,48 @@ def gguf_config(path: str):
         config.layer_types = _layer_types(get("attention.sliding_window_pattern"), config)
         config.architectures = ["Gemma3ForCausalLM"]
     return config
+
+
+class LlamaGGUFConfig:
+    """The Llama config of a GGUF file: the fields (and values) of transformers'
+    LlamaConfig(**fields).to_dict() that describe the model, as a plain object. Importing
+    LlamaConfig costs ~65 MB of resident memory (transformers' configuration chain reaches
+    torch.distributed.tensor) in the scheduler and in the owner process, which has no torch
+    otherwise; tests/test_gguf_files.py checks every field against LlamaConfig's."""
+
+    model_type = "llama"
+
+    def __init__(self, common: dict[str, Any], rope: dict[str, Any]):
+        theta = rope.get("rope_theta", 10000.0)
+        scaling = dict(rope.get("rope_scaling") or {"rope_type": "default"})
+        fields = dict(
+            architectures=["LlamaForCausalLM"],
+            dtype=None,
+            hidden_act="silu",
+            initializer_range=0.02,
+            use_cache=True,
+            pretraining_tp=1,
+            rope_parameters={"rope_theta": theta, **scaling},
+            attention_bias=False,
+            attention_dropout=0.0,
+            mlp_bias=False,
+            **common,
+        )
+        self.__dict__.update(fields)
+
+    @property
+    def rope_scaling(self) -> dict[str, Any]:  # transformers >= 5 spells it rope_parameters
+        return self.rope_parameters
+
+    @property
+    def torch_dtype(self):
+        return self.dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{k: v for k, v in self.__dict__.items()}, "model_type": self.model_type}
+
+    def __repr__(self) -> str:
+        return f"LlamaGGUFConfig({self.to_dict()})"
 
 
 def _rope(get, theta_name: str) -> dict[str, Any]:

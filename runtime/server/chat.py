@@ -24,7 +24,7 @@ def model_type(model_path: str) -> str | None:
     from loom.runtime.gguf.file import gguf_file
 
     if gguf_file(model_path) is not None:
-        from loom.runtime.model_loader import load_config
+        from loom.runtime.model_config import load_config
 
         return load_config(model_path).model_type
     file = Path(model_path) / "config.json"

@@ -80,29 +80,43 @@ def start_scheduler_ranks(args, ipc) -> list[tuple]:
     """Start this node's ranks: rank 0 (on node 0) is the scheduler and owns the ZMQ sockets,
     the others run the model on the steps it broadcasts. Returns (process, ready pipe) pairs,
     rank order."""
-    from loom.runtime.distributed import free_local_addr
-    from loom.runtime.parallel_worker import run_worker_process
     from loom.runtime.process import start_process
-    from loom.runtime.scheduler.loop import run_scheduler_process
 
     if args.distributed_executor_backend == "ray" and args.world_size > 1:
         from loom.runtime.ray_executor import rendezvous_addr, start_ray_ranks
 
         # rank 0 here (it owns the ZMQ sockets), ranks 1.. wherever Ray places them
         addr = rendezvous_addr(args)
-        scheduler = start_process(run_scheduler_process, (args, ipc, addr), "scheduler")
+        scheduler = start_process(_run_scheduler, (args, ipc, addr), "scheduler")
         return [scheduler, *((r, r) for r in start_ray_ranks(args, addr))]
     addr = args.dist_init_addr
     if addr is None and args.world_size > 1:
+        from loom.runtime.distributed import free_local_addr  # torch: only for several ranks
+
         addr = free_local_addr()
     started = []
     for rank in args.node_ranks:
         if rank == 0:
-            started.append(start_process(run_scheduler_process, (args, ipc, addr), "scheduler"))
+            started.append(start_process(_run_scheduler, (args, ipc, addr), "scheduler"))
         else:
-            target, name = run_worker_process, f"scheduler-rank{rank}"
+            target, name = _run_worker, f"scheduler-rank{rank}"
             started.append(start_process(target, (args, rank, addr), name))
     return started
+
+
+# The children's entry points, by name: the scheduler and worker modules import torch, which
+# the owner process (the user's, or the HTTP server's) never needs; the fork server has it
+# preloaded (runtime/preload.py), so the child pays nothing for the import here.
+def _run_scheduler(*args) -> None:
+    from loom.runtime.scheduler.loop import run_scheduler_process
+
+    run_scheduler_process(*args)
+
+
+def _run_worker(*args) -> None:
+    from loom.runtime.parallel_worker import run_worker_process
+
+    run_worker_process(*args)
 
 
 def start_runtime_processes(args: ServerArgs, ipc, procs: list):
@@ -167,15 +181,18 @@ def launch_server(args: ServerArgs) -> int:
     """Serve until stopped; returns the exit code (1 when a runtime process died)."""
     import uvicorn
 
-    from loom.runtime.distributed import check_layout
-    from loom.runtime.model_loader import load_config
+    from loom.runtime.model_config import load_config
     from loom.runtime.process import IPCNames, configure_logging, yield_to_scheduler
     from loom.runtime.server.app import create_app
     from loom.runtime.server.common import ServerState
     from loom.runtime.tokenizer_manager import TokenizerManager
 
     configure_logging(args.log_level)
-    check_layout(args, load_config(args.model_path))  # a bad path or split fails here, clearly
+    config = load_config(args.model_path)  # a bad path or split fails here, clearly
+    if args.world_size > 1 or args.nnodes > 1:  # distributed imports torch: not for one rank
+        from loom.runtime.distributed import check_layout
+
+        check_layout(args, config)
     chat_template = load_chat_template(args.chat_template)
     # uvicorn restores this handler and re-raises the signal after its graceful shutdown, so
     # a SIGTERM/SIGINT at any time (start-up included) ends in SystemExit(0) and the cleanup below.
