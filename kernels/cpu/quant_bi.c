@@ -40,6 +40,10 @@ enum { BQ8_0 = 0, BQ4_0 = 1, BQ4_1 = 2, BQ4_K = 3, BQ6_K = 4, BQ5_0 = 5, BQ5_1 =
 #define BI_ROWS 4 /* rows of one tile pass */
 #define BI_ROWS8 8 /* rows of one pass of the 8-token tile */
 #define BI_TOK 16 /* tokens of one tile pass (the lanes of a zmm) */
+#define BI_BLOCK 32 /* rows decoded at once for the 16-token tile: each pair of token groups
+                       (32 tokens' codes, <= 98 KB at K = 1536) is read from L1 / L2 by all of
+                       the block's row passes, so a long prefill streams its activations once
+                       per block, not once per 4 rows */
 #define BI_Q 32512
 
 static int unit_len(int qtype) { return qtype == BQ6_K ? 16 : 32; }
@@ -441,16 +445,16 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     int failed = 0;
     if (threads < 1) threads = 1;
 #if BI_AVX512
-    const int64_t per = !tile ? 1 : L == 8 ? BI_ROWS8 : BI_ROWS;
+    const int64_t per = !tile ? 1 : L == 8 ? BI_ROWS8 : BI_BLOCK;
 #else
     const int64_t per = 1;
 #endif
     const int64_t ntiles = (N + per - 1) / per;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        int16_t* wd = malloc(sizeof(int16_t) * (size_t)(BI_ROWS8 * K + 64));
-        float* sd = malloc(sizeof(float) * (size_t)(BI_ROWS8 * nu + 16));
-        float* bd = malloc(sizeof(float) * (size_t)(BI_ROWS8 * nu + 16));
+        int16_t* wd = malloc(sizeof(int16_t) * (size_t)(BI_BLOCK * K + 64));
+        float* sd = malloc(sizeof(float) * (size_t)(BI_BLOCK * nu + 16));
+        float* bd = malloc(sizeof(float) * (size_t)(BI_BLOCK * nu + 16));
         uint8_t* u = malloc((size_t)K + 64);
         float* s16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
         float* b16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
@@ -493,20 +497,32 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
                     for (int r = 0; r < R; r++)
                         for (int i = 0; i < T; i++) part[r * T + i] = sums[8 * r + i];
                 } else if (tile) {
-                    const int16_t* wr[BI_ROWS];
-                    const float* sr[BI_ROWS];
-                    const float* br[BI_ROWS];
-                    bi_row_ptrs(BI_ROWS, R, wd, sd, bd, K, nu, wr, sr, br);
+                    /* token-group pairs outer, the block's 4-row passes inner; results straight
+                       into y (the same float steps as through part below) */
                     for (int64_t g0 = 0; g0 < ntg; g0 += 2) {
                         const int TG = ntg - g0 >= 2 ? 2 : 1;
-                        float sums[2 * BI_ROWS * 16];
-                        bi_tile(wr, sr, br, asym, K, G, TG, xp + g0 * (K / 2) * 16, (K / 2) * 16,
-                                dxt + g0 * nu * 16, xst + g0 * nu * 16, nu * 16, sums);
-                        for (int g = 0; g < TG; g++)
-                            for (int r = 0; r < R; r++)
-                                for (int i = 0; i < BI_TOK && (g0 + g) * BI_TOK + i < T; i++)
-                                    part[r * T + (g0 + g) * BI_TOK + i] = sums[16 * (g * BI_ROWS + r) + i];
+                        for (int r0 = 0; r0 < R; r0 += BI_ROWS) {
+                            const int RR = R - r0 < BI_ROWS ? R - r0 : BI_ROWS;
+                            const int16_t* wr[BI_ROWS];
+                            const float* sr[BI_ROWS];
+                            const float* br[BI_ROWS];
+                            bi_row_ptrs(BI_ROWS, RR, wd + r0 * K, sd + r0 * nu, bd + r0 * nu, K, nu,
+                                        wr, sr, br);
+                            float sums[2 * BI_ROWS * 16];
+                            bi_tile(wr, sr, br, asym, K, G, TG, xp + g0 * (K / 2) * 16, (K / 2) * 16,
+                                    dxt + g0 * nu * 16, xst + g0 * nu * 16, nu * 16, sums);
+                            for (int g = 0; g < TG; g++)
+                                for (int r = 0; r < RR; r++) {
+                                    const int64_t n = n0 + r0 + r;
+                                    const float bn = bias ? bias[n] : 0.f;
+                                    for (int i = 0; i < BI_TOK && (g0 + g) * BI_TOK + i < T; i++) {
+                                        float* yo = y + ((g0 + g) * BI_TOK + i) * ldy + n;
+                                        *yo = (accumulate ? *yo : 0.f) + sums[16 * (g * BI_ROWS + r) + i] + bn;
+                                    }
+                                }
+                        }
                     }
+                    continue;
                 } else {
                     bi_gemv(wd, sd, bd, asym, K, G, T, q, dxu, xsu, part);
                 }
