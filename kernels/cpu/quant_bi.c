@@ -26,8 +26,10 @@
 
 #include "loom_cpu.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define BI_AVX512 1
 #else
 #define BI_AVX512 0
@@ -58,7 +60,17 @@ static int sym_offset(int qtype) {
     }
 }
 
-#define bi_f16 loom_q_f16
+/* a block's f16 scale: F16C's conversion inlined where the build has it (exact either way, so
+   the same value as quant.c's loom_q_f16, which is a call into another unit per block) */
+static inline float bi_f16(const uint8_t* p) {
+#if defined(__F16C__)
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v);
+#else
+    return loom_q_f16(p);
+#endif
+}
 
 /* One row -> int16 codes w [K], scale s and offset b per unit (b unused for symmetric types).
    u, s16, b16: scratch of K bytes and K / 16 floats for quant.c's generic decoder. */
