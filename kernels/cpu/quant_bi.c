@@ -360,6 +360,28 @@ static void bi_tile8(const int16_t* const* w, const float* const* s, const float
         bi_tile8_core(w, s, b, asym, K, 16, xp, dxt, xst, sums);
 }
 
+/* A tile's 4 rows x 16 tokens of sums ([4][16]) into y: token i's four outputs y[i * ldy ..
+   + 3] = ((accumulate ? y : 0) + sum) + bias, the float steps of the scalar store below, as
+   one 4-wide store per token (a 4 x 16 transpose in registers). */
+static inline void bi_put4x16(const float* sums, float* y, int64_t ldy, const float* bias,
+                              int accumulate) {
+    const __m512 r0 = _mm512_loadu_ps(sums), r1 = _mm512_loadu_ps(sums + 16);
+    const __m512 r2 = _mm512_loadu_ps(sums + 32), r3 = _mm512_loadu_ps(sums + 48);
+    const __m512 t0 = _mm512_unpacklo_ps(r0, r1), t1 = _mm512_unpackhi_ps(r0, r1);
+    const __m512 t2 = _mm512_unpacklo_ps(r2, r3), t3 = _mm512_unpackhi_ps(r2, r3);
+    float tok[4][16]; /* tok[m][4 k .. 4 k + 3]: token 4 k + m's four rows */
+    _mm512_storeu_ps(tok[0], _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm512_storeu_ps(tok[1], _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm512_storeu_ps(tok[2], _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm512_storeu_ps(tok[3], _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m128 bv = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+    for (int i = 0; i < 16; i++) {
+        float* yo = y + i * ldy;
+        const __m128 prev = accumulate ? _mm_loadu_ps(yo) : _mm_setzero_ps();
+        _mm_storeu_ps(yo, _mm_add_ps(_mm_add_ps(prev, _mm_loadu_ps(tok[i % 4] + 4 * (i / 4))), bv));
+    }
+}
+
 /* bi_tile_core specialised: G 32 or 16, one or two token groups */
 static void bi_tile(const int16_t* const* w, const float* const* s, const float* const* b,
                     int asym, int64_t K, int G, int TG, const int32_t* xp, int64_t xstride,
@@ -523,7 +545,13 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
                             float sums[2 * BI_ROWS * 16];
                             bi_tile(wr, sr, br, asym, K, G, TG, xp + g0 * (K / 2) * 16, (K / 2) * 16,
                                     dxt + g0 * nu * 16, xst + g0 * nu * 16, nu * 16, sums);
-                            for (int g = 0; g < TG; g++)
+                            for (int g = 0; g < TG; g++) {
+                                const int64_t t0 = (g0 + g) * BI_TOK;
+                                if (RR == BI_ROWS && t0 + BI_TOK <= T) {
+                                    bi_put4x16(sums + 16 * g * BI_ROWS, y + t0 * ldy + n0 + r0, ldy,
+                                               bias ? bias + n0 + r0 : NULL, accumulate);
+                                    continue;
+                                }
                                 for (int r = 0; r < RR; r++) {
                                     const int64_t n = n0 + r0 + r;
                                     const float bn = bias ? bias[n] : 0.f;
@@ -532,6 +560,7 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
                                         *yo = (accumulate ? *yo : 0.f) + sums[16 * (g * BI_ROWS + r) + i] + bn;
                                     }
                                 }
+                            }
                         }
                     }
                     continue;
