@@ -351,3 +351,30 @@ def test_matmul_of_no_rows_reads_nothing(monkeypatch):
     for x in (torch.empty(0, 64), torch.empty(2, 0, 64)):
         y = quant_ops.matmul(qt, x, torch.randn(40))
         assert y.shape == (*x.shape[:-1], 40) and y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("qtype", ("Q4_1", "Q8_0", "Q6_K"))
+def test_bi_tile_accumulates_into_strided_output(qtype, isa):
+    """Mode "bi" with accumulate on (the C forward's O and down projections add into the
+    residual stream) into a strided output, at token counts of full and partial 16-token
+    groups and a row count past the 32-row blocks: bitwise (y + x W^T) + bias, the plain
+    product's bits added as torch adds them."""
+    lib = quant_ops.load(isa)
+    if lib is None:
+        pytest.skip("no C compiler")
+    values = BLOCKS[qtype][0]
+    qt = random_blocks(qtype, 37, 3 * values if values == 32 else values, 5)
+    rows, cols = qt.shape
+    bias = torch.randn(rows, generator=torch.Generator().manual_seed(3))
+    for t in (16, 20, 32, 37):
+        x = torch.randn(t, cols, generator=torch.Generator().manual_seed(t))
+        plain = quant_ops.matmul(qt, x, None, mode="bi", isa=isa)
+        wide = torch.randn(t, rows + 5, generator=torch.Generator().manual_seed(t + 1))
+        before = wide[:, 2 : 2 + rows].clone()
+        rc = lib.loom_q_matmul(
+            quant_ops.QTYPES[qtype], quant_ops.MODES["bi"], qt.data.data_ptr(), rows, cols,
+            qt.row_bytes, x.data_ptr(), t, cols, bias.data_ptr(), wide[:, 2:].data_ptr(),
+            wide.stride(0), 1, 1,
+        )  # fmt: skip
+        assert rc == 0
+        assert torch.equal(wide[:, 2 : 2 + rows], (before + plain) + bias), (qtype, t)

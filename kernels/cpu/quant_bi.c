@@ -26,8 +26,10 @@
 
 #include "loom_cpu.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define BI_AVX512 1
 #else
 #define BI_AVX512 0
@@ -40,6 +42,10 @@ enum { BQ8_0 = 0, BQ4_0 = 1, BQ4_1 = 2, BQ4_K = 3, BQ6_K = 4, BQ5_0 = 5, BQ5_1 =
 #define BI_ROWS 4 /* rows of one tile pass */
 #define BI_ROWS8 8 /* rows of one pass of the 8-token tile */
 #define BI_TOK 16 /* tokens of one tile pass (the lanes of a zmm) */
+#define BI_BLOCK 32 /* rows decoded at once for the 16-token tile: each pair of token groups
+                       (32 tokens' codes, <= 98 KB at K = 1536) is read from L1 / L2 by all of
+                       the block's row passes, so a long prefill streams its activations once
+                       per block, not once per 4 rows */
 #define BI_Q 32512
 
 static int unit_len(int qtype) { return qtype == BQ6_K ? 16 : 32; }
@@ -54,7 +60,17 @@ static int sym_offset(int qtype) {
     }
 }
 
-#define bi_f16 loom_q_f16
+/* a block's f16 scale: F16C's conversion inlined where the build has it (exact either way, so
+   the same value as quant.c's loom_q_f16, which is a call into another unit per block) */
+static inline float bi_f16(const uint8_t* p) {
+#if defined(__F16C__)
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v);
+#else
+    return loom_q_f16(p);
+#endif
+}
 
 /* One row -> int16 codes w [K], scale s and offset b per unit (b unused for symmetric types).
    u, s16, b16: scratch of K bytes and K / 16 floats for quant.c's generic decoder. */
@@ -344,6 +360,28 @@ static void bi_tile8(const int16_t* const* w, const float* const* s, const float
         bi_tile8_core(w, s, b, asym, K, 16, xp, dxt, xst, sums);
 }
 
+/* A tile's 4 rows x 16 tokens of sums ([4][16]) into y: token i's four outputs y[i * ldy ..
+   + 3] = ((accumulate ? y : 0) + sum) + bias, the float steps of the scalar store below, as
+   one 4-wide store per token (a 4 x 16 transpose in registers). */
+static inline void bi_put4x16(const float* sums, float* y, int64_t ldy, const float* bias,
+                              int accumulate) {
+    const __m512 r0 = _mm512_loadu_ps(sums), r1 = _mm512_loadu_ps(sums + 16);
+    const __m512 r2 = _mm512_loadu_ps(sums + 32), r3 = _mm512_loadu_ps(sums + 48);
+    const __m512 t0 = _mm512_unpacklo_ps(r0, r1), t1 = _mm512_unpackhi_ps(r0, r1);
+    const __m512 t2 = _mm512_unpacklo_ps(r2, r3), t3 = _mm512_unpackhi_ps(r2, r3);
+    float tok[4][16]; /* tok[m][4 k .. 4 k + 3]: token 4 k + m's four rows */
+    _mm512_storeu_ps(tok[0], _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm512_storeu_ps(tok[1], _mm512_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm512_storeu_ps(tok[2], _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm512_storeu_ps(tok[3], _mm512_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m128 bv = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+    for (int i = 0; i < 16; i++) {
+        float* yo = y + i * ldy;
+        const __m128 prev = accumulate ? _mm_loadu_ps(yo) : _mm_setzero_ps();
+        _mm_storeu_ps(yo, _mm_add_ps(_mm_add_ps(prev, _mm_loadu_ps(tok[i % 4] + 4 * (i / 4))), bv));
+    }
+}
+
 /* bi_tile_core specialised: G 32 or 16, one or two token groups */
 static void bi_tile(const int16_t* const* w, const float* const* s, const float* const* b,
                     int asym, int64_t K, int G, int TG, const int32_t* xp, int64_t xstride,
@@ -441,16 +479,16 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     int failed = 0;
     if (threads < 1) threads = 1;
 #if BI_AVX512
-    const int64_t per = !tile ? 1 : L == 8 ? BI_ROWS8 : BI_ROWS;
+    const int64_t per = !tile ? 1 : L == 8 ? BI_ROWS8 : BI_BLOCK;
 #else
     const int64_t per = 1;
 #endif
     const int64_t ntiles = (N + per - 1) / per;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        int16_t* wd = malloc(sizeof(int16_t) * (size_t)(BI_ROWS8 * K + 64));
-        float* sd = malloc(sizeof(float) * (size_t)(BI_ROWS8 * nu + 16));
-        float* bd = malloc(sizeof(float) * (size_t)(BI_ROWS8 * nu + 16));
+        int16_t* wd = malloc(sizeof(int16_t) * (size_t)(BI_BLOCK * K + 64));
+        float* sd = malloc(sizeof(float) * (size_t)(BI_BLOCK * nu + 16));
+        float* bd = malloc(sizeof(float) * (size_t)(BI_BLOCK * nu + 16));
         uint8_t* u = malloc((size_t)K + 64);
         float* s16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
         float* b16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
@@ -493,20 +531,39 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
                     for (int r = 0; r < R; r++)
                         for (int i = 0; i < T; i++) part[r * T + i] = sums[8 * r + i];
                 } else if (tile) {
-                    const int16_t* wr[BI_ROWS];
-                    const float* sr[BI_ROWS];
-                    const float* br[BI_ROWS];
-                    bi_row_ptrs(BI_ROWS, R, wd, sd, bd, K, nu, wr, sr, br);
+                    /* token-group pairs outer, the block's 4-row passes inner; results straight
+                       into y (the same float steps as through part below) */
                     for (int64_t g0 = 0; g0 < ntg; g0 += 2) {
                         const int TG = ntg - g0 >= 2 ? 2 : 1;
-                        float sums[2 * BI_ROWS * 16];
-                        bi_tile(wr, sr, br, asym, K, G, TG, xp + g0 * (K / 2) * 16, (K / 2) * 16,
-                                dxt + g0 * nu * 16, xst + g0 * nu * 16, nu * 16, sums);
-                        for (int g = 0; g < TG; g++)
-                            for (int r = 0; r < R; r++)
-                                for (int i = 0; i < BI_TOK && (g0 + g) * BI_TOK + i < T; i++)
-                                    part[r * T + (g0 + g) * BI_TOK + i] = sums[16 * (g * BI_ROWS + r) + i];
+                        for (int r0 = 0; r0 < R; r0 += BI_ROWS) {
+                            const int RR = R - r0 < BI_ROWS ? R - r0 : BI_ROWS;
+                            const int16_t* wr[BI_ROWS];
+                            const float* sr[BI_ROWS];
+                            const float* br[BI_ROWS];
+                            bi_row_ptrs(BI_ROWS, RR, wd + r0 * K, sd + r0 * nu, bd + r0 * nu, K, nu,
+                                        wr, sr, br);
+                            float sums[2 * BI_ROWS * 16];
+                            bi_tile(wr, sr, br, asym, K, G, TG, xp + g0 * (K / 2) * 16, (K / 2) * 16,
+                                    dxt + g0 * nu * 16, xst + g0 * nu * 16, nu * 16, sums);
+                            for (int g = 0; g < TG; g++) {
+                                const int64_t t0 = (g0 + g) * BI_TOK;
+                                if (RR == BI_ROWS && t0 + BI_TOK <= T) {
+                                    bi_put4x16(sums + 16 * g * BI_ROWS, y + t0 * ldy + n0 + r0, ldy,
+                                               bias ? bias + n0 + r0 : NULL, accumulate);
+                                    continue;
+                                }
+                                for (int r = 0; r < RR; r++) {
+                                    const int64_t n = n0 + r0 + r;
+                                    const float bn = bias ? bias[n] : 0.f;
+                                    for (int i = 0; i < BI_TOK && (g0 + g) * BI_TOK + i < T; i++) {
+                                        float* yo = y + ((g0 + g) * BI_TOK + i) * ldy + n;
+                                        *yo = (accumulate ? *yo : 0.f) + sums[16 * (g * BI_ROWS + r) + i] + bn;
+                                    }
+                                }
+                            }
+                        }
                     }
+                    continue;
                 } else {
                     bi_gemv(wd, sd, bd, asym, K, G, T, q, dxu, xsu, part);
                 }

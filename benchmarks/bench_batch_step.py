@@ -1,0 +1,93 @@
+"""One batch's prefill step and its decode steps, split: wall and CPU time of the scheduler's
+thread, and of that the compiled forward's matmuls and attention (CpuForward.profile).
+
+B requests of --pp random tokens, --tg new tokens each, greedy, in one in-process scheduler on
+one thread (the radix cache off, the KV pool sized as bench_real's). Prints the prefill step(s)
+and the median full-batch decode step, with os.getloadavg().
+
+    python benchmarks/bench_batch_step.py [--model smollm2] [--quantization gguf] [--batch 32]
+        [--pp 128] [--tg 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_step_overhead import model_path  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--quantization", default="gguf")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--pp", type=int, default=128)
+    p.add_argument("--tg", type=int, default=32)
+    a = p.parse_args()
+    import torch
+
+    from loom.runtime.io_struct import TokenizedGenerateReq
+    from loom.runtime.sampling_params import make_sampling_params
+    from loom.runtime.scheduler.scheduler import Scheduler
+    from loom.runtime.server_args import ServerArgs
+
+    torch.set_num_threads(1)
+    b = a.batch
+    sched = Scheduler(
+        ServerArgs(
+            model_path=model_path(a.model),
+            quantization=a.quantization or None,
+            cpu_threads=1,
+            max_running_requests=b,
+            max_total_tokens=b * (a.pp + a.tg) + 64,
+            disable_radix_cache=True,
+            log_level="warning",
+        )
+    )
+    if sched.runner.cpu_forward is None:
+        raise SystemExit("the compiled CPU forward is off for this model")
+    prof = sched.runner.cpu_forward.profile = torch.zeros(2, dtype=torch.float64)
+    rng = random.Random(0)
+
+    def run(tag: str, tg: int) -> list[tuple[float, ...]]:
+        params = make_sampling_params({"max_new_tokens": tg, "temperature": 0, "ignore_eos": True})
+        for i in range(b):
+            ids = [rng.randrange(100, 40000) for _ in range(a.pp)]
+            req = TokenizedGenerateReq(
+                rid=f"{tag}{i}", input_ids=ids, sampling_params=params, seed=i, stream=False
+            )
+            sched.add_request(req)
+        rows = []
+        while not sched.is_idle:
+            running = len(sched.decode.running)  # b before a decode step, fewer before prefill
+            p0, t, c = prof.tolist(), time.perf_counter(), time.thread_time()
+            sched.step()
+            mm, attn = (x - y for x, y in zip(prof.tolist(), p0))
+            wall, cpu = time.perf_counter() - t, time.thread_time() - c
+            rows.append((wall, cpu, mm, attn, running))
+        return rows
+
+    run("warm", 2)
+    rows = run("r", a.tg)
+    print(f"{model_path(a.model)} ({a.quantization}), B {b}, pp {a.pp}, tg {a.tg}, one thread")
+    print(f"load {os.getloadavg()}")
+    print("step            wall ms   CPU ms  matmul ms  attention ms  rest ms")
+    shown = [("prefill", r) for r in rows if r[4] < b]
+    decode = [r for r in rows if r[4] == b]
+    if decode:
+        shown.append(("decode median", [statistics.median(x[i] for x in decode) for i in range(4)]))
+    for name, r in shown:
+        wall, cpu, mm, attn = (v * 1e3 for v in r[:4])
+        print(f"{name:14} {wall:9.1f} {cpu:8.1f} {mm:10.1f} {attn:13.1f} {cpu - mm - attn:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
