@@ -121,6 +121,8 @@ def server_kwargs(args, spec: bool) -> dict:
             kw[name] = int(value) if value.lstrip("-").isdigit() else value
     if args.quantization:
         kw["quantization"] = args.quantization
+    if args.quantized_matmul:
+        kw["quantized_matmul"] = args.quantized_matmul
     return kw
 
 
@@ -243,6 +245,8 @@ def main() -> None:
                     help="KV cache tokens a side (the default pool, 2 GiB a scheduler for "
                          "SmolLM2, got runs OOM-killed on a shared machine)")  # fmt: skip
     ap.add_argument("--quantization", default=None, help="--quantization of both sides (gguf)")
+    ap.add_argument("--quantized-matmul", default=None,
+                    help="--quantized-matmul of both sides (batch-invariant: greedy spec == plain)")
     ap.add_argument("--verify-cost", default="auto", help="--speculative-verify-cost")
     ap.add_argument("--spec-arg", action="append", default=[],
                     help="NAME=VALUE: a speculative_* server argument of the on side")  # fmt: skip
@@ -276,7 +280,8 @@ def main() -> None:
     check_distinct([tuple(ids) for _, ids, _, _ in jobs])
     disable_by = ServerArgs().speculative_disable_by_batch_size
     print(
-        f"bench_specbench: {label} ({args.dtype}, {args.quantization or 'unquantized'}), "
+        f"bench_specbench: {label} ({args.dtype}, {args.quantization or 'unquantized'}"
+        f"{', quantized matmul ' + args.quantized_matmul if args.quantized_matmul else ''}), "
         f"{args.algorithm} {' '.join(args.spec_arg)} verify cost {args.verify_cost}, "
         f"{len(jobs)} Spec-Bench {'held-out ' if args.heldout else ''}"
         f"prompts ({args.per_category} per category), max {args.max_new_tokens} new tokens, "

@@ -1,41 +1,39 @@
 """Self-distil a corpus from a target model and train an EAGLE-3 head on it, in one command.
 
     python scripts/train_eagle3_smollm2.py --target ~/.cache/loom/models/smollm2-135m-f32 \\
-        --work /tmp/eagle3-smollm2 [--prompts 512] [--minutes 60] [--epochs 3] \\
-        [--draft-vocab-size 4096] [--spec-bench question.jsonl]
+        --work /tmp/eagle3-smollm2 [--prompts 1000] [--max-new-tokens 160] [--epochs 3] \\
+        [--minutes 30] [--draft-vocab-size 4096] [--spec-bench question.jsonl]
 
-1. **Prompts, from the model itself**: for each of SEED_TOPICS x ASKS, the target writes one
-   question (temperature 0.8, a seed per prompt, <= 48 tokens); duplicates dropped. No
+1. **Prompts, from the model itself** (`--data-model`, default `smollm2`: the Q4_1 GGUF kept
+   quantized, through Engine at batch 32): for each of SEED_TOPICS x ASKS, the model writes
+   one question (temperature 0.8, a seed per prompt, <= 48 tokens); duplicates dropped. No
    Spec-Bench text is involved; with `--spec-bench` the script counts the prompts' 8-grams found
    in Spec-Bench's questions and stops above 1% (a contamination check, not a source).
-2. **Answers, the target's own greedy outputs** (`--max-new-tokens`, batch 16 through Engine):
-   the head learns what the target emits when speculation verifies against it.
-3. **Training**: `python -m loom.train_eagle --eagle3` on `work/data/distill.jsonl` (chat
-   messages, rendered with the target's chat template), `--holdout` of the rows held out: every
-   epoch prints held-out loss, top-1 per draft step and the held-out mean accepted length, which
-   is what epochs, depth (`--unroll`, `--eval-steps`) and the draft vocabulary are chosen on.
-   A progress bar per stage; `--minutes` caps the training (it saves at the cap).
-4. The head is saved in bf16 (`work/head/`); the script refuses a head over 25 MB.
+2. **Answers, the model's own greedy outputs** (`--max-new-tokens`), appended to
+   `work/data/distill.jsonl` a batch at a time (a rerun continues): the head learns what the
+   target emits when speculation verifies against it. (The GGUF's greedy tokens agree with
+   the f32 folder's teacher-forced ones; the features below come from `--target`.)
+3. **Features, once** (`runtime/spec/eagle_features.py`): one f32 pass of `--target` per
+   document stores the residual streams after `--aux-layers` (bf16) and the target's greedy
+   next tokens in `work/features.pt`.
+4. **Training the head alone** over the stored features (no target pass per step): unrolled
+   `--unroll` steps, teacher-forced, hard labels over the draft vocabulary (the target's
+   `--draft-vocab-size` most frequent greedy tokens on the training documents). After every
+   epoch, on the held-out documents (`--holdout`, chosen by document; their answers are the
+   target's greedy continuations): top-1 per draft step and the mean accepted length of
+   greedy chains of `--eval-steps` tokens. That is what epochs, unroll and the draft
+   vocabulary are chosen on. `--minutes` caps the training.
+5. The head is saved in bf16 (`work/head/`, with `history.json`) after every epoch; the
+   script refuses a head over 25 MB.
 
-Each stage is skipped when its output exists (delete the file to redo it); training resumes
-from `work/head/checkpoint.pt`.
-
-Expected time (SmolLM2-135M f32, one thread of an idle 2-core machine; estimated from the
-loaded run in docs/benchmarks.md, "EAGLE-3 head for SmolLM2", whose processes got ~10% of a
-core): stage 1 ~1.1 s of CPU a prompt (512: ~10 min); stage 2 ~8 ms an answer token at batch
-16 (512 x 192 tokens: ~13 min); stage 3 ~15 s of CPU a training step of 4 x 128-token rows,
-twice that at `--seq-len` 256 (512 answers ~ 100k tokens ~ 400 rows of 256: ~100 steps, ~50
-min an epoch, ~2.5 h for 3 epochs), plus the held-out evaluation each epoch (continuations
-made once with a KV cache; the accepted length: one target pass a prompt). Each stage draws a
-progress bar with its ETA; `--minutes` caps stage 3.
+Each stage is skipped when its output exists (delete the file to redo it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
+import random
 from pathlib import Path
 
 SEED_TOPICS = [
@@ -57,10 +55,15 @@ ASKS = [
 HEAD_LIMIT_MB = 25
 
 
-def _engine(target: str):
+BATCH = 32  # requests a generate call (Engine batch)
+
+
+def _engine(model: str):
+    """The data stage's engine: `model` as named (`smollm2`: the Q4_1 GGUF, kept quantized;
+    its greedy tokens agree with the f32 folder's teacher-forced, see docs/benchmarks.md)."""
     from loom.runtime.engine import Engine
 
-    return Engine(target, dtype="float32", max_running_requests=16)
+    return Engine(model, max_running_requests=BATCH)
 
 
 def make_prompts(engine, n: int) -> list[str]:
@@ -72,12 +75,13 @@ def make_prompts(engine, n: int) -> list[str]:
     seed = 0
     bar = tqdm(total=n, desc="prompts", unit="prompt")
     while len(out) < n and seed < 4 * n:
-        group = [asks[(seed + i) % len(asks)] for i in range(16)]
+        group = [asks[(seed + i) % len(asks)] for i in range(BATCH)]
         res = engine.generate(
             [_as_chat(engine, g) for g in group],
-            [{"temperature": 0.8, "max_new_tokens": 48, "sampling_seed": seed + i} for i in range(16)],
+            [{"temperature": 0.8, "max_new_tokens": 48, "sampling_seed": seed + i}
+             for i in range(BATCH)],
         )
-        seed += 16
+        seed += BATCH
         for r in res:
             text = r["text"].strip().split("\n")[0].strip().strip('"')
             if len(text) > 12 and text.lower() not in seen and len(out) < n:
@@ -94,18 +98,21 @@ def _as_chat(engine, text: str) -> str:
     )
 
 
-def answer(engine, prompts: list[str], max_new: int) -> list[str]:
+def answer(engine, prompts: list[str], max_new: int, out: Path) -> None:
+    """The target's greedy answers, appended to `out` a batch at a time (a rerun continues)."""
     from tqdm import tqdm
 
-    answers = []
-    for i in tqdm(range(0, len(prompts), 16), desc="answers (greedy)", unit="batch"):
-        group = prompts[i : i + 16]
+    done = len(out.read_text().splitlines()) if out.exists() else 0
+    for i in tqdm(range(done, len(prompts), BATCH), desc="answers (greedy)", unit="batch"):
+        group = prompts[i : i + BATCH]
         res = engine.generate(
             [_as_chat(engine, p) for p in group],
             [{"temperature": 0, "max_new_tokens": max_new} for _ in group],
         )
-        answers += [r["text"] for r in res]
-    return answers
+        with open(out, "a") as f:
+            for p, r in zip(group, res):
+                chat = [{"role": "user", "content": p}, {"role": "assistant", "content": r["text"]}]
+                f.write(json.dumps({"messages": chat}) + "\n")
 
 
 def contamination(prompts: list[str], questions: Path, tok) -> float:
@@ -125,25 +132,59 @@ def contamination(prompts: list[str], questions: Path, tok) -> float:
     return hits / max(1, total)
 
 
+def documents(data: Path, tok) -> list[tuple[list[int], int]]:
+    """(token ids of the rendered chat, index of the answer's first token) per document."""
+    docs = []
+    for line in data.read_text().splitlines():
+        msgs = json.loads(line)["messages"]
+        prompt = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=False)
+        full = tok.apply_chat_template(msgs, tokenize=False)
+        p_ids = tok.encode(prompt, add_special_tokens=False)
+        ids = tok.encode(full, add_special_tokens=False)
+        if ids[: len(p_ids)] == p_ids and len(ids) > len(p_ids) + 2:
+            docs.append((ids, len(p_ids)))
+    return docs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="target model folder (HF layout)")
     ap.add_argument("--work", required=True, type=Path, help="folder for data and the head")
-    ap.add_argument("--prompts", type=int, default=512)
-    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--data-model", default="smollm2",
+                    help="the model that writes prompts and answers (default: the Q4_1 GGUF)")
+    ap.add_argument("--prompts", type=int, default=1000)
+    ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--minutes", type=float, default=None, help="cap on the training stage")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--draft-vocab-size", type=int, default=4096)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--aux-layers", default="1,15,29", help="the target layers EAGLE-3 fuses")
+    ap.add_argument("--tokens-per-batch", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--unroll", type=int, default=3)
-    ap.add_argument("--holdout", type=float, default=0.1)
+    ap.add_argument("--eval-steps", type=int, default=6)
+    ap.add_argument("--holdout", type=float, default=0.05)
+    ap.add_argument("--max-docs", type=int, default=None,
+                    help="use the first N documents (features are computed for these only)")
+    ap.add_argument("--precondition", action="store_true",
+                    help="train fc on features / their per-dim RMS, folded back into fc when "
+                    "saved (default: raw features; see docs/benchmarks.md)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--spec-bench", type=Path, default=None, help="question.jsonl to check against")
     args = ap.parse_args()
+    import torch
+    import transformers
+
+    from loom.runtime.model_loader import load_config, load_model
+    from loom.runtime.spec import eagle_features as ef
+    from loom.runtime.spec.eagle import build_eagle_head, head_config, save_eagle_head
+    from loom.runtime.spec.head_training import cast_copy
+    from loom.runtime.spec.train_eagle import init_head
+
     data = args.work / "data" / "distill.jsonl"
     data.parent.mkdir(parents=True, exist_ok=True)
-    if not data.exists():
-        engine = _engine(args.target)
+    ready = data.exists() and len(data.read_text().splitlines()) >= args.prompts
+    if not ready:
+        engine = _engine(args.data_model)
         cached = args.work / "data" / "prompts.json"  # stage 1's output, kept across runs
         try:
             prompts = json.loads(cached.read_text()) if cached.exists() else []
@@ -156,40 +197,59 @@ def main() -> None:
                 print(f"prompts' 8-grams found in Spec-Bench: {share:.2%}", flush=True)
                 if share > 0.01:
                     raise SystemExit("the generated prompts overlap Spec-Bench above 1%")
-            answers = answer(engine, prompts, args.max_new_tokens)
+            answer(engine, prompts, args.max_new_tokens, data)
         finally:
             engine.shutdown()
-        tmp = data.with_suffix(".tmp")
-        tmp.write_text(
-            "".join(
-                json.dumps(
-                    {
-                        "messages": [
-                            {"role": "user", "content": p},
-                            {"role": "assistant", "content": a},
-                        ]
-                    }  # fmt: skip
-                )
-                + "\n"
-                for p, a in zip(prompts, answers)
-            )
-        )
-        tmp.replace(data)
-        print(f"wrote {data}: {len(prompts)} prompt / greedy answer pairs", flush=True)
-    head = args.work / "head"
-    cmd = [
-        sys.executable, "-m", "loom.train_eagle", "--eagle3", "--target", args.target,
-        "--data", str(data), "--out", str(head), "--epochs", str(args.epochs),
-        "--draft-vocab-size", str(args.draft_vocab_size), "--seq-len", str(args.seq_len),
-        "--batch-size", str(args.batch_size), "--unroll", str(args.unroll),
-        "--holdout", str(args.holdout), "--save-dtype", "bfloat16",
-    ]  # fmt: skip
-    if args.minutes:
-        cmd += ["--max-minutes", str(args.minutes)]
-    print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    size = sum(f.stat().st_size for f in head.glob("*.safetensors")) / 2**20
-    print(f"head: {head} ({size:.1f} MB bf16)")
+    tok = transformers.AutoTokenizer.from_pretrained(args.target)
+    docs = documents(data, tok)[: args.max_docs]
+    torch.set_num_threads(args.threads)
+    tcfg = load_config(args.target)
+    model = load_model(args.target, torch.float32, "cpu", tcfg)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    capture = tuple(int(x) for x in args.aux_layers.split(","))
+    feats = args.work / "features.pt"  # stage 2: the target's pass, once per document
+    ef.precompute(model, docs, capture, feats)  # resumes; nothing to do when complete
+    recs = torch.load(feats, weights_only=False)
+    recs = {k: v[: len(docs)] if isinstance(v, list) and k != "capture" else v
+            for k, v in recs.items()}  # fmt: skip
+    n = len(recs["ids"])
+    order = list(range(n))
+    random.Random(0).shuffle(order)
+    n_hold = max(1, int(n * args.holdout))
+    hold_idx, train_idx = order[:n_hold], order[n_hold:]
+    draft = ef.choose_draft_vocab({"argmax": [recs["argmax"][i] for i in train_idx]},
+                                  args.draft_vocab_size)  # fmt: skip
+    t2d = torch.full((tcfg.vocab_size,), -100, dtype=torch.long)
+    t2d[draft] = torch.arange(draft.numel())
+    covered = [float((t2d[recs["argmax"][i][recs["start"][i]:].long()] >= 0).float().mean())
+               for i in hold_idx]  # fmt: skip
+    print(f"{n} documents ({sum(r.numel() for r in recs['ids'])} tokens), {n_hold} held out; "
+          f"draft vocabulary {draft.numel()} covers {sum(covered) / len(covered):.1%} of the "
+          "held-out answers' target tokens", flush=True)  # fmt: skip
+    hcfg = head_config(tcfg, "eagle3", eagle_config={"eagle_aux_hidden_state_layer_ids":
+                       list(capture)}, target_hidden_size=tcfg.hidden_size,
+                       draft_vocab_size=draft.numel())  # fmt: skip
+    head = build_eagle_head(hcfg, model, torch.float32, "cpu")
+    head.d2t.copy_(draft - torch.arange(draft.numel()))
+    init_head(head, model, "eagle3", 0)
+    for p in head.parameters():
+        p.requires_grad_(True)
+    out = args.work / "head"
+    history = []
+
+    def save(h, rec) -> None:
+        save_eagle_head(cast_copy(h, "bfloat16"), out,
+                        {"torch_dtype": "bfloat16", "dtype": "bfloat16"})  # fmt: skip
+        history.append(rec)
+        (out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
+
+    scale = ef.feature_scale(recs, train_idx) if args.precondition else None
+    ef.train(head, recs, train_idx, hold_idx, t2d, epochs=args.epochs, unroll_steps=args.unroll,
+             eval_steps=args.eval_steps, tokens_per_batch=args.tokens_per_batch, lr=args.lr,
+             max_minutes=args.minutes, save=save, scale=scale)  # fmt: skip
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
+    print(f"head: {out} ({size:.1f} MB bf16)")
     if size > HEAD_LIMIT_MB:
         raise SystemExit(f"the head is {size:.1f} MB, over the {HEAD_LIMIT_MB} MB limit")
 

@@ -107,6 +107,10 @@ def eagle_unsupported(head, pool, topk: int) -> str | None:
     tensors = [*head.parameters(), *head.buffers(), head.embed_tokens.weight]
     if head.variant == "eagle":
         tensors.append(head.target_lm_head.weight)
+    if any(getattr(t, "quant", None) is not None for t in tensors):
+        # a GGUF target's embedding keeps its blocks (float storage released): the C round
+        # reads float rows, the eager head looks tokens up through the embedding module
+        return "the target's embedding is block-quantized"
     if any(t.device.type != "cpu" for t in tensors):
         return "the head is not on the CPU"
     if any(t.is_floating_point() and t.dtype != torch.float32 for t in tensors):

@@ -81,15 +81,24 @@ def _chances(rates: list[float], n: int) -> list[float]:
 
 
 def matmul_numel(modules) -> int:
-    """Weight entries the matmuls of `modules` read (their 2-D parameters, each once)."""
-    seen = {id(p): p.numel() for m in modules for p in m.parameters() if p.dim() == 2}
+    """Weight entries the matmuls of `modules` read (their 2-D parameters, each once; a
+    block-quantized weight counts its rows x columns: its float storage is released, and a
+    GGUF target counted as 0 made the head gate divide by zero)."""
+    seen = {}
+    for m in modules:
+        for p in m.parameters():
+            q = getattr(p, "quant", None)
+            if q is not None:
+                seen[id(p)] = q.rows * q.cols
+            elif p.dim() == 2:
+                seen[id(p)] = p.numel()
     return sum(seen.values())
 
 
 def target_matmul_numel(model) -> int:
     """Weight entries a target decode step reads: its layers and its LM head (the embedding
     only where it is the LM head: a step reads one row of it otherwise)."""
-    return matmul_numel([model.model.layers]) + model.lm_head.weight.numel()
+    return matmul_numel([model.model.layers]) + matmul_numel([model.lm_head])
 
 
 class HeadGate:
