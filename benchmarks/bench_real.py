@@ -125,6 +125,10 @@ class TreeMemory:
     def __init__(self, period: float = 0.1):
         import threading
 
+        # reading smaps_rollup walks a process's page tables under its mmap lock, and the
+        # sampler's Python holds a share of a core (~17% at 10 Hz over 6-14 processes): on
+        # only while `pss` is set (an untimed memory round); llama.cpp's VmHWM is polled always
+        self.pss = False
         self.peak_pss = 0.0
         self.llama_hwm = 0.0
         self.hwm: dict[int, tuple[str, float]] = {}  # pid -> (role, VmHWM MB), last seen
@@ -146,6 +150,8 @@ class TreeMemory:
                 if p.name().startswith("llama"):
                     self.llama_hwm = max(self.llama_hwm, peak_rss_mb(p.pid))
                     continue
+                if not self.pss:
+                    continue
                 for line in Path(f"/proc/{p.pid}/smaps_rollup").read_text().splitlines():
                     if line.startswith("Pss:"):
                         total += int(line.split()[1]) / 1024
@@ -162,6 +168,7 @@ class TreeMemory:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        self.pss = True
         self.sample()
 
 
@@ -273,6 +280,11 @@ def main() -> None:
                     f"{row['loom prefill'][0] / row[f'{best} prefill'][0]:.2f}x, decode "
                     f"{row['loom decode'][0] / row[f'{best} decode'][0]:.2f}x"
                 )
+        # the memory round: the largest batch once more, untimed, with the PSS sampler on
+        # (each process's VmHWM is the kernel's own peak over the whole run either way)
+        tree.pss = True
+        loom_side.point(prompts, args.tg)
+        tree.pss = False
         if args.plot:
             plot(rows, args.plot, f"{Path(gguf).name}, {args.threads} thread(s), pp {args.pp} "
                  f"tg {args.tg}, load {os.getloadavg()[0]:.1f}")  # fmt: skip
@@ -281,7 +293,7 @@ def main() -> None:
         tree.close()
         hwm = sorted(tree.hwm.values(), key=lambda r: -r[1])
         print(f"loom process tree ({len(hwm)} processes): peak summed PSS {tree.peak_pss:.0f} MB"
-              f" (sampled 10 Hz); VmHWM each: " + ", ".join(f"{h:.0f}" for _, h in hwm))  # fmt: skip
+              f" (sampled 10 Hz in an untimed round at B={sizes[-1]}); VmHWM each: " + ", ".join(f"{h:.0f}" for _, h in hwm))  # fmt: skip
         if peers:
             print(f"llama-batched-bench peak RSS: {tree.llama_hwm:.0f} MB (its VmHWM)")
     finally:

@@ -749,15 +749,25 @@ static inline __attribute__((always_inline)) void f32v_unit(int qtype, const uin
     }
 }
 
+/* How a type's 32 values expand, as a constant of each f32v_rows / f32v_wide instance: with
+   the type a run-time branch in the block loop, adding the unit types' code to that loop made
+   the Q4_1 batch-1 GEMV ~1.5x slower (bench_quant_gemv, a SmolLM2 token 10.7 -> 16.1 ms). */
+enum { F32V_Q8, F32V_Q4, F32V_UNIT };
+static inline int f32v_kind(int qtype) {
+    return qtype == LOOM_Q8_0 ? F32V_Q8 : f32v_unit_type(qtype) ? F32V_UNIT : F32V_Q4;
+}
+
 /* out[r * TT + t] = row r of R rows (row_bytes apart from w) . token t of TT (x rows ldx
    apart) */
 static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uint8_t* w,
                                                             int64_t row_bytes, int64_t K,
                                                             const float* x, int64_t ldx,
                                                             float* out, const int R,
-                                                            const int TT) {
+                                                            const int TT, const int kind) {
     const int64_t nb = K / 32;
     const int bb = block_bytes(qtype);
+    /* 32-value units per block: 8 (a shift of 3) for the K types' 256-value super-blocks */
+    const int ush = qtype == LOOM_Q4_K || qtype == LOOM_Q6_K ? 3 : 0;
     __m512 acc[16];
     float dsc[4][F32V_CHUNK], msc[4][F32V_CHUNK];
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -766,7 +776,7 @@ static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uin
     for (int64_t i0 = 0; i0 < nb; i0 += F32V_CHUNK) {
         const int n = nb - i0 < F32V_CHUNK ? (int)(nb - i0) : F32V_CHUNK;
         for (int r = 0; r < R; r++) {
-            if (f32v_unit_type(qtype))
+            if (kind == F32V_UNIT)
                 f32v_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
             else
                 block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
@@ -779,16 +789,17 @@ static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uin
                 xb[t] = _mm512_loadu_ps(x + t * ldx + 32 * i + 16);
             }
             for (int r = 0; r < R; r++) {
-                /* unit i's bytes sit near i * (the row's bytes per 32 values) */
-                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + i * row_bytes / nb),
+                /* unit i's bytes sit near i * bb >> ush (a shift: a division here, per unit
+                   and row, cost the batch-1 decode ~30%) */
+                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + ((i * bb) >> ush)),
                              _MM_HINT_T0);
-                if (f32v_unit_type(qtype)) {
+                if (kind == F32V_UNIT) {
                     __m512 lo, hi;
                     f32v_unit(qtype, w + r * row_bytes, i, dsc[r][j], msc[r][j], &lo, &hi);
                     for (int t = 0; t < TT; t++)
                         acc[r * TT + t] = _mm512_fmadd_ps(
                             hi, xb[t], _mm512_fmadd_ps(lo, xa[t], acc[r * TT + t]));
-                } else if (qtype == LOOM_Q8_0) {
+                } else if (kind == F32V_Q8) {
                     __m512 lo, hi;
                     f32v_q8(w + r * row_bytes + i * bb, &lo, &hi);
                     const __m512 d = _mm512_set1_ps(dsc[r][j]);
@@ -817,15 +828,22 @@ static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uin
    constant pair, so the accumulators are registers */
 static void f32v_block(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K, const float* x,
                        int64_t ldx, float* out, int R, int TT) {
-#define F32V_CASE(RR, TTT)                                                                     \
+#define F32V_CASE(RR, TTT, KIND)                                                               \
     case 4 * (RR) + (TTT):                                                                     \
-        f32v_rows(qtype, w, row_bytes, K, x, ldx, out, RR, TTT);                               \
+        f32v_rows(qtype, w, row_bytes, K, x, ldx, out, RR, TTT, KIND);                         \
         break;
-    switch (4 * R + TT) {
-        F32V_CASE(4, 1) F32V_CASE(4, 2) F32V_CASE(4, 3) F32V_CASE(4, 4)
-        F32V_CASE(1, 1) F32V_CASE(1, 2) F32V_CASE(1, 3) F32V_CASE(1, 4)
-        default: break;
+#define F32V_CASES(KIND)                                                                       \
+    switch (4 * R + TT) {                                                                      \
+        F32V_CASE(4, 1, KIND) F32V_CASE(4, 2, KIND) F32V_CASE(4, 3, KIND)                      \
+        F32V_CASE(4, 4, KIND) F32V_CASE(1, 1, KIND) F32V_CASE(1, 2, KIND)                      \
+        F32V_CASE(1, 3, KIND) F32V_CASE(1, 4, KIND) default: break;                            \
     }
+    switch (f32v_kind(qtype)) {
+    case F32V_Q8: F32V_CASES(F32V_Q8) break;
+    case F32V_Q4: F32V_CASES(F32V_Q4) break;
+    default: F32V_CASES(F32V_UNIT) break;
+    }
+#undef F32V_CASES
 #undef F32V_CASE
 }
 
@@ -839,9 +857,11 @@ static inline __attribute__((always_inline)) void f32v_wide(int qtype, const uin
                                                             int64_t row_bytes, int64_t K,
                                                             const float* x, int64_t ldx,
                                                             float* out, const int R,
-                                                            const int TT) {
+                                                            const int TT, const int kind) {
     const int64_t nb = K / 32;
     const int bb = block_bytes(qtype);
+    /* 32-value units per block: 8 (a shift of 3) for the K types' 256-value super-blocks */
+    const int ush = qtype == LOOM_Q4_K || qtype == LOOM_Q6_K ? 3 : 0;
     __m512 acc[F32V_WR * F32V_MAX];
     float dsc[F32V_WR][F32V_CHUNK], msc[F32V_WR][F32V_CHUNK];
     const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -850,7 +870,7 @@ static inline __attribute__((always_inline)) void f32v_wide(int qtype, const uin
     for (int64_t i0 = 0; i0 < nb; i0 += F32V_CHUNK) {
         const int n = nb - i0 < F32V_CHUNK ? (int)(nb - i0) : F32V_CHUNK;
         for (int r = 0; r < R; r++) {
-            if (f32v_unit_type(qtype))
+            if (kind == F32V_UNIT)
                 f32v_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
             else
                 block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
@@ -859,11 +879,11 @@ static inline __attribute__((always_inline)) void f32v_wide(int qtype, const uin
             const int64_t i = i0 + j;
             __m512 lo[F32V_WR], hi[F32V_WR], d[F32V_WR];
             for (int r = 0; r < R; r++) {
-                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + i * row_bytes / nb),
+                _mm_prefetch((const char*)(w + (r + pf) * row_bytes + ((i * bb) >> ush)),
                              _MM_HINT_T0);
-                if (f32v_unit_type(qtype)) {
+                if (kind == F32V_UNIT) {
                     f32v_unit(qtype, w + r * row_bytes, i, dsc[r][j], msc[r][j], &lo[r], &hi[r]);
-                } else if (qtype == LOOM_Q8_0) {
+                } else if (kind == F32V_Q8) {
                     f32v_q8(w + r * row_bytes + i * bb, &lo[r], &hi[r]);
                     d[r] = _mm512_set1_ps(dsc[r][j]);
                 } else {
@@ -879,7 +899,7 @@ static inline __attribute__((always_inline)) void f32v_wide(int qtype, const uin
                 const __m512 xa = _mm512_loadu_ps(x + t * ldx + 32 * i);
                 const __m512 xb = _mm512_loadu_ps(x + t * ldx + 32 * i + 16);
                 for (int r = 0; r < R; r++) {
-                    if (qtype == LOOM_Q8_0) {
+                    if (kind == F32V_Q8) {
                         const __m512 s = _mm512_fmadd_ps(hi[r], xb, _mm512_mul_ps(lo[r], xa));
                         acc[r * TT + t] = _mm512_fmadd_ps(s, d[r], acc[r * TT + t]);
                     } else {
@@ -896,16 +916,23 @@ static inline __attribute__((always_inline)) void f32v_wide(int qtype, const uin
 /* f32v_wide for R rows (1 .. F32V_WR) and TT tokens (5 .. 8), one instance per constant pair */
 static void f32v_wide_block(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K,
                             const float* x, int64_t ldx, float* out, int R, int TT) {
-#define F32V_WCASE(RR, TTT)                                                                    \
+#define F32V_WCASE(RR, TTT, KIND)                                                              \
     case 8 * (RR) + (TTT):                                                                     \
-        f32v_wide(qtype, w, row_bytes, K, x, ldx, out, RR, TTT);                               \
+        f32v_wide(qtype, w, row_bytes, K, x, ldx, out, RR, TTT, KIND);                         \
         break;
-    switch (8 * R + TT) {
-        F32V_WCASE(1, 5) F32V_WCASE(1, 6) F32V_WCASE(1, 7) F32V_WCASE(1, 8)
-        F32V_WCASE(2, 5) F32V_WCASE(2, 6) F32V_WCASE(2, 7) F32V_WCASE(2, 8)
-        F32V_WCASE(3, 5) F32V_WCASE(3, 6) F32V_WCASE(3, 7) F32V_WCASE(3, 8)
-        default: break;
+#define F32V_WCASES(KIND)                                                                      \
+    switch (8 * R + TT) {                                                                      \
+        F32V_WCASE(1, 5, KIND) F32V_WCASE(1, 6, KIND) F32V_WCASE(1, 7, KIND)                   \
+        F32V_WCASE(1, 8, KIND) F32V_WCASE(2, 5, KIND) F32V_WCASE(2, 6, KIND)                   \
+        F32V_WCASE(2, 7, KIND) F32V_WCASE(2, 8, KIND) F32V_WCASE(3, 5, KIND)                   \
+        F32V_WCASE(3, 6, KIND) F32V_WCASE(3, 7, KIND) F32V_WCASE(3, 8, KIND) default: break;   \
     }
+    switch (f32v_kind(qtype)) {
+    case F32V_Q8: F32V_WCASES(F32V_Q8) break;
+    case F32V_Q4: F32V_WCASES(F32V_Q4) break;
+    default: F32V_WCASES(F32V_UNIT) break;
+    }
+#undef F32V_WCASES
 #undef F32V_WCASE
 }
 
