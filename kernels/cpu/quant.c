@@ -757,6 +757,50 @@ static inline int f32v_kind(int qtype) {
     return qtype == LOOM_Q8_0 ? F32V_Q8 : f32v_unit_type(qtype) ? F32V_UNIT : F32V_Q4;
 }
 
+/* the two floats of units i0 .. i0 + n - 1 of one row that f32v_expand takes */
+static inline __attribute__((always_inline)) void f32v_chunk_scales(const int kind, int qtype,
+                                                                    const uint8_t* row,
+                                                                    int64_t i0, int n,
+                                                                    float* a, float* b) {
+    if (kind == F32V_UNIT)
+        f32v_scales(qtype, row, i0, n, a, b);
+    else
+        block_scales(qtype, row, i0, n, a, b);
+}
+
+/* unit i (32 values) of a row (blocks of bb bytes) as two f32 vectors, values 0..15 in *lo and 16..31 in *hi: the
+   weights themselves, except Q8_0's, which are its codes (its scale multiplies their dot
+   product in f32v_fma) */
+static inline __attribute__((always_inline)) void f32v_expand(const int kind, int qtype,
+                                                              int bb, const uint8_t* row,
+                                                              int64_t i, float a, float b,
+                                                              __m512* lo, __m512* hi) {
+    if (kind == F32V_UNIT) {
+        f32v_unit(qtype, row, i, a, b, lo, hi);
+    } else if (kind == F32V_Q8) {
+        f32v_q8(row + i * bb, lo, hi);
+    } else {
+        const __m512 iota =
+            _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512 tab = _mm512_fmadd_ps(iota, _mm512_set1_ps(a), _mm512_set1_ps(b));
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i*)(row + i * bb + (qtype == LOOM_Q4_1 ? 4 : 2))));
+        *lo = _mm512_permutexvar_ps(v, tab);
+        *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
+    }
+}
+
+/* acc + unit (lo, hi) . token (xa, xb), d: Q8_0's scale. The one order of operations every
+   instance of f32v_rows and f32v_wide takes: what makes their outputs bitwise the same for
+   every grouping of rows and tokens. */
+static inline __attribute__((always_inline)) __m512 f32v_fma(const int kind, __m512 acc,
+                                                             __m512 lo, __m512 hi, __m512 xa,
+                                                             __m512 xb, __m512 d) {
+    if (kind == F32V_Q8)
+        return _mm512_fmadd_ps(_mm512_fmadd_ps(hi, xb, _mm512_mul_ps(lo, xa)), d, acc);
+    return _mm512_fmadd_ps(hi, xb, _mm512_fmadd_ps(lo, xa, acc));
+}
+
 /* out[r * TT + t] = row r of R rows (row_bytes apart from w) . token t of TT (x rows ldx
    apart) */
 static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uint8_t* w,
@@ -770,17 +814,12 @@ static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uin
     const int ush = qtype == LOOM_Q4_K || qtype == LOOM_Q6_K ? 3 : 0;
     __m512 acc[16];
     float dsc[4][F32V_CHUNK], msc[4][F32V_CHUNK];
-    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int64_t pf = loom_q_prefetch_rows;
     for (int i = 0; i < R * TT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += F32V_CHUNK) {
         const int n = nb - i0 < F32V_CHUNK ? (int)(nb - i0) : F32V_CHUNK;
-        for (int r = 0; r < R; r++) {
-            if (kind == F32V_UNIT)
-                f32v_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
-            else
-                block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
-        }
+        for (int r = 0; r < R; r++)
+            f32v_chunk_scales(kind, qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
         for (int j = 0; j < n; j++) {
             const int64_t i = i0 + j;
             __m512 xa[4], xb[4];
@@ -793,31 +832,11 @@ static inline __attribute__((always_inline)) void f32v_rows(int qtype, const uin
                    and row, cost the batch-1 decode ~30%) */
                 _mm_prefetch((const char*)(w + (r + pf) * row_bytes + ((i * bb) >> ush)),
                              _MM_HINT_T0);
-                if (kind == F32V_UNIT) {
-                    __m512 lo, hi;
-                    f32v_unit(qtype, w + r * row_bytes, i, dsc[r][j], msc[r][j], &lo, &hi);
-                    for (int t = 0; t < TT; t++)
-                        acc[r * TT + t] = _mm512_fmadd_ps(
-                            hi, xb[t], _mm512_fmadd_ps(lo, xa[t], acc[r * TT + t]));
-                } else if (kind == F32V_Q8) {
-                    __m512 lo, hi;
-                    f32v_q8(w + r * row_bytes + i * bb, &lo, &hi);
-                    const __m512 d = _mm512_set1_ps(dsc[r][j]);
-                    for (int t = 0; t < TT; t++) {
-                        const __m512 s = _mm512_fmadd_ps(hi, xb[t], _mm512_mul_ps(lo, xa[t]));
-                        acc[r * TT + t] = _mm512_fmadd_ps(s, d, acc[r * TT + t]);
-                    }
-                } else {
-                    const __m512 tab = _mm512_fmadd_ps(iota, _mm512_set1_ps(dsc[r][j]),
-                                                       _mm512_set1_ps(msc[r][j]));
-                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                        (const __m128i*)(w + r * row_bytes + i * bb + (qtype == LOOM_Q4_1 ? 4 : 2))));
-                    const __m512 lo = _mm512_permutexvar_ps(v, tab);
-                    const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
-                    for (int t = 0; t < TT; t++)
-                        acc[r * TT + t] = _mm512_fmadd_ps(
-                            hi, xb[t], _mm512_fmadd_ps(lo, xa[t], acc[r * TT + t]));
-                }
+                __m512 lo, hi;
+                f32v_expand(kind, qtype, bb, w + r * row_bytes, i, dsc[r][j], msc[r][j], &lo, &hi);
+                const __m512 d = _mm512_set1_ps(dsc[r][j]);
+                for (int t = 0; t < TT; t++)
+                    acc[r * TT + t] = f32v_fma(kind, acc[r * TT + t], lo, hi, xa[t], xb[t], d);
             }
         }
     }
@@ -864,49 +883,27 @@ static inline __attribute__((always_inline)) void f32v_wide(int qtype, const uin
     const int ush = qtype == LOOM_Q4_K || qtype == LOOM_Q6_K ? 3 : 0;
     __m512 acc[F32V_WR * F32V_MAX];
     float dsc[F32V_WR][F32V_CHUNK], msc[F32V_WR][F32V_CHUNK];
-    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int64_t pf = loom_q_prefetch_rows;
     for (int i = 0; i < R * TT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t i0 = 0; i0 < nb; i0 += F32V_CHUNK) {
         const int n = nb - i0 < F32V_CHUNK ? (int)(nb - i0) : F32V_CHUNK;
-        for (int r = 0; r < R; r++) {
-            if (kind == F32V_UNIT)
-                f32v_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
-            else
-                block_scales(qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
-        }
+        for (int r = 0; r < R; r++)
+            f32v_chunk_scales(kind, qtype, w + r * row_bytes, i0, n, dsc[r], msc[r]);
         for (int j = 0; j < n; j++) {
             const int64_t i = i0 + j;
             __m512 lo[F32V_WR], hi[F32V_WR], d[F32V_WR];
             for (int r = 0; r < R; r++) {
                 _mm_prefetch((const char*)(w + (r + pf) * row_bytes + ((i * bb) >> ush)),
                              _MM_HINT_T0);
-                if (kind == F32V_UNIT) {
-                    f32v_unit(qtype, w + r * row_bytes, i, dsc[r][j], msc[r][j], &lo[r], &hi[r]);
-                } else if (kind == F32V_Q8) {
-                    f32v_q8(w + r * row_bytes + i * bb, &lo[r], &hi[r]);
-                    d[r] = _mm512_set1_ps(dsc[r][j]);
-                } else {
-                    const __m512 tab = _mm512_fmadd_ps(iota, _mm512_set1_ps(dsc[r][j]),
-                                                       _mm512_set1_ps(msc[r][j]));
-                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-                        (const __m128i*)(w + r * row_bytes + i * bb + (qtype == LOOM_Q4_1 ? 4 : 2))));
-                    lo[r] = _mm512_permutexvar_ps(v, tab);
-                    hi[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);
-                }
+                f32v_expand(kind, qtype, bb, w + r * row_bytes, i, dsc[r][j], msc[r][j], &lo[r],
+                            &hi[r]);
+                d[r] = _mm512_set1_ps(dsc[r][j]);
             }
             for (int t = 0; t < TT; t++) {
                 const __m512 xa = _mm512_loadu_ps(x + t * ldx + 32 * i);
                 const __m512 xb = _mm512_loadu_ps(x + t * ldx + 32 * i + 16);
-                for (int r = 0; r < R; r++) {
-                    if (kind == F32V_Q8) {
-                        const __m512 s = _mm512_fmadd_ps(hi[r], xb, _mm512_mul_ps(lo[r], xa));
-                        acc[r * TT + t] = _mm512_fmadd_ps(s, d[r], acc[r * TT + t]);
-                    } else {
-                        acc[r * TT + t] = _mm512_fmadd_ps(
-                            hi[r], xb, _mm512_fmadd_ps(lo[r], xa, acc[r * TT + t]));
-                    }
-                }
+                for (int r = 0; r < R; r++)
+                    acc[r * TT + t] = f32v_fma(kind, acc[r * TT + t], lo[r], hi[r], xa, xb, d[r]);
             }
         }
     }
