@@ -31,6 +31,16 @@ def make_scheduler(path: str, **kwargs) -> Scheduler:
     return sched
 
 
+def batch_invariant_scheduler(path: str, **kwargs) -> Scheduler:
+    """A GGUF model kept quantized, every matmul in the batch-invariant kernels (one arithmetic
+    for every row count, so greedy speculation equals plain decoding bitwise), jump-forward off
+    (its forced tokens would change the step sizes the tests compare)."""
+    return make_scheduler(
+        path, quantization="gguf", quantized_matmul="batch-invariant",
+        disable_jump_forward=True, **kwargs,
+    )  # fmt: skip
+
+
 def submit(sched: Scheduler, rid: str, ids: list[int], params: dict, seed: int = 0, **kw) -> None:
     sched.add_request(
         TokenizedGenerateReq(

@@ -26,7 +26,7 @@ def test_shipped_head_is_small_and_eagle3():
 
 def test_smollm2_eagle3_greedy_equals_plain(real_gguf, monkeypatch):
     from loom.runtime.spec import speculator
-    from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
+    from tests.runtime_helpers import batch_invariant_scheduler, greedy, run_all, submit
 
     monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "auto")  # the flag below must set "bi"
     # verify every draft: the cost model would skip verify steps and test less
@@ -35,10 +35,7 @@ def test_smollm2_eagle3_greedy_equals_plain(real_gguf, monkeypatch):
     asks = ["Give me three tips for keeping a houseplant alive.", "What is a volcano?"]
 
     def generate(**kw):
-        sched = make_scheduler(
-            path, quantization="gguf", quantized_matmul="batch-invariant",
-            disable_jump_forward=True, **kw,
-        )  # fmt: skip
+        sched = batch_invariant_scheduler(path, **kw)
         tok = sched.tokenizer
         for i, a in enumerate(asks):
             ids = tok.apply_chat_template(

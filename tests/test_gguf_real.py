@@ -50,6 +50,20 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_gguf_reader_per_file():
+    """transformers builds a new gguf.GGUFReader for the tokenizer, the config and the weights of
+    one file, and each parses the whole metadata in Python (Gemma's 262k-entry vocabulary: ~25 s
+    a parse on an idle core). The reader only reads, so one per file serves all three."""
+    import functools
+
+    import gguf
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=2)(gguf.GGUFReader))
+        yield
+
+
 def hf_gguf(path: str, what: str):
     import transformers
 

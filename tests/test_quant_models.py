@@ -243,7 +243,7 @@ def test_smollm2_quantized_speculation_matches_plain_and_logits_ignore_the_batch
     they differ in the 4th digit), and a prompt's prefill logprobs alone and beside two others.
     Issue 33 saw a quantized target's speculative output change with that switch."""
     from loom.runtime.spec import speculator
-    from tests.runtime_helpers import greedy, make_scheduler, run_all, submit
+    from tests.runtime_helpers import batch_invariant_scheduler, greedy, run_all, submit
 
     monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "auto")  # the flag below must set "bi"
     # verify every draft: the cost model would skip verify steps and test less
@@ -256,10 +256,7 @@ def test_smollm2_quantized_speculation_matches_plain_and_logits_ignore_the_batch
     ]
 
     def generate(**kw):
-        sched = make_scheduler(
-            path, quantization="gguf", quantized_matmul="batch-invariant",
-            disable_jump_forward=True, **kw,
-        )  # fmt: skip
+        sched = batch_invariant_scheduler(path, **kw)
         tok = sched.tokenizer
         for i, t in enumerate(texts):
             submit(sched, f"p{i}", tok.encode(t), greedy(16))
@@ -278,10 +275,7 @@ def test_smollm2_quantized_speculation_matches_plain_and_logits_ignore_the_batch
     # decode: a request's output logprobs alone (1 token a step: the GEMV) and beside 11
     # others (12 a step: the tile), bitwise
     def decode_lps(prompts):
-        sched = make_scheduler(
-            path, quantization="gguf", quantized_matmul="batch-invariant",
-            disable_jump_forward=True,
-        )  # fmt: skip
+        sched = batch_invariant_scheduler(path)
         for i, p in enumerate(prompts):
             submit(sched, f"q{i}", p, greedy(6), return_logprob=True, logprob_start_len=-1)
         lps = {}
