@@ -136,6 +136,18 @@ def limit_malloc_arenas() -> bool:
         return False
 
 
+def release_free_heap() -> bool:
+    """malloc_trim(0): hand the heap pages malloc holds free back to the kernel. Building a
+    large tokenizer frees most of what it allocates (Gemma 3's 262k tokens and 515k merges:
+    ~336 MB resident after construction, 64 MB after a trim; docs/benchmarks.md "Issue 32: the
+    tokenizer's freed heap"), but glibc keeps freed chunks below the top of the heap resident.
+    False where libc is not glibc."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def configure_child_process(args, name: str, owner_pid: int) -> None:
     # what the fork server preloaded (torch, transformers) is shared with it page by page until
     # written: a collection here would write every tracked object's header and copy its page

@@ -25,8 +25,11 @@ def load_tokenizer(path: str):
 
     if (file := gguf_file(path)) is not None:
         from loom.runtime.gguf.tokenizer import gguf_tokenizer
+        from loom.runtime.process import release_free_heap
 
-        return gguf_tokenizer(str(file))
+        tok = gguf_tokenizer(str(file))
+        release_free_heap()  # the build's transient lists and Rust parse buffers, freed
+        return tok
     # AutoTokenizer imports transformers' configuration module, and with it torch (~200 MB in
     # the owner process, which never runs the model); a folder that names the generic fast
     # class gets the same object from that class directly
