@@ -62,9 +62,13 @@ class _Steps:
         )  # fmt: skip
 
 
-def _compare(runner: ModelRunner, batch: ForwardBatch, capture=None) -> None:
+def _compare(
+    runner: ModelRunner, batch: ForwardBatch, capture=None, tol=1e-4, kv_tol=1e-5
+) -> float:
     """Eager (torch backend) and C logits and written KV agree; the C KV stays in the pool.
-    `capture`: the layers whose features both keep (`ForwardBatch.capture`)."""
+    `capture`: the layers whose features both keep (`ForwardBatch.capture`); tol / kv_tol:
+    rtol = atol of the logits / the KV (a real model's 18 layers grow float32 rounding).
+    Returns the largest logit difference."""
     pool = runner.token_to_kv_pool
     before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
     batch.attn_backend.init_forward_metadata(batch)
@@ -78,7 +82,7 @@ def _compare(runner: ModelRunner, batch: ForwardBatch, capture=None) -> None:
     assert runner.cpu_forward.covers(batch)
     got = runner.cpu_forward(batch)
     assert got.shape == want.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     if capture is not None:  # a drafter's features: final hidden + inner layers'
         (hid, aux), (want_hid, want_aux) = batch.captured, want_cap
@@ -87,7 +91,8 @@ def _compare(runner: ModelRunner, batch: ForwardBatch, capture=None) -> None:
         for a, ref in zip(aux, want_aux):
             torch.testing.assert_close(a, ref, rtol=1e-4, atol=1e-4)
     for b, ref in zip(pool.k_buffers + pool.v_buffers, eager_kv):
-        torch.testing.assert_close(b, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+        torch.testing.assert_close(b, ref, rtol=kv_tol, atol=kv_tol, equal_nan=True)
+    return float((got - want).abs().max())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -355,7 +360,7 @@ def _has_avx512f() -> bool:
 
 @pytest.mark.parametrize("isa", ["native", "avx2"])
 def test_isa_variants_build_as_asked(isa):
-    """"native" is AVX-512 exactly where the CPU reports avx512f; "avx2" never is."""
+    """ "native" is AVX-512 exactly where the CPU reports avx512f; "avx2" never is."""
     lib = cpu_forward.load(isa)
     want = 512 if isa == "native" and _has_avx512f() else 256
     assert lib.loom_isa_bits() == want
