@@ -6,8 +6,9 @@ the step's whole forward in one C function (kernels/cpu/forward.c: norms, QKV, q
 RoPE, the KV store into the pool, paged attention read in place through the req-to-token
 table, causal or under a draft tree's mask, O projection, the SiLU MLP, the final norm and
 the LM head for the rows that need logits), reading the weights in place from the model's
-parameters. It covers the dense Llama family (Llama, Mistral, Qwen2, Qwen3) in float32 with
-one rank; steps of more than `MAX_TOKENS` tokens go to the eager forward, and so does anything
+parameters. It covers the dense Llama family (Llama, Mistral, Qwen2, Qwen3) and Gemma 3 (its
+(1 + w) norms before and after attention and MLP, gelu(tanh) MLP, scaled embedding, per-layer
+RoPE tables, sliding-window layers, soft-capped logits) in float32 with one rank; steps of more than `MAX_TOKENS` tokens go to the eager forward, and so does anything
 the C code does not cover (`CpuForward.build` says why, once). Every step reads a copy of the
 projection and LM-head weights packed into 16-row panels (`pack`; `PACK_BUDGET` bounds its
 bytes): one sequential stream a panel, the only copy a decode step touches (the row-major
@@ -60,8 +61,10 @@ class _Layer(ctypes.Structure):
             "ln2", "gu_w", "gu_b", "down_w", "down_b", "k_cache", "v_cache",
             "qkv_p", "o_p", "gu_p", "down_p",  # packed panels (pack()); NULL: row-major tiles
             "qkv_q", "o_q", "gu_q", "down_q",  # _QMat of a quantized weight; NULL: float
+            # Gemma 3 (NULL for Llama): post-attention / post-MLP norms, the layer's RoPE tables
+            "post_attn_ln", "post_ff_ln", "cos", "sin",
         )
-    ]  # fmt: skip
+    ] + [("window", _I64)]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
@@ -77,6 +80,9 @@ class _Model(ctypes.Structure):
         ("embed_q", _P),
         ("lm_head_q", _P),
         ("q_mode", _I64),
+        ("act", _I64),  # 1: gelu(tanh)-gated MLP (Gemma), 0: SiLU
+        ("embed_scale", ctypes.c_float),
+        ("norm_add", ctypes.c_float),  # RMSNorm scales by norm_add + weight (Gemma: 1)
     ]
 
 
@@ -167,14 +173,20 @@ class CpuForward:
             budget[0] -= need
             return p(pack(t))
 
+        gemma = _is_gemma(model)
         layers = (_Layer * len(inner.layers))()
         for i, layer in enumerate(inner.layers):
             a, mlp = layer.self_attn, layer.mlp
+            qk = gemma or a.qk_norm
+            # Gemma: post_attention_layernorm norms the attention output, the MLP's input norm
+            # is pre_feedforward_layernorm; Llama's post_attention_layernorm is the MLP's input
+            ln2 = layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm
+            g_rot = a.rotary_emb if gemma else None
             layers[i] = _Layer(
                 p(layer.input_layernorm.weight), f(a.qkv_proj.weight), p(a.qkv_proj.bias),
-                p(a.q_norm.weight) if a.qk_norm else None,
-                p(a.k_norm.weight) if a.qk_norm else None,
-                f(a.o_proj.weight), p(a.o_proj.bias), p(layer.post_attention_layernorm.weight),
+                p(a.q_norm.weight) if qk else None,
+                p(a.k_norm.weight) if qk else None,
+                f(a.o_proj.weight), p(a.o_proj.bias), p(ln2.weight),
                 f(mlp.gate_up_proj.weight), p(mlp.gate_up_proj.bias),
                 f(mlp.down_proj.weight), p(mlp.down_proj.bias),
                 p(pool.k_buffers[i]), p(pool.v_buffers[i]),
@@ -182,6 +194,10 @@ class CpuForward:
                 packed(mlp.gate_up_proj.weight), packed(mlp.down_proj.weight),
                 q(a.qkv_proj.weight), q(a.o_proj.weight),
                 q(mlp.gate_up_proj.weight), q(mlp.down_proj.weight),
+                p(layer.post_attention_layernorm.weight) if gemma else None,
+                p(layer.post_feedforward_layernorm.weight) if gemma else None,
+                p(g_rot.cos_cache) if gemma else None, p(g_rot.sin_cache) if gemma else None,
+                (a.attn.sliding_window or 0) if gemma else 0,
             )  # fmt: skip
         self._layers = layers
         self._struct = _Model(
@@ -193,7 +209,10 @@ class CpuForward:
             p(rot.cos_cache), p(rot.sin_cache), layers, packed(model.lm_head.weight),
             q(inner.embed_tokens.weight), q(model.lm_head.weight),
             quant_ops.MODES[quant_ops.resolve_mode()],
+            int(gemma), float(getattr(inner.embed_tokens, "scale", 1.0)), float(gemma),
         )  # fmt: skip
+        # Gemma's final logit soft-cap (Gemma3ForCausalLM.forward), applied to the C logits
+        self.softcap = getattr(model, "softcap", None) if gemma else None
         # bytes held in packed copies (the weights the C path reads a second time)
         self.packed_bytes = PACK_BUDGET - budget[0]
         self._model_ptr = ctypes.addressof(self._struct)
@@ -274,7 +293,57 @@ class CpuForward:
             raise IndexError(f"position {int(pos.max())} is past the rotary table")
         if rc == -2:
             raise IndexError(f"token id {int(ids.max())} is past the vocabulary")
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def _is_gemma(model) -> bool:
+    from loom.runtime.models.gemma3 import Gemma3ForCausalLM
+
+    return isinstance(model, Gemma3ForCausalLM)
+
+
+def _gemma_unsupported(model) -> str | None:
+    """Why the C forward cannot run this Gemma 3 model (None: it can): its layers must be
+    loom's own Gemma 3 modules, every sliding layer one window, every rotary table one length."""
+    from loom.runtime.layers.rotary import RotaryEmbedding
+    from loom.runtime.models.gemma3 import (
+        GeluTanhAndMul,
+        Gemma3Attention,
+        Gemma3DecoderLayer,
+        Gemma3MLP,
+        GemmaRMSNorm,
+        ScaledEmbedding,
+    )
+
+    inner = model.model
+    if type(inner.embed_tokens) is not ScaledEmbedding:
+        return f"{type(inner.embed_tokens).__name__} is not Gemma's scaled embedding"
+    windows, lengths, scales = set(), set(), set()
+    for layer in inner.layers:
+        if type(layer).forward is not Gemma3DecoderLayer.forward:
+            return f"{type(layer).__name__} has its own forward"
+        a = layer.self_attn
+        if type(a).forward is not Gemma3Attention.forward:
+            return f"{type(a).__name__} has its own forward"
+        if type(layer.mlp) is not Gemma3MLP or type(layer.mlp.act_fn) is not GeluTanhAndMul:
+            return f"{type(layer.mlp).__name__} is not the gelu(tanh)-gated dense MLP"
+        if type(a.rotary_emb) is not RotaryEmbedding:
+            return "a rotary embedding other than the neox RotaryEmbedding"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, a.q_norm, a.k_norm]
+        norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+        if any(type(n) is not GemmaRMSNorm for n in norms):
+            return "a norm other than GemmaRMSNorm"
+        if a.attn.sliding_window:
+            windows.add(a.attn.sliding_window)
+        lengths.add(a.rotary_emb.cos_cache.shape[0])
+        scales.add(a.attn.scaling)
+    if len(windows) > 1:
+        return f"sliding windows differ between layers: {sorted(windows)}"
+    if len(lengths) > 1 or len(scales) > 1:
+        return "rotary table lengths or attention scales differ between layers"
+    return None
 
 
 def unsupported(model, pool, *, tp_size: int, pp_size: int) -> str | None:
@@ -293,7 +362,11 @@ def unsupported(model, pool, *, tp_size: int, pp_size: int) -> str | None:
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} is not a dense Llama-family model"
     inner = model.model
-    for layer in inner.layers:
+    gemma = _is_gemma(model)
+    reason = _gemma_unsupported(model) if gemma else None
+    if reason:
+        return reason
+    for layer in [] if gemma else inner.layers:
         if type(layer).forward is not LlamaDecoderLayer.forward:
             return f"{type(layer).__name__} has its own forward"
         if type(layer.self_attn).forward is not LlamaAttention.forward:
@@ -303,7 +376,7 @@ def unsupported(model, pool, *, tp_size: int, pp_size: int) -> str | None:
         if type(layer.self_attn.rotary_emb) is not RotaryEmbedding:
             return "a rotary embedding other than the neox RotaryEmbedding"
     act = getattr(model.config, "hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and not gemma:  # Gemma's MLP is gelu(tanh) whatever the config says
         return f"hidden_act {act!r}"
     params = list(model.parameters())
     for t in params:
@@ -328,7 +401,13 @@ def unsupported(model, pool, *, tp_size: int, pp_size: int) -> str | None:
         for n in (layer.input_layernorm, layer.post_attention_layernorm)
     }
     eps |= {inner.norm.eps}
-    if a.qk_norm:
+    if gemma:
+        eps |= {
+            n.eps
+            for layer in inner.layers
+            for n in (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+        }
+    if gemma or a.qk_norm:
         eps |= {layer.self_attn.q_norm.eps for layer in inner.layers}
         eps |= {layer.self_attn.k_norm.eps for layer in inner.layers}
     if len(eps) != 1:

@@ -5,7 +5,9 @@
    the K/V store into the pool slots, paged attention reading K/V in place through the
    req-to-token table (causal, or a request's custom tree mask), O projection + residual,
    RMSNorm, the SiLU-gated MLP + residual; then the final RMSNorm and the LM head for the rows
-   that need logits only. Norm weights and biases are read in place from the torch tensors; the
+   that need logits only. Gemma 3 (Model.norm_add / act, the Layer fields after down_q): norms
+   by (1 + w), the attention and MLP outputs normed before their residual add, gelu(tanh),
+   the embedding scaled, per-layer RoPE tables, sliding-window layers (window_views). Norm weights and biases are read in place from the torch tensors; the
    projections and the LM head from a copy packed into panels of 16 output rows, K-major
    (CpuForward packs it once), at every step size: a panel is one sequential 64-byte-a-k stream,
    and the weights the forward keeps hot are that one copy. A pass over a panel takes up to 16
@@ -694,6 +696,119 @@ static inline void qmm(const QMat* q, int64_t mode, const float* x, int64_t T, i
     }
 }
 
+/* ---- Gemma 3 (Model.norm_add / act / embed_scale, Layer.post_*_ln / cos / sin / window;
+   the Llama family leaves them 0 / NULL and runs the blocks above unchanged) ---------------- */
+
+/* out[D] = (add + w) * (x / rms(x)): Gemma's RMSNorm (add 1: its weights are zero-centred,
+   the factor HF applies is 1 + weight); out may alias x */
+static void rms_add(const float* x, const float* w, float add, int64_t D, float eps, float* out) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < D; d++) ss += x[d] * x[d];
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+#pragma omp simd
+    for (int64_t d = 0; d < D; d++) out[d] = (add + w[d]) * (x[d] * inv);
+}
+
+/* the model's RMSNorm of one row: Llama's w * x / rms(x), or Gemma's (1 + w) * ... */
+static inline void norm_row(const Model* m, const float* x, const float* w, int64_t D, float* out) {
+    if (m->norm_add != 0.f)
+        rms_add(x, w, m->norm_add, D, m->eps, out);
+    else
+        rms(x, w, D, m->eps, out);
+}
+
+/* qk_norm_rope with Gemma's norm: every query and key head RMSNormed by (1 + q_norm / k_norm),
+   then neox-rotated with the layer's own tables */
+static void qk_norm_rope_add(float* qkv, int64_t T, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
+                             const float* q_norm, const float* k_norm, float add, float eps,
+                             const float* cos, const float* sin, const int64_t* pos) {
+    for (int64_t t = 0; t < T; t++) {
+        float* q = qkv + t * ld; /* H query heads, then the Hkv key heads */
+        const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+        for (int64_t i = 0; i < H + Hkv; i++) {
+            const float* w = i < H ? q_norm : k_norm;
+            if (w) rms_add(q + i * D, w, add, D, eps, q + i * D);
+            rope(q + i * D, c, s, D);
+        }
+    }
+}
+
+/* g[i] = gelu_tanh(g[i]) * u[i], with gelu_tanh(x) = 0.5 x (1 + tanh(y)) = x / (1 + exp(-2y)),
+   y = sqrt(2 / pi) (x + 0.044715 x^3): fast_expf's polynomial vectorizes where tanhf does not;
+   the exponent is clamped at 80 (the quotient is then 0 to float precision) */
+static void gelu_tanh_mul(float* g, const float* u, int64_t I) {
+#pragma omp simd
+    for (int64_t i = 0; i < I; i++) {
+        const float x = g[i];
+        float z = -1.5957691216057308f * (x + 0.044715f * x * x * x);
+        z = z > 80.f ? 80.f : z;
+        g[i] = x / (1.f + fast_expf(z)) * u[i];
+    }
+}
+
+/* What one request's attention reads: its KV columns (cols[c] a pool slot), how many (S), and
+   its mask [n, S] (NULL: causal, token j of n sees c < S - n + j + 1). */
+typedef struct {
+    const int64_t* cols;
+    int64_t S;
+    const uint8_t* mask;
+} AttnView;
+
+/* The views of a sliding-window layer (window W): token t sees only columns c > pos[t] - W
+   (HF's sliding mask, as runtime/attention/sliding_window.py). A request no token of which is
+   past the window keeps its full view; a single causal token starts its columns at its window
+   (no mask: the attention paths then see a shorter causal sequence); otherwise the columns
+   start at the first any token sees and a mask [n, S'] ANDs the window into the causal or tree
+   mask. Returns the masks' buffer (free it; NULL when none was needed). */
+static uint8_t* window_views(int64_t W, int64_t B, const int64_t* starts, const int64_t* pos,
+                             const AttnView* full, AttnView* win) {
+    size_t bytes = 0;
+    for (int64_t pass = 0; pass < 2; pass++) {
+        uint8_t* buf = NULL;
+        if (pass == 1) {
+            if (!bytes) return NULL;
+            buf = malloc(bytes);
+            bytes = 0;
+        }
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t n = starts[b + 1] - starts[b], S = full[b].S;
+            int64_t first = S, last = 0; /* the smallest / largest first visible column */
+            for (int64_t t = starts[b]; t < starts[b + 1]; t++) {
+                const int64_t lo = pos[t] - W + 1 > 0 ? pos[t] - W + 1 : 0;
+                first = lo < first ? lo : first;
+                last = lo > last ? lo : last;
+            }
+            if (first > S) first = S;
+            if (last == 0) {
+                win[b] = full[b];
+                continue;
+            }
+            if (n == 1 && !full[b].mask) {
+                win[b] = (AttnView){full[b].cols + first, S - first, NULL};
+                continue;
+            }
+            const int64_t Sw = S - first;
+            if (pass == 1) {
+                uint8_t* mk = buf + bytes;
+                for (int64_t j = 0; j < n; j++) {
+                    const int64_t p = pos[starts[b] + j], lo = p - W + 1;
+                    for (int64_t c = 0; c < Sw; c++) {
+                        const int64_t col = first + c;
+                        const int vis = full[b].mask ? full[b].mask[j * S + col] != 0
+                                                     : col < S - n + j + 1;
+                        mk[j * Sw + c] = (uint8_t)(vis && col >= lo);
+                    }
+                }
+                win[b] = (AttnView){full[b].cols + first, Sw, mk};
+            }
+            bytes += (size_t)(n * Sw);
+        }
+        if (pass == 1) return buf;
+    }
+    return NULL;
+}
+
 /* One step. Requests b < B own tokens starts[b] .. starts[b+1]-1 (the last extend tokens of a
    sequence of seq_lens[b] KV columns, read through table[rows[b] * stride + column]); token j
    of request b sees columns 0 .. prefix + j (prefix = seq_lens[b] - its token count), or with
@@ -732,6 +847,8 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     } else {
         for (int64_t t = 0; t < T; t++) memcpy(x + t * Hd, m->embed + ids[t] * Hd, sizeof(float) * Hd);
     }
+    if (m->embed_scale != 1.f) /* Gemma: the rows times sqrt(hidden) */
+        for (int64_t i = 0; i < T * Hd; i++) x[i] *= m->embed_scale;
     const int attn_threads = nthreads > 1 && T * Hkv * max_len * H * D > (1 << 17) ? nthreads : 1;
     (void)attn_threads; /* read by an OpenMP pragma only: unused in a build without OpenMP */
     const int64_t block_min = loom_block_attn_min > 1 ? loom_block_attn_min : 1;
@@ -744,12 +861,27 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
         if (small_path(n) && n * G > small_rp) small_rp = n * G;
     }
     small_rp = (small_rp + SMALL_LANES - 1) / SMALL_LANES * SMALL_LANES;
+    /* each request's attention view: full (every layer of Llama, Gemma's global layers), and
+       windowed for sliding-window layers (cpu_forward checks they share one window) */
+    AttnView* full = malloc(sizeof(AttnView) * 2 * (B > 0 ? B : 1));
+    AttnView* win = full + B;
+    int64_t window = 0;
+    for (int64_t l = 0; l < m->layers; l++) window = m->layer[l].window ? m->layer[l].window : window;
+    for (int64_t b = 0; b < B; b++)
+        full[b] = (AttnView){table + rows[b] * stride, seq_lens[b],
+                             mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL};
+    uint8_t* win_masks = window ? window_views(window, B, starts, pos, full, win) : NULL;
 
     for (int64_t l = 0; l < m->layers; l++) {
         const Layer* L = m->layer + l;
-        for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln1, Hd, m->eps, h + t * Hd);
+        const AttnView* view = L->window ? win : full;
+        for (int64_t t = 0; t < T; t++) norm_row(m, x + t * Hd, L->ln1, Hd, h + t * Hd);
         TIMED(0, qmm(L->qkv_q, m->q_mode, h, T, Hd, Hd, L->qkv_w, L->qkv_p, L->qkv_b, QKV, qkv, QKV, 0, nthreads));
-        qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
+        if (m->norm_add != 0.f)
+            qk_norm_rope_add(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->norm_add, m->eps,
+                             L->cos ? L->cos : m->cos, L->sin ? L->sin : m->sin, pos);
+        else
+            qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
         for (int64_t t = 0; t < T; t++) {
             const float* k = qkv + t * QKV + H * D;
             memcpy(L->k_cache + slots[t] * Hkv * D, k, sizeof(float) * Hkv * D);
@@ -761,9 +893,9 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             if (n >= block_min && !small_path(n))
                 for (int64_t kh = 0; kh < Hkv; kh++)
                     block_attention(qkv + starts[b] * QKV, QKV, starts[b + 1] - starts[b],
-                                    seq_lens[b], table + rows[b] * stride, L->k_cache, L->v_cache,
+                                    view[b].S, view[b].cols, L->k_cache, L->v_cache,
                                     Hkv, kh, G, D, m->scale, att + starts[b] * H * D, H * D,
-                                    nthreads, mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL);
+                                    nthreads, view[b].mask);
         }
 #pragma omp parallel num_threads(attn_threads) if (attn_threads > 1)
         {
@@ -774,19 +906,18 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
 #pragma omp for schedule(dynamic)
             for (int64_t w = 0; w < T * Hkv; w++) {
                 const int64_t t = w / Hkv, kh = w % Hkv, b = tok_req[t];
-                const int64_t S = seq_lens[b], j = t - starts[b];
+                const int64_t S = view[b].S, j = t - starts[b];
                 const int64_t n_tok = starts[b + 1] - starts[b];
-                const int64_t* cols = table + rows[b] * stride;
+                const int64_t* cols = view[b].cols;
                 if (small_path(n_tok)) { /* the request's kv head kh at once */
                     if (j == 0)
                         small_attention(qkv + t * QKV, QKV, n_tok, S, cols, L->k_cache, L->v_cache,
                                         Hkv, kh, G, D, m->scale, att + t * H * D, H * D,
-                                        mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL, qt, sc,
-                                        acc);
+                                        view[b].mask, qt, sc, acc);
                     continue;
                 }
                 if (n_tok >= block_min) continue; /* done above */
-                const uint8_t* mrow = mask_offs[b] >= 0 ? masks + mask_offs[b] + j * S : NULL;
+                const uint8_t* mrow = view[b].mask ? view[b].mask + j * S : NULL;
                 if (n_tok == 1 && !mrow &&
                     attn_one(qkv + t * QKV + kh * G * D, S, cols, L->k_cache, L->v_cache, Hkv,
                              kh, G, D, m->scale, att + t * H * D + kh * G * D, sc))
@@ -842,15 +973,34 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             free(qt);
         }
         if (prof) prof[1] += cpu_seconds() - att0;
-        TIMED(0, qmm(L->o_q, m->q_mode, att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads));
-        for (int64_t t = 0; t < T; t++) rms(x + t * Hd, L->ln2, Hd, m->eps, h + t * Hd);
+        if (L->post_attn_ln) { /* Gemma: x += norm(o_proj(att)) */
+            TIMED(0, qmm(L->o_q, m->q_mode, att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, h, Hd, 0, nthreads));
+            for (int64_t t = 0; t < T; t++) {
+                norm_row(m, h + t * Hd, L->post_attn_ln, Hd, h + t * Hd);
+                for (int64_t i = 0; i < Hd; i++) x[t * Hd + i] += h[t * Hd + i];
+            }
+        } else {
+            TIMED(0, qmm(L->o_q, m->q_mode, att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads));
+        }
+        for (int64_t t = 0; t < T; t++) norm_row(m, x + t * Hd, L->ln2, Hd, h + t * Hd);
         TIMED(0, qmm(L->gu_q, m->q_mode, h, T, Hd, Hd, L->gu_w, L->gu_p, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads));
         for (int64_t t = 0; t < T; t++) {
             float* g = gu + t * 2 * I;
             const float* u = g + I;
-            silu_mul(g, u, I);
+            if (m->act == 1)
+                gelu_tanh_mul(g, u, I);
+            else
+                silu_mul(g, u, I);
         }
-        TIMED(0, qmm(L->down_q, m->q_mode, gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, x, Hd, 1, nthreads));
+        if (L->post_ff_ln) { /* Gemma: x += norm(down(...)) */
+            TIMED(0, qmm(L->down_q, m->q_mode, gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, h, Hd, 0, nthreads));
+            for (int64_t t = 0; t < T; t++) {
+                norm_row(m, h + t * Hd, L->post_ff_ln, Hd, h + t * Hd);
+                for (int64_t i = 0; i < Hd; i++) x[t * Hd + i] += h[t * Hd + i];
+            }
+        } else {
+            TIMED(0, qmm(L->down_q, m->q_mode, gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, x, Hd, 1, nthreads));
+        }
         /* an EAGLE-3 drafter's aux features: the residual stream after layer l (the eager
            model's hidden + residual), [n_aux, T, Hd] in capture_layers order */
         for (int64_t a = 0; a < n_aux; a++)
@@ -858,11 +1008,13 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     }
     /* a drafter reading the final hidden states (capture_layers not None): every row, normed */
     if (hidden_out)
-        for (int64_t t = 0; t < T; t++) rms(x + t * Hd, m->norm, Hd, m->eps, hidden_out + t * Hd);
-    for (int64_t r = 0; r < N; r++) rms(x + logit_rows[r] * Hd, m->norm, Hd, m->eps, h + r * Hd);
+        for (int64_t t = 0; t < T; t++) norm_row(m, x + t * Hd, m->norm, Hd, hidden_out + t * Hd);
+    for (int64_t r = 0; r < N; r++) norm_row(m, x + logit_rows[r] * Hd, m->norm, Hd, h + r * Hd);
     TIMED(0, qmm(m->lm_head_q, m->q_mode, h, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab, logits, m->vocab, 0,
                 nthreads));
     free(tok_req);
+    free(full);
+    free(win_masks);
     free(x);
     free(h);
     free(qkv);

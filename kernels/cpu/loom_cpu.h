@@ -104,6 +104,12 @@ typedef struct {
     const float *qkv_p, *o_p, *gu_p, *down_p;
     /* the projections block-quantized, or NULL: the float weights above */
     const QMat *qkv_q, *o_q, *gu_q, *down_q;
+    /* Gemma 3 (NULL / 0 for the Llama family): the norms of the attention output and of the
+       MLP output (ln2 is then the pre-feedforward norm), this layer's own RoPE tables (local
+       or global base; NULL: the model's), and its sliding window (a query at position p sees
+       keys at p - window + 1 .. p; 0: global) */
+    const float *post_attn_ln, *post_ff_ln, *cos, *sin;
+    int64_t window;
 } Layer;
 
 /* the forward's model (cpu_forward._Model) */
@@ -116,6 +122,10 @@ typedef struct {
     /* the embedding table and LM head block-quantized, or NULL; q_mode: quant.c's mode */
     const QMat *embed_q, *lm_head_q;
     int64_t q_mode;
+    /* Gemma 3: act 1 = gelu(tanh)-gated MLP (0: SiLU); the embedding rows times embed_scale;
+       every RMSNorm scales by norm_add + weight (1: Gemma's zero-centred weights; 0: Llama) */
+    int64_t act;
+    float embed_scale, norm_add;
 } Model;
 
 /* an EAGLE / EAGLE-3 draft head (head_kernel._Head) */

@@ -42,6 +42,8 @@ class GemmaRMSNorm(nn.Module):
         in place or replaces its storage; either changes the key): ~110 norms a Gemma 3
         decode step, each otherwise one more add and cast."""
         w = self.weight
+        if w.is_inference():  # no version counter (built under inference_mode): no cache
+            return 1.0 + w.float()
         key = (w.data_ptr(), w._version)
         if self._scale is None or self._scale[0] != key:
             self._scale = (key, 1.0 + w.float())
