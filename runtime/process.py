@@ -136,6 +136,28 @@ def limit_malloc_arenas() -> bool:
         return False
 
 
+# libgomp's spin before a waiting thread sleeps (GOMP_SPINCOUNT: iterations of a ~16 ns pause
+# loop here). Its default, 300,000 (~5 ms), is for a machine the team has to itself: with one
+# more runnable process than cores, a thread spins through its whole slice at every barrier
+# while its partner waits for that core. SmolLM2, 8 requests of 128 + 32 tokens through Engine
+# at two threads on this 2-core machine under load ~7-8: 95 s of wall time (42.6 s of CPU) with
+# the default, 5.8 s with 1,000 (~20 us: longer than the gaps between a forward's parallel
+# regions), 9.3 s passive, 8.0 s on one thread (docs/benchmarks.md, "Issue 32: batch 8 on two
+# threads").
+OPENMP_SPIN_COUNT = 1000
+
+
+def bound_openmp_spin() -> bool:
+    """Set GOMP_SPINCOUNT to OPENMP_SPIN_COUNT in this process's environment, for the libgomp
+    that torch loads after it (libgomp reads it once, when it is loaded: call this before
+    `import torch`), unless the user chose a wait policy (GOMP_SPINCOUNT or OMP_WAIT_POLICY).
+    True when it was set here."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return False
+    os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
+    return True
+
+
 def configure_child_process(args, name: str, owner_pid: int) -> None:
     # what the fork server preloaded (torch, transformers) is shared with it page by page until
     # written: a collection here would write every tracked object's header and copy its page
