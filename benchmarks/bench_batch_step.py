@@ -1,12 +1,15 @@
 """One batch's prefill step and its decode steps, split: wall and CPU time of the scheduler's
-thread, and of that the compiled forward's matmuls and attention (CpuForward.profile).
+thread, and of that the compiled forward's matmuls and attention (CpuForward.profile); the
+wall time of the C forward call itself (ModelRunner.last_model_seconds) and of the rest of the
+step (the scheduler's Python, the sampler, output processing).
 
 B requests of --pp random tokens, --tg new tokens each, greedy, in one in-process scheduler on
-one thread (the radix cache off, the KV pool sized as bench_real's). Prints the prefill step(s)
-and the median full-batch decode step, with os.getloadavg().
+--threads threads (the radix cache off, the KV pool sized as bench_real's). Prints the prefill
+step(s) and the median full-batch decode step, with os.getloadavg(). With --threads > 1 the
+CPU columns are the calling thread's only (the OpenMP workers' share is not in them).
 
     python benchmarks/bench_batch_step.py [--model smollm2] [--quantization gguf] [--batch 32]
-        [--pp 128] [--tg 32]
+        [--pp 128] [--tg 32] [--threads 1]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--pp", type=int, default=128)
     p.add_argument("--tg", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     import torch
 
@@ -39,13 +43,13 @@ def main() -> None:
     from loom.runtime.scheduler.scheduler import Scheduler
     from loom.runtime.server_args import ServerArgs
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(a.threads)
     b = a.batch
     sched = Scheduler(
         ServerArgs(
             model_path=model_path(a.model),
             quantization=a.quantization or None,
-            cpu_threads=1,
+            cpu_threads=a.threads,
             max_running_requests=b,
             max_total_tokens=b * (a.pp + a.tg) + 64,
             disable_radix_cache=True,
@@ -72,21 +76,31 @@ def main() -> None:
             sched.step()
             mm, attn = (x - y for x, y in zip(prof.tolist(), p0))
             wall, cpu = time.perf_counter() - t, time.thread_time() - c
-            rows.append((wall, cpu, mm, attn, running))
+            fwd = sched.runner.last_model_seconds
+            rows.append((wall, cpu, mm, attn, fwd, running))
         return rows
 
     run("warm", 2)
     rows = run("r", a.tg)
-    print(f"{model_path(a.model)} ({a.quantization}), B {b}, pp {a.pp}, tg {a.tg}, one thread")
+    print(
+        f"{model_path(a.model)} ({a.quantization}), B {b}, pp {a.pp}, tg {a.tg}, "
+        f"threads {a.threads}"
+    )
     print(f"load {os.getloadavg()}")
-    print("step            wall ms   CPU ms  matmul ms  attention ms  rest ms")
-    shown = [("prefill", r) for r in rows if r[4] < b]
-    decode = [r for r in rows if r[4] == b]
+    print(
+        "step            wall ms   CPU ms  matmul ms  attention ms  rest ms"
+        "  forward wall ms  outside ms"
+    )
+    shown = [("prefill", r) for r in rows if r[5] < b]
+    decode = [r for r in rows if r[5] == b]
     if decode:
-        shown.append(("decode median", [statistics.median(x[i] for x in decode) for i in range(4)]))
+        shown.append(("decode median", [statistics.median(x[i] for x in decode) for i in range(5)]))
     for name, r in shown:
-        wall, cpu, mm, attn = (v * 1e3 for v in r[:4])
-        print(f"{name:14} {wall:9.1f} {cpu:8.1f} {mm:10.1f} {attn:13.1f} {cpu - mm - attn:8.1f}")
+        wall, cpu, mm, attn, fwd = (v * 1e3 for v in r[:5])
+        print(
+            f"{name:14} {wall:9.1f} {cpu:8.1f} {mm:10.1f} {attn:13.1f} {cpu - mm - attn:8.1f}"
+            f" {fwd:16.1f} {wall - fwd:11.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """Imported once by the fork server, so every scheduler and detokenizer starts warm."""
 
-import torch  # noqa: F401
-import transformers
-import zmq  # noqa: F401
+from loom.runtime.process import bound_openmp_spin
 
-import loom.runtime.detokenizer  # noqa: F401
-import loom.runtime.model_runner  # noqa: F401
-import loom.runtime.models.llama  # noqa: F401
-import loom.runtime.scheduler.loop  # noqa: F401
-import loom.runtime.scheduler.scheduler  # noqa: F401
+bound_openmp_spin()  # before torch loads libgomp, which reads it then
+
+import torch  # noqa: E402, F401
+import transformers  # noqa: E402
+import zmq  # noqa: E402, F401
+
+import loom.runtime.detokenizer  # noqa: E402, F401
+import loom.runtime.model_runner  # noqa: E402, F401
+import loom.runtime.models.llama  # noqa: E402, F401
+import loom.runtime.scheduler.loop  # noqa: E402, F401
+import loom.runtime.scheduler.scheduler  # noqa: E402, F401
 
 # transformers imports lazily: touch what the children use
 transformers.AutoConfig  # noqa: B018

@@ -138,14 +138,33 @@ def limit_malloc_arenas() -> bool:
 
 def release_free_heap() -> bool:
     """malloc_trim(0): hand the heap pages malloc holds free back to the kernel. Building a
-    large tokenizer frees most of what it allocates (Gemma 3's 262k tokens and 515k merges:
-    ~336 MB resident after construction, 64 MB after a trim; docs/benchmarks.md "Issue 32: the
-    tokenizer's freed heap"), but glibc keeps freed chunks below the top of the heap resident.
-    False where libc is not glibc."""
+    large tokenizer frees most of what it allocated (Gemma 3's: about four fifths,
+    docs/benchmarks.md "Issue 32: the tokenizer's freed heap"), but glibc keeps freed chunks
+    below the top of the heap resident. False where libc is not glibc."""
     try:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+# libgomp's spin before a waiting thread sleeps (GOMP_SPINCOUNT: iterations of a ~16 ns pause
+# loop here). Its default, 300,000 (~5 ms), is for a machine the team has to itself: with one
+# more runnable process than cores, a thread spins through its whole slice at every barrier
+# while its partner waits for that core (a batch-8 step has ~150 parallel regions; under load
+# two threads then ran 16x slower than one). ~20 us is longer than the gaps between a forward's
+# parallel regions (docs/benchmarks.md, "Issue 32: batch 8 on two threads").
+OPENMP_SPIN_COUNT = 1000
+
+
+def bound_openmp_spin() -> bool:
+    """Set GOMP_SPINCOUNT to OPENMP_SPIN_COUNT in this process's environment, for the libgomp
+    that torch loads after it (libgomp reads it once, when it is loaded: call this before
+    `import torch`), unless the user chose a wait policy (GOMP_SPINCOUNT or OMP_WAIT_POLICY).
+    True when it was set here."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return False
+    os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
+    return True
 
 
 def configure_child_process(args, name: str, owner_pid: int) -> None:
