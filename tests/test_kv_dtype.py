@@ -34,6 +34,7 @@ def test_unknown_kv_dtype_and_the_triton_combination_are_refused():
     assert resolve_kv_dtype("auto", torch.float32, "cpu_paged") == torch.float32
     assert resolve_kv_dtype("bf16", torch.float32, "torch") == torch.bfloat16
     assert resolve_kv_dtype("bfloat16", torch.bfloat16, "triton") == torch.bfloat16
+    assert resolve_kv_dtype("float32", torch.bfloat16, "cpu_paged") == torch.float32  # a pin
     with pytest.raises(ValueError, match="^kv_cache_dtype: 'bf16' with a torch.float32 model"):
         resolve_kv_dtype("bf16", torch.float32, "triton")
 
