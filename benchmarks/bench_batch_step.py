@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=128)
     p.add_argument("--tg", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto", help="loom's --kv-cache-dtype (auto, bf16)")
     a = p.parse_args()
     import torch
 
@@ -53,6 +54,7 @@ def main() -> None:
             max_running_requests=b,
             max_total_tokens=b * (a.pp + a.tg) + 64,
             disable_radix_cache=True,
+            kv_cache_dtype=a.kv_cache_dtype,
             log_level="warning",
         )
     )

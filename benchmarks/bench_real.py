@@ -10,6 +10,8 @@ os.getloadavg() is printed, since ratios on a shared machine are what carries.
 
     python benchmarks/bench_real.py [--threads 1] [--batch-sizes 1,8,32] [--rounds 3]
     python benchmarks/bench_real.py --agreement 2000 [--chunk 8]   # accuracy, not speed
+    --kv-cache-dtype bf16: loom's KV pool in bfloat16 (llama.cpp keeps f16 K / V); with
+    --agreement, the quantized side's pool (the f32 reference keeps float32)
     python benchmarks/bench_real.py --gguf gemma3-270m ...        # Gemma 3 270M Q4_K_M
 """
 
@@ -36,7 +38,13 @@ def smollm2_gguf() -> str:
 
 class LoomSide:
     def __init__(
-        self, gguf: str, threads: int, max_running: int, quantization: str | None, kv_tokens: int
+        self,
+        gguf: str,
+        threads: int,
+        max_running: int,
+        quantization: str | None,
+        kv_tokens: int,
+        kv_dtype: str = "auto",
     ):
         import loom
 
@@ -48,6 +56,7 @@ class LoomSide:
             quantization=quantization,
             max_running_requests=max_running,
             max_total_tokens=kv_tokens,
+            kv_cache_dtype=kv_dtype,
             random_seed=0,
             cpu_threads=threads,
             log_level="warning",
@@ -70,15 +79,15 @@ class LoomSide:
         self.engine.shutdown()
 
 
-def _teacher_forced(gguf: str, ids: list[int], quantization: str | None, chunk: int):
+def _teacher_forced(gguf: str, ids: list[int], quantization: str | None, chunk: int, kv: str):
     """(logprobs, top-1 ids) of runtime/teacher_forced.py, in a spawned process."""
     from loom.runtime.teacher_forced import teacher_forced
 
-    lp, top, _ = teacher_forced(gguf, ids, quantization, chunk)
+    lp, top, _ = teacher_forced(gguf, ids, quantization, chunk, kv)
     return lp, top
 
 
-def agreement(gguf: str, ntok: int, chunk: int) -> None:
+def agreement(gguf: str, ntok: int, chunk: int, kv_dtype: str = "auto") -> None:
     """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
     file dequantized to float32, on `ntok` tokens of this repository's README + architecture
     docs, one request. The quantized side reads `chunk` tokens a step (<= 8: the decode
@@ -99,9 +108,10 @@ def agreement(gguf: str, ntok: int, chunk: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(1, mp_context=ctx) as pool:
             step = chunk if q == "gguf" else len(ids)
-            vals, res[q] = pool.submit(_teacher_forced, gguf, ids, q, step).result()
+            kv = kv_dtype if q == "gguf" else "auto"
+            vals, res[q] = pool.submit(_teacher_forced, gguf, ids, q, step, kv).result()
         print(
-            f"{'f32' if q == 'none' else q}: perplexity {math.exp(-sum(vals) / len(vals)):.4f}",
+            f"{'f32' if q == 'none' else q} (KV {kv}): perplexity {math.exp(-sum(vals) / len(vals)):.4f}",
             flush=True,
         )
     pairs = [(a, b) for a, b in zip(res["none"], res["gguf"]) if a is not None and b is not None]
@@ -224,6 +234,10 @@ def main() -> None:
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) of the table here")
     p.add_argument("--agreement", type=int, default=0, help="N: top-1 / perplexity on N tokens")
     p.add_argument("--chunk", type=int, default=8, help="agreement: tokens per quantized step")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="loom's KV pool: auto (float32) or bf16; --agreement: the quantized side's",
+    )  # fmt: skip
     args = p.parse_args()
     gguf = args.gguf or smollm2_gguf()
     if not gguf.endswith(".gguf"):  # a short name: smollm2, gemma3-270m
@@ -231,15 +245,20 @@ def main() -> None:
 
         gguf = resolve_model_name(gguf)
     if args.agreement:
-        agreement(gguf, args.agreement, args.chunk)
+        agreement(gguf, args.agreement, args.chunk, args.kv_cache_dtype)
         return
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    print(f"model {gguf}, threads {args.threads}, pp {args.pp}, tg {args.tg}, rounds {args.rounds}")
+    print(
+        f"model {gguf}, threads {args.threads}, pp {args.pp}, tg {args.tg}, rounds {args.rounds}"
+        f", loom KV {args.kv_cache_dtype}"
+    )
     print(f"load before: {os.getloadavg()}")
     rng = random.Random(0)
     tree = TreeMemory()
     kv_tokens = max(sizes) * (args.pp + args.tg) + 64  # as peers.llamacpp.batched sizes -c
-    loom_side = LoomSide(gguf, args.threads, max(sizes), args.quantization or "none", kv_tokens)
+    loom_side = LoomSide(
+        gguf, args.threads, max(sizes), args.quantization or "none", kv_tokens, args.kv_cache_dtype
+    )
     sched_pids = [c.pid for c in __import__("psutil").Process().children(recursive=True)]
     peers = {}
     if not args.no_llamacpp:

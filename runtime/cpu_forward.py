@@ -8,7 +8,10 @@ table, causal or under a draft tree's mask, O projection, the SiLU MLP, the fina
 the LM head for the rows that need logits), reading the weights in place from the model's
 parameters. It covers the dense Llama family (Llama, Mistral, Qwen2, Qwen3) and Gemma 3 (its
 (1 + w) norms before and after attention and MLP, gelu(tanh) MLP, scaled embedding, per-layer
-RoPE tables, sliding-window layers, soft-capped logits) in float32 with one rank; steps of more than `MAX_TOKENS` tokens go to the eager forward, and so does anything
+RoPE tables, sliding-window layers, soft-capped logits) in float32 with one rank, over a float32
+or bfloat16 KV pool (`--kv-cache-dtype bf16`: K/V stored rounded as the eager path's stores round
+them, widened to float32 in registers for the attention); steps of more than `MAX_TOKENS` tokens
+go to the eager forward, and so does anything
 the C code does not cover (`CpuForward.build` says why, once). Every step reads a copy of the
 projection and LM-head weights packed into 16-row panels (`pack`; `PACK_BUDGET` bounds its
 bytes): one sequential stream a panel, the only copy a decode step touches (the row-major
@@ -38,6 +41,10 @@ logger = logging.getLogger(__name__)
 # CPU time than the eager forward at every size measured up to it (docs/benchmarks.md,
 # "Session 5: multi-token kernel"); past it, eager.
 MAX_TOKENS = 8192
+
+# 16-bit KV pool dtypes the C forward stores and reads (forward.c, Model.kv_bf16): bfloat16,
+# the one 16-bit --kv-cache-dtype loom offers (memory_pool._KV_DTYPES)
+KV16 = (torch.bfloat16,)
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -83,6 +90,7 @@ class _Model(ctypes.Structure):
         ("act", _I64),  # 1: gelu(tanh)-gated MLP (Gemma), 0: SiLU
         ("embed_scale", ctypes.c_float),
         ("norm_add", ctypes.c_float),  # RMSNorm scales by norm_add + weight (Gemma: 1)
+        ("kv_bf16", _I64),
     ]
 
 
@@ -161,6 +169,13 @@ class CpuForward:
             self._qkeep += [segs, mat]
             return ctypes.addressof(mat)
 
+        kv_dtype = pool.k_buffers[0].dtype  # unsupported(): float32 or KV16 in every layer
+
+        def kv(t: torch.Tensor) -> int:  # a layer's K or V buffer, written and read in place
+            assert t.dtype == kv_dtype and t.is_contiguous() and t.device.type == "cpu"
+            self._keep.append(t)
+            return t.data_ptr()
+
         def f(param: torch.Tensor) -> int | None:  # the float weight, None where quantized
             return None if quant_of(param) is not None else p(param)
 
@@ -189,7 +204,7 @@ class CpuForward:
                 f(a.o_proj.weight), p(a.o_proj.bias), p(ln2.weight),
                 f(mlp.gate_up_proj.weight), p(mlp.gate_up_proj.bias),
                 f(mlp.down_proj.weight), p(mlp.down_proj.bias),
-                p(pool.k_buffers[i]), p(pool.v_buffers[i]),
+                kv(pool.k_buffers[i]), kv(pool.v_buffers[i]),
                 packed(a.qkv_proj.weight), packed(a.o_proj.weight),
                 packed(mlp.gate_up_proj.weight), packed(mlp.down_proj.weight),
                 q(a.qkv_proj.weight), q(a.o_proj.weight),
@@ -210,6 +225,7 @@ class CpuForward:
             q(inner.embed_tokens.weight), q(model.lm_head.weight),
             quant_ops.MODES[quant_ops.resolve_mode()],
             int(gemma), float(getattr(inner.embed_tokens, "scale", 1.0)), float(gemma),
+            int(kv_dtype == torch.bfloat16),
         )  # fmt: skip
         # Gemma's final logit soft-cap (Gemma3ForCausalLM.forward), applied to the C logits
         self.softcap = getattr(model, "softcap", None) if gemma else None
@@ -379,6 +395,7 @@ def unsupported(model, pool, *, tp_size: int, pp_size: int) -> str | None:
     if act != "silu" and not gemma:  # Gemma's MLP is gelu(tanh) whatever the config says
         return f"hidden_act {act!r}"
     params = list(model.parameters())
+    pool_dtype = pool.k_buffers[0].dtype
     for t in params:
         qw = getattr(t, "quant", None)
         if qw is not None and not qw.complete:
@@ -389,9 +406,10 @@ def unsupported(model, pool, *, tp_size: int, pp_size: int) -> str | None:
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in params):
         return "weights are not float32 on the CPU"
     if any(
-        b.dtype != torch.float32 or b.device.type != "cpu" for b in pool.k_buffers + pool.v_buffers
+        b.dtype not in (torch.float32, *KV16) or b.device.type != "cpu" or b.dtype != pool_dtype
+        for b in pool.k_buffers + pool.v_buffers
     ):
-        return "the KV pool is not float32 on the CPU"
+        return "the KV pool is not float32 or bfloat16 on the CPU"
     a = inner.layers[0].self_attn
     if a.num_heads % a.num_kv_heads or a.head_dim % 2:
         return "heads not a multiple of the KV heads, or an odd head_dim"

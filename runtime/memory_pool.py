@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-_KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+# "float32": loom's own value (SGLang has none), to pin a float32 pool where "auto" picks
+# bfloat16 (a GGUF model in the C forward: ModelRunner._kv_cache_dtype)
+_KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:

@@ -29,7 +29,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 EXECUTOR_BACKENDS = ("mp", "ray")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 # --kv-cache-dtype (SGLang's values): the KV pool's storage dtype, "auto" = the model dtype
-KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "float32")
 KV_CACHE_DTYPES_NOT_YET = ("fp8_e5m2", "fp8_e4m3", "fp4_e2m1")
 # hierarchical KV cache (radix/hicache.py), SGLang's names
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")

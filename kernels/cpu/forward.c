@@ -2,7 +2,8 @@
 
    One call runs a llama-style dense decoder stack over a step's T tokens: embedding, then per
    layer RMSNorm, the fused QKV projection (+ bias), the per-head q/k RMSNorm (Qwen3), neox RoPE,
-   the K/V store into the pool slots, paged attention reading K/V in place through the
+   the K/V store into the pool slots (float32, or bfloat16 rounded to nearest even:
+   Model.kv_bf16), paged attention reading K/V in place through the
    req-to-token table (causal, or a request's custom tree mask), O projection + residual,
    RMSNorm, the SiLU-gated MLP + residual; then the final RMSNorm and the LM head for the rows
    that need logits only. Gemma 3 (Model.norm_add / act, the Layer fields after down_q): norms
@@ -422,6 +423,14 @@ static inline double cpu_seconds(void) {
         if (prof) prof[slot] += cpu_seconds() - t0_;                                               \
     } while (0)
 
+/* Elements idx .. idx + n - 1 of a layer's K or V cache as float32: in place for a float32
+   pool, else (bf16: Model.kv_bf16) the bfloat16 row widened into buf. The attention below reads
+   every K / V row through this or kv_row, so scores, softmax and the weighted sum stay float32
+   whatever the pool stores. */
+static inline const float* kv_at(const float* cache, int bf16, int64_t idx, float* buf, int64_t n) {
+    return bf16 ? row_bf16((const uint16_t*)(const void*)cache + idx, buf, n) : cache + idx;
+}
+
 /* Attention of one request's n query tokens (n >= loom_block_attn_min) for kv head kh, as two
    matmuls on the packed kernel: its S K rows gathered into panels (keys as the output rows),
    scores = q K^T per query head of the group, the softmax, then out = P V with V's rows
@@ -439,14 +448,15 @@ int loom_block_attn_min = 2;
 static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
                             int64_t kh, int64_t G, int64_t D, float scale, float* out, int64_t ldo,
-                            int nthreads, const uint8_t* mask) {
+                            int nthreads, const uint8_t* mask, int bf16) {
     const int64_t Sp = (S + PANEL - 1) / PANEL * PANEL, Dp = (D + PANEL - 1) / PANEL * PANEL;
+    float kb[D], vb[D]; /* a bfloat16 pool's row, widened */
     float* kp = calloc((size_t)(Sp * D), sizeof(float)); /* [Sp / 16, D, 16] */
     float* vp = calloc((size_t)(Dp * S), sizeof(float)); /* [Dp / 16, S, 16] */
     float* sc = malloc(sizeof(float) * (n < ATTN_CHUNK ? n : ATTN_CHUNK) * S);
     for (int64_t c = 0; c < S; c++) {
-        const float* kr = kc + (cols[c] * Hkv + kh) * D;
-        const float* vr = vc + (cols[c] * Hkv + kh) * D;
+        const float* kr = kv_at(kc, bf16, (cols[c] * Hkv + kh) * D, kb, D);
+        const float* vr = kv_at(vc, bf16, (cols[c] * Hkv + kh) * D, vb, D);
         float* kd = kp + (c / PANEL) * D * PANEL + c % PANEL;
         for (int64_t d = 0; d < D; d++) kd[d * PANEL] = kr[d];
         for (int64_t d = 0; d < D; d++) vp[(d / PANEL) * S * PANEL + c * PANEL + d % PANEL] = vr[d];
@@ -498,11 +508,26 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
 #define ONE_PF 4
 #if ISA_BITS == 512
 /* row c of a K or V cache (pool slot cols[c], KV head kh) into r[0..DV), prefetching the row
-   ONE_PF keys ahead */
+   ONE_PF keys ahead. BF (a constant of each instance): the cache holds bfloat16, each 16
+   elements (32 bytes) widened in registers (zero-extend, shift left 16): half the bytes of a
+   float32 row, the same float32 values the eager path widens them to. */
 static inline __attribute__((always_inline)) void kv_row(const float* cache, const int64_t* cols,
                                                          int64_t c, int64_t S, int64_t Hkv,
-                                                         int64_t kh, const int DV, __m512* r) {
+                                                         int64_t kh, const int DV, const int BF,
+                                                         __m512* r) {
     const int64_t D = 16 * DV;
+    if (BF) {
+        const uint16_t* cache16 = (const uint16_t*)(const void*)cache;
+        if (c + ONE_PF < S) {
+            const char* p = (const char*)(cache16 + (cols[c + ONE_PF] * Hkv + kh) * D);
+            for (int j = 0; j < (DV + 1) / 2; j++) _mm_prefetch(p + 64 * j, _MM_HINT_T0);
+        }
+        const uint16_t* row = cache16 + (cols[c] * Hkv + kh) * D;
+        for (int j = 0; j < DV; j++)
+            r[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + 16 * j))), 16));
+        return;
+    }
     if (c + ONE_PF < S) {
         const char* p = (const char*)(cache + (cols[c + ONE_PF] * Hkv + kh) * D);
         for (int j = 0; j < DV; j++) _mm_prefetch(p + 64 * j, _MM_HINT_T0);
@@ -515,7 +540,8 @@ static inline __attribute__((always_inline)) void attn_one_t(const float* qb, in
                                                              const int64_t* cols, const float* kc,
                                                              const float* vc, int64_t Hkv,
                                                              int64_t kh, float scale, float* o,
-                                                             float* sc, const int G, const int DV) {
+                                                             float* sc, const int G, const int DV,
+                                                             const int BF) {
     const int64_t D = 16 * DV;
     __m512 q[16], acc[16];
     float mx[4];
@@ -525,7 +551,7 @@ static inline __attribute__((always_inline)) void attn_one_t(const float* qb, in
     }
     for (int64_t c = 0; c < S; c++) {
         __m512 k[8];
-        kv_row(kc, cols, c, S, Hkv, kh, DV, k);
+        kv_row(kc, cols, c, S, Hkv, kh, DV, BF, k);
         for (int g = 0; g < G; g++) {
             __m512 a = _mm512_mul_ps(q[g * DV], k[0]);
             for (int j = 1; j < DV; j++) a = _mm512_fmadd_ps(q[g * DV + j], k[j], a);
@@ -549,7 +575,7 @@ static inline __attribute__((always_inline)) void attn_one_t(const float* qb, in
     for (int i = 0; i < G * DV; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < S; c++) {
         __m512 v[8];
-        kv_row(vc, cols, c, S, Hkv, kh, DV, v);
+        kv_row(vc, cols, c, S, Hkv, kh, DV, BF, v);
         for (int g = 0; g < G; g++) {
             const __m512 p = _mm512_set1_ps(sc[g * S + c]);
             for (int j = 0; j < DV; j++) acc[g * DV + j] = _mm512_fmadd_ps(p, v[j], acc[g * DV + j]);
@@ -563,18 +589,21 @@ static inline __attribute__((always_inline)) void attn_one_t(const float* qb, in
 
 static int attn_one(const float* qb, int64_t S, const int64_t* cols, const float* kc,
                     const float* vc, int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale,
-                    float* o, float* sc) {
+                    float* o, float* sc, int bf16) {
 #if ISA_BITS == 512
 #define ONE_CASE(GG, DD)                                                                        \
     if (G == (GG) && D == 16 * (DD)) {                                                          \
-        attn_one_t(qb, S, cols, kc, vc, Hkv, kh, scale, o, sc, GG, DD);                         \
+        if (bf16)                                                                               \
+            attn_one_t(qb, S, cols, kc, vc, Hkv, kh, scale, o, sc, GG, DD, 1);                  \
+        else                                                                                    \
+            attn_one_t(qb, S, cols, kc, vc, Hkv, kh, scale, o, sc, GG, DD, 0);                  \
         return 1;                                                                               \
     }
     ONE_CASE(1, 4) ONE_CASE(2, 4) ONE_CASE(3, 4) ONE_CASE(4, 4) ONE_CASE(1, 8) ONE_CASE(2, 8)
 #undef ONE_CASE
 #endif
     (void)qb, (void)S, (void)cols, (void)kc, (void)vc, (void)Hkv, (void)kh, (void)G, (void)D;
-    (void)scale, (void)o, (void)sc;
+    (void)scale, (void)o, (void)sc, (void)bf16;
     return 0;
 }
 
@@ -595,8 +624,9 @@ static inline int small_path(int64_t n) { return n >= 2 && n <= loom_small_attn_
 static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
                             int64_t kh, int64_t G, int64_t D, float scale, float* out, int64_t ldo,
-                            const uint8_t* mask, float* qt, float* sc, float* acc) {
+                            const uint8_t* mask, float* qt, float* sc, float* acc, int bf16) {
     const int64_t R = n * G, RP = (R + SMALL_LANES - 1) / SMALL_LANES * SMALL_LANES;
+    float kvb[bf16 ? SMALL_COLS * D : 1]; /* a bfloat16 pool's SMALL_COLS rows, widened */
     const int64_t first = S - n; /* columns before it are seen by every row (causal) */
     memset(qt, 0, sizeof(float) * D * RP);
     for (int64_t j = 0; j < n; j++)
@@ -611,7 +641,8 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
            once for all of them (past S, the last key again, its scores not stored) */
         const float* kr[SMALL_COLS];
         for (int64_t u = 0; u < SMALL_COLS; u++)
-            kr[u] = kc + (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D;
+            kr[u] = kv_at(kc, bf16, (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D,
+                          kvb + u * D, D);
         for (int64_t r0 = 0; r0 < RP; r0 += SMALL_LANES) {
             float a[SMALL_COLS][SMALL_LANES] = {{0.f}};
             for (int64_t d = 0; d < D; d++) {
@@ -660,7 +691,8 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
            (past S: the last row again, with probability 0) */
         const float* vr[SMALL_COLS];
         for (int64_t u = 0; u < SMALL_COLS; u++)
-            vr[u] = vc + (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D;
+            vr[u] = kv_at(vc, bf16, (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D,
+                          kvb + u * D, D);
         const float* p = sc + c0 * RP;
         for (int64_t r = 0; r < R; r++) {
             const float p0 = p[r], p1 = p[RP + r], p2 = p[2 * RP + r], p3 = p[3 * RP + r];
@@ -825,6 +857,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                      float* hidden_out, int64_t n_aux, const int64_t* aux_layers, float* aux_out) {
     const int64_t Hd = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
     const int64_t G = H / Hkv, I = m->inter, QKV = (H + 2 * Hkv) * D;
+    const int bf16 = m->kv_bf16 != 0;
     for (int64_t t = 0; t < T; t++) {
         if (pos[t] < 0 || pos[t] >= m->max_pos) return -1;
         if (ids[t] < 0 || ids[t] >= m->vocab) return -2;
@@ -884,8 +917,13 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             qk_norm_rope(qkv, T, QKV, H, Hkv, D, L->q_norm, L->k_norm, m->eps, m->cos, m->sin, pos);
         for (int64_t t = 0; t < T; t++) {
             const float* k = qkv + t * QKV + H * D;
-            memcpy(L->k_cache + slots[t] * Hkv * D, k, sizeof(float) * Hkv * D);
-            memcpy(L->v_cache + slots[t] * Hkv * D, k + Hkv * D, sizeof(float) * Hkv * D);
+            if (bf16) {
+                store_bf16((uint16_t*)(void*)L->k_cache + slots[t] * Hkv * D, k, Hkv * D);
+                store_bf16((uint16_t*)(void*)L->v_cache + slots[t] * Hkv * D, k + Hkv * D, Hkv * D);
+            } else {
+                memcpy(L->k_cache + slots[t] * Hkv * D, k, sizeof(float) * Hkv * D);
+                memcpy(L->v_cache + slots[t] * Hkv * D, k + Hkv * D, sizeof(float) * Hkv * D);
+            }
         }
         const double att0 = prof ? cpu_seconds() : 0.;
         for (int64_t b = 0; b < B; b++) { /* long multi-token requests: the blocked path */
@@ -895,7 +933,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                     block_attention(qkv + starts[b] * QKV, QKV, starts[b + 1] - starts[b],
                                     view[b].S, view[b].cols, L->k_cache, L->v_cache,
                                     Hkv, kh, G, D, m->scale, att + starts[b] * H * D, H * D,
-                                    nthreads, view[b].mask);
+                                    nthreads, view[b].mask, bf16);
         }
 #pragma omp parallel num_threads(attn_threads) if (attn_threads > 1)
         {
@@ -913,25 +951,25 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                     if (j == 0)
                         small_attention(qkv + t * QKV, QKV, n_tok, S, cols, L->k_cache, L->v_cache,
                                         Hkv, kh, G, D, m->scale, att + t * H * D, H * D,
-                                        view[b].mask, qt, sc, acc);
+                                        view[b].mask, qt, sc, acc, bf16);
                     continue;
                 }
                 if (n_tok >= block_min) continue; /* done above */
                 const uint8_t* mrow = view[b].mask ? view[b].mask + j * S : NULL;
                 if (n_tok == 1 && !mrow &&
                     attn_one(qkv + t * QKV + kh * G * D, S, cols, L->k_cache, L->v_cache, Hkv,
-                             kh, G, D, m->scale, att + t * H * D + kh * G * D, sc))
+                             kh, G, D, m->scale, att + t * H * D + kh * G * D, sc, bf16))
                     continue;
                 const int64_t len = mrow ? S : S - n_tok + j + 1;
                 const float* qb = qkv + t * QKV + kh * G * D;
-                float mx[G], den[G];
+                float mx[G], den[G], rb[D]; /* rb: a bfloat16 pool's row, widened */
                 for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
                 for (int64_t c = 0; c < len; c++) {
                     if (mrow && !mrow[c]) {
                         for (int64_t g = 0; g < G; g++) sc[g * len + c] = -INFINITY;
                         continue;
                     }
-                    const float* kp = L->k_cache + (cols[c] * Hkv + kh) * D;
+                    const float* kp = kv_at(L->k_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
                     for (int64_t g = 0; g < G; g++) {
                         const float* qg = qb + g * D;
                         float dot = 0.f;
@@ -956,7 +994,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 memset(acc, 0, sizeof(float) * G * D);
                 for (int64_t c = 0; c < len; c++) {
                     if (mrow && !mrow[c]) continue;
-                    const float* vp = L->v_cache + (cols[c] * Hkv + kh) * D;
+                    const float* vp = kv_at(L->v_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
                     for (int64_t g = 0; g < G; g++) {
                         const float p = sc[g * len + c];
                         float* a = acc + g * D;

@@ -57,6 +57,7 @@ static const Entry entries[] = {
     FIELD(Model, embed_q),
     FIELD(Model, lm_head_q),
     FIELD(Model, q_mode),
+    FIELD(Model, kv_bf16),
     FIELD(Layer, qkv_q),
     FIELD(Layer, o_q),
     FIELD(Layer, gu_q),

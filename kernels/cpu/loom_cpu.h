@@ -68,6 +68,21 @@ static inline const float* row_bf16(const uint16_t* p, float* buf, int64_t n) {
     return buf;
 }
 
+/* float32 -> bfloat16 bits, rounded to nearest even as torch's Tensor.to(torch.bfloat16) does
+   (c10::BFloat16's round_to_nearest_even: NaN -> 0x7FC0, denormals kept), so a pool the C
+   forward writes holds the bits the eager layers' stores would. Integer code, which vectorizes
+   on every target (AVX-512 BF16's VCVTNEPS2BF16 flushes denormals, so it is not used). */
+static inline void store_bf16(uint16_t* dst, const float* src, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, sizeof(u));
+        const int nan = (u & 0x7fffffffu) > 0x7f800000u;
+        const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        dst[i] = (uint16_t)(nan ? 0x7fc0u : r);
+    }
+}
+
 /* Output rows per packed panel: the projections and LM heads are packed into panels of 16
    output rows, K-major (cpu_forward.pack), one sequential stream a panel. */
 #define PANEL 16
@@ -99,7 +114,7 @@ typedef struct {
 typedef struct {
     const float *ln1, *qkv_w, *qkv_b, *q_norm, *k_norm, *o_w, *o_b;
     const float *ln2, *gu_w, *gu_b, *down_w, *down_b;
-    float *k_cache, *v_cache; /* [slots, Hkv, D] */
+    float *k_cache, *v_cache; /* [slots, Hkv, D]: float, or bfloat16 bits (Model.kv_bf16) */
     /* the projections packed into panels (forward.c, above gemm_packed), or NULL: gemm */
     const float *qkv_p, *o_p, *gu_p, *down_p;
     /* the projections block-quantized, or NULL: the float weights above */
@@ -126,6 +141,9 @@ typedef struct {
        every RMSNorm scales by norm_add + weight (1: Gemma's zero-centred weights; 0: Llama) */
     int64_t act;
     float embed_scale, norm_add;
+    /* 1: every layer's k_cache / v_cache holds bfloat16 (uint16_t) elements, stored rounded to
+       nearest even and read back widened to float32; 0: float32 */
+    int64_t kv_bf16;
 } Model;
 
 /* an EAGLE / EAGLE-3 draft head (head_kernel._Head) */
