@@ -393,10 +393,11 @@ def test_matmul_kernels_match_linear(k, n, isa):
 
 
 @torch.inference_mode()
-def test_avx2_variant_forward_matches_eager(tiny_model_dir):
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_avx2_variant_forward_matches_eager(tiny_model_dir, family):
     """The whole forward built without AVX-512 (the path of CPUs without it) on every kind of
     step, as the native build is in the test above."""
-    runner = _runner(tiny_model_dir("qwen3"))
+    runner = _runner(tiny_model_dir(family))
     runner.cpu_forward.lib = cpu_forward.load("avx2")
     st = _Steps(runner, 4, seed=3)
     _compare(runner, st.batch([0, 1, 2], [5, 1, 9], ForwardMode.EXTEND))
