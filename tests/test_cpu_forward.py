@@ -114,11 +114,11 @@ def test_logits_and_kv_match_eager_on_every_kind_of_step(tiny_model_dir, family)
     _compare(runner, st.batch([0, 1, 2], [5, 3, 4], ForwardMode.EXTEND, masks))
 
 
-@pytest.mark.parametrize("family", ["llama-d64", "llama-d128", "llama-mha"])
+@pytest.mark.parametrize("family", ["llama-d64", "llama-d128", "llama-d256", "llama-mha"])
 @torch.inference_mode()
 def test_one_token_decode_attention_matches_eager(tiny_model_dir, family):
     """forward.c's one-token decode attention (attn_one: head_dim 64 / 128, groups of up to 4
-    query heads, K / V rows prefetched and read once) beside the per-token loop for the shapes
+    query heads; head_dim 256 one query head a pass, K / V rows prefetched and read once) beside the per-token loop for the shapes
     it leaves (llama-mha: head_dim 16): decode steps over scattered slots and contexts from 1
     to past ONE_PF + 60 columns, against eager."""
     runner = _runner(tiny_model_dir(family))
