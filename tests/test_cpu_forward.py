@@ -146,14 +146,14 @@ def test_logits_and_kv_match_eager_on_every_kind_of_step(tiny_model_dir, family,
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
-@pytest.mark.parametrize("family", ["llama-d64", "llama-d128", "llama-mha"])
+@pytest.mark.parametrize("family", ["llama-d64", "llama-d128", "llama-d256", "llama-mha"])
 @torch.inference_mode()
 def test_one_token_decode_attention_matches_eager(tiny_model_dir, family, kv):
     """forward.c's one-token decode attention (attn_one: head_dim 64 / 128, groups of up to 4
-    query heads, K / V rows prefetched and read once; a bfloat16 pool's rows widened in
-    registers) beside the per-token loop for the shapes it leaves (llama-mha: head_dim 16):
-    decode steps over scattered slots and contexts from 1 to past ONE_PF + 60 columns, against
-    eager."""
+    query heads; head_dim 256 one query head a pass; K / V rows prefetched and read once; a
+    bfloat16 pool's rows widened in registers) beside the per-token loop for the shapes it
+    leaves (llama-mha: head_dim 16): decode steps over scattered slots and contexts from 1 to
+    past ONE_PF + 60 columns, against eager."""
     runner = _runner(tiny_model_dir(family), kv_cache_dtype=kv)
     st = _Steps(runner, 3, seed=7)
     _compare(runner, st.batch([0, 1, 2], [1, 2, 60], ForwardMode.EXTEND))
@@ -473,10 +473,11 @@ def test_matmul_kernels_match_linear(k, n, isa):
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
 @torch.inference_mode()
-def test_avx2_variant_forward_matches_eager(tiny_model_dir, kv):
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_avx2_variant_forward_matches_eager(tiny_model_dir, family, kv):
     """The whole forward built without AVX-512 (the path of CPUs without it) on every kind of
     step, as the native build is in the test above, over both pools."""
-    runner = _runner(tiny_model_dir("qwen3"), kv_cache_dtype=kv)
+    runner = _runner(tiny_model_dir(family), kv_cache_dtype=kv)
     runner.cpu_forward.lib = cpu_forward.load("avx2")
     st = _Steps(runner, 4, seed=3)
     _compare(runner, st.batch([0, 1, 2], [5, 1, 9], ForwardMode.EXTEND))

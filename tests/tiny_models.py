@@ -95,6 +95,9 @@ def _config(family: str):
     if family == "llama-d128":  # head_dim 128, GQA group 2
         return tf.LlamaConfig(**{**common, "num_attention_heads": 2, "num_key_value_heads": 1},
                               head_dim=128)  # fmt: skip
+    if family == "llama-d256":  # head_dim 256, GQA group 4 (Gemma 3 270M's attention shape)
+        return tf.LlamaConfig(**{**common, "num_attention_heads": 4, "num_key_value_heads": 1},
+                              head_dim=256)  # fmt: skip
     if family == "qwen2":
         return tf.Qwen2Config(**common, tie_word_embeddings=True)
     if family == "qwen3":

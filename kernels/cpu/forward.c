@@ -503,8 +503,9 @@ static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
    prefetched ONE_PF keys ahead (the rows are scattered over the pool by the req-to-token table,
    so the hardware prefetcher does not see the next one), the softmax, then one pass over the V
    rows with the G x D accumulators held in registers, so each V row is loaded once for the G
-   heads and nothing is stored per row. For G * D / 16 <= 16 with D = 64 or 128 (AVX-512); returns
-   0 where it does not apply and the per-token loop runs instead. sc: scratch [G * S]. */
+   heads and nothing is stored per row. For G * D / 16 <= 16 with D = 64 or 128, and D = 256
+   one query head a pass (AVX-512); returns 0 where it does not apply and the per-token loop
+   runs instead. sc: scratch [G * S]. */
 #define ONE_PF 4
 #if ISA_BITS == 512
 /* row c of a K or V cache (pool slot cols[c], KV head kh) into r[0..DV), prefetching the row
@@ -550,7 +551,7 @@ static inline __attribute__((always_inline)) void attn_one_t(const float* qb, in
         for (int j = 0; j < DV; j++) q[g * DV + j] = _mm512_loadu_ps(qb + g * D + 16 * j);
     }
     for (int64_t c = 0; c < S; c++) {
-        __m512 k[8];
+        __m512 k[16];
         kv_row(kc, cols, c, S, Hkv, kh, DV, BF, k);
         for (int g = 0; g < G; g++) {
             __m512 a = _mm512_mul_ps(q[g * DV], k[0]);
@@ -574,7 +575,7 @@ static inline __attribute__((always_inline)) void attn_one_t(const float* qb, in
     }
     for (int i = 0; i < G * DV; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < S; c++) {
-        __m512 v[8];
+        __m512 v[16];
         kv_row(vc, cols, c, S, Hkv, kh, DV, BF, v);
         for (int g = 0; g < G; g++) {
             const __m512 p = _mm512_set1_ps(sc[g * S + c]);
@@ -601,6 +602,16 @@ static int attn_one(const float* qb, int64_t S, const int64_t* cols, const float
     }
     ONE_CASE(1, 4) ONE_CASE(2, 4) ONE_CASE(3, 4) ONE_CASE(4, 4) ONE_CASE(1, 8) ONE_CASE(2, 8)
 #undef ONE_CASE
+    if (D == 256) { /* Gemma 3: one query head a pass (16 q + 16 acc vectors), K / V rows
+                       re-read from L1 / L2 for the group's other heads */
+        for (int64_t g = 0; g < G; g++) {
+            if (bf16)
+                attn_one_t(qb + g * D, S, cols, kc, vc, Hkv, kh, scale, o + g * D, sc, 1, 16, 1);
+            else
+                attn_one_t(qb + g * D, S, cols, kc, vc, Hkv, kh, scale, o + g * D, sc, 1, 16, 0);
+        }
+        return 1;
+    }
 #endif
     (void)qb, (void)S, (void)cols, (void)kc, (void)vc, (void)Hkv, (void)kh, (void)G, (void)D;
     (void)scale, (void)o, (void)sc, (void)bf16;
