@@ -159,3 +159,25 @@ def test_head_gate_cuts_where_the_tables_cost_stops_paying():
     gate.per_level, gate.pinned = 0.0, True
     gate.observe(0.02, 4, 0.015, 1, 4)
     assert gate.per_level == 0.0
+
+
+def test_a_quantized_model_counts_the_weights_its_step_reads(llama):
+    """`auto` measures a table for models whose decode step reads MEASURE_MIN_WEIGHTS or
+    more: a quantized model's parameters hold no float storage (their blocks hang off
+    `.quant`), and counting numel() made SmolLM2's Q4_1 file (134M weights) read as 1.08M,
+    priced by the bundled model's fit. Kept quantized, the tiny llama counts every matmul
+    weight its float twin does."""
+    from loom.runtime.spec.head_policy import matmul_numel
+
+    plain = make_scheduler(llama)
+    try:
+        weights = matmul_numel([plain.runner.model])
+    finally:
+        plain.close()
+    quant = make_scheduler(llama, quantization="int4")
+    try:
+        held = [p for p in quant.runner.model.parameters() if getattr(p, "quant", None)]
+        assert held and all(p.numel() == 0 for p in held)  # the float storage is released
+        assert cost._step_weights(quant.runner) >= weights
+    finally:
+        quant.close()

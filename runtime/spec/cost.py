@@ -326,9 +326,13 @@ def resolve(args, sched) -> VerifyCost | None:
 
 
 def _step_weights(runner) -> int:
+    from loom.runtime.spec.head_policy import matmul_numel
+
     model = getattr(runner, "model", None)
     if model is None:
         return 0
-    # quantized weights are buffers (packed blocks): counted too
+    # quantized weights are buffers (packed blocks) or, in a GGUF model, a parameter whose
+    # float storage is released and whose blocks hang off `.quant` (rows x cols counted by
+    # matmul_numel): SmolLM2's Q4_1 file counted 1.08M here and got the bundled model's fit
     seen = {id(p): p.numel() for p in (*model.parameters(), *model.buffers())}
-    return sum(seen.values())
+    return max(sum(seen.values()), matmul_numel([model]))
