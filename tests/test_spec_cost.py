@@ -143,8 +143,19 @@ def test_head_gate_cuts_where_the_tables_cost_stops_paying():
     assert gate.levels(5) == 2
     gate.set_cost(cost.VerifyCost((0, 0, 0, 0), "t", [(1, 1, 0.6), (1, 5, 3.0)]))
     assert gate._cut(1, 5)[1] < 0
-    gate.declined = 1  # the next decline is not a probe
-    assert not gate.enabled(1, 5)
+    # declines in a row probe at the 1st, 17th, 49th, 113th ... (the gap doubling from
+    # PROBE_EVERY to PROBE_MAX); a length that pays again resets the gap
+    from loom.runtime.spec.head_policy import PROBE_EVERY, PROBE_MAX
+
+    probes = []
+    while gate.declined < 300:
+        if gate.enabled(1, 5) and gate.probe:
+            probes.append(gate.declined)
+            assert gate.enabled(1, 5)  # the probe's second step
+    assert probes == [1, 17, 49, 113, 241], probes
+    assert gate.probe_gap == PROBE_MAX
+    gate.set_cost(cost.VerifyCost((0, 0, 0, 0), "t", [(1, 1, 0.1), (1, 5, 1.5)]))
+    assert gate.enabled(1, 5) and gate.probe_gap == PROBE_EVERY
     # the head's own levels count: free verifies, a head level dearer than any chance
     gate.set_cost(cost.VerifyCost((0, 0, 0, 0), "t", [(1, 1, 0.0), (1, 5, 0.0)]))
     gate.per_level = 0.6

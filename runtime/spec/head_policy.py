@@ -59,6 +59,7 @@ from loom.runtime.spec import DraftTree, tree_depths
 RATE_DECAY = 0.1  # the head's constrained-request rates: a running average over verifies
 GAIN_DECAY = 0.3  # the head's net gain over the n-gram draft (`head_gain`): a faster average
 PROBE_EVERY = 16  # a declined batch verifies anyway every this many (the rates re-measure)
+PROBE_MAX = 256  # the longest gap between probes of a gate that keeps declining
 HEAD_COST_DECAY = 0.2  # the head's measured cost per level (`HeadGate.observe`): running average
 
 
@@ -120,6 +121,7 @@ class HeadGate:
         self.batch_size = 1
         self.probe = False  # a probe: two steps enabled, their drafts verified whatever the gain
         self.probe_left = 0
+        self.next_probe, self.probe_gap = 1, PROBE_EVERY  # the first decline probes
 
     def set_cost(self, cost) -> None:
         """The verify cost table measured for this model (`cost.VerifyCost`)."""
@@ -174,10 +176,18 @@ class HeadGate:
         self.probe = False
         d, value = self._cut(b, longest)
         if d and value >= 0:
+            self.probe_gap = PROBE_EVERY
             return True
         self.declined += 1
-        if self.declined % PROBE_EVERY == 1:  # this step captures, the next drafts
+        if self.declined >= self.next_probe:  # this step captures, the next drafts
             self.probe, self.probe_left = True, 1
+            # declines in a row probe ever less often (PROBE_EVERY, then 2x, 4x, ... up to
+            # PROBE_MAX): a probe is a capture, the head's catch-up over every row since the
+            # last one and a verify, and where the head never pays (SmolLM2's Q4_1 target:
+            # every EAGLE-3 verify was a probe, the runs read 0.87-0.91x) probing every
+            # PROBE_EVERY declines is a standing cost
+            self.next_probe = self.declined + self.probe_gap
+            self.probe_gap = min(PROBE_MAX, 2 * self.probe_gap)
         return self.probe
 
     def levels(self, n: int) -> int:
