@@ -40,9 +40,11 @@ draft length) and the cost of one more level of an EAGLE head's draft loop (`per
 from the weights a level reads over those a target decode step reads, then the head's
 measured round time, `observe`). Before the head drafts, the chain is cut at the length
 whose expected tokens less its verify cost and head levels is largest (`levels`); a batch
-size where even the best cut cannot pay captures no features and runs the head not at all. A batch of drafts verifies when its requests' expected gains
-pay b x extra_cost(b, longest draft). Every PROBE_EVERY-th declined batch verifies anyway and
-every PROBE_EVERY-th round drafts every position, so rates that fell, or lie past the cut,
+size where even the best cut cannot pay captures no features and runs the head not at all.
+A batch of drafts verifies when its requests' expected gains pay b x extra_cost(b, longest
+draft). Declined batches probe anyway (capture, draft, verify) at the first decline and then
+at gaps doubling from PROBE_EVERY to PROBE_MAX while the declines last, and every
+PROBE_EVERY-th round drafts every position, so rates that fell, or lie past the cut,
 re-measure.
 
 The head's fixed cost per round (the catch-up) is not in the on/off decision: a decline stops
