@@ -120,17 +120,17 @@ def main() -> None:
         )
         print(f"  its C forward's matmul / attention CPU ms: {parts}")
     print(f"loadavg {os.getloadavg()}")
-    coef = fit(
-        [
-            (b, d, statistics.median(ms[(b, d)]) / statistics.median(ms[(b, 0)]) - 1)
-            for b in batches
-            for d in drafts
-        ]
-    )
+    cells = [
+        (b, d, statistics.median(ms[(b, d)]) / statistics.median(ms[(b, 0)]) - 1)
+        for b in batches
+        for d in drafts
+    ]
+    coef = fit(cells)
     if args.write is not None and coef is not None:
         path = args.write or spec_cost.cache_path(sargs)
         src = f"bench_verify_cost {args.rounds} rounds, loadavg {os.getloadavg()[0]:.1f}"
-        spec_cost.save(spec_cost.VerifyCost(coef, src), Path(path))
+        # the cells as a table (what a server reads first: `cost.CostTable`), the fit beside
+        spec_cost.save(spec_cost.VerifyCost(coef, src, cells), Path(path))
         print(f"wrote {path}")
 
 

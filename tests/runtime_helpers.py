@@ -88,5 +88,5 @@ def free_head(sched: Scheduler) -> Scheduler:
     rejection) draft full length. Verify costs and measured rates still apply."""
     gate = getattr(sched.decode.drafter, "gate", None)  # None: no head drafter
     if gate is not None:
-        gate.per_level = 0.0
+        gate.per_level, gate.pinned = 0.0, True
     return sched

@@ -104,3 +104,91 @@ def test_measured_at_start_up_once_then_read_from_the_cache(llama, tmp_path, mon
         assert len(calls) == 1 and again.decode.drafter.cost.coef == measured.coef
     finally:
         again.close()
+
+
+def test_cell_table_interpolates_is_monotone_in_depth_and_round_trips(tmp_path):
+    """A measured table is read cell by cell (a quantized target's per-row cost, which no
+    bilinear fit through other batch sizes reproduces), linear between cells and batch sizes,
+    0 at no drafts, never cheaper for a deeper draft (a noisy cell is pooled with its
+    neighbour), the last slope carried on past the deepest cell and the largest batch."""
+    cells = [(1, 1, 0.25), (1, 3, 0.5), (1, 5, 0.4), (1, 7, 1.9), (4, 1, 1.0), (4, 7, 3.0)]
+    c = cost.VerifyCost((9.0, 9.0, 9.0, 9.0), "test", cells)  # the fit is not read
+    assert c(1, 0) == 0.0 and c(1, 1) == pytest.approx(0.25)
+    assert c(1, 2) == pytest.approx(0.35)  # halfway to the pooled 3/5 cells (0.45)
+    assert c(1, 3) == c(1, 5) == pytest.approx(0.45)  # 0.5 then 0.4: pooled
+    assert c(1, 6) == pytest.approx((0.45 + 1.9) / 2)
+    assert c(1, 8) == pytest.approx(1.9 + (1.9 - 0.45) / 2)  # the last slope past 7
+    assert [c(1, d) for d in range(8)] == sorted(c(1, d) for d in range(8))
+    assert c(2, 1) == pytest.approx(0.25 + (1.0 - 0.25) / 3)  # linear in the batch size
+    assert c(7, 1) == pytest.approx(1.0 + (1.0 - 0.25) / 3 * 3)  # the last two rows' slope
+    path = tmp_path / "t.json"
+    cost.save(c, path)
+    back = cost.VerifyCost.load(path)
+    assert back.table.cells == c.table.cells and back(3, 4) == c(3, 4)
+    with pytest.raises(ValueError, match="drafts >= 1"):
+        cost.VerifyCost((0, 0, 0, 0), "t", [(1, 0, 0.1)])
+
+
+def test_head_gate_cuts_where_the_tables_cost_stops_paying():
+    """The head gate's chain length is the one whose expected tokens less the verify's cost
+    at that length (and the head's levels) is largest: with a verify whose first rows are
+    cheap and later ones dear, a chain accepting 0.5 then 0.3 per position stops at 2; a
+    table whose every draft costs more than it earns declines (until a probe)."""
+    from loom.runtime.spec.head_policy import HeadGate
+
+    gate = HeadGate(5, per_level=0.0)
+    gate.rates = [0.5, 0.6, 0.6, 0.6, 0.6]  # chances 0.5, 0.3, 0.18, 0.108, 0.065
+    gate.set_cost(cost.VerifyCost((0, 0, 0, 0), "t", [(1, 1, 0.1), (1, 2, 0.2), (1, 5, 1.5)]))
+    assert gate._cut(1, 5)[0] == 2 and gate.enabled(1, 5)
+    assert gate.levels(5) == 2
+    gate.set_cost(cost.VerifyCost((0, 0, 0, 0), "t", [(1, 1, 0.6), (1, 5, 3.0)]))
+    assert gate._cut(1, 5)[1] < 0
+    # declines in a row probe at the 1st, 17th, 49th, 113th ... (the gap doubling from
+    # PROBE_EVERY to PROBE_MAX); a length that pays again resets the gap
+    from loom.runtime.spec.head_policy import PROBE_EVERY, PROBE_MAX
+
+    probes = []
+    while gate.declined < 300:
+        if gate.enabled(1, 5) and gate.probe:
+            probes.append(gate.declined)
+            assert gate.enabled(1, 5)  # the probe's second step
+    assert probes == [1, 17, 49, 113, 241], probes
+    assert gate.probe_gap == PROBE_MAX
+    gate.set_cost(cost.VerifyCost((0, 0, 0, 0), "t", [(1, 1, 0.1), (1, 5, 1.5)]))
+    assert gate.enabled(1, 5) and gate.probe_gap == PROBE_EVERY
+    # the head's own levels count: free verifies, a head level dearer than any chance
+    gate.set_cost(cost.VerifyCost((0, 0, 0, 0), "t", [(1, 1, 0.0), (1, 5, 0.0)]))
+    gate.per_level = 0.6
+    assert gate._cut(1, 5)[1] < 0
+    # the head's cost per level follows its measured rounds: a round of 4 levels (+ the
+    # catch-up) taking 2 decode steps of a batch-1 verify of 4 drafts costing 0.5 extra
+    gate = HeadGate(5, per_level=0.05)
+    gate.set_cost(cost.VerifyCost((0, 0, 0, 0), "t", [(1, 4, 0.5), (1, 5, 0.6)]))
+    for _ in range(60):
+        gate.observe(0.02, 4, 0.015, 1, 4)  # a decode step: 0.015 / 1.5 = 0.01 s
+    assert gate.per_level == pytest.approx(0.02 / 5 / 0.01, rel=1e-3)
+    gate.per_level, gate.pinned = 0.0, True
+    gate.observe(0.02, 4, 0.015, 1, 4)
+    assert gate.per_level == 0.0
+
+
+def test_a_quantized_model_counts_the_weights_its_step_reads(llama):
+    """`auto` measures a table for models whose decode step reads MEASURE_MIN_WEIGHTS or
+    more: a quantized model's parameters hold no float storage (their blocks hang off
+    `.quant`), and counting numel() made SmolLM2's Q4_1 file (134M weights) read as 1.08M,
+    priced by the bundled model's fit. Kept quantized, the tiny llama counts every matmul
+    weight its float twin does."""
+    from loom.runtime.spec.head_policy import matmul_numel
+
+    plain = make_scheduler(llama)
+    try:
+        weights = matmul_numel([plain.runner.model])
+    finally:
+        plain.close()
+    quant = make_scheduler(llama, quantization="int4")
+    try:
+        held = [p for p in quant.runner.model.parameters() if getattr(p, "quant", None)]
+        assert held and all(p.numel() == 0 for p in held)  # the float storage is released
+        assert cost._step_weights(quant.runner) >= weights
+    finally:
+        quant.close()

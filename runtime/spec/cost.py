@@ -1,9 +1,15 @@
 """What a verify step costs beyond a decode step, per model: the table the n-gram speculator's
 adaptive depth and verify-or-decode choice price drafts with (`speculator._cut`).
 
-The cost is in decode steps of the same batch: extra(B, d) = a + b B + c d + e B d for a batch
-of B requests each verifying up to d draft tokens (the form `benchmarks/bench_verify_cost.py`
-fits). It depends on the model and the machine: the bundled model's step is mostly fixed
+The cost is in decode steps of the same batch, for a batch of B requests each verifying up to
+d draft tokens: a table of measured cells (B, d) read by interpolation (`CostTable`), or the
+bilinear fit extra(B, d) = a + b B + c d + e B d (the form `benchmarks/bench_verify_cost.py`
+fits; the bundled model's, and a file with no cells). The fit cannot describe a quantized
+target: on SmolLM2's Q4_1 file a verify of up to 7 drafts at batch 1 runs the 1-8 row f32
+register GEMV, whose cost grows with every row (0.25 decode steps for 1 draft, ~1.9 for 7),
+while batch 3 and 6 cells run the many-row kernels; fit through both, the table charged 0.74
+for 1 draft and 1.42 for 7, so the speculator drafted 7 deep where the depth it paid for was
+~3 (docs/benchmarks.md, "Issue 33: speculation that does not lose on a quantized target"). It depends on the model and the machine: the bundled model's step is mostly fixed
 per-step overhead (1.04 decode steps for a 7-token verify at batch 1), SmolLM2-135M's mostly
 weight reads that a verify shares (0.49). So `--speculative-verify-cost`:
 
@@ -23,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -39,35 +44,109 @@ BUNDLED = (0.218, 0.045, 0.083, 0.028)
 MEASURE_MIN_WEIGHTS = 20_000_000
 CACHE_DIR = Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom")) / "spec_cost"
 MODES = ("auto", "measure", "bundled")
+# in the cache key: a table measured by an older `measure` (a bilinear fit over other cells)
+# is measured again rather than read
+TABLE_VERSION = 2
+
+
+def _monotone(ys: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of `ys` (pool adjacent violators): a verify with
+    more rows never costs less, and a noisy cell (a step that met a busy core) must not make
+    a deeper draft look cheaper than a shallower one."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1), (m2, w2) = blocks[-2], blocks[-1]
+            blocks[-2:] = [[(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2]]
+    return [m for m, w in blocks for _ in range(int(w))]
+
+
+class CostTable:
+    """Measured cells (B, d, extra decode steps) read by interpolation: per batch size,
+    piecewise linear in d through (0, 0) (no drafts: a decode step) and the cells, made
+    non-decreasing in d (`_monotone`), the last slope carried past the deepest cell; between
+    batch sizes linear in B, below the smallest its row, past the largest the last two rows'
+    slope (never below the largest row)."""
+
+    def __init__(self, cells):
+        rows: dict[int, list[tuple[int, float]]] = {}
+        for b, d, c in cells:
+            if int(b) < 1 or int(d) < 1:
+                raise ValueError(f"verify cost: a cell needs batch >= 1 and drafts >= 1: {b, d}")
+            rows.setdefault(int(b), []).append((int(d), float(c)))
+        if not rows:
+            raise ValueError("verify cost: no cells")
+        self.cells = sorted((b, d, c) for b, row in rows.items() for d, c in row)
+        self.rows = {}
+        for b, row in sorted(rows.items()):
+            row.sort()
+            ds = [0] + [d for d, _ in row]
+            cs = _monotone([0.0] + [max(0.0, c) for _, c in row])
+            self.rows[b] = (ds, cs)
+        self.batches = sorted(self.rows)
+
+    def _row(self, b: int, d: int) -> float:
+        ds, cs = self.rows[b]
+        if d <= 0:
+            return 0.0
+        for i in range(1, len(ds)):
+            if d <= ds[i]:
+                t = (d - ds[i - 1]) / (ds[i] - ds[i - 1])
+                return cs[i - 1] + t * (cs[i] - cs[i - 1])
+        slope = (cs[-1] - cs[-2]) / (ds[-1] - ds[-2])
+        return cs[-1] + slope * (d - ds[-1])
+
+    def __call__(self, batch_size: int, longest_draft: int) -> float:
+        bs, d = self.batches, longest_draft
+        if batch_size <= bs[0] or len(bs) == 1:
+            return self._row(bs[0] if batch_size <= bs[0] else bs[-1], d)
+        for lo, hi in zip(bs, bs[1:]):
+            if batch_size <= hi:
+                t = (batch_size - lo) / (hi - lo)
+                return (1 - t) * self._row(lo, d) + t * self._row(hi, d)
+        lo, hi = bs[-2], bs[-1]
+        top = self._row(hi, d)
+        return max(top, top + (top - self._row(lo, d)) / (hi - lo) * (batch_size - hi))
 
 
 class VerifyCost:
     """extra(batch, longest draft) in decode steps, never below 0 (a fit's negative
-    intercept must not make drafts look free)."""
+    intercept must not make drafts look free): the measured cells' table where there is one,
+    else the bilinear fit `coef`. extra(B, 0) is 0 with a table (no verify)."""
 
-    def __init__(self, coef, source: str = ""):
+    def __init__(self, coef, source: str = "", cells=None):
         self.coef = tuple(float(x) for x in coef)
         if len(self.coef) != 4:
             raise ValueError(f"verify cost: 4 coefficients (a, b, c, e), got {len(self.coef)}")
         self.source = source
+        self.table = CostTable(cells) if cells else None
 
     def __call__(self, batch_size: int, longest_draft: int) -> float:
+        if self.table is not None:
+            return self.table(batch_size, longest_draft)
         a, b, c, e = self.coef
         B, d = batch_size, longest_draft
         return max(0.0, a + b * B + c * d + e * B * d)
 
     def to_json(self) -> dict:
-        return {"coef": list(self.coef), "source": self.source}
+        out = {"coef": list(self.coef), "source": self.source}
+        if self.table is not None:
+            out["cells"] = [list(c) for c in self.table.cells]
+        return out
 
     @classmethod
     def load(cls, path) -> VerifyCost:
         try:
             data = json.loads(Path(path).read_text())
-            return cls(data["coef"], data.get("source", str(path)))
+            return cls(data["coef"], data.get("source", str(path)), data.get("cells"))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"speculative_verify_cost: cannot read {path}: {e}") from e
 
     def __repr__(self) -> str:
+        if self.table is not None:
+            cells = " ".join(f"{b},{d}:{c:.2f}" for b, d, c in self.table.cells)
+            return f"VerifyCost(cells {cells}; {self.source})"
         a, b, c, e = self.coef
         return f"VerifyCost({a:.3f} + {b:.3f} B + {c:.3f} d + {e:.3f} B d; {self.source})"
 
@@ -101,22 +180,35 @@ def _prompt(i: int, vocab: int, n: int = 96) -> list[int]:
     return [10 + (i * 131 + k * 17) % span for k in range(n)]
 
 
-def measure(sched, batches=(1, 3, 6), drafts=(3, 7), steps: int = 10):
-    """The cost table of `sched`'s model, measured on `sched` itself. Per batch size B: B
-    requests (synthetic prompts) decode, and consecutive steps alternate decode and each
-    draft length (the drafter swapped for FixedDrafter cells, restored after), so a load
-    that changes during the measurement weighs on every cell alike; the median process CPU
-    seconds of `steps` steps a cell. The requests are aborted and the prefix cache flushed
-    after. Returns (VerifyCost, cells [(B, d, extra decode steps)])."""
+def measure(sched, batches=(1, 2, 4), drafts=(1, 2, 3, 4, 5, 6, 7), steps: int = 8,
+            wide=(1, 2, 3, 4, 7)):
+    """The cost table of `sched`'s model, measured on `sched` itself: at the smallest batch
+    size every draft length in `drafts`, at the others those in `wide` (a larger batch's step
+    is dearer; the table interpolates between; the short ones are where a quantized target's
+    verify leaves the 1-8 row GEMV, a cliff no line through 1 and 7 drafts shows), each
+    capped at the drafter's own length. Per
+    batch size B: B requests (synthetic prompts) decode, and consecutive steps alternate
+    decode and each draft length (the drafter swapped for FixedDrafter cells, restored
+    after), so a load that changes during the measurement weighs on every cell alike; the
+    fastest wall time of `steps` steps a cell. Not a median, not CPU time: on a shared
+    machine the median step met other jobs and the forward's threads spin at their barriers
+    (CPU time that is not the step's cost); a medianed CPU-time table of SmolLM2's Q4_1 file
+    at load 7 read 7 drafts at batch 1 as 0.11 decode steps where they cost ~1.9. The requests are aborted and the
+    prefix cache flushed after. Returns (VerifyCost, cells [(B, d, extra decode steps)])."""
     from loom.runtime.io_struct import TokenizedGenerateReq
     from loom.runtime.sampling_params import make_sampling_params
 
     saved = sched.decode.drafter
-    params = {"temperature": 0, "ignore_eos": True,
-              "max_new_tokens": (1 + len(drafts)) * (steps + 2) + 8}  # fmt: skip
+    top = getattr(saved, "num_draft", None) or max(drafts)
+    per_batch = {
+        b: sorted({min(d, top) for d in (drafts if b == min(batches) else wide)})
+        for b in batches
+    }
     secs: dict[tuple[int, int], list[float]] = {}
     try:
         for b in batches:
+            params = {"temperature": 0, "ignore_eos": True,
+                      "max_new_tokens": (1 + len(per_batch[b])) * (steps + 2) + 8}  # fmt: skip
             for i in range(b):
                 sched.add_request(
                     TokenizedGenerateReq(
@@ -129,12 +221,12 @@ def measure(sched, batches=(1, 3, 6), drafts=(3, 7), steps: int = 10):
             while sched.prefill.waiting or sched.prefill.chunked_req is not None:
                 sched.step()
             for k in range(steps + 1):
-                for d in (0, *drafts):
+                for d in (0, *per_batch[b]):
                     sched.set_drafter(FixedDrafter(d) if d else None)
-                    t = time.process_time()
+                    t = time.perf_counter()
                     sched.step()
                     if k:  # the first round warms each shape
-                        secs.setdefault((b, d), []).append(time.process_time() - t)
+                        secs.setdefault((b, d), []).append(time.perf_counter() - t)
             sched.abort("")
             while not sched.is_idle:
                 sched.step()
@@ -145,11 +237,15 @@ def measure(sched, batches=(1, 3, 6), drafts=(3, 7), steps: int = 10):
         sched.set_drafter(saved)
         sched.flush_cache()
     cells = [
-        (b, d, statistics.median(secs[(b, d)]) / statistics.median(secs[(b, 0)]) - 1)
+        (b, d, min(secs[(b, d)]) / min(secs[(b, 0)]) - 1)
         for b in batches
-        for d in drafts
+        for d in per_batch[b]
     ]
-    return VerifyCost(fit(cells), "measured at start-up"), cells
+    try:
+        coef = fit(cells)
+    except ValueError:  # one batch size or one draft length: the table alone describes it
+        coef = BUNDLED
+    return VerifyCost(coef, "measured at start-up", cells), cells
 
 
 def cache_path(args) -> Path:
@@ -170,7 +266,7 @@ def cache_path(args) -> Path:
     except OSError:
         pass
     key = json.dumps(
-        [str(model), stamp, args.dtype, args.quantization, args.quantized_matmul,
+        [TABLE_VERSION, str(model), stamp, args.dtype, args.quantization, args.quantized_matmul,
          args.effective_cpu_threads,
          args.attention_backend, args.page_size, cpu],
         default=str,
@@ -214,7 +310,7 @@ def resolve(args, sched) -> VerifyCost | None:
         logger.info("verify cost: bundled fit (no start-up measurement with several ranks)")
         return None
     t = time.monotonic()
-    batches = tuple(b for b in (1, 3, 6) if b < max(2, args.speculative_disable_by_batch_size))
+    batches = tuple(b for b in (1, 2, 4) if b < max(2, args.speculative_disable_by_batch_size))
     if len(batches) < 2:
         batches = (1, 2)
     cost, cells = measure(sched, batches=batches)
@@ -230,9 +326,13 @@ def resolve(args, sched) -> VerifyCost | None:
 
 
 def _step_weights(runner) -> int:
+    from loom.runtime.spec.head_policy import matmul_numel
+
     model = getattr(runner, "model", None)
     if model is None:
         return 0
-    # quantized weights are buffers (packed blocks): counted too
+    # quantized weights are buffers (packed blocks) or, in a GGUF model, a parameter whose
+    # float storage is released and whose blocks hang off `.quant` (rows x cols counted by
+    # matmul_numel): SmolLM2's Q4_1 file counted 1.08M here and got the bundled model's fit
     seen = {id(p): p.numel() for p in (*model.parameters(), *model.buffers())}
-    return sum(seen.values())
+    return max(sum(seen.values()), matmul_numel([model]))

@@ -212,6 +212,10 @@ class EagleSpeculator(HeadDrafter):
         # a chain drafts as many levels as pay at this batch size; a tree its full shape
         levels = self.gate.levels(self.steps) if self.topk == 1 else self.steps
         self._run(plan, feats, inp, levels)
+        rows = [s - p for s, p in zip(inp.seq_lens, inp.prefix_lens)]
+        if rows == list(inp.sample_counts):  # a decode / verify step: it prices the head
+            self.gate.observe(time.perf_counter() - t0, levels, self.runner.last_model_seconds,
+                              len(rows), max(rows) - 1)  # fmt: skip
         self._spent(inp, t0)
 
     def summary(self) -> dict:

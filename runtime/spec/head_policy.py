@@ -34,15 +34,17 @@ judged by the n-gram speculator's own rule (`NgramSpeculator.worth_verifying`), 
 
 `HeadGate` is the head drafters' off-switch by measured costs: server-wide acceptance rates of
 the head's free drafts per position, the expected gain of each request's draft from them, the
-n-gram speculator's verify cost model (`speculator.extra_cost`: a verify step's cost over a
-decode step's by batch size and draft length, measured) and the cost of one more level of
-an EAGLE head's draft loop (`per_level`: the weights a level reads over those a target decode
-step reads, both memory-bound at small batches). Before the head drafts, the chain is cut
-where a position's chance no longer pays one more verify token plus one more head level
-(`levels`); a batch size where even the best cut cannot pay its verify captures no features
-and runs the head not at all. A batch of drafts verifies when its requests' expected gains
-pay b x extra_cost(b, longest draft). Every PROBE_EVERY-th declined batch verifies anyway and
-every PROBE_EVERY-th round drafts every position, so rates that fell, or lie past the cut,
+n-gram speculator's verify cost model (`speculator.extra_cost`, or the table measured for
+this model, `cost.VerifyCost`: a verify step's cost over a decode step's by batch size and
+draft length) and the cost of one more level of an EAGLE head's draft loop (`per_level`:
+from the weights a level reads over those a target decode step reads, then the head's
+measured round time, `observe`). Before the head drafts, the chain is cut at the length
+whose expected tokens less its verify cost and head levels is largest (`levels`); a batch
+size where even the best cut cannot pay captures no features and runs the head not at all.
+A batch of drafts verifies when its requests' expected gains pay b x extra_cost(b, longest
+draft). Declined batches probe anyway (capture, draft, verify) at the first decline and then
+at gaps doubling from PROBE_EVERY to PROBE_MAX while the declines last, and every
+PROBE_EVERY-th round drafts every position, so rates that fell, or lie past the cut,
 re-measure.
 
 The head's fixed cost per round (the catch-up) is not in the on/off decision: a decline stops
@@ -59,6 +61,8 @@ from loom.runtime.spec import DraftTree, tree_depths
 RATE_DECAY = 0.1  # the head's constrained-request rates: a running average over verifies
 GAIN_DECAY = 0.3  # the head's net gain over the n-gram draft (`head_gain`): a faster average
 PROBE_EVERY = 16  # a declined batch verifies anyway every this many (the rates re-measure)
+PROBE_MAX = 256  # the longest gap between probes of a gate that keeps declining
+HEAD_COST_DECAY = 0.2  # the head's measured cost per level (`HeadGate.observe`): running average
 
 
 def _update(rates: list[float], drafted: int, accepted: int, forced: int) -> None:
@@ -111,6 +115,7 @@ class HeadGate:
 
         self.cost = extra_cost
         self.per_level = per_level
+        self.pinned = False  # True: `per_level` is the caller's, not moved by `observe`
         self._memo: dict = {}
         self.rates = [1.0] * max(1, positions)  # the head's free drafts, server-wide
         self.declined = 0
@@ -118,6 +123,7 @@ class HeadGate:
         self.batch_size = 1
         self.probe = False  # a probe: two steps enabled, their drafts verified whatever the gain
         self.probe_left = 0
+        self.next_probe, self.probe_gap = 1, PROBE_EVERY  # the first decline probes
 
     def set_cost(self, cost) -> None:
         """The verify cost table measured for this model (`cost.VerifyCost`)."""
@@ -144,29 +150,46 @@ class HeadGate:
             out = self._memo[n] = tuple(_chances(self._rates, n))
         return out
 
-    def _cut(self, b: int, n: int) -> int:
-        """Positions (of n) whose chance pays one more verify token and one more head level
-        at batch size b (chances only fall with depth: a prefix)."""
+    def _cut(self, b: int, n: int) -> tuple[int, float]:
+        """(d, value): the chain length (of n, at least 1) whose expected accepted tokens a
+        request, less what the verify costs beyond a decode step at batch size b and d drafts
+        and the head's d levels (shared by the batch), is largest, and that value in decode
+        steps (< 0: no length pays). The verify cost is read at each length, not as a slope
+        from 0: a measured table (`cost.CostTable`) prices each row of a quantized target's
+        verify at what it costs."""
         out = self._memo.get((b, n))
         if out is None:
-            per_position = self.cost(b, 1) - self.cost(b, 0) + self.per_level / b
-            out = self._memo[(b, n)] = sum(1 for g in self.gains(n) if g >= per_position)
+            best, best_d, total = float("-inf"), min(1, n), 0.0
+            for d, g in enumerate(self.gains(n), 1):
+                total += g
+                value = total - self.cost(b, d) - d * self.per_level / b
+                if value > best:
+                    best, best_d = value, d
+            out = self._memo[(b, n)] = (best_d, best)
         return out
 
     def enabled(self, batch_size: int, longest: int) -> bool:
-        """The cut of a `longest` draft at the measured rates pays its verify at this batch
-        size (or a probe)."""
+        """The best cut of a `longest` draft at the measured rates pays its verify and its
+        head levels at this batch size (or a probe)."""
         self.batch_size = b = batch_size
         if self.probe_left > 0:  # a probe's second step: it drafts from the first's features
             self.probe_left -= 1
             return True
         self.probe = False
-        d = self._cut(b, longest)
-        if d and sum(self.gains(d)) >= self.cost(b, d):
+        d, value = self._cut(b, longest)
+        if d and value >= 0:
+            self.probe_gap = PROBE_EVERY
             return True
         self.declined += 1
-        if self.declined % PROBE_EVERY == 1:  # this step captures, the next drafts
+        if self.declined >= self.next_probe:  # this step captures, the next drafts
             self.probe, self.probe_left = True, 1
+            # declines in a row probe ever less often (PROBE_EVERY, then 2x, 4x, ... up to
+            # PROBE_MAX): a probe is a capture, the head's catch-up over every row since the
+            # last one and a verify, and where the head never pays (SmolLM2's Q4_1 target:
+            # acceptance 0.23 at position 1, the runs read 0.87-0.91x) probing every
+            # PROBE_EVERY declines is a standing cost
+            self.next_probe = self.declined + self.probe_gap
+            self.probe_gap = min(PROBE_MAX, 2 * self.probe_gap)
         return self.probe
 
     def levels(self, n: int) -> int:
@@ -176,7 +199,7 @@ class HeadGate:
         self.rounds += 1
         if self.probe or self.rounds % PROBE_EVERY == 0:
             return n
-        return self._cut(self.batch_size, n)
+        return self._cut(self.batch_size, n)[0]
 
     def worth(self, expected: list[float], longest: int) -> bool:
         b = len(expected)
@@ -187,6 +210,21 @@ class HeadGate:
 
     def record(self, drafted: int, accepted: int) -> None:
         _update(self._rates, drafted, accepted, 0)
+        self._memo.clear()
+
+    def observe(self, seconds: float, levels: int, step_seconds: float, b: int, d: int) -> None:
+        """A head round took `seconds` after a target step of `step_seconds` at batch size b
+        verifying up to d drafts: `per_level` becomes a running average of the round's cost
+        per level (the catch-up counted as one), in decode steps of that batch (the step's
+        seconds over 1 + the verify cost at (b, d)). The weight ratio it starts from is a
+        floor the head's real cost can sit far above: on SmolLM2's Q4_1 file the target's
+        step runs the C forward over 4-bit blocks while the head (whose C round declines a
+        quantized embedding) runs eager torch."""
+        if self.pinned or step_seconds <= 0 or seconds <= 0:
+            return
+        decode = step_seconds / (1.0 + (self.cost(b, d) if d > 0 else 0.0))
+        unit = seconds / (1 + levels) / decode
+        self.per_level += HEAD_COST_DECAY * (unit - self.per_level)
         self._memo.clear()
 
 
