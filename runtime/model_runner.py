@@ -87,6 +87,8 @@ class ModelRunner:
             and args.effective_attention_backend == "cpu_paged"
             and self.dtype == torch.float32
             and torch.device(self.device).type == "cpu"
+            # a file of float tensors (nothing kept quantized) keeps its checkpoint's arithmetic
+            and any(getattr(p, "quant", None) is not None for p in self.model.parameters())
         ):
             return args.kv_cache_dtype
         from types import SimpleNamespace
