@@ -68,9 +68,6 @@ class ModelRunner:
             self.cpu_forward = CpuForward.build(
                 self.model, self.token_to_kv_pool, tp_size=args.tp_size, pp_size=args.pp_size
             )
-        from loom.runtime.process import release_free_heap
-
-        release_free_heap()  # what loading freed (file reads, dequantized copies, repacking)
 
     def _init_memory(self) -> None:
         cfg, args = self.config, self.args
