@@ -199,6 +199,27 @@ def test_greedy_identical_with_medusa_trees(llama, medusa_dir, radix_off):
     assert sum(state["spec_accepted_by_position"]) < sum(state["spec_proposed_by_position"])
 
 
+def test_a_prefill_asks_the_gate_once(llama, medusa_dir):
+    """A prefill of many requests asks the drafter's gate once: the gate counts declines and
+    spends its probes per call, so asking once per admitted request made one prefill of 20
+    count 20 declines and use up a probe (CI then saw a whole batch draft nothing)."""
+    tok = make_scheduler(llama).tokenizer
+    sched = free_head(make_scheduler(llama, disable_jump_forward=True,
+                                     speculative_algorithm="MEDUSA",
+                                     speculative_draft_model_path=medusa_dir,
+                                     speculative_disable_by_batch_size=64))  # fmt: skip
+    calls = []
+    drafter = sched.decode.drafter  # the prefill's too
+    enabled_for = drafter.enabled_for
+    drafter.enabled_for = lambda b: calls.append(b) or enabled_for(b)
+    for i, (ids, params) in enumerate(_prompts(tok, 20, 0)):
+        submit(sched, f"p{i}", ids, params)
+    sched.step()  # the prefill of all 20
+    assert len(calls) == 1, calls
+    run_all(sched)
+    assert sched.get_state()["spec_verify_ct"] > 0
+
+
 def test_constrained_requests_draft_from_the_ngram_or_the_heads(llama, medusa_dir):
     """Constrained requests alone (a batch of 6, which the cost gate lets draft): each step
     verifies the n-gram speculator's chain or the heads' tree, whichever expects the longer

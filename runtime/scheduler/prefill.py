@@ -35,6 +35,10 @@ class PrefillAdder:
         self.kv = kv
         # drafts verified by this prefill forward (None: none); see `_draft`
         self.drafter = drafter
+        # the drafter's answer for this step, asked once (`_draft`): its gate counts declines
+        # and spends probes per call, and a prefill of 24 requests asking 24 times used up a
+        # probe and counted 24 declines in one step (a whole run could then draft nothing)
+        self.drafting: bool | None = None
         self.step_token_cap = step_token_cap
         # the decode batch these requests join, as large as the queue could make it
         self.decode_size = len(running) + slots_left if decode_size is None else decode_size
@@ -102,8 +106,11 @@ class PrefillAdder:
             or req.return_logprob
             or req.bootstrap_room is not None
             or not req.samples_at(req.kv_len + extend)
-            or not d.enabled_for(self.decode_size)
         ):
+            return []
+        if self.drafting is None:
+            self.drafting = d.enabled_for(self.decode_size)
+        if not self.drafting:
             return []
         room = req.remaining_new_tokens - 1  # also keeps every draft inside the context
         if self.step_token_cap is not None:
