@@ -23,25 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def tree_cpu(root: int) -> dict[int, tuple[str, float]]:
-    """pid -> (command line, CPU seconds) for `root` and every process under it."""
-    procs = []
-    for p in filter(str.isdigit, os.listdir("/proc")):
+    """pid -> (command line, CPU seconds: user + system) for `root` and every process under it
+    (psutil, as bench_real.py reads its peers; a process that exits meanwhile is left out)."""
+    import psutil
+
+    me = psutil.Process(root)
+    out = {}
+    for p in [me, *me.children(recursive=True)]:
         try:
-            stat = Path(f"/proc/{p}/stat").read_text()
-            cmd = Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:70]
-        except OSError:
+            t = p.cpu_times()
+            out[p.pid] = (" ".join(p.cmdline())[:70], t.user + t.system)
+        except psutil.Error:
             continue
-        f = stat.rsplit(")", 1)[1].split()
-        cpu = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-        procs.append((int(p), int(f[1]), cmd, cpu))
-    kids, grew = {root}, True
-    while grew:
-        grew = False
-        for pid, ppid, _, _ in procs:
-            if ppid in kids and pid not in kids:
-                kids.add(pid)
-                grew = True
-    return {pid: (cmd, cpu) for pid, _, cmd, cpu in procs if pid in kids}
+    return out
 
 
 def main() -> None:
