@@ -1,9 +1,12 @@
 """What the scheduler keeps resident for a model, where a cut could come back unnoticed
 (docs/benchmarks.md, "Issue 32: where the scheduler's memory goes"): rotary tables sized to the
 positions the KV pool can serve, not to the model's whole context (Gemma 3 270M: 128 MB at
-32k positions)."""
+32k positions); a GGUF file's metadata arrays not held as Python lists by the cached reader
+(Gemma 3's vocabulary: 43 MB)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch
 from loom.runtime.layers.rotary import RotaryEmbedding, served_positions
 from loom.runtime.model_runner import ModelRunner
 from loom.runtime.server_args import ServerArgs
+from tests.gguf_files import write_gguf
 from tests.runtime_helpers import make_scheduler, run_all, submit
 
 SCALINGS = [
@@ -73,3 +77,19 @@ def test_a_request_filling_the_pool_runs_to_its_last_slot(tiny_model_dir, family
         out[mode] = run_all(sched)["r"].ids
     assert len(out["auto"]) == 64 - 40
     assert out["auto"] == out["eager"]
+
+
+def test_gguf_metadata_arrays_are_decoded_on_read_not_kept(tiny_model_dir, tmp_path):
+    """Each read of an array gives a fresh list equal to the last (nothing holds them), and
+    the header holds no list after the file is opened."""
+    from loom.runtime.gguf.reader import GGUFFile
+
+    file = write_gguf(Path(tiny_model_dir("llama")), tmp_path / "llama.gguf", "F32")
+    meta = GGUFFile(str(file)).fields
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert (
+        isinstance(tokens, list) and len(tokens) > 100 and all(isinstance(t, str) for t in tokens)
+    )
+    assert meta["tokenizer.ggml.tokens"] == tokens and meta["tokenizer.ggml.tokens"] is not tokens
+    assert meta.get("tokenizer.ggml.token_type") == meta["tokenizer.ggml.token_type"]
+    assert not [k for k, v in meta._values.items() if isinstance(v, list)]
