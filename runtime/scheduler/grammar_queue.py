@@ -89,7 +89,7 @@ class GrammarQueue:
                 fut.set_exception(e)
                 return
             # the mask engine's tokenizer view is built from a JSON of the whole tokenizer and
-            # frees most of what that took (Gemma 3: ~200 MB kept resident by malloc otherwise;
+            # frees most of what that took (Gemma 3: 129 MB kept resident by malloc otherwise;
             # docs/benchmarks.md, "Issue 32: where the scheduler's memory goes")
             release_free_heap()
             fut.set_result(backend)
