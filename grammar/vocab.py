@@ -164,7 +164,10 @@ def _encoding_kind(tokenizer: Any, pieces: dict[str, int]) -> str:
     if backend is not None:
         import json
 
-        cfg = json.loads(backend.to_str()).get("decoder") or {}
+        # the decoder's own JSON (its pickle state, as tokenizer.json spells it), not the whole
+        # tokenizer's: Gemma 3's is 11 MB of JSON, ~200 MB of Python objects while it is read
+        decoder = backend.decoder
+        cfg = json.loads(decoder.__getstate__()) if decoder is not None else {}
         text = json.dumps(cfg, ensure_ascii=False)
         if '"ByteLevel"' in text:
             return "byte_level"

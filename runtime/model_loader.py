@@ -102,14 +102,23 @@ def quantize_weights(
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: str, config=None, quantization: str | None = None
+    path: str,
+    dtype: torch.dtype,
+    device: str,
+    config=None,
+    quantization: str | None = None,
+    rotary_positions: int | None = None,
 ) -> torch.nn.Module:
+    """`rotary_positions`: the most positions the model will see (its rotary tables' rows;
+    None: the config's max_position_embeddings)."""
+    from loom.runtime.layers.rotary import served_positions
+
     config = config or load_config(path)
     cls = get_model_class(getattr(config, "architectures", None))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), served_positions(rotary_positions):
             model = cls(config)
     finally:
         torch.set_default_dtype(previous)

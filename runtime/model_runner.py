@@ -47,11 +47,12 @@ class ModelRunner:
 
             # process-wide (one model a scheduler process; the C forward reads it at build)
             quant_ops.DEFAULT_MODE = QUANTIZED_MATMULS[args.quantized_matmul]
-        self.model = load_model(
-            args.model_path, self.dtype, self.device, self.config, quantization=args.quantization
-        )
-        self.vocab_size = self.config.vocab_size
         self.context_len = args.context_length or self.config.max_position_embeddings
+        self.model = load_model(
+            args.model_path, self.dtype, self.device, self.config, quantization=args.quantization,
+            rotary_positions=self._served_positions(),
+        )  # fmt: skip
+        self.vocab_size = self.config.vocab_size
         self._init_memory()
         self.attn_backend = create_attention_backend(args.effective_attention_backend)
         # decode steps replayed from CUDA graphs (None: eager; always None on the CPU)
@@ -69,28 +70,52 @@ class ModelRunner:
                 self.model, self.token_to_kv_pool, tp_size=args.tp_size, pp_size=args.pp_size
             )
 
-    def _init_memory(self) -> None:
+    def _kv_layout(self) -> tuple[int, int, torch.dtype, int]:
+        """(KV heads on this rank, head_dim, KV dtype, bytes of KV per token) of the pool."""
         cfg, args = self.config, self.args
-        page = args.page_size
         kv_heads = max(
             1,
             (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // args.tp_size,
         )
         head_dim = head_dim_of(cfg)
         backend = args.effective_attention_backend
-        self.kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, backend)
+        kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, backend)
         per_token = (
-            2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.finfo(self.kv_dtype).bits // 8
+            2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.finfo(kv_dtype).bits // 8
         )
+        return kv_heads, head_dim, kv_dtype, per_token
+
+    def _pool_tokens(self, per_token: int, weights_loaded: bool = True) -> int | None:
+        """Tokens the KV pool holds (whole pages). None before the weights are loaded on CUDA
+        without max_total_tokens: the pool is then sized from the memory they leave."""
+        args, page = self.args, self.args.page_size
         if args.max_total_tokens is not None:
             total = args.max_total_tokens
         elif self.device.startswith("cuda"):
+            if not weights_loaded:
+                return None
             free, _ = torch.cuda.mem_get_info()
             fraction = args.mem_fraction_static or 0.85
             total = int(free * fraction) // per_token
         else:
             total = min(_CPU_KV_BUDGET_BYTES // per_token, _MAX_DEFAULT_TOKENS)
-        total = max(page * 2, total // page * page)
+        return max(page * 2, total // page * page)
+
+    def _served_positions(self) -> int | None:
+        """The most positions any step can use, for the rotary tables (None: the config's
+        max_position_embeddings). Every token of a step holds a KV slot together with its whole
+        prefix, and the scheduler caps a request (drafts included) by the context length, so
+        positions stay below min(context length, the pool's slots). Gemma 3 270M's tables sized
+        to its 32k context are 128 MB, against 1 MB for the 224-token pool bench_real gives it
+        (docs/benchmarks.md, "Issue 32: where the scheduler's memory goes")."""
+        total = self._pool_tokens(self._kv_layout()[3], weights_loaded=False)
+        return None if total is None else min(self.context_len, total + self.args.page_size)
+
+    def _init_memory(self) -> None:
+        cfg, args = self.config, self.args
+        page = args.page_size
+        kv_heads, head_dim, self.kv_dtype, per_token = self._kv_layout()
+        total = self._pool_tokens(per_token)
         self.max_total_tokens = total
         max_reqs = args.max_running_requests or min(256, max(16, total // 64))
         self.max_running_requests = max_reqs

@@ -48,11 +48,7 @@ class LLGuidanceEngine(Engine):
         self.vocab = vocab
         self.eos = sorted(vocab.eos_token_ids)
         if _fast_hf(tokenizer):  # llguidance reads the tokenizer itself: masks ~1.8x faster
-            import llguidance.hf
-
-            self.tokenizer = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab.vocab_size, eos_token=self.eos or None
-            )
+            self.tokenizer = _from_fast_tokenizer(tokenizer, vocab.vocab_size, self.eos or None)
         else:
             self.tokenizer = llguidance.LLTokenizer(
                 llguidance.TokenizerWrapper(_Wrapper(tokenizer, vocab)),
@@ -160,6 +156,22 @@ class _Wrapper:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._encode(text)
+
+
+def _from_fast_tokenizer(tokenizer: Any, n_vocab: int, eos: list[int] | None):
+    """llguidance's tokenizer view of a fast HF tokenizer, as `llguidance.hf.from_tokenizer`
+    builds it, without its copy of the Rust tokenizer when that copy would serialize the same
+    (no padding or truncation to turn off): the copy is a JSON round trip, a second tokenizer
+    alive at once (Gemma 3's 262k tokens: ~85 MB more at the scheduler's peak)."""
+    import llguidance
+    import llguidance.hf
+
+    backend = tokenizer.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
 
 
 def _fast_hf(tokenizer: Any) -> bool:

@@ -4,6 +4,7 @@ header reader over one memory map, with ggml's `gguf` package's type tables)."""
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ def open_reader(path: str):
 
 
 @lru_cache(maxsize=4)
-def metadata(path: str) -> dict[str, Any]:
-    """Every key-value field of the file as Python values (lists for arrays)."""
+def metadata(path: str) -> Mapping[str, Any]:
+    """Every key-value field of the file as Python values (lists for arrays, decoded on each
+    read: reader.Fields)."""
     return open_reader(path).fields

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +43,41 @@ class Tensor:
     data: np.ndarray  # a read-only view of the map
 
 
+@dataclass(frozen=True)
+class _Array:
+    """Where a one-level array's elements lie in the map: decoded when read, never kept."""
+
+    etype: int
+    count: int
+    pos: int
+
+
+class Fields(Mapping):
+    """Every key's value, as GGUFReader's `field.contents()` gives it. Scalars and strings are
+    parsed with the header; an array is decoded from the map each time it is read, into a
+    fresh list, so an open file does not hold its vocabulary as Python objects: Gemma 3's
+    262k tokens, scores and types were 43 MB of every process that had the file open, for the
+    process's life (the reader is cached), though only the tokenizer's build reads them."""
+
+    def __init__(self, file: GGUFFile):
+        self._file = file
+        self._values: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        v = self._values[key]
+        return self._file._read_array(v) if isinstance(v, _Array) else v
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 class GGUFFile:
     """`fields`: every key's value as Python values (str, int, float, bool; arrays as lists),
-    as GGUFReader's `field.contents()` gives them; `tensors`: in file order."""
+    as GGUFReader's `field.contents()` gives them (a `Fields` mapping: arrays are decoded on
+    each read); `tensors`: in file order."""
 
     def __init__(self, path: str):
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -60,11 +93,11 @@ class GGUFFile:
             raise ValueError(f"GGUF version {version} (byte-swapped or unknown); loom reads 2 and 3")
         n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
         self._pos = 24
-        self.fields: dict[str, Any] = {}
+        self.fields = Fields(self)
         for _ in range(n_kv):
             key = self._string()
             (vtype,) = self._unpack("<I")
-            self.fields[key] = self._value(vtype)
+            self.fields._values[key] = self._value(vtype, lazy=True)
         infos = []
         for _ in range(n_tensors):
             name = self._string()
@@ -114,7 +147,9 @@ class GGUFFile:
         self._pos += 8 + n
         return s
 
-    def _value(self, vtype: int) -> Any:
+    def _value(self, vtype: int, lazy: bool = False) -> Any:
+        """The value at the read position (moved past it); `lazy`: a one-level array as an
+        _Array that `_read_array` decodes later."""
         if vtype in _SCALARS:
             dt = _SCALARS[vtype]
             v = np.frombuffer(self._map, dt, 1, self._pos)[0].item()
@@ -125,18 +160,31 @@ class GGUFFile:
         if vtype != _ARRAY:
             raise ValueError(f"unknown GGUF value type {vtype}")
         etype, count = self._unpack("<IQ")
-        if etype in _SCALARS:
-            dt = _SCALARS[etype]
-            out = np.frombuffer(self._map, dt, count, self._pos).tolist()
-            self._pos += dt.itemsize * count
-            return out
-        if etype == _STRING:  # one pass: length, bytes, length, bytes ...
-            buf, pos, out = self._map, self._pos, [None] * count
-            unpack = struct.Struct("<Q").unpack_from
-            for i in range(count):
-                (n,) = unpack(buf, pos)
-                out[i] = buf[pos + 8 : pos + 8 + n].decode("utf-8")
-                pos += 8 + n
-            self._pos = pos
-            return out
+        if etype in _SCALARS or etype == _STRING:
+            arr = _Array(etype, count, self._pos)
+            self._pos = self._array_end(arr)
+            return arr if lazy else self._read_array(arr)
         return [self._value(etype) for _ in range(count)]  # arrays of arrays
+
+    def _array_end(self, arr: _Array) -> int:
+        if arr.etype in _SCALARS:
+            end = arr.pos + _SCALARS[arr.etype].itemsize * arr.count
+        else:  # strings: walk the lengths
+            buf, end = self._map, arr.pos
+            unpack = struct.Struct("<Q").unpack_from
+            for _ in range(arr.count):
+                end += 8 + unpack(buf, end)[0]
+        if end > len(self._map):
+            raise ValueError("an array runs past the end of the file")
+        return end
+
+    def _read_array(self, arr: _Array) -> list:
+        if arr.etype in _SCALARS:
+            return np.frombuffer(self._map, _SCALARS[arr.etype], arr.count, arr.pos).tolist()
+        buf, pos, out = self._map, arr.pos, [None] * arr.count  # one pass: length, bytes, ...
+        unpack = struct.Struct("<Q").unpack_from
+        for i in range(arr.count):
+            (n,) = unpack(buf, pos)
+            out[i] = buf[pos + 8 : pos + 8 + n].decode("utf-8")
+            pos += 8 + n
+        return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import weakref
 from typing import Any
@@ -72,23 +74,44 @@ def _llama3(inv_freq, scaling):
 _TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+# The most positions a table built now needs (None: the model's max_position): set while a
+# ModelRunner builds its model (`served_positions`), which knows what its KV pool can hold.
+_SERVED: contextvars.ContextVar[int | None] = contextvars.ContextVar("served", default=None)
+
+
+@contextlib.contextmanager
+def served_positions(n: int | None):
+    """RotaryEmbeddings built inside hold tables of min(max_position, n) rows (n None: all);
+    the frequencies still follow max_position (yarn reads it), so every row is the row the
+    full table has, bit for bit (tests/test_cpu_fused_layers.py)."""
+    token = _SERVED.set(n)
+    try:
+        yield
+    finally:
+        _SERVED.reset(token)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
         scaling = dict(scaling or {})
-        key = (head_dim, max_position, base, repr(sorted(scaling.items())),
+        served = _SERVED.get()
+        rows = max_position if served is None else max(1, min(max_position, served))
+        key = (head_dim, max_position, rows, base, repr(sorted(scaling.items())),
                str(torch.get_default_device()))  # fmt: skip
         cos, sin = _TABLES.get((*key, "cos")), _TABLES.get((*key, "sin"))
         if cos is None or sin is None:
-            cos, sin = self._tables(head_dim, max_position, base, scaling)
+            cos, sin = self._tables(head_dim, max_position, base, scaling, rows)
             _TABLES[(*key, "cos")], _TABLES[(*key, "sin")] = cos, sin
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
 
     @staticmethod
     def _tables(
-        head_dim: int, max_position: int, base: float, scaling: dict
+        head_dim: int, max_position: int, base: float, scaling: dict, rows: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [rows, head_dim] (rows: max_position unless given) of the rope that
+        max_position and scaling define."""
         rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
         inv_freq = 1.0 / (
             base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
@@ -102,7 +125,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq, attention_factor = _yarn(inv_freq, head_dim, base, scaling, max_position)
         elif rope_type != "default":
             raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported")
-        positions = torch.arange(max_position, dtype=torch.float32)
+        positions = torch.arange(max_position if rows is None else rows, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * attention_factor, emb.sin() * attention_factor

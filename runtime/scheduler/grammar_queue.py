@@ -81,10 +81,18 @@ class GrammarQueue:
         fut: Future = Future()
 
         def build() -> None:
+            from loom.runtime.process import release_free_heap
+
             try:
-                fut.set_result(self._build(warm=True))
+                backend = self._build(warm=True)
             except BaseException as e:  # noqa: BLE001 - raised to the first grammar request
                 fut.set_exception(e)
+                return
+            # the mask engine's tokenizer view is built from a JSON of the whole tokenizer and
+            # frees most of what that took (Gemma 3: 129 MB kept resident by malloc otherwise;
+            # docs/benchmarks.md, "Issue 32: where the scheduler's memory goes")
+            release_free_heap()
+            fut.set_result(backend)
 
         self._building = fut
         threading.Thread(target=build, name="loom-grammar-start", daemon=True).start()
