@@ -89,10 +89,15 @@ def test_bf16_pool_greedy_outputs_match_float32():
 ASKS = ["Give me three tips for keeping houseplants alive in winter.", "Why do cats purr?"]
 
 
-@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
-def test_bf16_pool_greedy_speculation_equals_plain_on_smollm2(real_gguf, monkeypatch, algorithm):
+@pytest.mark.parametrize(
+    "algorithm, forward", [("NGRAM", "auto"), ("EAGLE3", "auto"), ("NGRAM", "eager")]
+)
+def test_bf16_pool_greedy_speculation_equals_plain_on_smollm2(
+    real_gguf, monkeypatch, algorithm, forward
+):
     """On a bfloat16 pool greedy speculation (n-gram, and the shipped EAGLE-3 head) gives
-    plain decoding's tokens on the real quantized model: each verify row must read the K / V
+    plain decoding's tokens on the real quantized model, in the C forward and in the eager
+    layers (cpu_paged's kernels): each verify row must read the K / V
     bits and sum in the order the decode step of its token does, since one bf16 unit of a K / V
     element (where the two steps' float32 values straddle a rounding boundary) moves the
     logits by ~1e-3, enough to flip a close greedy choice."""
@@ -111,8 +116,9 @@ def test_bf16_pool_greedy_speculation_equals_plain_on_smollm2(real_gguf, monkeyp
         spec_kw["speculative_draft_model_path"] = str(BUNDLED_HEADS / "smollm2-135m-eagle3")
 
     def generate(**kw):
-        sched = batch_invariant_scheduler(path, kv_cache_dtype="bf16", **kw)
-        assert sched.runner.cpu_forward._struct.kv_bf16 == 1
+        sched = batch_invariant_scheduler(path, kv_cache_dtype="bf16", cpu_forward=forward, **kw)
+        assert sched.runner.token_to_kv_pool.k_buffers[0].dtype == torch.bfloat16
+        assert (sched.runner.cpu_forward is None) == (forward == "eager")
         tok = sched.tokenizer
         for i, a in enumerate(ASKS):
             ids = tok.apply_chat_template(
