@@ -123,6 +123,8 @@ def server_kwargs(args, spec: bool) -> dict:
         kw["quantization"] = args.quantization
     if args.quantized_matmul:
         kw["quantized_matmul"] = args.quantized_matmul
+    if args.kv_cache_dtype:
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     return kw
 
 
@@ -247,6 +249,8 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="--quantization of both sides (gguf)")
     ap.add_argument("--quantized-matmul", default=None,
                     help="--quantized-matmul of both sides (batch-invariant: greedy spec == plain)")
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="--kv-cache-dtype of both sides (bf16: the bfloat16 pool)")  # fmt: skip
     ap.add_argument("--verify-cost", default="auto", help="--speculative-verify-cost")
     ap.add_argument("--spec-arg", action="append", default=[],
                     help="NAME=VALUE: a speculative_* server argument of the on side")  # fmt: skip
@@ -281,7 +285,8 @@ def main() -> None:
     disable_by = ServerArgs().speculative_disable_by_batch_size
     print(
         f"bench_specbench: {label} ({args.dtype}, {args.quantization or 'unquantized'}"
-        f"{', quantized matmul ' + args.quantized_matmul if args.quantized_matmul else ''}), "
+        f"{', quantized matmul ' + args.quantized_matmul if args.quantized_matmul else ''}"
+        f"{', KV pool ' + args.kv_cache_dtype if args.kv_cache_dtype else ''}), "
         f"{args.algorithm} {' '.join(args.spec_arg)} verify cost {args.verify_cost}, "
         f"{len(jobs)} Spec-Bench {'held-out ' if args.heldout else ''}"
         f"prompts ({args.per_category} per category), max {args.max_new_tokens} new tokens, "

@@ -41,18 +41,25 @@ class _Steps:
         self.free = (torch.randperm(3000, generator=self.g) + 8).tolist()
         self.lens = [0] * n_req
 
-    def batch(self, reqs, ext, mode, masks=None, all_logits=True) -> ForwardBatch:
+    def batch(
+        self, reqs, ext, mode, masks=None, all_logits=True, ids=None, depths=None
+    ) -> ForwardBatch:
+        """`ids`: the step's token ids (default random); `depths`: each request's tokens'
+        positions after its prefix (default 0, 1, ...; a draft tree's node depths)."""
         r, table = self.r, self.r.req_to_token_pool.req_to_token
-        ids, pos, slots, seq, pre = [], [], [], [], []
-        for i, e in zip(reqs, ext):
+        given, ids, pos, slots, seq, pre = ids, [], [], [], [], []
+        for k, (i, e) in enumerate(zip(reqs, ext)):
             new = [self.free.pop() for _ in range(e)]
             table[self.rows[i], self.lens[i] : self.lens[i] + e] = torch.tensor(new)
-            ids += torch.randint(0, r.vocab_size, (e,), generator=self.g).tolist()
-            pos += list(range(self.lens[i], self.lens[i] + e))
+            if given is None:
+                ids += torch.randint(0, r.vocab_size, (e,), generator=self.g).tolist()
+            d = range(e) if depths is None or depths[k] is None else depths[k]
+            pos += [self.lens[i] + x for x in d]
             slots += new
             pre.append(self.lens[i])
             self.lens[i] += e
             seq.append(self.lens[i])
+        ids = ids if given is None else list(given)
         t = len(ids)
         logit_rows = list(range(t)) if all_logits else [t - 1]
         return ForwardBatch(
@@ -221,6 +228,60 @@ def test_verify_sized_attention_matches_eager(tiny_model_dir, family, path, kv):
             parents = [int(torch.randint(-1, i, (1,), generator=g)) for i in range(n - 1)]
             masks = [None, tree_mask(st.lens[1], parents, "cpu"), None]
             _compare(runner, st.batch([0, 1, 2], [n, n, 1], ForwardMode.EXTEND, masks))
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("family", ["llama", "llama-mqa", "llama-d128", "qwen3", "gemma3"])
+@torch.inference_mode()
+def test_bf16_pool_verify_rows_are_the_decode_steps_bit_for_bit(
+    tiny_model_dir, monkeypatch, family, isa
+):
+    """On a bfloat16 pool every row of a verify step (a causal chain of drafts, and a draft
+    tree whose one branch is that chain) gives the logits and writes the K / V bits that
+    decoding the same tokens one step at a time gives: greedy speculation then equals plain
+    decoding. Rounding K / V to bfloat16 turns a last-bit difference between two attention
+    summation orders into a whole bf16 step of the next layer's K / V (on SmolLM2's Q4_1
+    target greedy NGRAM left plain decoding at the 7th token). gemma3: window 8, so the later
+    rows' windows start inside the prompt; avx2: the build without AVX-512, whose decode
+    attention is the per-token loop. The weights int4 with the batch-invariant matmul
+    (a row's products the same in a step of any size: what the matmuls must give for the
+    attention to be the only difference left)."""
+    from loom.runtime.layers import quant_ops
+
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", quant_ops.DEFAULT_MODE)  # the runner sets it
+    runner = _runner(tiny_model_dir(family), kv_cache_dtype="bf16", quantization="int4",
+                     quantized_matmul="batch-invariant")  # fmt: skip
+    if isa != "native":
+        runner.cpu_forward.lib = cpu_forward.load(isa)
+    cf, pool = runner.cpu_forward, runner.token_to_kv_pool
+    st = _Steps(runner, 3, seed=13)
+    prompt = torch.randint(0, runner.vocab_size, (11,), generator=st.g).tolist()
+    drafts = torch.randint(0, runner.vocab_size, (7,), generator=st.g).tolist()
+    for i in range(3):
+        cf(st.batch([i], [11], ForwardMode.EXTEND, ids=prompt))
+    decoded, dec_slots = [], []
+    for d in drafts:  # request 0: plain decoding
+        batch = st.batch([0], [1], ForwardMode.DECODE, ids=[d], all_logits=False)
+        decoded.append(cf(batch)[0])
+        dec_slots.append(int(batch.out_cache_loc[0]))
+    chain = st.batch([1], [7], ForwardMode.EXTEND, ids=drafts)  # request 1: one verify
+    # request 2: a tree (row 0 the last real token) whose chain node k >= 1 is row 2k - 1,
+    # each with a sibling (row 2k) under the same parent
+    parents, ids, depths = [], [drafts[0]], [0]
+    for k in range(1, 7):
+        parent = 2 * k - 4 if k > 1 else -1  # tree_mask's node index (row - 1)
+        parents += [parent, parent]
+        ids += [drafts[k], (drafts[k] + 1 + k) % runner.vocab_size]
+        depths += [k, k]
+    tree = st.batch([2], [13], ForwardMode.EXTEND, [tree_mask(11, parents, "cpu")], ids=ids,
+                    depths=[depths])  # fmt: skip
+    for batch, rows in ((chain, list(range(7))), (tree, [0] + list(range(1, 13, 2)))):
+        got = cf(batch)
+        for k, r in enumerate(rows):
+            assert torch.equal(got[r], decoded[k]), (k, float((got[r] - decoded[k]).abs().max()))
+        mine = batch.out_cache_loc[rows]
+        for b in pool.k_buffers + pool.v_buffers:
+            assert torch.equal(b[mine].view(torch.int16), b[dec_slots].view(torch.int16))
 
 
 @torch.inference_mode()

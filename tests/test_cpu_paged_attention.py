@@ -118,3 +118,31 @@ def test_the_backend_decodes_like_the_torch_backend(tiny_model_dir, monkeypatch)
         lp = torch.tensor([x[0] for x in got.output_logprobs])
         want = torch.tensor([x[0] for x in ref.output_logprobs])
         torch.testing.assert_close(lp, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("tree", [False, True])
+def test_bf16_extend_rows_are_decode_steps_bit_for_bit(head_dim, tree):
+    """On a bfloat16 pool every row of an extend (a verify step's 1 + drafts: a causal chain,
+    or a draft tree's mask) is bitwise the decode kernel's output for that row's query over the
+    slots it sees in order: the eager layers' greedy speculation then reads what plain decoding
+    reads (a last-bit difference, rounded into the next layer's bf16 K / V, is a whole unit)."""
+    from loom.runtime.model_runner import tree_mask
+
+    prefix, ext = 37, 9
+    q, k_buf, v_buf, table, rows, _ = _case(6, 2, head_dim, head_dim, [prefix + ext],
+                                            torch.bfloat16, seed=4)  # fmt: skip
+    q = torch.randn(ext, 6, head_dim, generator=torch.Generator().manual_seed(5))
+    mask = tree_mask(prefix, [-1, 0, -1, 1, 2, 3, 3, 5], "cpu") if tree else None
+    plan = cpu_kernels.ExtendPlan.build([prefix + ext], [ext], [mask])
+    lib, scale = cpu_kernels.load(), head_dim**-0.5
+    got = cpu_kernels.extend_attention(lib, q, k_buf, v_buf, table, rows, plan, scale)
+    slots = table[rows[0], : prefix + ext]
+    for j in range(ext):
+        seen = mask[j] if tree else torch.arange(prefix + ext) <= prefix + j
+        one = slots[seen][None].contiguous()
+        want = cpu_kernels.decode_attention(
+            lib, q[j : j + 1], k_buf, v_buf, one, torch.zeros(1, dtype=torch.int64),
+            torch.tensor([one.shape[1]]), one.shape[1], scale,
+        )  # fmt: skip
+        assert torch.equal(got[j], want[0]), (j, float((got[j] - want[0]).abs().max()))

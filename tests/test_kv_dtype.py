@@ -82,3 +82,55 @@ def test_bf16_pool_greedy_outputs_match_float32():
     assert 0 < err < 0.05, err
     torch.testing.assert_close(_logprobs(paged), _logprobs(plain), atol=1e-4, rtol=0)
     torch.testing.assert_close(_logprobs(fast), _logprobs(paged), atol=5e-3, rtol=0)
+
+
+# Spec-Bench's first warm-up instruction: with the bf16 pool as default, greedy NGRAM and
+# EAGLE-3 on SmolLM2's Q4_1 target left plain decoding there at the 7th token (issue 33)
+ASKS = ["Give me three tips for keeping houseplants alive in winter.", "Why do cats purr?"]
+
+
+@pytest.mark.parametrize(
+    "algorithm, forward", [("NGRAM", "auto"), ("EAGLE3", "auto"), ("NGRAM", "eager")]
+)
+def test_bf16_pool_greedy_speculation_equals_plain_on_smollm2(
+    real_gguf, monkeypatch, algorithm, forward
+):
+    """On a bfloat16 pool greedy speculation (n-gram, and the shipped EAGLE-3 head) gives
+    plain decoding's tokens on the real quantized model, in the C forward and in the eager
+    layers (cpu_paged's kernels): each verify row must read the K / V
+    bits and sum in the order the decode step of its token does, since one bf16 unit of a K / V
+    element (where the two steps' float32 values straddle a rounding boundary) moves the
+    logits by ~1e-3, enough to flip a close greedy choice."""
+    from loom.runtime.layers import quant_ops
+    from loom.runtime.spec import speculator
+    from loom.runtime.spec.eagle_drafter import BUNDLED_HEADS
+    from tests.runtime_helpers import batch_invariant_scheduler
+
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "auto")  # the flag below must set "bi"
+    # verify every draft: the cost model would skip verify steps and test less
+    monkeypatch.setattr(speculator, "extra_cost", lambda batch_size, longest: 0.0)
+    path = str(real_gguf("smollm2"))
+    spec_kw = {"speculative_algorithm": algorithm, "speculative_disable_by_batch_size": 64,
+               "speculative_verify_cost": "bundled"}  # fmt: skip
+    if algorithm == "EAGLE3":
+        spec_kw["speculative_draft_model_path"] = str(BUNDLED_HEADS / "smollm2-135m-eagle3")
+
+    def generate(**kw):
+        sched = batch_invariant_scheduler(path, kv_cache_dtype="bf16", cpu_forward=forward, **kw)
+        assert sched.runner.token_to_kv_pool.k_buffers[0].dtype == torch.bfloat16
+        assert (sched.runner.cpu_forward is None) == (forward == "eager")
+        tok = sched.tokenizer
+        for i, a in enumerate(ASKS):
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": a}], add_generation_prompt=True, tokenize=True
+            )
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+            submit(sched, f"p{i}", list(ids), greedy(24))
+        return run_all(sched), sched
+
+    with torch.inference_mode():
+        plain, _ = generate()
+        spec, sched = generate(**spec_kw)
+    for i in range(len(ASKS)):
+        assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, i
+    assert sched.get_state()["spec_verify_ct"] > 0

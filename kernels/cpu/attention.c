@@ -13,21 +13,30 @@
 #define KV_ROW row_f32
 #define DECODE_NAME loom_decode_f32
 #define EXTEND_NAME loom_extend_f32
+#define EXTEND_AS_DECODE 0
 #include "attention_impl.h"
 #undef KV_T
 #undef KV_ROW
 #undef DECODE_NAME
 #undef EXTEND_NAME
+#undef EXTEND_AS_DECODE
 
+/* A bfloat16 pool's extend (a verify step's 1 + drafts) attends row by row as the decode
+   step of each row's token would: the extend item's own order of sums (scores of every row
+   per K row, unnormalised accumulation) differs from decode's in the last bits, and rounding
+   K / V to bfloat16 makes such a bit a whole bf16 unit of the next layer's K / V, which moved
+   greedy speculation off plain decoding. One K / V pass per row instead of one per request. */
 #define KV_T uint16_t
 #define KV_ROW row_bf16
 #define DECODE_NAME loom_decode_bf16
 #define EXTEND_NAME loom_extend_bf16
+#define EXTEND_AS_DECODE 1
 #include "attention_impl.h"
 #undef KV_T
 #undef KV_ROW
 #undef DECODE_NAME
 #undef EXTEND_NAME
+#undef EXTEND_AS_DECODE
 
 /* RMSNorm over rows x[o * so + i * si + 0 .. D-1] (o < no, i < ni) into out [no * ni, D]. With
    res [no * ni, D]: the row is x + res, and that sum is also written to res_out. */

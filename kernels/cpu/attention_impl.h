@@ -2,7 +2,8 @@
    type, with KV_T (the pool's element type), KV_ROW (its row loader, loom_cpu.h: row_f32 or
    row_bf16), DECODE_NAME and EXTEND_NAME (the two exported functions) defined; an instance is
    the same code with the element type fixed, as a C++ template would be. No include guard:
-   it is meant to be included more than once. */
+   it is meant to be included more than once. EXTEND_AS_DECODE (0 / 1): whether EXTEND_NAME
+   runs each query row through DECODE_ITEM (below). */
 #define ATTN_CAT_(a, b) a##b
 #define ATTN_CAT(a, b) ATTN_CAT_(a, b)
 #define DECODE_ITEM ATTN_CAT(DECODE_NAME, _item)
@@ -162,11 +163,33 @@ void EXTEND_NAME(const float* q, const KV_T* k, const KV_T* v, const int64_t* ta
         float* acc = (float*)malloc(sizeof(float) * R * Dv);
         float* buf = (float*)malloc(sizeof(float) * (D > Dv ? D : Dv));
         float* denom = (float*)malloc(sizeof(float) * R);
+#if EXTEND_AS_DECODE
+        int64_t* seen = (int64_t*)malloc(sizeof(int64_t) * (max_len > 0 ? max_len : 1));
+#endif
 #pragma omp for schedule(dynamic)
         for (int64_t w = 0; w < B * Hkv; w++) {
             const int64_t b = w / Hkv, h = w % Hkv;
             const int64_t* slots = table + rows[b] * stride;
             const uint8_t* mk = mask_off[b] >= 0 ? mask + mask_off[b] : NULL;
+#if EXTEND_AS_DECODE
+            /* each row as the decode step of its token: the slots it sees, in order, through
+               DECODE_ITEM, so its sums are decode's bit for bit (a 16-bit pool rounds a
+               last-bit difference of a K / V value into a whole unit: attention.c) */
+            for (int64_t j = 0, L = lens[b], E = exts[b]; j < E; j++) {
+                int64_t n = 0;
+                for (int64_t t = 0; t < L; t++)
+                    if (mk ? mk[j * L + t] != 0 : t <= L - E + j) seen[n++] = slots[t];
+                const float* qb = q + ((qstart[b] + j) * H + h * G) * D;
+                float* o = out + ((qstart[b] + j) * H + h * G) * Dv;
+                if (D == 64 && Dv == 64)
+                    DECODE_ITEM(qb, k, v, seen, n, Hkv, h, G, 64, 64, scale, s, acc, buf, o);
+                else if (D == 128 && Dv == 128)
+                    DECODE_ITEM(qb, k, v, seen, n, Hkv, h, G, 128, 128, scale, s, acc, buf, o);
+                else
+                    DECODE_ITEM(qb, k, v, seen, n, Hkv, h, G, D, Dv, scale, s, acc, buf, o);
+            }
+            continue;
+#endif
             if (D == 64 && Dv == 64)
                 EXTEND_ITEM(q, k, v, slots, mk, lens[b], exts[b], qstart[b], H, Hkv, h, G, 64, 64,
                             scale, s, acc, buf, denom, out);
@@ -181,6 +204,9 @@ void EXTEND_NAME(const float* q, const KV_T* k, const KV_T* v, const int64_t* ta
         free(acc);
         free(buf);
         free(denom);
+#if EXTEND_AS_DECODE
+        free(seen);
+#endif
     }
 }
 

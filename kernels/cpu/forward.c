@@ -626,7 +626,8 @@ static int attn_one(const float* qb, int64_t S, const int64_t* cols, const float
    then each V row adds p * v into the R x D accumulators. Causal (mask NULL): row j sees
    c < S - n + j + 1; with a mask [n, S], where mask[j * S + c]. Invisible columns get
    probability 0 (a row that sees nothing: zeros). Scratch (per thread, RP = R rounded up to
-   16): qt [D * RP], sc [(S + SMALL_COLS) * RP], acc [R * D]. */
+   16): qt [D * RP], sc [(S + SMALL_COLS) * RP], acc [R * D]. A float32 pool only: a bfloat16
+   pool's rows of such a request each take the decode kernel (loom_forward_f32). */
 #define SMALL_LANES 16
 #define SMALL_COLS 4 /* the V pass below is written out for 4 */
 int loom_small_attn_max = 32;
@@ -635,9 +636,8 @@ static inline int small_path(int64_t n) { return n >= 2 && n <= loom_small_attn_
 static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
                             int64_t kh, int64_t G, int64_t D, float scale, float* out, int64_t ldo,
-                            const uint8_t* mask, float* qt, float* sc, float* acc, int bf16) {
+                            const uint8_t* mask, float* qt, float* sc, float* acc) {
     const int64_t R = n * G, RP = (R + SMALL_LANES - 1) / SMALL_LANES * SMALL_LANES;
-    float kvb[bf16 ? SMALL_COLS * D : 1]; /* a bfloat16 pool's SMALL_COLS rows, widened */
     const int64_t first = S - n; /* columns before it are seen by every row (causal) */
     memset(qt, 0, sizeof(float) * D * RP);
     for (int64_t j = 0; j < n; j++)
@@ -652,8 +652,7 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
            once for all of them (past S, the last key again, its scores not stored) */
         const float* kr[SMALL_COLS];
         for (int64_t u = 0; u < SMALL_COLS; u++)
-            kr[u] = kv_at(kc, bf16, (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D,
-                          kvb + u * D, D);
+            kr[u] = kc + (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D;
         for (int64_t r0 = 0; r0 < RP; r0 += SMALL_LANES) {
             float a[SMALL_COLS][SMALL_LANES] = {{0.f}};
             for (int64_t d = 0; d < D; d++) {
@@ -702,8 +701,7 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
            (past S: the last row again, with probability 0) */
         const float* vr[SMALL_COLS];
         for (int64_t u = 0; u < SMALL_COLS; u++)
-            vr[u] = kv_at(vc, bf16, (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D,
-                          kvb + u * D, D);
+            vr[u] = vc + (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D;
         const float* p = sc + c0 * RP;
         for (int64_t r = 0; r < R; r++) {
             const float p0 = p[r], p1 = p[RP + r], p2 = p[2 * RP + r], p3 = p[3 * RP + r];
@@ -951,27 +949,44 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             float* sc =
                 malloc(sizeof(float) * (G > small_rp ? G : small_rp) * (max_len + SMALL_COLS));
             float* acc = malloc(sizeof(float) * (G > small_rp ? G : small_rp) * D);
-            float* qt = small_rp ? malloc(sizeof(float) * small_rp * D) : NULL;
+            float* qt = small_rp && !bf16 ? malloc(sizeof(float) * small_rp * D) : NULL;
+            int64_t* row_cols = bf16 ? malloc(sizeof(int64_t) * max_len) : NULL;
 #pragma omp for schedule(dynamic)
             for (int64_t w = 0; w < T * Hkv; w++) {
                 const int64_t t = w / Hkv, kh = w % Hkv, b = tok_req[t];
                 const int64_t S = view[b].S, j = t - starts[b];
                 const int64_t n_tok = starts[b + 1] - starts[b];
                 const int64_t* cols = view[b].cols;
-                if (small_path(n_tok)) { /* the request's kv head kh at once */
+                if (small_path(n_tok) && !bf16) { /* the request's kv head kh at once */
                     if (j == 0)
                         small_attention(qkv + t * QKV, QKV, n_tok, S, cols, L->k_cache, L->v_cache,
                                         Hkv, kh, G, D, m->scale, att + t * H * D, H * D,
-                                        view[b].mask, qt, sc, acc, bf16);
+                                        view[b].mask, qt, sc, acc);
                     continue;
                 }
-                if (n_tok >= block_min) continue; /* done above */
+                if (n_tok >= block_min && !small_path(n_tok)) continue; /* done above */
                 const uint8_t* mrow = view[b].mask ? view[b].mask + j * S : NULL;
-                if (n_tok == 1 && !mrow &&
-                    attn_one(qkv + t * QKV + kh * G * D, S, cols, L->k_cache, L->v_cache, Hkv,
+                int64_t len = mrow ? S : S - n_tok + j + 1;
+                if (bf16) {
+                    /* A bfloat16 pool: each row of a multi-token request (a verify step's
+                       1 + drafts, a short extend) is attended as the one-token decode step
+                       of the same token would be: its visible columns in order (a tree's or
+                       window's mask compacted away), the same kernel, so the same float32
+                       sums bit for bit. Rounding each K / V to bfloat16 turns the last-bit
+                       differences between two summation orders into whole bf16 steps of
+                       the next layer's K / V, and greedy speculation then left plain
+                       decoding (docs/architecture.md, "A 16-bit pool in the C forward"). */
+                    if (mrow) {
+                        int64_t k = 0;
+                        for (int64_t c = 0; c < S; c++)
+                            if (mrow[c]) row_cols[k++] = cols[c];
+                        cols = row_cols, len = k, mrow = NULL;
+                    }
+                }
+                if ((n_tok == 1 || bf16) && !mrow &&
+                    attn_one(qkv + t * QKV + kh * G * D, len, cols, L->k_cache, L->v_cache, Hkv,
                              kh, G, D, m->scale, att + t * H * D + kh * G * D, sc, bf16))
                     continue;
-                const int64_t len = mrow ? S : S - n_tok + j + 1;
                 const float* qb = qkv + t * QKV + kh * G * D;
                 float mx[G], den[G], rb[D]; /* rb: a bfloat16 pool's row, widened */
                 for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
@@ -1020,6 +1035,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             free(sc);
             free(acc);
             free(qt);
+            free(row_cols);
         }
         if (prof) prof[1] += cpu_seconds() - att0;
         if (L->post_attn_ln) { /* Gemma: x += norm(o_proj(att)) */
