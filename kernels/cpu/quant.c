@@ -1009,10 +1009,15 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
     const int bv = block_values(qtype);
     if (bv == 0 || block_bytes(qtype) == 0 || K % bv || row_bytes != K / bv * block_bytes(qtype))
         return -1;
-    /* LOOM_Q_AUTO, per call: the f32 decode GEMV where it exists (unrounded activations, the
-       fastest at T <= F32V_MAX), the batch-invariant 16-bit tile above it and for other types */
+    /* LOOM_Q_AUTO, per call: the batch-invariant 16-bit arithmetic at every T for the types
+       whose 1..8-token kernel has lanes = rows (quant_bi.c bi_lanes: 1.3x the f32 GEMV's speed
+       at one token, 1.5x at eight, on SmolLM2's Q4_1 / Q8_0); for the others the f32 decode
+       GEMV where it exists (unrounded activations, the fastest there at T <= F32V_MAX), the
+       batch-invariant tile above it */
     if (mode == LOOM_Q_AUTO)
-        mode = LOOM_Q_F32V && T <= F32V_MAX && has_f32v(qtype) ? LOOM_Q_F32 : LOOM_Q_BI;
+        mode = loom_q_auto_bi(qtype) ? LOOM_Q_BI
+               : LOOM_Q_F32V && T <= F32V_MAX && has_f32v(qtype) ? LOOM_Q_F32
+                                                                 : LOOM_Q_BI;
     if (mode == LOOM_Q_BI) /* quant_bi.c: the same arithmetic for every T */
         return loom_q_matmul_bi(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
                                 threads);
