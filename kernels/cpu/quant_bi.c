@@ -438,8 +438,9 @@ static void bi_row_ptrs(int n, int R, const int16_t* wd, const float* sd, const 
    Why: bi_gemv (lanes = units) and bi_tile8 (lanes = tokens) first decode each row to int16 codes
    in memory and spend a vpdpwssd on 8-16 multiply-adds; at 1..8 tokens (decode and a
    speculative verify) that made "bi" 2.4x slower than the f32 GEMV. Here a pass takes 16 rows at
-   once, lane r = row n0 + r: for each unit j a masked gather fetches 4 bytes of each of the 16
-   rows' blocks, a few 16-bit shifts and masks turn them into int16 code pairs (two weights a
+   once, lane r = row n0 + r: for each unit j masked gathers fetch the 16 rows' code bytes
+   (bi_gather8: 8 bytes of 8 rows a gather, then a vector of each row's 4 bytes), a few 16-bit
+   shifts and masks turn them into int16 code pairs (two weights a
    32-bit lane), and vpdpwssd multiplies a pair vector by one token's broadcast activation pair:
    32 multiply-adds an instruction, the codes expanded once per call for every token.
    Per (row, token) the steps are exactly the canonical ones (file comment): the unit's exact int32
@@ -448,9 +449,9 @@ static void bi_row_ptrs(int n, int R, const int16_t* wd, const float* sd, const 
    are bitwise bi_gemv's, bi_tile8's, the 16-token tile's and the portable C's, for every T.
 
    The pair order inside a unit (the activation pairs are packed to match, bi_pack_pairs):
-   Q4_x, gather m (bytes 4m .. 4m + 3 of qs; byte i holds values i (low nibble) and i + 16):
+   Q4_x, vector m (bytes 4m .. 4m + 3 of qs; byte i holds values i (low nibble) and i + 16):
      (4m, 4m + 2), (4m + 16, 4m + 18), (4m + 1, 4m + 3), (4m + 17, 4m + 19);
-   Q8_0, gather m (codes 4m .. 4m + 3): (4m, 4m + 2), (4m + 1, 4m + 3). */
+   Q8_0, vector m (codes 4m .. 4m + 3): (4m, 4m + 2), (4m + 1, 4m + 3). */
 #define BI_LANE_T 8 /* tokens up to which loom_q_matmul_bi takes bi_lanes */
 #endif
 int loom_q_bi_lanes = 1; /* loom_cpu.h */
@@ -487,6 +488,20 @@ static void bi_pack_pairs(int qtype, const int16_t* q, int64_t K, int32_t* xp) {
     }
 }
 
+/* 8 bytes at p of each of 16 rows (offsets vidx8a: rows 0-7, vidx8b: 8-15; masked rows read
+   nothing) as two vectors of the rows' dwords: g[0] lane r = bytes 0-3 of row r, g[1] = 4-7.
+   Two qword gathers load 16 elements where two dword gathers load 32 (bench_quant_gemv: ~1.25x
+   at one token on SmolLM2's cache-resident matrices). */
+static inline __attribute__((always_inline)) void bi_gather8(const uint8_t* p, __m256i vidx8a,
+                                                             __m256i vidx8b, __mmask8 lm8a,
+                                                             __mmask8 lm8b, __m512i ieven,
+                                                             __m512i iodd, __m512i* g) {
+    const __m512i a = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), lm8a, vidx8a, (const void*)p, 1);
+    const __m512i b = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), lm8b, vidx8b, (const void*)p, 1);
+    g[0] = _mm512_permutex2var_epi32(a, ieven, b);
+    g[1] = _mm512_permutex2var_epi32(a, iodd, b);
+}
+
 /* Rows n0 .. n0 + 15 (lanes past R masked off) against T tokens (a compile-time constant where
    inlined): xp [T][nu][16] pairs, dxu / xsu [T][nu]; writes y[t * ldy + n0 + r]. */
 static inline __attribute__((always_inline)) void bi_lanes_core(
@@ -503,6 +518,10 @@ static inline __attribute__((always_inline)) void bi_lanes_core(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32((int)row_bytes));
     const __m512i m4 = _mm512_set1_epi16(0xF), eight = _mm512_set1_epi16(8);
+    const __m256i vidx8a = _mm512_castsi512_si256(vidx), vidx8b = _mm512_extracti64x4_epi64(vidx, 1);
+    const __mmask8 lm8a = (__mmask8)lm, lm8b = (__mmask8)(lm >> 8);
+    const __m512i ieven = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i iodd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
     __m512 P[BI_LANE_T][16];
     const int64_t span = (next_bytes + nu - 1) / nu; /* the next pass's bytes, a unit's share */
     for (int64_t j = 0; j < nu; j++) {
@@ -518,33 +537,41 @@ static inline __attribute__((always_inline)) void bi_lanes_core(
             for (int a = 0; a < NA; a++) acc[t][a] = _mm512_setzero_si512();
         const int32_t* xj = xp + 16 * j;
         const int64_t xstride = 16 * nu;
+        /* the unit's codes 8 bytes at a time: two gathers of 8 rows' qwords, split into two
+           vectors of the 16 rows' dwords (g[0] lane r = bytes 8h .. 8h + 3, g[1] the next 4) */
+        const uint8_t* cb = base + (qtype == BQ4_1 ? 4 : 2);
         if (qtype == BQ8_0) {
-#pragma GCC unroll 8
-            for (int m = 0; m < 8; m++) {
-                const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx,
-                                                              (const void*)(base + 2 + 4 * m), 1);
-                const __m512i e = _mm512_srai_epi16(_mm512_slli_epi16(g, 8), 8);
-                const __m512i od = _mm512_srai_epi16(g, 8);
-                for (int t = 0; t < T; t++) {
-                    const int32_t* xt = xj + t * xstride + 2 * m;
-                    acc[t][(2 * m) % NA] = _mm512_dpwssd_epi32(acc[t][(2 * m) % NA], e, _mm512_set1_epi32(xt[0]));
-                    acc[t][(2 * m + 1) % NA] = _mm512_dpwssd_epi32(acc[t][(2 * m + 1) % NA], od, _mm512_set1_epi32(xt[1]));
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) {
+                __m512i g[2];
+                bi_gather8(cb + 8 * h, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, g);
+                for (int o = 0; o < 2; o++) {
+                    const int m = 2 * h + o; /* codes 4m .. 4m + 3 */
+                    const __m512i e = _mm512_srai_epi16(_mm512_slli_epi16(g[o], 8), 8);
+                    const __m512i od = _mm512_srai_epi16(g[o], 8);
+                    for (int t = 0; t < T; t++) {
+                        const int32_t* xt = xj + t * xstride + 2 * m;
+                        acc[t][(2 * m) % NA] = _mm512_dpwssd_epi32(acc[t][(2 * m) % NA], e, _mm512_set1_epi32(xt[0]));
+                        acc[t][(2 * m + 1) % NA] = _mm512_dpwssd_epi32(acc[t][(2 * m + 1) % NA], od, _mm512_set1_epi32(xt[1]));
+                    }
                 }
             }
         } else {
-            const int qo = qtype == BQ4_1 ? 4 : 2;
-#pragma GCC unroll 4
-            for (int m = 0; m < 4; m++) {
-                const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx,
-                                                              (const void*)(base + qo + 4 * m), 1);
-                __m512i e[4] = {_mm512_and_si512(g, m4), _mm512_and_si512(_mm512_srli_epi16(g, 4), m4),
-                                _mm512_and_si512(_mm512_srli_epi16(g, 8), m4), _mm512_srli_epi16(g, 12)};
-                if (qtype == BQ4_0)
-                    for (int h = 0; h < 4; h++) e[h] = _mm512_sub_epi16(e[h], eight);
-                for (int t = 0; t < T; t++) {
-                    const int32_t* xt = xj + t * xstride + 4 * m;
-                    for (int h = 0; h < 4; h++)
-                        acc[t][(4 * m + h) % NA] = _mm512_dpwssd_epi32(acc[t][(4 * m + h) % NA], e[h], _mm512_set1_epi32(xt[h]));
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m512i g[2];
+                bi_gather8(cb + 8 * h, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, g);
+                for (int o = 0; o < 2; o++) {
+                    const int m = 2 * h + o; /* bytes 4m .. 4m + 3 of qs */
+                    __m512i e[4] = {_mm512_and_si512(g[o], m4), _mm512_and_si512(_mm512_srli_epi16(g[o], 4), m4),
+                                    _mm512_and_si512(_mm512_srli_epi16(g[o], 8), m4), _mm512_srli_epi16(g[o], 12)};
+                    if (qtype == BQ4_0)
+                        for (int k = 0; k < 4; k++) e[k] = _mm512_sub_epi16(e[k], eight);
+                    for (int t = 0; t < T; t++) {
+                        const int32_t* xt = xj + t * xstride + 4 * m;
+                        for (int k = 0; k < 4; k++)
+                            acc[t][(4 * m + k) % NA] = _mm512_dpwssd_epi32(acc[t][(4 * m + k) % NA], e[k], _mm512_set1_epi32(xt[k]));
+                    }
                 }
             }
         }
