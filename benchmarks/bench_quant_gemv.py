@@ -103,7 +103,10 @@ def main() -> None:
     modes = args.modes.split(",")
     knob = ctypes.c_int.in_dll(lib, "loom_q_prefetch_rows")
     wide = ctypes.c_int.in_dll(lib, "loom_q_wide_rows")
-    lanes = ctypes.c_int.in_dll(lib, "loom_q_bi_lanes")
+    try:  # (a tree before quant_bi.c's bi_lanes has no such knob: this script A/Bs against it)
+        lanes = ctypes.c_int.in_dll(lib, "loom_q_bi_lanes")
+    except ValueError:
+        lanes = ctypes.c_int(1)
     # mode -> (prefetch rows, wide rows, bi lanes)
     pfs = {m: (knob.value, wide.value, lanes.value) for m in modes}
     for v in filter(None, args.prefetch_rows.split(",")):
