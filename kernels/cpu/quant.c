@@ -20,6 +20,10 @@
                   dotted with the f32 activations by FMA: no activation rounding. For every
                   type at T <= 8 in AVX-512 builds: matmul_f32v (below), the blocks
                   expanded to f32 in registers, four rows a pass.
+     LOOM_Q_BI    (quant_bi.c) 16-bit activations, one arithmetic for every T: batch-invariant.
+     LOOM_Q_AUTO  per call (loom_q_matmul): LOOM_Q_BI at every T for Q8_0 / Q4_0 / Q4_1 in
+                  AVX-512 VNNI builds (quant_bi.c's 16-row-lane kernel beats matmul_f32v there
+                  at 1..8 tokens), else LOOM_Q_F32's matmul_f32v at T <= 8, LOOM_Q_BI above.
    Either way a row is decoded once per call and used for all T tokens, so a GEMV (T = 1..8)
    streams the weights once and a GEMM (prefill) reuses the decoded row from L1.
 
