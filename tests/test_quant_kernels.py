@@ -31,6 +31,7 @@ GEMV_MAX = 8  # quant.c: token count up to which "int8" takes the int8 dot produ
 I16_MAX = 8  # quant.c: token count up to which "int16" takes the 16-bit kernels
 I16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the types with 16-bit kernels ("int16" on others: int8)
 F32V_TYPES = QTYPES  # the types the f32 decode GEMV (quant.c matmul_f32v) reads: all of them
+LANE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # quant_bi.c bi_lanes' types
 
 
 def seen(x: torch.Tensor, qtype: str, mode: str, isa: str = "native") -> torch.Tensor:
@@ -52,7 +53,7 @@ def seen(x: torch.Tensor, qtype: str, mode: str, isa: str = "native") -> torch.T
 
 def auto_bi(qtype: str, isa: str = "native") -> bool:
     """Whether mode "auto" takes "bi" at every token count for `qtype` in this build (quant_bi.c's
-    16-row-lane kernel: Q8_0 / Q4_0 / Q4_1 with AVX-512 VNNI)."""
+    16-row-lane kernel: LANE_TYPES with AVX-512 VNNI)."""
     lib = quant_ops.load(isa)
     return lib is not None and bool(lib.loom_q_auto_bi(quant_ops.QTYPES[qtype]))
 
@@ -121,15 +122,15 @@ def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
 
 def test_auto_mode_takes_the_f32_gemv_up_to_8_tokens_and_bi_above(isa):
     """The default mode, "auto", resolved per call in quant.c: bitwise "bi" at every token
-    count for Q8_0 / Q4_0 / Q4_1 in a build with AVX-512 VNNI (quant_bi.c's 16-row-lane
-    kernel); for the other block types bitwise "f32" (the register-expanded decode GEMV) up to
+    count for Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 in a build with AVX-512 VNNI (quant_bi.c's
+    16-row-lane kernel); for the other block types bitwise "f32" (the register-expanded decode GEMV) up to
     8 tokens in a build with AVX-512F/BW; bitwise "bi" for more tokens or another build."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     f32v = "avx512f" in flags and "avx512bw" in flags and isa == "native"
     lanes = f32v and "avx512_vnni" in flags
     assert quant_ops.resolve_mode(None) == "auto"
-    for qtype in ("Q4_1", "Q8_0", "Q4_0", "Q6_K", "Q5_0", "Q4_K"):
-        assert auto_bi(qtype, isa) == (lanes and qtype in ("Q8_0", "Q4_0", "Q4_1")), qtype
+    for qtype in ("Q4_1", "Q8_0", "Q4_0", "Q6_K", "Q5_0", "Q5_1", "Q4_K"):
+        assert auto_bi(qtype, isa) == (lanes and qtype in LANE_TYPES), qtype
         qt = random_blocks(qtype, 24, 2 * BLOCKS[qtype][0], 3)
         for t in (1, 8, 9, 20):
             x = torch.randn(t, qt.shape[1], generator=torch.Generator().manual_seed(t))
@@ -139,9 +140,9 @@ def test_auto_mode_takes_the_f32_gemv_up_to_8_tokens_and_bi_above(isa):
             assert torch.equal(got, quant_ops.matmul(qt, x, mode=expect, isa=isa)), (qtype, t)
 
 
-@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_0", "Q4_1"))
+@pytest.mark.parametrize("qtype", LANE_TYPES)
 def test_bi_lanes_kernel_is_the_canonical_arithmetic(qtype, isa):
-    """quant_bi.c's 16-row-lane kernel (mode "bi" at 1..8 tokens for Q8_0 / Q4_0 / Q4_1): each
+    """quant_bi.c's 16-row-lane kernel (mode "bi" at 1..8 tokens for LANE_TYPES): each
     row of a T-row call equals the 1-row call bitwise for T = 1..8, and every output equals
     the older "bi" kernels' (the per-row GEMV and the 8-token tile, loom_q_bi_lanes = 0) bit
     for bit: row counts below, at and past a 16-row pass (odd ones: masked lanes), units per

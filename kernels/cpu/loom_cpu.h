@@ -299,12 +299,12 @@ LOOM_API int loom_q_vnni(void);
 LOOM_API int loom_q_f32v(void);
 LOOM_API extern int loom_q_prefetch_rows;
 LOOM_API extern int loom_q_wide_rows;
-/* quant_bi.c: 1 (default) = mode 3 takes its 16-row-lane kernel for Q8_0 / Q4_0 / Q4_1 at
+/* quant_bi.c: 1 (default) = mode 3 takes its 16-row-lane kernel for Q8_0 / Q4_0 / Q4_1 / Q5_x at
    T <= 8 (AVX-512 builds), 0 = its older GEMV / 8-token tile (the same bits; a knob for
    bench_quant_gemv.py's A/B) */
 LOOM_API extern int loom_q_bi_lanes;
 /* 1 where mode 4 (auto) takes mode 3 at every token count for this block type (bi_lanes built
-   and on: Q8_0 / Q4_0 / Q4_1 in AVX-512 VNNI builds), 0 where it takes 1's f32 GEMV at T <= 8 */
+   and on: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 in AVX-512 VNNI builds), 0 where it takes 1's f32 GEMV at T <= 8 */
 LOOM_API int loom_q_auto_bi(int qtype);
 LOOM_API int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K,
                            int64_t row_bytes, const float* x, int64_t T, int64_t ldx,

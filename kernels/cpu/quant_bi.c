@@ -433,7 +433,7 @@ static void bi_row_ptrs(int n, int R, const int16_t* wd, const float* sd, const 
 #endif
 
 #if BI_AVX512
-/* ---- The canonical arithmetic for 1..BI_LANE_T tokens with lanes = rows (Q8_0, Q4_0, Q4_1) ----
+/* ---- The canonical arithmetic for 1..BI_LANE_T tokens with lanes = rows (Q8_0, Q4_x, Q5_x) ----
 
    Why: bi_gemv (lanes = units) and bi_tile8 (lanes = tokens) first decode each row to int16 codes
    in memory and spend a vpdpwssd on 8-16 multiply-adds; at 1..8 tokens (decode and a
@@ -451,17 +451,27 @@ static void bi_row_ptrs(int n, int R, const int16_t* wd, const float* sd, const 
    The pair order inside a unit (the activation pairs are packed to match, bi_pack_pairs):
    Q4_x, vector m (bytes 4m .. 4m + 3 of qs; byte i holds values i (low nibble) and i + 16):
      (4m, 4m + 2), (4m + 16, 4m + 18), (4m + 1, 4m + 3), (4m + 17, 4m + 19);
-   Q8_0, vector m (codes 4m .. 4m + 3): (4m, 4m + 2), (4m + 1, 4m + 3). */
+   Q8_0, vector m (codes 4m .. 4m + 3): (4m, 4m + 2), (4m + 1, 4m + 3).
+   Q5_x: the Q4 pairs, each with its two values' high bits (qh bits a and a + 2, gathered once per
+   unit) moved to bits 4 and 20 of the lane and or'ed in (two shifts, an and, an or, a ternlog). */
 #define BI_LANE_T 8 /* tokens up to which loom_q_matmul_bi takes bi_lanes */
 #endif
 int loom_q_bi_lanes = 1; /* loom_cpu.h */
 int loom_q_auto_bi(int qtype) {
     return BI_AVX512 && loom_q_bi_lanes &&
-           (qtype == BQ8_0 || qtype == BQ4_0 || qtype == BQ4_1);
+           (qtype == BQ8_0 || qtype == BQ4_0 || qtype == BQ4_1 || qtype == BQ5_0 ||
+            qtype == BQ5_1);
 }
 #if BI_AVX512
 
-static int bi_lanes_type(int qtype) { return qtype == BQ8_0 || qtype == BQ4_0 || qtype == BQ4_1; }
+static int bi_lanes_type(int qtype) {
+    return qtype == BQ8_0 || qtype == BQ4_0 || qtype == BQ4_1 || qtype == BQ5_0 || qtype == BQ5_1;
+}
+
+/* v >> s for s >= 0, v << -s below (s a constant where inlined) */
+static inline __attribute__((always_inline)) __m512i bi_shr(__m512i v, const int s) {
+    return s >= 0 ? _mm512_srli_epi32(v, (unsigned)s) : _mm512_slli_epi32(v, (unsigned)-s);
+}
 
 static inline int32_t bi_pair(const int16_t* q, int a, int b) {
     return (int32_t)((uint32_t)(uint16_t)q[a] | (uint32_t)(uint16_t)q[b] << 16);
@@ -509,8 +519,11 @@ static inline __attribute__((always_inline)) void bi_lanes_core(
     const int32_t* xp, const float* dxu, const float* xsu, const float* bias, float* y,
     int64_t ldy, int accumulate, const uint8_t* next, int64_t next_bytes) {
     const int64_t nu = K / 32;
-    const int bb = qtype == BQ8_0 ? 34 : qtype == BQ4_0 ? 18 : 20;
-    const int asym = qtype == BQ4_1;
+    const int bb = qtype == BQ8_0 ? 34 : qtype == BQ4_0 ? 18 : qtype == BQ4_1 ? 20 : qtype == BQ5_0 ? 22 : 24;
+    const int asym = qtype == BQ4_1 || qtype == BQ5_1;
+    const int q5 = qtype == BQ5_0 || qtype == BQ5_1;
+    /* Q5_x: the byte offset of qh (32 high bits, value i's at bit i) and of the nibbles */
+    const int qho = qtype == BQ5_1 ? 4 : 2;
     /* independent int32 chains per token (vpdpwssd's latency over its throughput) */
     const int NA = T == 1 ? 8 : T == 2 ? 4 : T <= 4 ? 3 : 2;
     const __mmask16 lm = R >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << R) - 1);
@@ -518,6 +531,8 @@ static inline __attribute__((always_inline)) void bi_lanes_core(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32((int)row_bytes));
     const __m512i m4 = _mm512_set1_epi16(0xF), eight = _mm512_set1_epi16(8);
+    const __m512i sixteen = _mm512_set1_epi16(16), b4 = _mm512_set1_epi32(0x10),
+                  b20 = _mm512_set1_epi32(0x100000);
     const __m256i vidx8a = _mm512_castsi512_si256(vidx), vidx8b = _mm512_extracti64x4_epi64(vidx, 1);
     const __mmask8 lm8a = (__mmask8)lm, lm8b = (__mmask8)(lm >> 8);
     const __m512i ieven = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -539,7 +554,9 @@ static inline __attribute__((always_inline)) void bi_lanes_core(
         const int64_t xstride = 16 * nu;
         /* the unit's codes 8 bytes at a time: two gathers of 8 rows' qwords, split into two
            vectors of the 16 rows' dwords (g[0] lane r = bytes 8h .. 8h + 3, g[1] the next 4) */
-        const uint8_t* cb = base + (qtype == BQ4_1 ? 4 : 2);
+        const __m512i qh = q5 ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx, (const void*)(base + qho), 1)
+                              : _mm512_setzero_si512();
+        const uint8_t* cb = base + (q5 ? qho + 4 : qtype == BQ4_1 ? 4 : 2);
         if (qtype == BQ8_0) {
 #pragma GCC unroll 4
             for (int h = 0; h < 4; h++) {
@@ -567,6 +584,14 @@ static inline __attribute__((always_inline)) void bi_lanes_core(
                                     _mm512_and_si512(_mm512_srli_epi16(g[o], 8), m4), _mm512_srli_epi16(g[o], 12)};
                     if (qtype == BQ4_0)
                         for (int k = 0; k < 4; k++) e[k] = _mm512_sub_epi16(e[k], eight);
+                    if (q5) { /* pair (a, a + 2)'s high bits: qh bit a to bit 4, a + 2 to bit 20 */
+                        for (int k = 0; k < 4; k++) {
+                            const int a = 4 * m + (k & 1) * 16 + (k >> 1);
+                            const __m512i t = _mm512_or_si512(e[k], _mm512_and_si512(bi_shr(qh, a - 18), b20));
+                            e[k] = _mm512_ternarylogic_epi32(bi_shr(qh, a - 4), b4, t, 0xEA); /* (A & B) | C */
+                            if (qtype == BQ5_0) e[k] = _mm512_sub_epi16(e[k], sixteen);
+                        }
+                    }
                     for (int t = 0; t < T; t++) {
                         const int32_t* xt = xj + t * xstride + 4 * m;
                         for (int k = 0; k < 4; k++)
@@ -617,6 +642,10 @@ static void bi_lanes_pass(int qtype, const uint8_t* w, int64_t row_bytes, int64_
         BI_LCASES(BQ8_0)
     } else if (qtype == BQ4_1) {
         BI_LCASES(BQ4_1)
+    } else if (qtype == BQ5_0) {
+        BI_LCASES(BQ5_0)
+    } else if (qtype == BQ5_1) {
+        BI_LCASES(BQ5_1)
     } else {
         BI_LCASES(BQ4_0)
     }
