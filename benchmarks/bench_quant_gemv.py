@@ -1,11 +1,14 @@
-"""Batch-1 decode GEMV of the quantized kernels (kernels/cpu/quant.c) on SmolLM2-135M's own
-blocks: time per call and GB/s of blocks streamed, one thread, for each matrix of one layer and
-the tied LM head (the layer's matrices repeated: cache-resident), and then a whole token's
-matmuls in the forward's order over all 30 layers and the LM head (96 MB of blocks: streamed
-from the last-level cache or memory, as in a decode step).
+"""Decode GEMV of the quantized kernels (kernels/cpu/quant.c) at 1-8 token rows on a real
+model's own blocks (SmolLM2-135M Q4_1 by default, `--gguf gemma3-270m` for Gemma 3's Q5_0 /
+Q8_0 / Q4_K / Q6_K layers and its 262,144-row Q8_0 LM head): time per call and GB/s of blocks
+streamed, one thread, for each matrix of one layer and the tied LM head (the layer's matrices
+repeated: cache-resident), and then a whole step's matmuls in the forward's order over all
+layers and the LM head (streamed from the last-level cache or memory, as in a decode step).
+A layer's rows of different block types (Gemma's q / k Q5_0, v Q8_0) are separate calls, as
+the C forward's segments are (`qkv`, `qkv.1`).
 
-    python benchmarks/bench_quant_gemv.py [--gguf smollm2] [--modes f32,int16] [--tokens 1]
-        [--reps 200] [--threads 1]
+    python benchmarks/bench_quant_gemv.py [--gguf smollm2] [--modes f32,int16] [--tokens 1,8]
+        [--reps 200] [--threads 1] [--only lm_head]
 
 Calls go through ctypes straight to loom_q_matmul (an empty ctypes call's cost is printed:
 it is part of every figure). Times are the calling thread's CPU time (time.thread_time: a
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import statistics
 import time
 
@@ -50,8 +54,16 @@ def model_mats(path: str) -> list[dict[str, QuantizedTensor]]:
     for layer in sorted(parts, key=lambda i: (i < 0, i)):
         mats = {}
         for key, ts in parts[layer].items():
-            data = torch.cat([t.data for t in ts]).contiguous()
-            mats[key] = QuantizedTensor(ts[0].qtype, (data.shape[0], ts[0].shape[1]), data)
+            runs: list[list[QuantizedTensor]] = []  # consecutive tensors of one block type
+            for t in ts:
+                if runs and runs[-1][0].qtype == t.qtype:
+                    runs[-1].append(t)
+                else:
+                    runs.append([t])
+            for j, run in enumerate(runs):
+                data = torch.cat([t.data for t in run]).contiguous()
+                name = key if j == 0 else f"{key}.{j}"
+                mats[name] = QuantizedTensor(run[0].qtype, (data.shape[0], run[0].shape[1]), data)
         out.append(mats)
     return out
 
@@ -60,7 +72,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--gguf", default="smollm2")
     p.add_argument("--modes", default="f32,int16")
-    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--tokens", default="1", help="comma list of token rows per call (1..8: decode)")
+    p.add_argument("--only", default="", help="comma list of matrices to time (qkv, lm_head, ...)")
     p.add_argument("--reps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--token-reps", type=int, default=20)
@@ -71,6 +84,11 @@ def main() -> None:
         "--wide-rows",
         default="",
         help="comma list: f32 mode once per loom_q_wide_rows (T > 4; 0 = two passes of 4 tokens)",
+    )
+    p.add_argument(
+        "--bi-lanes",
+        default="",
+        help="comma list: bi mode once per loom_q_bi_lanes (0: the older GEMV / 8-token tile)",
     )
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
@@ -85,78 +103,97 @@ def main() -> None:
     modes = args.modes.split(",")
     knob = ctypes.c_int.in_dll(lib, "loom_q_prefetch_rows")
     wide = ctypes.c_int.in_dll(lib, "loom_q_wide_rows")
-    pfs = {m: (knob.value, wide.value) for m in modes}  # mode -> (prefetch rows, wide rows)
+    try:  # (a tree before quant_bi.c's bi_lanes has no such knob: this script A/Bs against it)
+        lanes = ctypes.c_int.in_dll(lib, "loom_q_bi_lanes")
+    except ValueError:
+        lanes = ctypes.c_int(1)
+    # mode -> (prefetch rows, wide rows, bi lanes)
+    pfs = {m: (knob.value, wide.value, lanes.value) for m in modes}
     for v in filter(None, args.prefetch_rows.split(",")):
-        pfs[f"f32@{v}"] = (int(v), wide.value)
+        pfs[f"f32@{v}"] = (int(v), wide.value, lanes.value)
     for v in filter(None, args.wide_rows.split(",")):
-        pfs[f"f32w{v}"] = (knob.value, int(v))
+        pfs[f"f32w{v}"] = (knob.value, int(v), lanes.value)
+    for v in filter(None, args.bi_lanes.split(",")):
+        pfs[f"bi#{v}"] = (knob.value, wide.value, int(v))
     modes = list(pfs)
-    T = args.tokens
-    print(f"{path}: T={T}, threads {args.threads}, load {os.getloadavg()}")
+    if args.only:
+        mats = {k: v for k, v in mats.items() if k in args.only.split(",")}
+    print(f"{path}: threads {args.threads}, load {os.getloadavg()}")
     empty = lib.loom_q_vnni
     t0 = time.perf_counter()
     for _ in range(10000):
         empty()
     print(f"empty ctypes call: {(time.perf_counter() - t0) / 10000 * 1e9:.0f} ns")
-    res: dict[tuple[str, str], list[float]] = {}
+    for T in [int(v) for v in args.tokens.split(",")]:
+        run_tokens(lib, model, mats, modes, pfs, (knob, wide, lanes), T, args)
+    print(f"load after {os.getloadavg()}")
 
-    def calls(mode: str, qt: QuantizedTensor) -> tuple:
+
+def run_tokens(lib, model, mats, modes, pfs, knobs, T: int, args) -> None:
+    """Every mode at T token rows: the per-matrix and the whole-step figures."""
+    print(f"T={T}, load {os.getloadavg()}")
+    res: dict[tuple[str, str], list[float]] = {}
+    keep: list = []
+
+    def call(mode: str, qt: QuantizedTensor) -> tuple:
         n, k = qt.shape
         x, y = torch.randn(T, k), torch.empty(T, n)
         keep.append((x, y))
         return (
-            quant_ops.QTYPES[qt.qtype], quant_ops.MODES[mode.split("@")[0].split("w")[0]], qt.data.data_ptr(), n, k,
+            quant_ops.QTYPES[qt.qtype], quant_ops.MODES[re.split("[@w#]", mode)[0]], qt.data.data_ptr(), n, k,
             qt.row_bytes, x.data_ptr(), T, k, None, y.data_ptr(), n, 0, args.threads,
         )  # fmt: skip
 
-    keep: list = []
-    token = {mode: [calls(mode, qt) for mats in model for qt in mats.values()] for mode in modes}
+    whole = not args.only
+    token = {mode: [call(mode, qt) for m in model for qt in m.values()] for mode in modes}
     for _ in range(args.rounds):
         for mode in modes:
-            knob.value, wide.value = pfs[mode]
-            for c in token[mode]:  # a warm-up pass
-                lib.loom_q_matmul(*c)
-            t0 = time.thread_time()
-            for _ in range(args.token_reps):
-                for c in token[mode]:
+            for k, v in zip(knobs, pfs[mode]):
+                k.value = v
+            if whole:
+                for c in token[mode]:  # a warm-up pass
                     lib.loom_q_matmul(*c)
-            res.setdefault((mode, "token"), []).append((time.thread_time() - t0) / args.token_reps)
+                t0 = time.thread_time()
+                for _ in range(args.token_reps):
+                    for c in token[mode]:
+                        lib.loom_q_matmul(*c)
+                res.setdefault((mode, "token"), []).append(
+                    (time.thread_time() - t0) / args.token_reps
+                )
             for key, qt in mats.items():
                 n, k = qt.shape
-                x = torch.randn(T, k)
-                y = torch.empty(T, n)
-                call = (
-                    quant_ops.QTYPES[qt.qtype], quant_ops.MODES[mode.split("@")[0].split("w")[0]], qt.data.data_ptr(), n, k,
-                    qt.row_bytes, x.data_ptr(), T, k, None, y.data_ptr(), n, 0, args.threads,
-                )  # fmt: skip
+                c = call(mode, qt)
                 reps = max(5, args.reps * 576 * 576 // (n * k))
                 for _ in range(3):
-                    lib.loom_q_matmul(*call)
+                    lib.loom_q_matmul(*c)
                 t0 = time.thread_time()
                 for _ in range(reps):
-                    lib.loom_q_matmul(*call)
+                    lib.loom_q_matmul(*c)
                 res.setdefault((mode, key), []).append((time.thread_time() - t0) / reps)
-    layers = 30
+    layers = len(model) - 1
     for mode in modes:
         total = 0.0
         for key, qt in mats.items():
             med = statistics.median(res[(mode, key)])
             gbs = qt.data.numel() / med / 1e9
+            # multiply-adds per second: N * K * T over the call's time
+            gmacs = qt.shape[0] * qt.shape[1] * T / med / 1e9
             print(
-                f"{mode:6} {key:8} {qt.qtype} {tuple(qt.shape)!s:14} {med * 1e6:8.1f} us "
+                f"T={T} {mode:6} {key:8} {qt.qtype} {tuple(qt.shape)!s:14} {med * 1e6:9.1f} us "
                 f"[{min(res[(mode, key)]) * 1e6:.1f}, {max(res[(mode, key)]) * 1e6:.1f}]"
-                f"  {gbs:5.2f} GB/s"
+                f"  {gbs:5.2f} GB/s {gmacs:6.1f} GMAC/s"
             )
             total += med * (1 if key == "lm_head" else layers)
-        print(f"{mode:6} sum of the above x 30 layers + LM head: {total * 1e3:.2f} ms")
+        if not whole:
+            continue
+        print(f"T={T} {mode:6} sum of the above x {layers} layers + LM head: {total * 1e3:.2f} ms")
         tok = res[(mode, "token")]
-        nbytes = sum(qt.data.numel() for mats in model for qt in mats.values())
+        nbytes = sum(qt.data.numel() for m in model for qt in m.values())
         print(
-            f"{mode:6} whole token, all {len(model) - 1} layers + LM head in order: "
+            f"T={T} {mode:6} whole step, all {layers} layers + LM head in order: "
             f"{statistics.median(tok) * 1e3:.2f} ms [{min(tok) * 1e3:.2f}, {max(tok) * 1e3:.2f}]"
             f"  {nbytes / statistics.median(tok) / 1e9:.2f} GB/s"
         )
-    print(f"load after {os.getloadavg()}")
 
 
 if __name__ == "__main__":

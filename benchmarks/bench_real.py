@@ -91,8 +91,9 @@ def agreement(gguf: str, ntok: int, chunk: int, kv_dtype: str = "auto") -> None:
     """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
     file dequantized to float32, on `ntok` tokens of this repository's README + architecture
     docs, one request. The quantized side reads `chunk` tokens a step (<= 8: the decode
-    kernels on every token: for Q8_0 / Q4_0 / Q4_1 f32 activations on AVX-512 builds (mode
-    auto: matmul_f32v) and 16-bit ones elsewhere, int8 for the other types); the f32 reference reads the text in one step. Each side runs in its own process, so only one model is in memory at a time (Gemma's f32
+    kernels on every token: for Q8_0 / Q4_0 / Q4_1 / Q5_x 16-bit activations (mode auto: quant_bi.c's
+    16-row-lane kernel on AVX-512 VNNI builds), for the other types f32 ones on AVX-512 builds
+    (matmul_f32v) and 16-bit ones elsewhere); the f32 reference reads the text in one step. Each side runs in its own process, so only one model is in memory at a time (Gemma's f32
     twin is 1 GB and its dequantization peaks near 3 GB)."""
     import math
     import multiprocessing

@@ -37,6 +37,8 @@ HICACHE_STORAGE_BACKENDS = ("file", "redis")
 HICACHE_L2_DTYPES = ("exact", "bf16", "int8")
 # --quantization: weight-only quantization of a float checkpoint at load (model_loader)
 QUANTIZATIONS = ("int8", "int4", "gguf", "none")
-# --quantized-matmul -> quant_ops mode: "auto" (per call: the f32 decode GEMV up to 8 rows where
-# built, the batch-invariant kernels above), "batch-invariant" (one arithmetic for every row count)
+# --quantized-matmul -> quant_ops mode: "auto" (per call: the batch-invariant kernels for Q8_0 /
+# Q4_0 / Q4_1 / Q5_x where built with AVX-512 VNNI; for other types the f32 decode GEMV up to 8 rows
+# where built, the batch-invariant kernels above), "batch-invariant" (one arithmetic for every
+# row count)
 QUANTIZED_MATMULS = {"auto": "auto", "batch-invariant": "bi"}

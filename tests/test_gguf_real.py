@@ -237,9 +237,13 @@ def test_gemma_c_forward_matches_eager_past_the_window(real_gguf):
             tol=1e-2, kv_tol=3e-2,
         )
     ]  # fmt: skip
+    # the steps after it: Gemma's Q8_0 / Q5_0 matmuls run mode bi's 16-bit activation codes at
+    # every row count (quant_bi.c bi_lanes), and the eager and C norms' last-bit differences
+    # land an activation on the other side of a code's rounding now and then (~2e-3 on a logit
+    # seen); reading past the window moves logits by ~1 (the docstring's check)
     for _ in range(2):
         diffs.append(
-            _compare(runner, st.batch([0, 1], [1, 1], ForwardMode.DECODE), None, 1e-3, 1e-3)
+            _compare(runner, st.batch([0, 1], [1, 1], ForwardMode.DECODE), None, 1e-2, 1e-2)
         )
-    diffs.append(_compare(runner, st.batch([0, 1], [5, 1], ForwardMode.EXTEND), None, 1e-3, 1e-3))
+    diffs.append(_compare(runner, st.batch([0, 1], [5, 1], ForwardMode.EXTEND), None, 1e-2, 1e-2))
     print("gemma3-270m C forward vs eager, largest logit differences:", diffs)

@@ -31,15 +31,17 @@ GEMV_MAX = 8  # quant.c: token count up to which "int8" takes the int8 dot produ
 I16_MAX = 8  # quant.c: token count up to which "int16" takes the 16-bit kernels
 I16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the types with 16-bit kernels ("int16" on others: int8)
 F32V_TYPES = QTYPES  # the types the f32 decode GEMV (quant.c matmul_f32v) reads: all of them
+LANE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # quant_bi.c bi_lanes' types
 
 
 def seen(x: torch.Tensor, qtype: str, mode: str, isa: str = "native") -> torch.Tensor:
     """The activations as `mode`'s kernel for `qtype` rounds them at this token count."""
     t = x.shape[0]
-    if mode == "auto":  # quant.c: the f32 GEMV (where built) up to 8 tokens, else "bi"
+    if mode == "auto":  # quant.c: "bi" for loom_q_auto_bi's types, else the f32 GEMV (where
+        # built) up to 8 tokens, else "bi"
         lib = quant_ops.load(isa)
         f32v = lib is not None and lib.loom_q_f32v() and qtype in F32V_TYPES and t <= 8
-        mode = "f32" if f32v else "bi"
+        mode = "f32" if f32v and not auto_bi(qtype, isa) else "bi"
     if mode == "bi":  # 16-bit activations for every type and token count
         return quantize_act16_ref(x)
     if mode == "int16" and qtype in I16_TYPES and t <= I16_MAX:
@@ -47,6 +49,13 @@ def seen(x: torch.Tensor, qtype: str, mode: str, isa: str = "native") -> torch.T
     if mode in ("int8", "int16") and t <= GEMV_MAX:
         return quantize_act_ref(x)
     return x
+
+
+def auto_bi(qtype: str, isa: str = "native") -> bool:
+    """Whether mode "auto" takes "bi" at every token count for `qtype` in this build (quant_bi.c's
+    16-row-lane kernel: LANE_TYPES with AVX-512 VNNI)."""
+    lib = quant_ops.load(isa)
+    return lib is not None and bool(lib.loom_q_auto_bi(quant_ops.QTYPES[qtype]))
 
 
 def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
@@ -112,19 +121,74 @@ def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
 
 
 def test_auto_mode_takes_the_f32_gemv_up_to_8_tokens_and_bi_above(isa):
-    """The default mode, "auto", resolved per call in quant.c: bitwise "f32" (the
-    register-expanded decode GEMV) for every block type up to 8 tokens in a build with
-    AVX-512F/BW, bitwise "bi" for more tokens or another build."""
+    """The default mode, "auto", resolved per call in quant.c: bitwise "bi" at every token
+    count for Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 in a build with AVX-512 VNNI (quant_bi.c's
+    16-row-lane kernel); for the other block types bitwise "f32" (the register-expanded decode GEMV) up to
+    8 tokens in a build with AVX-512F/BW; bitwise "bi" for more tokens or another build."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     f32v = "avx512f" in flags and "avx512bw" in flags and isa == "native"
+    lanes = f32v and "avx512_vnni" in flags
     assert quant_ops.resolve_mode(None) == "auto"
-    for qtype in ("Q4_1", "Q6_K", "Q5_0", "Q4_K"):
+    for qtype in ("Q4_1", "Q8_0", "Q4_0", "Q6_K", "Q5_0", "Q5_1", "Q4_K"):
+        assert auto_bi(qtype, isa) == (lanes and qtype in LANE_TYPES), qtype
         qt = random_blocks(qtype, 24, 2 * BLOCKS[qtype][0], 3)
         for t in (1, 8, 9, 20):
             x = torch.randn(t, qt.shape[1], generator=torch.Generator().manual_seed(t))
             got = quant_ops.matmul(qt, x, mode="auto", isa=isa)
-            expect = "f32" if f32v and qtype in F32V_TYPES and t <= 8 else "bi"
+            small = f32v and qtype in F32V_TYPES and t <= 8 and not auto_bi(qtype, isa)
+            expect = "f32" if small else "bi"
             assert torch.equal(got, quant_ops.matmul(qt, x, mode=expect, isa=isa)), (qtype, t)
+
+
+@pytest.mark.parametrize("qtype", LANE_TYPES)
+def test_bi_lanes_kernel_is_the_canonical_arithmetic(qtype, isa):
+    """quant_bi.c's 16-row-lane kernel (mode "bi" at 1..8 tokens for LANE_TYPES): each
+    row of a T-row call equals the 1-row call bitwise for T = 1..8, and every output equals
+    the older "bi" kernels' (the per-row GEMV and the 8-token tile, loom_q_bi_lanes = 0) bit
+    for bit: row counts below, at and past a 16-row pass (odd ones: masked lanes), units per
+    row below, at and past the 16 partial sums, accumulating into a strided output with a
+    bias, one and two threads."""
+    lib = quant_ops.load(isa)
+    if lib is None or not auto_bi(qtype, isa):
+        pytest.skip("this build has no 16-row-lane kernel (AVX-512 VNNI)")
+    knob = ctypes.c_int.in_dll(lib, "loom_q_bi_lanes")
+    prev = torch.get_num_threads()
+    try:
+        for rows, nb in ((1, 1), (15, 3), (16, 16), (17, 17), (37, 20), (45, 2)):
+            cols = 32 * nb
+            qt = random_blocks(qtype, rows, cols, rows + nb)
+            x = torch.randn(8, cols, generator=torch.Generator().manual_seed(nb))
+            x[2, 32:64] = 0.0  # an all-zero activation block
+            x[5, :32] *= 1e4  # and a large one
+            bias = torch.randn(rows, generator=torch.Generator().manual_seed(rows))
+            base = torch.randn(8, rows + 3, generator=torch.Generator().manual_seed(1))
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                alone = torch.cat(
+                    [quant_ops.matmul(qt, x[i : i + 1], bias, mode="bi", isa=isa) for i in range(8)]
+                )
+                for t in range(1, 9):
+                    outs = []
+                    for lanes in (1, 0):
+                        knob.value = lanes
+                        wide = base[:t].clone()
+                        rc = lib.loom_q_matmul(
+                            quant_ops.QTYPES[qtype], quant_ops.MODES["bi"], qt.data.data_ptr(),
+                            rows, cols, qt.row_bytes, x.data_ptr(), t, cols, bias.data_ptr(),
+                            wide[:, 1:].data_ptr(), wide.stride(0), 1, threads,
+                        )  # fmt: skip
+                        assert rc == 0
+                        outs.append(wide)
+                    knob.value = 1
+                    assert torch.equal(outs[0], outs[1]), (qtype, rows, nb, t, threads)
+                    plain = quant_ops.matmul(qt, x[:t], bias, mode="bi", isa=isa)
+                    assert torch.equal(plain, alone[:t]), (qtype, rows, nb, t, threads)
+                    # masked lanes write nothing past the rows
+                    assert torch.equal(outs[0][:, 0], base[:t, 0])
+                    assert torch.equal(outs[0][:, 1 + rows :], base[:t, 1 + rows :])
+    finally:
+        knob.value = 1
+        torch.set_num_threads(prev)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -293,12 +293,19 @@ LOOM_API int64_t ngt_check(int64_t* h);
 /* quant.c: matmuls and row gathers on ggml block-quantized weights (runtime/layers/quant_ops.py);
    qtype 0..6 = Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q5_1; mode 0 = int8 activations (T <= 8), 1 = f32,
    2 = 16-bit activations (Q8_0 / Q4_0 / Q4_1, T <= 8; other types: mode 0), 3 = 16-bit
-   activations for every type and T, batch-invariant (quant_bi.c), 4 = auto (per call: 1's f32
-   GEMV where the build has it and T <= 8 on Q8_0 / Q4_0 / Q4_1, else 3) */
+   activations for every type and T, batch-invariant (quant_bi.c), 4 = auto (per call: 3 for
+   the types loom_q_auto_bi names, else 1's f32 GEMV where the build has it and T <= 8, else 3) */
 LOOM_API int loom_q_vnni(void);
 LOOM_API int loom_q_f32v(void);
 LOOM_API extern int loom_q_prefetch_rows;
 LOOM_API extern int loom_q_wide_rows;
+/* quant_bi.c: 1 (default) = mode 3 takes its 16-row-lane kernel for Q8_0 / Q4_0 / Q4_1 / Q5_x at
+   T <= 8 (AVX-512 builds), 0 = its older GEMV / 8-token tile (the same bits; a knob for
+   bench_quant_gemv.py's A/B) */
+LOOM_API extern int loom_q_bi_lanes;
+/* 1 where mode 4 (auto) takes mode 3 at every token count for this block type (bi_lanes built
+   and on: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 in AVX-512 VNNI builds), 0 where it takes 1's f32 GEMV at T <= 8 */
+LOOM_API int loom_q_auto_bi(int qtype);
 LOOM_API int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K,
                            int64_t row_bytes, const float* x, int64_t T, int64_t ldx,
                            const float* bias, float* y, int64_t ldy, int accumulate, int threads);

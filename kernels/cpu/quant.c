@@ -20,6 +20,11 @@
                   dotted with the f32 activations by FMA: no activation rounding. For every
                   type at T <= 8 in AVX-512 builds: matmul_f32v (below), the blocks
                   expanded to f32 in registers, four rows a pass.
+     LOOM_Q_BI    (quant_bi.c) 16-bit activations, one arithmetic for every T: batch-invariant.
+     LOOM_Q_AUTO  per call (loom_q_matmul): LOOM_Q_BI at every T for Q8_0 / Q4_0 / Q4_1 /
+                  Q5_0 / Q5_1 in AVX-512 VNNI builds (quant_bi.c's 16-row-lane kernel beats
+                  matmul_f32v there at 1..8 tokens), else LOOM_Q_F32's matmul_f32v at T <= 8,
+                  LOOM_Q_BI above.
    Either way a row is decoded once per call and used for all T tokens, so a GEMV (T = 1..8)
    streams the weights once and a GEMM (prefill) reuses the decoded row from L1.
 
@@ -1009,10 +1014,16 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
     const int bv = block_values(qtype);
     if (bv == 0 || block_bytes(qtype) == 0 || K % bv || row_bytes != K / bv * block_bytes(qtype))
         return -1;
-    /* LOOM_Q_AUTO, per call: the f32 decode GEMV where it exists (unrounded activations, the
-       fastest at T <= F32V_MAX), the batch-invariant 16-bit tile above it and for other types */
+    /* LOOM_Q_AUTO, per call: the batch-invariant 16-bit arithmetic at every T for the types
+       whose 1..8-token kernel has lanes = rows (quant_bi.c bi_lanes: 1.3x the f32 GEMV's speed
+       at one token, 1.5x at eight, on SmolLM2's Q4_1 / Q8_0; ~1.9x on Gemma 3's Q5_0); for the
+       others (Q4_K, Q6_K) the f32 decode
+       GEMV where it exists (unrounded activations, the fastest there at T <= F32V_MAX), the
+       batch-invariant tile above it */
     if (mode == LOOM_Q_AUTO)
-        mode = LOOM_Q_F32V && T <= F32V_MAX && has_f32v(qtype) ? LOOM_Q_F32 : LOOM_Q_BI;
+        mode = loom_q_auto_bi(qtype) ? LOOM_Q_BI
+               : LOOM_Q_F32V && T <= F32V_MAX && has_f32v(qtype) ? LOOM_Q_F32
+                                                                 : LOOM_Q_BI;
     if (mode == LOOM_Q_BI) /* quant_bi.c: the same arithmetic for every T */
         return loom_q_matmul_bi(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
                                 threads);

@@ -432,6 +432,267 @@ static void bi_row_ptrs(int n, int R, const int16_t* wd, const float* sd, const 
 }
 #endif
 
+#if BI_AVX512
+/* ---- The canonical arithmetic for 1..BI_LANE_T tokens with lanes = rows (Q8_0, Q4_x, Q5_x) ----
+
+   Why: bi_gemv (lanes = units) and bi_tile8 (lanes = tokens) first decode each row to int16 codes
+   in memory and spend a vpdpwssd on 8-16 multiply-adds; at 1..8 tokens (decode and a
+   speculative verify) that made "bi" 2.4x slower than the f32 GEMV. Here a pass takes 16 rows at
+   once, lane r = row n0 + r: for each unit j masked gathers fetch the 16 rows' code bytes
+   (bi_gather8: 8 bytes of 8 rows a gather, then a vector of each row's 4 bytes), a few 16-bit
+   shifts and masks turn them into int16 code pairs (two weights a
+   32-bit lane), and vpdpwssd multiplies a pair vector by one token's broadcast activation pair:
+   32 multiply-adds an instruction, the codes expanded once per call for every token.
+   Per (row, token) the steps are exactly the canonical ones (file comment): the unit's exact int32
+   I (pairs summed in any order), P[j mod 16] = fma((float) I, s_j * dx_j, P[...]) (asym: then
+   fma(b_j, xs_j, P[...])), the fixed tree, ((accumulate ? y : 0) + sum) + bias. So a row's outputs
+   are bitwise bi_gemv's, bi_tile8's, the 16-token tile's and the portable C's, for every T.
+
+   The pair order inside a unit (the activation pairs are packed to match, bi_pack_pairs):
+   Q4_x, vector m (bytes 4m .. 4m + 3 of qs; byte i holds values i (low nibble) and i + 16):
+     (4m, 4m + 2), (4m + 16, 4m + 18), (4m + 1, 4m + 3), (4m + 17, 4m + 19);
+   Q8_0, vector m (codes 4m .. 4m + 3): (4m, 4m + 2), (4m + 1, 4m + 3).
+   Q5_x: the Q4 pairs, each with its two values' high bits (qh bits a and a + 2, gathered once per
+   unit) moved to bits 4 and 20 of the lane and or'ed in (two shifts, an and, an or, a ternlog). */
+#define BI_LANE_T 8 /* tokens up to which loom_q_matmul_bi takes bi_lanes */
+#endif
+int loom_q_bi_lanes = 1; /* loom_cpu.h */
+int loom_q_auto_bi(int qtype) {
+    return BI_AVX512 && loom_q_bi_lanes &&
+           (qtype == BQ8_0 || qtype == BQ4_0 || qtype == BQ4_1 || qtype == BQ5_0 ||
+            qtype == BQ5_1);
+}
+#if BI_AVX512
+
+static int bi_lanes_type(int qtype) {
+    return qtype == BQ8_0 || qtype == BQ4_0 || qtype == BQ4_1 || qtype == BQ5_0 || qtype == BQ5_1;
+}
+
+/* v >> s for s >= 0, v << -s below (s a constant where inlined) */
+static inline __attribute__((always_inline)) __m512i bi_shr(__m512i v, const int s) {
+    return s >= 0 ? _mm512_srli_epi32(v, (unsigned)s) : _mm512_slli_epi32(v, (unsigned)-s);
+}
+
+static inline int32_t bi_pair(const int16_t* q, int a, int b) {
+    return (int32_t)((uint32_t)(uint16_t)q[a] | (uint32_t)(uint16_t)q[b] << 16);
+}
+
+/* one token's codes q [K] -> xp [K / 32][16] pairs in the order above */
+static void bi_pack_pairs(int qtype, const int16_t* q, int64_t K, int32_t* xp) {
+    for (int64_t j = 0; j < K / 32; j++) {
+        const int16_t* qj = q + 32 * j;
+        int32_t* o = xp + 16 * j;
+        if (qtype == BQ8_0) {
+            for (int m = 0; m < 8; m++) {
+                o[2 * m] = bi_pair(qj, 4 * m, 4 * m + 2);
+                o[2 * m + 1] = bi_pair(qj, 4 * m + 1, 4 * m + 3);
+            }
+        } else {
+            for (int m = 0; m < 4; m++) {
+                o[4 * m] = bi_pair(qj, 4 * m, 4 * m + 2);
+                o[4 * m + 1] = bi_pair(qj, 4 * m + 16, 4 * m + 18);
+                o[4 * m + 2] = bi_pair(qj, 4 * m + 1, 4 * m + 3);
+                o[4 * m + 3] = bi_pair(qj, 4 * m + 17, 4 * m + 19);
+            }
+        }
+    }
+}
+
+/* 8 bytes at p of each of 16 rows (offsets vidx8a: rows 0-7, vidx8b: 8-15; masked rows read
+   nothing) as two vectors of the rows' dwords: g[0] lane r = bytes 0-3 of row r, g[1] = 4-7.
+   Two qword gathers load 16 elements where two dword gathers load 32 (bench_quant_gemv: ~1.25x
+   at one token on SmolLM2's cache-resident matrices). */
+static inline __attribute__((always_inline)) void bi_gather8(const uint8_t* p, __m256i vidx8a,
+                                                             __m256i vidx8b, __mmask8 lm8a,
+                                                             __mmask8 lm8b, __m512i ieven,
+                                                             __m512i iodd, __m512i* g) {
+    const __m512i a = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), lm8a, vidx8a, (const void*)p, 1);
+    const __m512i b = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), lm8b, vidx8b, (const void*)p, 1);
+    g[0] = _mm512_permutex2var_epi32(a, ieven, b);
+    g[1] = _mm512_permutex2var_epi32(a, iodd, b);
+}
+
+/* Rows n0 .. n0 + 15 (lanes past R masked off) against T tokens (a compile-time constant where
+   inlined): xp [T][nu][16] pairs, dxu / xsu [T][nu]; writes y[t * ldy + n0 + r]. */
+static inline __attribute__((always_inline)) void bi_lanes_core(
+    const int qtype, const uint8_t* w, int64_t row_bytes, int64_t K, int R, const int T,
+    const int32_t* xp, const float* dxu, const float* xsu, const float* bias, float* y,
+    int64_t ldy, int accumulate, const uint8_t* next, int64_t next_bytes) {
+    const int64_t nu = K / 32;
+    const int bb = qtype == BQ8_0 ? 34 : qtype == BQ4_0 ? 18 : qtype == BQ4_1 ? 20 : qtype == BQ5_0 ? 22 : 24;
+    const int asym = qtype == BQ4_1 || qtype == BQ5_1;
+    const int q5 = qtype == BQ5_0 || qtype == BQ5_1;
+    /* Q5_x: the byte offset of qh (32 high bits, value i's at bit i) and of the nibbles */
+    const int qho = qtype == BQ5_1 ? 4 : 2;
+    /* independent int32 chains per token (vpdpwssd's latency over its throughput) */
+    const int NA = T == 1 ? 8 : T == 2 ? 4 : T <= 4 ? 3 : 2;
+    const __mmask16 lm = R >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << R) - 1);
+    const __m512i vidx = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)row_bytes));
+    const __m512i m4 = _mm512_set1_epi16(0xF), eight = _mm512_set1_epi16(8);
+    const __m512i sixteen = _mm512_set1_epi16(16), b4 = _mm512_set1_epi32(0x10),
+                  b20 = _mm512_set1_epi32(0x100000);
+    const __m256i vidx8a = _mm512_castsi512_si256(vidx), vidx8b = _mm512_extracti64x4_epi64(vidx, 1);
+    const __mmask8 lm8a = (__mmask8)lm, lm8b = (__mmask8)(lm >> 8);
+    const __m512i ieven = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i iodd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    __m512 P[BI_LANE_T][16];
+    const int64_t span = (next_bytes + nu - 1) / nu; /* the next pass's bytes, a unit's share */
+    for (int64_t j = 0; j < nu; j++) {
+        for (int64_t o = 0; o < span; o += 64)
+            if (j * span + o < next_bytes) _mm_prefetch((const char*)(next + j * span + o), _MM_HINT_T0);
+        const uint8_t* base = w + j * bb;
+        const __m512i sg = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx, (const void*)base, 1);
+        const __m512 sv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(sg));
+        const __m512 bv = asym ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(sg, 16)))
+                               : _mm512_setzero_ps();
+        __m512i acc[BI_LANE_T][8];
+        for (int t = 0; t < T; t++)
+            for (int a = 0; a < NA; a++) acc[t][a] = _mm512_setzero_si512();
+        const int32_t* xj = xp + 16 * j;
+        const int64_t xstride = 16 * nu;
+        /* the unit's codes 8 bytes at a time: two gathers of 8 rows' qwords, split into two
+           vectors of the 16 rows' dwords (g[0] lane r = bytes 8h .. 8h + 3, g[1] the next 4) */
+        const __m512i qh = q5 ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx, (const void*)(base + qho), 1)
+                              : _mm512_setzero_si512();
+        const uint8_t* cb = base + (q5 ? qho + 4 : qtype == BQ4_1 ? 4 : 2);
+        if (qtype == BQ8_0) {
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) {
+                __m512i g[2];
+                bi_gather8(cb + 8 * h, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, g);
+                for (int o = 0; o < 2; o++) {
+                    const int m = 2 * h + o; /* codes 4m .. 4m + 3 */
+                    const __m512i e = _mm512_srai_epi16(_mm512_slli_epi16(g[o], 8), 8);
+                    const __m512i od = _mm512_srai_epi16(g[o], 8);
+                    for (int t = 0; t < T; t++) {
+                        const int32_t* xt = xj + t * xstride + 2 * m;
+                        acc[t][(2 * m) % NA] = _mm512_dpwssd_epi32(acc[t][(2 * m) % NA], e, _mm512_set1_epi32(xt[0]));
+                        acc[t][(2 * m + 1) % NA] = _mm512_dpwssd_epi32(acc[t][(2 * m + 1) % NA], od, _mm512_set1_epi32(xt[1]));
+                    }
+                }
+            }
+        } else {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m512i g[2];
+                bi_gather8(cb + 8 * h, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, g);
+                for (int o = 0; o < 2; o++) {
+                    const int m = 2 * h + o; /* bytes 4m .. 4m + 3 of qs */
+                    __m512i e[4] = {_mm512_and_si512(g[o], m4), _mm512_and_si512(_mm512_srli_epi16(g[o], 4), m4),
+                                    _mm512_and_si512(_mm512_srli_epi16(g[o], 8), m4), _mm512_srli_epi16(g[o], 12)};
+                    if (qtype == BQ4_0)
+                        for (int k = 0; k < 4; k++) e[k] = _mm512_sub_epi16(e[k], eight);
+                    if (q5) { /* pair (a, a + 2)'s high bits: qh bit a to bit 4, a + 2 to bit 20 */
+                        for (int k = 0; k < 4; k++) {
+                            const int a = 4 * m + (k & 1) * 16 + (k >> 1);
+                            const __m512i t = _mm512_or_si512(e[k], _mm512_and_si512(bi_shr(qh, a - 18), b20));
+                            e[k] = _mm512_ternarylogic_epi32(bi_shr(qh, a - 4), b4, t, 0xEA); /* (A & B) | C */
+                            if (qtype == BQ5_0) e[k] = _mm512_sub_epi16(e[k], sixteen);
+                        }
+                    }
+                    for (int t = 0; t < T; t++) {
+                        const int32_t* xt = xj + t * xstride + 4 * m;
+                        for (int k = 0; k < 4; k++)
+                            acc[t][(4 * m + k) % NA] = _mm512_dpwssd_epi32(acc[t][(4 * m + k) % NA], e[k], _mm512_set1_epi32(xt[k]));
+                    }
+                }
+            }
+        }
+        const int c = (int)(j % 16);
+        for (int t = 0; t < T; t++) {
+            __m512i I = acc[t][0];
+            for (int a = 1; a < NA; a++) I = _mm512_add_epi32(I, acc[t][a]);
+            const __m512 sd = _mm512_mul_ps(sv, _mm512_set1_ps(dxu[t * nu + j]));
+            __m512 p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), sd, j < 16 ? _mm512_setzero_ps() : P[t][c]);
+            if (asym) p = _mm512_fmadd_ps(bv, _mm512_set1_ps(xsu[t * nu + j]), p);
+            P[t][c] = p;
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        for (int64_t c = nu; c < 16; c++) P[t][c] = _mm512_setzero_ps();
+        __m512 l1[8], l2[4];
+        for (int c = 0; c < 8; c++) l1[c] = _mm512_add_ps(P[t][c], P[t][c + 8]);
+        for (int c = 0; c < 4; c++) l2[c] = _mm512_add_ps(l1[c], l1[c + 4]);
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(l2[0], l2[2]), _mm512_add_ps(l2[1], l2[3]));
+        float* yo = y + t * ldy;
+        const __m512 prev = accumulate ? _mm512_maskz_loadu_ps(lm, yo) : _mm512_setzero_ps();
+        const __m512 bn = bias ? _mm512_maskz_loadu_ps(lm, bias) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(yo, lm, _mm512_add_ps(_mm512_add_ps(prev, sum), bn));
+    }
+}
+
+/* bi_lanes_core with T and the type as constants */
+static void bi_lanes_pass(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K, int R, int T,
+                          const int32_t* xp, const float* dxu, const float* xsu, const float* bias,
+                          float* y, int64_t ldy, int accumulate, const uint8_t* next,
+                          int64_t next_bytes) {
+#define BI_LCASE(Q, TT)                                                                          \
+    case TT:                                                                                     \
+        bi_lanes_core(Q, w, row_bytes, K, R, TT, xp, dxu, xsu, bias, y, ldy, accumulate, next,   \
+                      next_bytes);                                                               \
+        break;
+#define BI_LCASES(Q)                                                                             \
+    switch (T) {                                                                                 \
+        BI_LCASE(Q, 1) BI_LCASE(Q, 2) BI_LCASE(Q, 3) BI_LCASE(Q, 4) BI_LCASE(Q, 5) BI_LCASE(Q, 6) \
+        BI_LCASE(Q, 7) BI_LCASE(Q, 8) default: break;                                            \
+    }
+    if (qtype == BQ8_0) {
+        BI_LCASES(BQ8_0)
+    } else if (qtype == BQ4_1) {
+        BI_LCASES(BQ4_1)
+    } else if (qtype == BQ5_0) {
+        BI_LCASES(BQ5_0)
+    } else if (qtype == BQ5_1) {
+        BI_LCASES(BQ5_1)
+    } else {
+        BI_LCASES(BQ4_0)
+    }
+#undef BI_LCASES
+#undef BI_LCASE
+}
+
+/* loom_q_matmul_bi for bi_lanes_type at T <= BI_LANE_T: every token quantized (bi_quantize) and
+   packed once, then passes of 16 rows over the threads */
+static int bi_lanes(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                    const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                    int64_t ldy, int accumulate, int threads) {
+    const int64_t nu = K / 32;
+    int16_t* q = malloc(sizeof(int16_t) * (size_t)(K + 64));
+    int32_t* xp = malloc(sizeof(int32_t) * (size_t)(T * nu * 16 + 16));
+    float* dxu = malloc(sizeof(float) * (size_t)(T * nu + 16));
+    float* xsu = malloc(sizeof(float) * (size_t)(T * nu + 16));
+    if (!q || !xp || !dxu || !xsu) {
+        free(q);
+        free(xp);
+        free(dxu);
+        free(xsu);
+        return -2;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        bi_quantize(x + t * ldx, K, 32, q, dxu + t * nu, xsu + t * nu);
+        bi_pack_pairs(qtype, q, K, xp + t * nu * 16);
+    }
+    free(q);
+    if (threads < 1) threads = 1;
+    const int64_t passes = (N + 15) / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < passes; i++) {
+        const int64_t n0 = 16 * i;
+        const int R = N - n0 < 16 ? (int)(N - n0) : 16;
+        const int64_t nx = N - n0 - R < 16 ? N - n0 - R : 16; /* the next pass's rows */
+        bi_lanes_pass(qtype, w + n0 * row_bytes, row_bytes, K, R, (int)T, xp, dxu, xsu,
+                      bias ? bias + n0 : NULL, y + n0, ldy, accumulate,
+                      w + (n0 + R) * row_bytes, nx * row_bytes);
+    }
+    free(xp);
+    free(dxu);
+    free(xsu);
+    return 0;
+}
+#endif
+
 /* loom_q_matmul's LOOM_Q_BI (its arguments; checked there) */
 int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
@@ -439,6 +700,10 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     const int G = unit_len(qtype), asym = is_asym(qtype);
     const int64_t nu = K / G;
     if (K % G) return -1;
+#if BI_AVX512
+    if (T <= BI_LANE_T && bi_lanes_type(qtype) && loom_q_bi_lanes)
+        return bi_lanes(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate, threads);
+#endif
     int16_t* q = malloc(sizeof(int16_t) * (size_t)(T * K + 64));
     float* dxu = malloc(sizeof(float) * (size_t)(T * nu + 16));
     float* xsu = malloc(sizeof(float) * (size_t)(T * nu + 16));
