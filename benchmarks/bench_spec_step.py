@@ -171,7 +171,9 @@ def main() -> None:
     ap.add_argument("--algorithm", default="NGRAM")
     ap.add_argument("--draft", default=None)
     ap.add_argument("--quantization", default=None)
-    ap.add_argument("--timed", action="store_true", help="bench_specbench's timed rows (default: held-out)")
+    ap.add_argument(
+        "--timed", action="store_true", help="bench_specbench's timed rows (default: held-out)"
+    )
     ap.add_argument("--spec-arg", action="append", default=[])
     args = ap.parse_args()
 
