@@ -150,15 +150,19 @@ def in_process_round(args, jobs, warm, batch: int, rnd: int, cold: bool):
         freeze_startup_heap()
         order = ("on", "off") if rnd % 2 else ("off", "on")
         secs = {side: {} for side in scheds}
+        # the process's CPU seconds a side (one torch thread: what the steps cost this process,
+        # less moved by other jobs on a shared machine than the wall clock)
+        secs["cpu"] = dict.fromkeys(scheds, 0.0)
         outs = {side: {} for side in scheds}
         groups = job_groups(jobs, batch)
         for side in order:
             s = scheds[side]
             for cat, group in groups:
-                got, wall, _, _, _ = run_scheduler(
+                got, wall, cpu, _, _ = run_scheduler(
                     s, [(ids, p) for _, ids, p, _ in group], batch, f"{cat}-"
                 )
                 secs[side][cat] = wall
+                secs["cpu"][side] += cpu
                 for (_, _, _, qid), ids in zip(group, got.values()):  # submission order
                     outs[side][qid] = ids
         state = scheds["on"].get_state()
@@ -317,7 +321,8 @@ def main() -> None:
             steady.append(secs)
             print(
                 f"  round {rnd}: in-process overall "
-                f"{sum(secs['off'].values()) / sum(secs['on'].values()):.2f}x, loadavg "
+                f"{sum(secs['off'].values()) / sum(secs['on'].values()):.2f}x (CPU time "
+                f"{secs['cpu']['off'] / secs['cpu']['on']:.2f}x), loadavg "
                 f"{os.getloadavg()[0]:.1f}",
                 flush=True,
             )
@@ -326,6 +331,7 @@ def main() -> None:
             compare_outputs(outs["off"], outs["on"], what + " (Engine)")
             engine.append(secs)
         r_steady, r_engine, r_cold = (ratios_by_cat(x) for x in (steady, engine, cold))
+        r_cpu = [r["cpu"]["off"] / r["cpu"]["on"] for r in steady]
         verify = state.get("spec_verify_ct", 0)
         hist = state.get("spec_accept_len_hist", [])
         by_pos = [
@@ -338,7 +344,8 @@ def main() -> None:
         n_tokens = sum(len(v) for v in outs["off"].values())
         key = "overall" if batch == 1 else "all"
         print(
-            f"{what}{gate}: tokens/s on/off in-process {spread(r_steady.get(key, []))}, "
+            f"{what}{gate}: tokens/s on/off in-process {spread(r_steady.get(key, []))} "
+            f"(CPU time {spread(r_cpu)}), "
             f"Engine {spread(r_engine.get(key, []))}, cold {spread(r_cold.get(key, []))} | "
             f"outputs identical token by token on {len(jobs)} prompts x "
             f"{len(steady) + len(engine) + len(cold)} runs | {n_tokens} tokens a side, "
@@ -360,6 +367,7 @@ def main() -> None:
         )
         figures["rows"][str(batch)] = {
             "in_process": r_steady,
+            "in_process_cpu": r_cpu,
             "engine": r_engine,
             "cold": r_cold,
             "accept_length": state.get("spec_accept_length", 0.0),

@@ -192,3 +192,21 @@ def test_a_quantized_model_counts_the_weights_its_step_reads(llama):
         assert cost._step_weights(quant.runner) >= weights
     finally:
         quant.close()
+
+
+def test_the_cache_key_follows_the_kernels(tmp_path, monkeypatch):
+    """A table measured with other C kernels (a verify pass's prefetch) prices other steps:
+    changing a kernel source gives another cache file."""
+    from loom.runtime import native
+
+    src = tmp_path / "cpu"
+    src.mkdir()
+    (src / "forward.c").write_text("int a;\n")
+    (src / "blocks.h").write_text("#define B 1\n")
+    monkeypatch.setattr(native, "source_dir", lambda: src)
+    args = ServerArgs(model_path=BUNDLED_MODEL_PATH, speculative_algorithm="NGRAM")
+    first = cost.cache_path(args)
+    assert cost.cache_path(args) == first
+    (src / "blocks.h").write_text("#define B 2\n")
+    second = cost.cache_path(args)
+    assert second != first and second.parent == first.parent

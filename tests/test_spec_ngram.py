@@ -626,6 +626,40 @@ def test_drafts_not_verified_still_teach_the_rates(monkeypatch):
     assert bad.spec_state.rates[0] < 0.1
 
 
+def test_rates_under_the_token_cost_rise_again_before_the_probe(monkeypatch):
+    """A request whose first-position rate fell under TOKEN_COST drafts nothing; the trie's
+    chain is still scored against the token the plain step gets, so a history that predicts
+    right brings drafting back within a few steps, not at the next PROBE_EVERY probe (on
+    SmolLM2's Spec-Bench rows half the steps drafted nothing for this reason)."""
+    from loom.runtime.spec import speculator
+    from loom.runtime.spec.speculator import NgramSpeculator
+
+    monkeypatch.undo()  # the real cost model
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
+    pattern = [7, 8, 9, 10, 11, 12, 13, 14]
+
+    def start(req):
+        req.spec_state = NgramState(7)
+        req.spec_state.steps = 1 + speculator.PROBE_EVERY  # past the openings and a probe
+        req.spec_state.rates = [0.5 * speculator.TOKEN_COST] * 7
+        return req
+
+    req, drafts = start(_req(pattern * 3)), []
+    for _ in range(4):
+        draft = spec.draft(req, 8)
+        drafts.append(draft)
+        if draft:
+            break
+        req.output_ids.append(pattern[len(req.output_ids) % 8])  # as the history predicts
+    assert not drafts[0] and drafts[-1], drafts  # none at first, then drafts again
+    assert req.spec_state.steps < 1 + 2 * speculator.PROBE_EVERY  # before the next probe
+    bad = start(_req(pattern * 3))
+    assert spec.draft(bad, 8) == []
+    bad.output_ids.append(300)  # not what the history predicted: the rate falls further
+    assert spec.draft(bad, 8) == []
+    assert bad.spec_state.rates[0] < 0.5 * speculator.TOKEN_COST
+
+
 def test_finished_requests_are_learnt_lazily_and_boundedly():
     """A finished request teaches the trie only when a step drafts (batches too large to
     draft never pay for it), LEARN_PER_STEP tokens per drafting step, shared by the step's

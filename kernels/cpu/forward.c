@@ -211,11 +211,13 @@ void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const
 #define USETS(MT) ((MT) == 1 ? 4 : (MT) < 4 ? 2 : 1)
 #endif
 
-/* Weight lines (one k of a panel each) a pass prefetches ahead: none for passes of up to 7
-   tokens (the hardware prefetcher keeps up; a software prefetch made 1-4 token passes 0-10%
-   slower), 4 KB for 8+ (bench_cpu_forward --matmul's whole-model row, weights out of L2, at
-   load 4.8: 16 tokens 1.61 -> 1.25 ms, 8 tokens the same 0.64 ms) */
-#define PF_LINES(MT) ((MT) >= 8 ? 64 : 0)
+/* Weight lines (one k of a panel each) a pass prefetches ahead: none for one token (a decode
+   step: the hardware prefetcher keeps up), 4 KB for 2+ (a speculative verify's 2-8 rows, a
+   prefill). With the weights streamed from memory (SmolLM2's 538 MB) the hardware prefetcher
+   alone left 2-7 token passes 1.22-1.51x a one-token pass and the prefetched 8-token pass
+   1.15x; prefetching from 2 tokens makes them 1.03-1.22x (docs/benchmarks.md, "a speculative
+   step on SmolLM2"). Cache-resident weights: 16 tokens 1.61 -> 1.25 ms with it. */
+#define PF_LINES(MT) ((MT) >= 2 ? 64 : 0)
 
 /* which variant this build is: 512 (AVX-512F) or 256 (AVX2 / generic vectors) */
 int loom_isa_bits(void) { return ISA_BITS; }

@@ -268,11 +268,24 @@ def cache_path(args) -> Path:
     key = json.dumps(
         [TABLE_VERSION, str(model), stamp, args.dtype, args.quantization, args.quantized_matmul,
          args.effective_cpu_threads,
-         args.attention_backend, args.page_size, cpu],
+         args.attention_backend, args.page_size, cpu, _kernels_digest()],
         default=str,
     )  # fmt: skip
     name = f"{model.name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
     return CACHE_DIR / name
+
+
+def _kernels_digest() -> str:
+    """The C kernels' sources (kernels/cpu): a table measured with other kernels (a verify
+    pass's prefetch, a GEMV's rows) prices other steps, so it is measured again."""
+    from loom.runtime import native
+
+    try:
+        d = native.source_dir()
+        files = sorted([*d.glob("*.c"), *d.glob("*.h")])
+        return hashlib.sha1(b"\0".join(p.read_bytes() for p in files)).hexdigest()[:12]
+    except OSError:
+        return ""
 
 
 def save(cost: VerifyCost, path: Path) -> None:
