@@ -90,3 +90,16 @@ def free_head(sched: Scheduler) -> Scheduler:
     if gate is not None:
         gate.per_level, gate.pinned = 0.0, True
     return sched
+
+
+def run_chats(sched: Scheduler, asks: list[str], max_new: int) -> dict[str, Result]:
+    """Each ask as one user turn through the model's chat template (request p{i}, greedy
+    `max_new` tokens), all submitted at once and run to the end."""
+    tok = sched.tokenizer
+    for i, a in enumerate(asks):
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": a}], add_generation_prompt=True, tokenize=True
+        )
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+        submit(sched, f"p{i}", list(ids), greedy(max_new))
+    return run_all(sched)

@@ -26,7 +26,7 @@ def test_shipped_head_is_small_and_eagle3():
 
 def test_smollm2_eagle3_greedy_equals_plain(real_gguf, monkeypatch):
     from loom.runtime.spec import speculator
-    from tests.runtime_helpers import batch_invariant_scheduler, greedy, run_all, submit
+    from tests.runtime_helpers import batch_invariant_scheduler, run_chats
 
     monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "auto")  # the flag below must set "bi"
     # verify every draft: the cost model would skip verify steps and test less
@@ -36,14 +36,7 @@ def test_smollm2_eagle3_greedy_equals_plain(real_gguf, monkeypatch):
 
     def generate(**kw):
         sched = batch_invariant_scheduler(path, **kw)
-        tok = sched.tokenizer
-        for i, a in enumerate(asks):
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": a}], add_generation_prompt=True, tokenize=True
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-            submit(sched, f"p{i}", list(ids), greedy(32))
-        return run_all(sched), sched
+        return run_chats(sched, asks, 32), sched
 
     with torch.inference_mode():
         plain, _ = generate()

@@ -104,7 +104,7 @@ def test_bf16_pool_greedy_speculation_equals_plain_on_smollm2(
     from loom.runtime.layers import quant_ops
     from loom.runtime.spec import speculator
     from loom.runtime.spec.eagle_drafter import BUNDLED_HEADS
-    from tests.runtime_helpers import batch_invariant_scheduler
+    from tests.runtime_helpers import batch_invariant_scheduler, run_chats
 
     monkeypatch.setattr(quant_ops, "DEFAULT_MODE", "auto")  # the flag below must set "bi"
     # verify every draft: the cost model would skip verify steps and test less
@@ -119,14 +119,7 @@ def test_bf16_pool_greedy_speculation_equals_plain_on_smollm2(
         sched = batch_invariant_scheduler(path, kv_cache_dtype="bf16", cpu_forward=forward, **kw)
         assert sched.runner.token_to_kv_pool.k_buffers[0].dtype == torch.bfloat16
         assert (sched.runner.cpu_forward is None) == (forward == "eager")
-        tok = sched.tokenizer
-        for i, a in enumerate(ASKS):
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": a}], add_generation_prompt=True, tokenize=True
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-            submit(sched, f"p{i}", list(ids), greedy(24))
-        return run_all(sched), sched
+        return run_chats(sched, ASKS, 24), sched
 
     with torch.inference_mode():
         plain, _ = generate()

@@ -8,6 +8,7 @@
 #define ATTN_CAT(a, b) ATTN_CAT_(a, b)
 #define DECODE_ITEM ATTN_CAT(DECODE_NAME, _item)
 #define EXTEND_ITEM ATTN_CAT(EXTEND_NAME, _item)
+#define DECODE_SIZED ATTN_CAT(DECODE_NAME, _sized)
 
 /* q [B, H, D] f32; k [S, Hkv, D], v [S, Hkv, Dv] (T); table [R, stride] i64 slot ids;
    rows, lens [B] i64; out [B, H, Dv] f32. Query head h reads kv head h / (H / Hkv). */
@@ -54,6 +55,18 @@ DECODE_ITEM(const float* qb, const KV_T* k, const KV_T* v, const int64_t* slots,
     }
     memcpy(o, acc, sizeof(float) * G * Dv);
 }
+/* DECODE_ITEM with D, Dv made constants for the common head sizes (64, 128). */
+static inline __attribute__((always_inline)) void
+DECODE_SIZED(const float* qb, const KV_T* k, const KV_T* v, const int64_t* slots, int64_t L,
+             int64_t Hkv, int64_t h, int64_t G, const int64_t D, const int64_t Dv, float scale,
+             float* s, float* acc, float* buf, float* o) {
+    if (D == 64 && Dv == 64)
+        DECODE_ITEM(qb, k, v, slots, L, Hkv, h, G, 64, 64, scale, s, acc, buf, o);
+    else if (D == 128 && Dv == 128)
+        DECODE_ITEM(qb, k, v, slots, L, Hkv, h, G, 128, 128, scale, s, acc, buf, o);
+    else
+        DECODE_ITEM(qb, k, v, slots, L, Hkv, h, G, D, Dv, scale, s, acc, buf, o);
+}
 void DECODE_NAME(const float* q, const KV_T* k, const KV_T* v, const int64_t* table, int64_t stride,
                  const int64_t* rows, const int64_t* lens, float* out, int64_t B, int64_t H,
                  int64_t Hkv, int64_t D, int64_t Dv, float scale, int64_t max_len, int nthreads) {
@@ -69,12 +82,7 @@ void DECODE_NAME(const float* q, const KV_T* k, const KV_T* v, const int64_t* ta
             const int64_t* slots = table + rows[b] * stride;
             const float* qb = q + (b * H + h * G) * D;
             float* o = out + (b * H + h * G) * Dv;
-            if (D == 64 && Dv == 64)
-                DECODE_ITEM(qb, k, v, slots, L, Hkv, h, G, 64, 64, scale, s, acc, buf, o);
-            else if (D == 128 && Dv == 128)
-                DECODE_ITEM(qb, k, v, slots, L, Hkv, h, G, 128, 128, scale, s, acc, buf, o);
-            else
-                DECODE_ITEM(qb, k, v, slots, L, Hkv, h, G, D, Dv, scale, s, acc, buf, o);
+            DECODE_SIZED(qb, k, v, slots, L, Hkv, h, G, D, Dv, scale, s, acc, buf, o);
         }
         free(s);
         free(acc);
@@ -181,12 +189,7 @@ void EXTEND_NAME(const float* q, const KV_T* k, const KV_T* v, const int64_t* ta
                     if (mk ? mk[j * L + t] != 0 : t <= L - E + j) seen[n++] = slots[t];
                 const float* qb = q + ((qstart[b] + j) * H + h * G) * D;
                 float* o = out + ((qstart[b] + j) * H + h * G) * Dv;
-                if (D == 64 && Dv == 64)
-                    DECODE_ITEM(qb, k, v, seen, n, Hkv, h, G, 64, 64, scale, s, acc, buf, o);
-                else if (D == 128 && Dv == 128)
-                    DECODE_ITEM(qb, k, v, seen, n, Hkv, h, G, 128, 128, scale, s, acc, buf, o);
-                else
-                    DECODE_ITEM(qb, k, v, seen, n, Hkv, h, G, D, Dv, scale, s, acc, buf, o);
+                DECODE_SIZED(qb, k, v, seen, n, Hkv, h, G, D, Dv, scale, s, acc, buf, o);
             }
             continue;
 #endif
@@ -211,6 +214,7 @@ void EXTEND_NAME(const float* q, const KV_T* k, const KV_T* v, const int64_t* ta
 }
 
 #undef DECODE_ITEM
+#undef DECODE_SIZED
 #undef EXTEND_ITEM
 #undef ATTN_CAT
 #undef ATTN_CAT_
