@@ -442,3 +442,31 @@ def test_bi_tile_accumulates_into_strided_output(qtype, isa):
         )  # fmt: skip
         assert rc == 0
         assert torch.equal(wide[:, 2 : 2 + rows], (before + plain) + bias), (qtype, t)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_bi_native_equals_the_portable_build(qtype):
+    """Mode "bi" is one arithmetic on every build: the AVX-512 kernels (quant_bi.c's 16-row lanes
+    at 1..8 tokens, the tiles above, each decoding rows in registers) give bitwise the portable
+    C's outputs (quant.c's generic row decoder, scalar fmaf), for every block type, at token
+    counts on both sides of each kernel's range, odd row counts, one and two threads."""
+    native, portable = quant_ops.load("native"), quant_ops.load("avx2")
+    if native is None or portable is None or not quant_ops.vnni("native"):
+        pytest.skip("needs the AVX-512 VNNI build and the portable one")
+    values = BLOCKS[qtype][0]
+    prev = torch.get_num_threads()
+    try:
+        for rows, nb in ((17, 3 if values == 256 else 20), (37, 1 if values == 256 else 3)):
+            cols = nb * values
+            qt = random_blocks(qtype, rows, cols, rows)
+            x = torch.randn(33, cols, generator=torch.Generator().manual_seed(nb))
+            x[4, :32] = 0.0
+            bias = torch.randn(rows, generator=torch.Generator().manual_seed(2))
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for t in (1, 3, 8, 9, 16, 17, 33):
+                    a = quant_ops.matmul(qt, x[:t], bias, mode="bi", isa="native")
+                    b = quant_ops.matmul(qt, x[:t], bias, mode="bi", isa="avx2")
+                    assert torch.equal(a, b), (qtype, rows, cols, t, threads)
+    finally:
+        torch.set_num_threads(prev)

@@ -111,6 +111,77 @@ static void bi_decode_row(int qtype, const uint8_t* row, int64_t K, int16_t* w, 
         }
         return;
     }
+#if BI_AVX512
+    /* Q5_x / Q4_K / Q6_K in registers: the same codes, scales and offsets as quant.c's generic
+       decoder (below, the portable build's path), which costs ~4x more per value and is paid
+       once per row per call by the tiles (T > 8: prefill, batch 32) */
+    if (qtype == BQ5_0 || qtype == BQ5_1) {
+        const int q51 = qtype == BQ5_1, bb = q51 ? 24 : 22;
+        const __m128i low = _mm_set1_epi8(0x0F);
+        const __m512i sixteen = _mm512_set1_epi16(16), off = _mm512_set1_epi16(q51 ? 0 : 16);
+        for (int64_t i = 0; i < nu; i++) {
+            const uint8_t* blk = row + i * bb;
+            const float d = bi_f16(blk);
+            uint32_t qh;
+            memcpy(&qh, blk + (q51 ? 4 : 2), 4);
+            const __m128i q = _mm_loadu_si128((const __m128i*)(blk + (q51 ? 8 : 6)));
+            const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+            __m512i v = _mm512_cvtepu8_epi16(nib); /* value j: bit j of qh adds 16 */
+            v = _mm512_mask_add_epi16(v, (__mmask32)qh, v, sixteen);
+            _mm512_storeu_si512((void*)(w + 32 * i), _mm512_sub_epi16(v, off));
+            s[i] = d;
+            b[i] = q51 ? bi_f16(blk + 2) : -16.f * d;
+        }
+        return;
+    }
+    if (qtype == BQ4_K) { /* 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 of codes */
+        const __m512i m4 = _mm512_set1_epi16(0xF);
+        for (int64_t i = 0; i < K / 256; i++) {
+            const uint8_t* blk = row + i * 144;
+            const float d = bi_f16(blk), dmin = bi_f16(blk + 2);
+            const uint8_t* q = blk + 4;
+            for (int c = 0; c < 4; c++) { /* 32 bytes: sub-block 2c low nibbles, 2c + 1 high */
+                const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * c)));
+                _mm512_storeu_si512((void*)(w + 256 * i + 64 * c), _mm512_and_si512(v, m4));
+                _mm512_storeu_si512((void*)(w + 256 * i + 64 * c + 32), _mm512_srli_epi16(v, 4));
+            }
+            for (int j = 0; j < 8; j++) { /* ggml's get_scale_min_k4, as quant.c's k4_scale_min */
+                const uint8_t sc = j < 4 ? q[j] & 63 : (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+                const uint8_t mn = j < 4 ? q[j + 4] & 63 : (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+                s[8 * i + j] = d * sc;
+                b[8 * i + j] = -dmin * mn;
+            }
+        }
+        return;
+    }
+    if (qtype == BQ6_K) { /* 210 bytes: 128 low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, f16 d */
+        const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3);
+        const __m512i c32 = _mm512_set1_epi16(32);
+        for (int64_t i = 0; i < K / 256; i++) {
+            const uint8_t* blk = row + i * 210;
+            for (int n = 0; n < 2; n++) {
+                const __m256i A = _mm256_loadu_si256((const __m256i*)(blk + 64 * n));
+                const __m256i B = _mm256_loadu_si256((const __m256i*)(blk + 64 * n + 32));
+                const __m256i H = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * n));
+                /* 2-bit fields are masked per byte before the 16-bit shifts, so no bits cross bytes */
+                const __m256i v[4] = {
+                    _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4))};
+                for (int k = 0; k < 4; k++)
+                    _mm512_storeu_si512((void*)(w + 256 * i + 128 * n + 32 * k), _mm512_sub_epi16(_mm512_cvtepu8_epi16(v[k]), c32));
+            }
+            const int8_t* sc = (const int8_t*)(blk + 192);
+            const float d = bi_f16(blk + 208);
+            for (int g = 0; g < 16; g++) {
+                s[16 * i + g] = d * sc[g];
+                b[16 * i + g] = -32.f * d * sc[g];
+            }
+        }
+        return;
+    }
+#endif
     loom_q_decode_row(qtype, row, K, u, s16, b16);
     const int c = sym_offset(qtype);
     for (int64_t k = 0; k < K; k++) w[k] = (int16_t)((int)u[k] - c);
@@ -782,9 +853,18 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
             for (int64_t tl = 0; tl < ntiles; tl++) {
                 const int64_t n0 = tl * per;
                 const int R = N - n0 < per ? (int)(N - n0) : (int)per;
-                for (int r = 0; r < R; r++)
+                for (int r = 0; r < R; r++) {
+#if BI_AVX512
+                    /* the same row of this thread's next tile (schedule static: tl + 1), so its
+                       bytes arrive while this tile computes (a large matrix streams from memory;
+                       the hardware prefetcher alone left the LM head's tiles waiting on it) */
+                    if (tile && n0 + per + r < N)
+                        for (int64_t o = 0; o < row_bytes; o += 64)
+                            _mm_prefetch((const char*)(w + (n0 + per + r) * row_bytes + o), _MM_HINT_T1);
+#endif
                     bi_decode_row(qtype, w + (n0 + r) * row_bytes, K, wd + r * K, sd + r * nu,
                                   bd + r * nu, u, s16, b16);
+                }
 #if BI_AVX512
                 if (tile && L == 8) {
                     const int16_t* wr[BI_ROWS8];
