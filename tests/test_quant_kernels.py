@@ -31,7 +31,7 @@ GEMV_MAX = 8  # quant.c: token count up to which "int8" takes the int8 dot produ
 I16_MAX = 8  # quant.c: token count up to which "int16" takes the 16-bit kernels
 I16_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # the types with 16-bit kernels ("int16" on others: int8)
 F32V_TYPES = QTYPES  # the types the f32 decode GEMV (quant.c matmul_f32v) reads: all of them
-LANE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # quant_bi.c bi_lanes' types
+LANE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")  # quant_bi.c bi_lanes' types
 
 
 def seen(x: torch.Tensor, qtype: str, mode: str, isa: str = "native") -> torch.Tensor:
@@ -122,8 +122,8 @@ def test_native_build_takes_vnni_where_the_cpu_has_it(isa):
 
 def test_auto_mode_takes_the_f32_gemv_up_to_8_tokens_and_bi_above(isa):
     """The default mode, "auto", resolved per call in quant.c: bitwise "bi" at every token
-    count for Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 in a build with AVX-512 VNNI (quant_bi.c's
-    16-row-lane kernel); for the other block types bitwise "f32" (the register-expanded decode GEMV) up to
+    count for every block type in a build with AVX-512 VNNI (quant_bi.c's 16-row-lane kernel,
+    LANE_TYPES); for the types outside LANE_TYPES bitwise "f32" (the register-expanded decode GEMV) up to
     8 tokens in a build with AVX-512F/BW; bitwise "bi" for more tokens or another build."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     f32v = "avx512f" in flags and "avx512bw" in flags and isa == "native"
@@ -155,7 +155,8 @@ def test_bi_lanes_kernel_is_the_canonical_arithmetic(qtype, isa):
     prev = torch.get_num_threads()
     try:
         for rows, nb in ((1, 1), (15, 3), (16, 16), (17, 17), (37, 20), (45, 2)):
-            cols = 32 * nb
+            # Q4_K / Q6_K: super-blocks of 256 (8 / 16 units, or 24 / 48: past the 16 partials)
+            cols = 32 * nb if BLOCKS[qtype][0] == 32 else 256 * (1 + nb // 8)
             qt = random_blocks(qtype, rows, cols, rows + nb)
             x = torch.randn(8, cols, generator=torch.Generator().manual_seed(nb))
             x[2, 32:64] = 0.0  # an all-zero activation block

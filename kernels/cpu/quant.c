@@ -1016,10 +1016,10 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
         return -1;
     /* LOOM_Q_AUTO, per call: the batch-invariant 16-bit arithmetic at every T for the types
        whose 1..8-token kernel has lanes = rows (quant_bi.c bi_lanes: 1.3x the f32 GEMV's speed
-       at one token, 1.5x at eight, on SmolLM2's Q4_1 / Q8_0; ~1.9x on Gemma 3's Q5_0); for the
-       others (Q4_K, Q6_K) the f32 decode
-       GEMV where it exists (unrounded activations, the fastest there at T <= F32V_MAX), the
-       batch-invariant tile above it */
+       at one token, 1.5x at eight, on SmolLM2's Q4_1 / Q8_0; ~1.9x on Gemma 3's Q5_0; 2-3.5x
+       on its Q4_K / Q6_K); in a build without them the f32 decode GEMV where it exists
+       (unrounded activations, the fastest there at T <= F32V_MAX), the batch-invariant tile
+       above it */
     if (mode == LOOM_Q_AUTO)
         mode = loom_q_auto_bi(qtype) ? LOOM_Q_BI
                : LOOM_Q_F32V && T <= F32V_MAX && has_f32v(qtype) ? LOOM_Q_F32

@@ -504,7 +504,7 @@ static void bi_row_ptrs(int n, int R, const int16_t* wd, const float* sd, const 
 #endif
 
 #if BI_AVX512
-/* ---- The canonical arithmetic for 1..BI_LANE_T tokens with lanes = rows (Q8_0, Q4_x, Q5_x) ----
+/* ---- The canonical arithmetic for 1..BI_LANE_T tokens with lanes = rows (Q8_0, Q4_x, Q5_x; Q4_K / Q6_K in bi_lanes_kcore) ----
 
    Why: bi_gemv (lanes = units) and bi_tile8 (lanes = tokens) first decode each row to int16 codes
    in memory and spend a vpdpwssd on 8-16 multiply-adds; at 1..8 tokens (decode and a
@@ -531,12 +531,13 @@ int loom_q_bi_lanes = 1; /* loom_cpu.h */
 int loom_q_auto_bi(int qtype) {
     return BI_AVX512 && loom_q_bi_lanes &&
            (qtype == BQ8_0 || qtype == BQ4_0 || qtype == BQ4_1 || qtype == BQ5_0 ||
-            qtype == BQ5_1);
+            qtype == BQ5_1 || qtype == BQ4_K || qtype == BQ6_K);
 }
 #if BI_AVX512
 
 static int bi_lanes_type(int qtype) {
-    return qtype == BQ8_0 || qtype == BQ4_0 || qtype == BQ4_1 || qtype == BQ5_0 || qtype == BQ5_1;
+    return qtype == BQ8_0 || qtype == BQ4_0 || qtype == BQ4_1 || qtype == BQ5_0 || qtype == BQ5_1 ||
+           qtype == BQ4_K || qtype == BQ6_K;
 }
 
 /* v >> s for s >= 0, v << -s below (s a constant where inlined) */
@@ -694,11 +695,167 @@ static inline __attribute__((always_inline)) void bi_lanes_core(
     }
 }
 
+/* Q4_K / Q6_K rows n0 .. n0 + 15 against T tokens (lanes = rows, as bi_lanes_core): a pass
+   walks the super-blocks of 256 values; each super-block's scales are expanded once from the
+   gathered bytes (Q4_K: d, dmin and the 12 bytes of 6-bit scales / mins, ggml's
+   get_scale_min_k4 per lane; Q6_K: d and 16 int8 scales), its codes gathered 8 bytes of 16 rows
+   at a time and split into int16 pairs in the Q8_0 pair order (bi_pack_pairs' BQ8_0 layout:
+   vector m of a unit holds values (4m, 4m + 2), (4m + 1, 4m + 3)):
+   - Q4_K: 32 bytes per sub-block pair; byte l holds value l of unit 2c (low nibble) and of unit
+     2c + 1 (high nibble);
+   - Q6_K (units of 16): values 128n + 32k + l, l = 16h + i, sit in ql[64n + 32(k & 1) + l]'s
+     nibble k >> 1 and qh[32n + l]'s bits 2k, 2k + 1; the unsigned 6-bit code u is used and the
+     offset 32 taken off the exact integer once per unit: I = sum u q - 32 sum q (sq).
+   Then per unit the canonical float steps (file comment), so the outputs are bitwise the
+   other "bi" kernels' for every T. */
+static inline __attribute__((always_inline)) void bi_lanes_kcore(
+    const int qtype, const uint8_t* w, int64_t row_bytes, int64_t K, int R, const int T,
+    const int32_t* xp, const float* dxu, const float* xsu, const int32_t* sq, const float* bias,
+    float* y, int64_t ldy, int accumulate, const uint8_t* next, int64_t next_bytes) {
+    const int q6 = qtype == BQ6_K;
+    const int64_t nsb = K / 256, nu = q6 ? K / 16 : K / 32;
+    const int bb = q6 ? 210 : 144;
+    const int NA = T == 1 ? 4 : T <= 4 ? 2 : 1;
+    const __mmask16 lm = R >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << R) - 1);
+    const __m512i vidx = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32((int)row_bytes));
+    const __m256i vidx8a = _mm512_castsi512_si256(vidx), vidx8b = _mm512_extracti64x4_epi64(vidx, 1);
+    const __mmask8 lm8a = (__mmask8)lm, lm8b = (__mmask8)(lm >> 8);
+    const __m512i ieven = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i iodd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    const __m512i M4 = _mm512_set1_epi32(0x000F000F), M6 = _mm512_set1_epi32(0x00300030);
+    const __m512i x3f = _mm512_set1_epi32(63), xf = _mm512_set1_epi32(0xF), x3 = _mm512_set1_epi32(3);
+    const int64_t xstride = 16 * (K / 32);
+    __m512 P[BI_LANE_T][16];
+    const int64_t span = (next_bytes + nsb - 1) / nsb;
+    for (int64_t i = 0; i < nsb; i++) {
+        for (int64_t o = 0; o < span; o += 64)
+            if (i * span + o < next_bytes) _mm_prefetch((const char*)(next + i * span + o), _MM_HINT_T0);
+        const uint8_t* base = w + i * bb;
+        __m512 sv[16], bv[8];
+        if (q6) {
+            /* d: the high half of the dword at 206 (a dword at 208 would read past the row) */
+            const __m512i dg = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx, (const void*)(base + 206), 1);
+            const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dg, 16)));
+            __m512i sc[4];
+            bi_gather8(base + 192, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, sc);
+            bi_gather8(base + 200, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, sc + 2);
+            for (int j = 0; j < 16; j++) /* d * (float) sc[j], as quant.c's decoder */
+                sv[j] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_srai_epi32(
+                                              _mm512_slli_epi32(sc[j / 4], (unsigned)(24 - 8 * (j % 4))), 24)));
+        } else {
+            const __m512i dg = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx, (const void*)base, 1);
+            const __m512 dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dg));
+            /* -dmin by its sign bit (as C's unary minus: -0 for +0) */
+            const __m512 ndm = _mm512_castsi512_ps(_mm512_xor_si512(
+                _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dg, 16)))),
+                _mm512_set1_epi32((int)0x80000000u)));
+            const __m512i S0 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx, (const void*)(base + 4), 1);
+            const __m512i S1 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx, (const void*)(base + 8), 1);
+            const __m512i S2 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lm, vidx, (const void*)(base + 12), 1);
+            for (int j = 0; j < 8; j++) { /* get_scale_min_k4 per lane; s = d * sc, b = -dmin * m */
+                __m512i sc, mn;
+                if (j < 4) {
+                    sc = _mm512_and_si512(_mm512_srli_epi32(S0, (unsigned)(8 * j)), x3f);
+                    mn = _mm512_and_si512(_mm512_srli_epi32(S1, (unsigned)(8 * j)), x3f);
+                } else {
+                    const unsigned k = (unsigned)(8 * (j - 4));
+                    sc = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(S2, k), xf),
+                                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(S0, k + 6), x3), 4));
+                    mn = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(S2, k + 4), xf),
+                                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(S1, k + 6), x3), 4));
+                }
+                sv[j] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sc));
+                bv[j] = _mm512_mul_ps(ndm, _mm512_cvtepi32_ps(mn));
+            }
+        }
+        /* one unit (index ju inside the super-block) from its 4 (Q6_K) or 8 (Q4_K) vectors of
+           pairs, each vector m's even pair in e[2m], odd in e[2m + 1] */
+#define BI_KUNIT(NV, EXPR_E, EXPR_O, ju)                                                          \
+    do {                                                                                          \
+        const int64_t J = (q6 ? 16 : 8) * i + (ju);                                               \
+        __m512i acc[BI_LANE_T][4];                                                                \
+        for (int t = 0; t < T; t++)                                                               \
+            for (int a = 0; a < NA; a++) acc[t][a] = _mm512_setzero_si512();                      \
+        const int32_t* xj = xp + (q6 ? 8 : 16) * J;                                               \
+        for (int m = 0; m < (NV); m++) {                                                          \
+            const __m512i e = (EXPR_E), od = (EXPR_O);                                            \
+            for (int t = 0; t < T; t++) {                                                         \
+                const int32_t* xt = xj + t * xstride + 2 * m;                                     \
+                acc[t][(2 * m) % NA] = _mm512_dpwssd_epi32(acc[t][(2 * m) % NA], e, _mm512_set1_epi32(xt[0])); \
+                acc[t][(2 * m + 1) % NA] = _mm512_dpwssd_epi32(acc[t][(2 * m + 1) % NA], od, _mm512_set1_epi32(xt[1])); \
+            }                                                                                     \
+        }                                                                                         \
+        const int c = (int)(J % 16);                                                              \
+        for (int t = 0; t < T; t++) {                                                             \
+            __m512i I = acc[t][0];                                                                \
+            for (int a = 1; a < NA; a++) I = _mm512_add_epi32(I, acc[t][a]);                      \
+            if (q6) I = _mm512_sub_epi32(I, _mm512_set1_epi32(32 * sq[t * nu + J]));              \
+            const __m512 sd = _mm512_mul_ps(sv[ju], _mm512_set1_ps(dxu[t * nu + J]));             \
+            __m512 p = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), sd, J < 16 ? _mm512_setzero_ps() : P[t][c]); \
+            if (!q6) p = _mm512_fmadd_ps(bv[ju], _mm512_set1_ps(xsu[t * nu + J]), p);             \
+            P[t][c] = p;                                                                          \
+        }                                                                                         \
+    } while (0)
+        if (q6) {
+            for (int n = 0; n < 2; n++)
+                for (int h = 0; h < 2; h++) {
+                    __m512i A[4], B[4], H[4];
+                    const uint8_t* pa = base + 64 * n + 16 * h;
+                    bi_gather8(pa, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, A);
+                    bi_gather8(pa + 8, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, A + 2);
+                    bi_gather8(pa + 32, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, B);
+                    bi_gather8(pa + 40, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, B + 2);
+                    const uint8_t* ph = base + 128 + 32 * n + 16 * h;
+                    bi_gather8(ph, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, H);
+                    bi_gather8(ph + 8, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, H + 2);
+                    /* unit k: nibble k >> 1 of A (k even) or B (k odd), high bits 2k, 2k + 1 to
+                       bits 4, 5 of each 16-bit half: (H >> (2k - 4)) & 0x30 | nibble */
+#define BI_Q6K(k)                                                                                 \
+    BI_KUNIT(4,                                                                                   \
+             _mm512_ternarylogic_epi32(bi_shr(H[m], 2 * (k) - 4), M6,                             \
+                                       _mm512_and_si512(bi_shr(((k) & 1 ? B : A)[m], 4 * ((k) >> 1)), M4), 0xEA), \
+             _mm512_ternarylogic_epi32(bi_shr(H[m], 2 * (k) + 4), M6,                             \
+                                       _mm512_and_si512(bi_shr(((k) & 1 ? B : A)[m], 4 * ((k) >> 1) + 8), M4), 0xEA), \
+             8 * n + 2 * (k) + h)
+                    BI_Q6K(0);
+                    BI_Q6K(1);
+                    BI_Q6K(2);
+                    BI_Q6K(3);
+#undef BI_Q6K
+                }
+        } else {
+            for (int c2 = 0; c2 < 4; c2++) {
+                __m512i g[8];
+                const uint8_t* pq = base + 16 + 32 * c2;
+                for (int hh = 0; hh < 4; hh++)
+                    bi_gather8(pq + 8 * hh, vidx8a, vidx8b, lm8a, lm8b, ieven, iodd, g + 2 * hh);
+                BI_KUNIT(8, _mm512_and_si512(g[m], M4), _mm512_and_si512(_mm512_srli_epi32(g[m], 8), M4), 2 * c2);
+                BI_KUNIT(8, _mm512_and_si512(_mm512_srli_epi32(g[m], 4), M4),
+                         _mm512_and_si512(_mm512_srli_epi32(g[m], 12), M4), 2 * c2 + 1);
+            }
+        }
+#undef BI_KUNIT
+    }
+    for (int t = 0; t < T; t++) {
+        for (int64_t c = nu; c < 16; c++) P[t][c] = _mm512_setzero_ps();
+        __m512 l1[8], l2[4];
+        for (int c = 0; c < 8; c++) l1[c] = _mm512_add_ps(P[t][c], P[t][c + 8]);
+        for (int c = 0; c < 4; c++) l2[c] = _mm512_add_ps(l1[c], l1[c + 4]);
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(l2[0], l2[2]), _mm512_add_ps(l2[1], l2[3]));
+        float* yo = y + t * ldy;
+        const __m512 prev = accumulate ? _mm512_maskz_loadu_ps(lm, yo) : _mm512_setzero_ps();
+        const __m512 bn = bias ? _mm512_maskz_loadu_ps(lm, bias) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(yo, lm, _mm512_add_ps(_mm512_add_ps(prev, sum), bn));
+    }
+}
+
 /* bi_lanes_core with T and the type as constants */
 static void bi_lanes_pass(int qtype, const uint8_t* w, int64_t row_bytes, int64_t K, int R, int T,
-                          const int32_t* xp, const float* dxu, const float* xsu, const float* bias,
-                          float* y, int64_t ldy, int accumulate, const uint8_t* next,
-                          int64_t next_bytes) {
+                          const int32_t* xp, const float* dxu, const float* xsu, const int32_t* sq,
+                          const float* bias, float* y, int64_t ldy, int accumulate,
+                          const uint8_t* next, int64_t next_bytes) {
 #define BI_LCASE(Q, TT)                                                                          \
     case TT:                                                                                     \
         bi_lanes_core(Q, w, row_bytes, K, R, TT, xp, dxu, xsu, bias, y, ldy, accumulate, next,   \
@@ -709,7 +866,21 @@ static void bi_lanes_pass(int qtype, const uint8_t* w, int64_t row_bytes, int64_
         BI_LCASE(Q, 1) BI_LCASE(Q, 2) BI_LCASE(Q, 3) BI_LCASE(Q, 4) BI_LCASE(Q, 5) BI_LCASE(Q, 6) \
         BI_LCASE(Q, 7) BI_LCASE(Q, 8) default: break;                                            \
     }
-    if (qtype == BQ8_0) {
+#define BI_KCASE(Q, TT)                                                                          \
+    case TT:                                                                                     \
+        bi_lanes_kcore(Q, w, row_bytes, K, R, TT, xp, dxu, xsu, sq, bias, y, ldy, accumulate,    \
+                       next, next_bytes);                                                        \
+        break;
+#define BI_KCASES(Q)                                                                             \
+    switch (T) {                                                                                 \
+        BI_KCASE(Q, 1) BI_KCASE(Q, 2) BI_KCASE(Q, 3) BI_KCASE(Q, 4) BI_KCASE(Q, 5) BI_KCASE(Q, 6) \
+        BI_KCASE(Q, 7) BI_KCASE(Q, 8) default: break;                                            \
+    }
+    if (qtype == BQ4_K) {
+        BI_KCASES(BQ4_K)
+    } else if (qtype == BQ6_K) {
+        BI_KCASES(BQ6_K)
+    } else if (qtype == BQ8_0) {
         BI_LCASES(BQ8_0)
     } else if (qtype == BQ4_1) {
         BI_LCASES(BQ4_1)
@@ -720,6 +891,8 @@ static void bi_lanes_pass(int qtype, const uint8_t* w, int64_t row_bytes, int64_
     } else {
         BI_LCASES(BQ4_0)
     }
+#undef BI_KCASES
+#undef BI_KCASE
 #undef BI_LCASES
 #undef BI_LCASE
 }
@@ -729,21 +902,31 @@ static void bi_lanes_pass(int qtype, const uint8_t* w, int64_t row_bytes, int64_
 static int bi_lanes(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                     const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                     int64_t ldy, int accumulate, int threads) {
-    const int64_t nu = K / 32;
+    const int G = unit_len(qtype), ktype = qtype == BQ4_K || qtype == BQ6_K;
+    const int64_t nu = K / G, nb = K / 32;
     int16_t* q = malloc(sizeof(int16_t) * (size_t)(K + 64));
-    int32_t* xp = malloc(sizeof(int32_t) * (size_t)(T * nu * 16 + 16));
+    int32_t* xp = malloc(sizeof(int32_t) * (size_t)(T * nb * 16 + 16));
     float* dxu = malloc(sizeof(float) * (size_t)(T * nu + 16));
     float* xsu = malloc(sizeof(float) * (size_t)(T * nu + 16));
-    if (!q || !xp || !dxu || !xsu) {
+    int32_t* sq = malloc(sizeof(int32_t) * (size_t)(T * nu + 16)); /* Q6_K: sum of q per unit */
+    if (!q || !xp || !dxu || !xsu || !sq) {
         free(q);
         free(xp);
         free(dxu);
         free(xsu);
+        free(sq);
         return -2;
     }
     for (int64_t t = 0; t < T; t++) {
-        bi_quantize(x + t * ldx, K, 32, q, dxu + t * nu, xsu + t * nu);
-        bi_pack_pairs(qtype, q, K, xp + t * nu * 16);
+        bi_quantize(x + t * ldx, K, G, q, dxu + t * nu, xsu + t * nu);
+        /* the K-types' codes pair up as Q8_0's do (bi_lanes_kcore) */
+        bi_pack_pairs(ktype ? BQ8_0 : qtype, q, K, xp + t * nb * 16);
+        if (qtype == BQ6_K)
+            for (int64_t j = 0; j < nu; j++) {
+                int32_t a = 0;
+                for (int k = 0; k < 16; k++) a += q[16 * j + k];
+                sq[t * nu + j] = a;
+            }
     }
     free(q);
     if (threads < 1) threads = 1;
@@ -753,13 +936,14 @@ static int bi_lanes(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t r
         const int64_t n0 = 16 * i;
         const int R = N - n0 < 16 ? (int)(N - n0) : 16;
         const int64_t nx = N - n0 - R < 16 ? N - n0 - R : 16; /* the next pass's rows */
-        bi_lanes_pass(qtype, w + n0 * row_bytes, row_bytes, K, R, (int)T, xp, dxu, xsu,
+        bi_lanes_pass(qtype, w + n0 * row_bytes, row_bytes, K, R, (int)T, xp, dxu, xsu, sq,
                       bias ? bias + n0 : NULL, y + n0, ldy, accumulate,
                       w + (n0 + R) * row_bytes, nx * row_bytes);
     }
     free(xp);
     free(dxu);
     free(xsu);
+    free(sq);
     return 0;
 }
 #endif

@@ -12,15 +12,15 @@ up to 8 tokens in an AVX-512 build it expands the blocks (every type) to f32 in 
 instead (quant.c matmul_f32v), faster than "int16" at 1..8 tokens there.
 "bi" (kernels/cpu/quant_bi.c) takes the 16-bit activations for every type and token count with
 one arithmetic per token, so a token's outputs are bitwise the same alone or in any batch.
-"auto" (the default) chooses per call in quant.c: "bi" at every token count for Q8_0 / Q4_0 /
-Q4_1 / Q5_0 / Q5_1 where the build has AVX-512 VNNI (its 1..8-token kernel takes 16 rows as the lanes of
+"auto" (the default) chooses per call in quant.c: "bi" at every token count for every block
+type where the build has AVX-512 VNNI (its 1..8-token kernel takes 16 rows as the lanes of
 integer dot products: 1.3x the f32 GEMV's speed at one token and 1.5x at eight on SmolLM2,
-docs/benchmarks.md "Issue 32: the 16-row-lane kernel"), so for those types a token's outputs
-never depend on the batch; for the other types (Q4_K, Q6_K) that f32 GEMV where it exists
-(AVX-512 build, up to 8 tokens: ~1.1x "bi"'s older GEMV there), "bi" otherwise (its tile is the
-fastest above 8 tokens). So for those types a token's outputs are the same in every forward of
-up to 8 rows (a batch-1 decode step and its speculative verify steps) and in every forward
-above 8, and differ between the two in the last bits; "bi" alone is invariant for all.
+2-3.5x on Gemma 3's Q4_K / Q6_K, docs/benchmarks.md "Issue 32: the 16-row-lane kernel" and
+"Gemma 3's K-types on the lanes kernel"), so a token's outputs never depend on the batch; in
+other builds the f32 GEMV where it exists (AVX-512F without VNNI, up to 8 tokens), "bi"
+otherwise. There a token's outputs are the same in every forward of up to 8 rows (a batch-1
+decode step and its speculative verify steps) and in every forward above 8, and differ between
+the two in the last bits; "bi" alone is invariant for all.
 """
 
 from __future__ import annotations
