@@ -1,6 +1,7 @@
 """Decode GEMV of the quantized kernels (kernels/cpu/quant.c) at 1-8 token rows on a real
 model's own blocks (SmolLM2-135M Q4_1 by default, `--gguf gemma3-270m` for Gemma 3's Q5_0 /
-Q8_0 / Q4_K / Q6_K layers and its 262,144-row Q8_0 LM head): time per call and GB/s of blocks
+Q8_0 / Q4_K / Q6_K layers and its 262,144-row Q8_0 LM head; a later layer's matrix of another
+type or shape than layer 0's is timed too, as key.L<layer>): time per call and GB/s of blocks
 streamed, one thread, for each matrix of one layer and the tied LM head (the layer's matrices
 repeated: cache-resident), and then a whole step's matmuls in the forward's order over all
 layers and the LM head (streamed from the last-level cache or memory, as in a decode step).
@@ -99,6 +100,15 @@ def main() -> None:
         path = resolve_model_name(path)
     model = model_mats(path)
     mats = {**model[0], **model[-1]}
+    # matrices of later layers whose type or shape differs from layer 0's (Gemma 3 Q4_K_M: 9
+    # layers' down are Q4_K, not Q6_K; their v is Q5_0 and joins qkv), timed as "key.L<i>"
+    # (not in the per-layer sum below, which is layer 0's x the layer count)
+    seen_kinds = {(k, qt.qtype, tuple(qt.shape)) for k, qt in model[0].items()}
+    for i, m in enumerate(model[1:-1], start=1):
+        for key, qt in m.items():
+            if (key, qt.qtype, tuple(qt.shape)) not in seen_kinds:
+                seen_kinds.add((key, qt.qtype, tuple(qt.shape)))
+                mats[f"{key}.L{i}"] = qt
     lib = quant_ops.load()
     modes = args.modes.split(",")
     knob = ctypes.c_int.in_dll(lib, "loom_q_prefetch_rows")
@@ -183,7 +193,8 @@ def run_tokens(lib, model, mats, modes, pfs, knobs, T: int, args) -> None:
                 f"[{min(res[(mode, key)]) * 1e6:.1f}, {max(res[(mode, key)]) * 1e6:.1f}]"
                 f"  {gbs:5.2f} GB/s {gmacs:6.1f} GMAC/s"
             )
-            total += med * (1 if key == "lm_head" else layers)
+            if ".L" not in key:
+                total += med * (1 if key == "lm_head" else layers)
         if not whole:
             continue
         print(f"T={T} {mode:6} sum of the above x {layers} layers + LM head: {total * 1e3:.2f} ms")
