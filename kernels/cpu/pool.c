@@ -18,13 +18,12 @@
    Helpers spin POOL_SPIN_NS after their last chunk (the gaps between a step's loops are a
    few microseconds), then sleep on a condition variable: an idle server burns no core.
    One caller at a time uses the pool (a mutex; a second concurrent caller runs its loop on its
-   own thread). After a fork the child starts its own helpers (the pid is checked). */
+   own thread). After a fork the child starts its own helpers (pool_child). */
 #include "loom_cpu.h"
 
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
-#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -34,7 +33,10 @@
 int loom_pool = 1;
 
 #define POOL_MAX 64        /* helpers at most (threads - 1) */
-#define POOL_SPIN_NS 50000 /* a helper's spin after its last chunk before it sleeps */
+/* a helper's spin after its last chunk before it sleeps: as long as libgomp's (loom sets
+   GOMP_SPINCOUNT=1000, ~20 us), so that in a step mixing both (a prefill's OpenMP matmuls, the
+   pool's attention) neither team's spinner holds the other's core for long */
+#define POOL_SPIN_NS 20000
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -54,26 +56,29 @@ static inline int64_t now_ns(void) {
    so a helper holding a stale job's fields cannot claim a chunk of a newer job (its gen
    differs), and the caller rewrites the fields only after every chunk of the previous job
    is done (no claim of it can succeed any more: its index is past the end). */
+#define LINE _Alignas(64) /* each group of fields on its own cache line: a helper spinning
+                                on gen does not pull the line the caller is writing */
 static struct {
-    _Atomic uint64_t word;
-    _Atomic uint32_t seq;
+    LINE _Atomic uint64_t word;
+    LINE _Atomic int64_t done; /* chunks finished */
+    LINE _Atomic uint32_t seq;
     _Atomic uint32_t job_gen;
     _Atomic(loom_task_fn) fn;
     _Atomic(void*) ctx;
     _Atomic int64_t n, chunk;
     _Atomic uint32_t nchunks;
     _Atomic int helpers; /* helpers 0 .. helpers-1 take part */
-    _Atomic int64_t done; /* chunks finished */
-    _Atomic uint32_t gen; /* the latest job (0: none yet) */
+    LINE _Atomic uint32_t gen; /* the latest job (0: none yet) */
     _Atomic int sleepers;
-    int started; /* helpers running (in process `pid`) */
-    pid_t pid;
+    LINE int started; /* helpers running */
     pthread_mutex_t lock; /* helpers sleep on wake under lock */
     pthread_cond_t wake;
     pthread_mutex_t caller; /* one caller at a time */
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER,
        .caller = PTHREAD_MUTEX_INITIALIZER};
+
+#define RELAXED memory_order_relaxed
 
 /* claim and run chunks of job g (fields as read for it) until none is left */
 static void run_chunks(uint32_t g, loom_task_fn fn, void* ctx, int64_t n, int64_t chunk,
@@ -108,28 +113,38 @@ static void* helper_main(void* arg) {
         }
         const uint32_t g = atomic_load(&P.gen);
         seen = g;
-        const uint32_t s1 = atomic_load(&P.seq);
+        const uint32_t s1 = atomic_load_explicit(&P.seq, memory_order_acquire);
         if (s1 & 1) continue; /* being rewritten: a newer job follows */
-        const uint32_t jg = atomic_load(&P.job_gen);
-        loom_task_fn fn = atomic_load(&P.fn);
-        void* ctx = atomic_load(&P.ctx);
-        const int64_t n = atomic_load(&P.n), chunk = atomic_load(&P.chunk);
-        const uint32_t nchunks = atomic_load(&P.nchunks);
-        const int helpers = atomic_load(&P.helpers);
-        if (atomic_load(&P.seq) != s1 || jg != g || id >= helpers) continue;
+        const uint32_t jg = atomic_load_explicit(&P.job_gen, RELAXED);
+        loom_task_fn fn = atomic_load_explicit(&P.fn, RELAXED);
+        void* ctx = atomic_load_explicit(&P.ctx, RELAXED);
+        const int64_t n = atomic_load_explicit(&P.n, RELAXED);
+        const int64_t chunk = atomic_load_explicit(&P.chunk, RELAXED);
+        const uint32_t nchunks = atomic_load_explicit(&P.nchunks, RELAXED);
+        const int helpers = atomic_load_explicit(&P.helpers, RELAXED);
+        atomic_thread_fence(memory_order_acquire); /* the field loads before seq's re-read */
+        if (atomic_load_explicit(&P.seq, RELAXED) != s1 || jg != g || id >= helpers) continue;
         run_chunks(g, fn, ctx, n, chunk, nchunks, id + 1);
     }
     return NULL;
 }
 
-/* helpers 0 .. want-1 running in this process; returns how many are */
+/* A forked child has none of the parent's helpers, and its copies of the mutexes and the
+   condition variable may be held or waited on by threads that do not exist there: it starts
+   with fresh ones and no helpers (pthread_atfork, registered at the first parallel loop). */
+static void pool_child(void) {
+    pthread_mutex_init(&P.lock, NULL);
+    pthread_cond_init(&P.wake, NULL);
+    pthread_mutex_init(&P.caller, NULL);
+    atomic_store(&P.sleepers, 0);
+    P.started = 0;
+}
+static void pool_register(void) { pthread_atfork(NULL, NULL, pool_child); }
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+/* helpers 0 .. want-1 running; returns how many are */
 static int ensure_helpers(int want) {
     if (want > POOL_MAX) want = POOL_MAX;
-    const pid_t pid = getpid();
-    if (P.pid != pid) { /* a forked child: the parent's helpers are not here */
-        P.pid = pid;
-        P.started = 0;
-    }
     while (P.started < want) {
         pthread_t t;
         pthread_attr_t attr;
@@ -163,6 +178,7 @@ void loom_par_for(int nthreads, int64_t n, int64_t chunk, loom_task_fn fn, void*
         }
         return;
     }
+    pthread_once(&pool_once, pool_register);
     if (nchunks > UINT32_MAX || pthread_mutex_trylock(&P.caller)) {
         fn(ctx, 0, n, 0); /* another caller holds the pool */
         return;
@@ -175,18 +191,20 @@ void loom_par_for(int nthreads, int64_t n, int64_t chunk, loom_task_fn fn, void*
     }
     uint32_t g = atomic_load(&P.gen) + 1;
     if (g == 0) g = 1; /* 0: "no job yet" */
-    atomic_fetch_add(&P.seq, 1); /* odd: the fields are being written */
-    atomic_store(&P.job_gen, g);
-    atomic_store(&P.fn, fn);
-    atomic_store(&P.ctx, ctx);
-    atomic_store(&P.n, n);
-    atomic_store(&P.chunk, chunk);
-    atomic_store(&P.nchunks, (uint32_t)nchunks);
-    atomic_store(&P.helpers, nthreads - 1 < helpers ? nthreads - 1 : helpers);
-    atomic_store(&P.done, 0);
+    /* the seqlock's write side: seq odd, the fields, seq even again (release) */
+    atomic_store_explicit(&P.seq, atomic_load_explicit(&P.seq, RELAXED) + 1, RELAXED);
+    atomic_thread_fence(memory_order_release); /* odd seq before the field stores */
+    atomic_store_explicit(&P.job_gen, g, RELAXED);
+    atomic_store_explicit(&P.fn, fn, RELAXED);
+    atomic_store_explicit(&P.ctx, ctx, RELAXED);
+    atomic_store_explicit(&P.n, n, RELAXED);
+    atomic_store_explicit(&P.chunk, chunk, RELAXED);
+    atomic_store_explicit(&P.nchunks, (uint32_t)nchunks, RELAXED);
+    atomic_store_explicit(&P.helpers, nthreads - 1 < helpers ? nthreads - 1 : helpers, RELAXED);
+    atomic_store_explicit(&P.seq, atomic_load_explicit(&P.seq, RELAXED) + 1, memory_order_release);
+    atomic_store_explicit(&P.done, 0, RELAXED);
     atomic_store(&P.word, (uint64_t)g << 32);
-    atomic_fetch_add(&P.seq, 1);
-    atomic_store(&P.gen, g);
+    atomic_store(&P.gen, g); /* seq_cst: ordered against the sleepers check below */
     if (atomic_load(&P.sleepers) > 0) {
         pthread_mutex_lock(&P.lock);
         pthread_cond_broadcast(&P.wake);
