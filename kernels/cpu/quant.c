@@ -985,7 +985,8 @@ static void f32v_groups(void* ctx, int64_t g0, int64_t g1, int worker) {
             const int TT = T - t0 < 4 ? (int)(T - t0) : 4;
             float o[16];
             if (R == 4) {
-                f32v_block(j->qtype, j->w + n0 * rb, rb, j->K, j->x + t0 * j->ldx, j->ldx, o, 4, TT);
+                f32v_block(j->qtype, j->w + n0 * rb, rb, j->K, j->x + t0 * j->ldx, j->ldx, o, 4,
+                           TT);
             } else {
                 for (int r = 0; r < R; r++)
                     f32v_block(j->qtype, j->w + (n0 + r) * rb, rb, j->K, j->x + t0 * j->ldx, j->ldx,
