@@ -4,7 +4,11 @@ batch's wall time and each process's CPU (utime + stime from /proc: the owner, w
 tokenizer manager runs, the scheduler, the detokenizer, ...), with os.getloadavg().
 
     python benchmarks/bench_process_cpu.py [--gguf smollm2] [--threads 1] [--batch 8]
-        [--pp 128] [--tg 32]
+        [--pp 128] [--tg 32] [--idle 5]
+
+--idle S: after the batch, each process's CPU over S seconds with no request (an idle
+server's threads must sleep: the OpenMP workers after GOMP_SPINCOUNT, kernels/cpu/pool.c's
+helpers after their 20 us spin).
 
 Set GOMP_SPINCOUNT / OMP_WAIT_POLICY in the environment to compare libgomp wait policies
 (runtime/process.py, bound_openmp_spin: loom's children get GOMP_SPINCOUNT=1000 otherwise).
@@ -45,6 +49,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--pp", type=int, default=128)
     p.add_argument("--tg", type=int, default=32)
+    p.add_argument("--idle", type=float, default=0.0, help="seconds of idle CPU to measure after")
     a = p.parse_args()
     import loom
     from loom.runtime.process import OPENMP_SPIN_COUNT
@@ -82,6 +87,14 @@ def main() -> None:
         for pid, (cmd, cpu) in after.items():
             used = cpu - before.get(pid, ("", 0.0))[1]
             print(f"  {pid:7} {used * 1e3:8.0f} ms CPU  {cmd}")
+        if a.idle > 0:
+            before = tree_cpu(os.getpid())
+            time.sleep(a.idle)
+            after = tree_cpu(os.getpid())
+            print(f"idle {a.idle:.1f} s after the batch, load {os.getloadavg()}")
+            for pid, (cmd, cpu) in after.items():
+                used = cpu - before.get(pid, ("", 0.0))[1]
+                print(f"  {pid:7} {used * 1e3:8.0f} ms CPU ({used / a.idle:.1%} of a core)  {cmd}")
     finally:
         engine.shutdown()
 

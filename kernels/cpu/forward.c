@@ -852,6 +852,114 @@ static uint8_t* window_views(int64_t W, int64_t B, const int64_t* starts, const 
     return NULL;
 }
 
+/* The per-token attention items of one layer (loom_forward_f32): item w = token w / Hkv's KV
+   head w % Hkv, for the requests the blocked path did not take (decode tokens through
+   attn_one, short requests through small_attention, the rest through the per-token loop).
+   Each item writes only its own rows of att, so who runs it (pool.c) does not change them. */
+typedef struct {
+    const float* qkv;
+    float* att;
+    const int64_t *tok_req, *starts;
+    const AttnView* view;
+    const float *k_cache, *v_cache;
+    int64_t QKV, H, Hkv, G, D, block_min;
+    float scale;
+    int bf16;
+    float **sc, **acc, **qt; /* per worker (loom_forward_f32 sizes them) */
+    int64_t** row_cols;
+} AttnJob;
+
+static void attn_items(void* ctx, int64_t w0, int64_t w1, int worker) {
+    const AttnJob* J = ctx;
+    const float* qkv = J->qkv;
+    float* att = J->att;
+    const int64_t QKV = J->QKV, H = J->H, Hkv = J->Hkv, G = J->G, D = J->D;
+    const int64_t block_min = J->block_min;
+    const int bf16 = J->bf16;
+    float *sc = J->sc[worker], *acc = J->acc[worker], *qt = J->qt[worker];
+    int64_t* row_cols = J->row_cols[worker];
+    for (int64_t w = w0; w < w1; w++) {
+        const int64_t t = w / Hkv, kh = w % Hkv, b = J->tok_req[t];
+        const int64_t S = J->view[b].S, j = t - J->starts[b];
+        const int64_t n_tok = J->starts[b + 1] - J->starts[b];
+        const int64_t* cols = J->view[b].cols;
+        if (small_path(n_tok) && !bf16) { /* the request's kv head kh at once */
+            if (j == 0)
+                small_attention(qkv + t * QKV, QKV, n_tok, S, cols, J->k_cache, J->v_cache,
+                                Hkv, kh, G, D, J->scale, att + t * H * D, H * D,
+                                J->view[b].mask, qt, sc, acc);
+            continue;
+        }
+        if (n_tok >= block_min && !small_path(n_tok)) continue; /* done above */
+        const uint8_t* mrow = J->view[b].mask ? J->view[b].mask + j * S : NULL;
+        int64_t len = mrow ? S : S - n_tok + j + 1;
+        if (bf16) {
+            /* A bfloat16 pool: each row of a multi-token request (a verify step's
+               1 + drafts, a short extend) is attended as the one-token decode step
+               of the same token would be: its visible columns in order (a tree's or
+               window's mask compacted away), the same kernel, so the same float32
+               sums bit for bit. Rounding each K / V to bfloat16 turns the last-bit
+               differences between two summation orders into whole bf16 steps of
+               the next layer's K / V, and greedy speculation then left plain
+               decoding (docs/architecture.md, "A 16-bit pool in the C forward"). */
+            if (mrow) {
+                int64_t k = 0;
+                for (int64_t c = 0; c < S; c++)
+                    if (mrow[c]) row_cols[k++] = cols[c];
+                cols = row_cols, len = k, mrow = NULL;
+            }
+        }
+        if ((n_tok == 1 || bf16) && !mrow &&
+            attn_one(qkv + t * QKV + kh * G * D, len, cols, J->k_cache, J->v_cache, Hkv,
+                     kh, G, D, J->scale, att + t * H * D + kh * G * D, sc, bf16))
+            continue;
+        const float* qb = qkv + t * QKV + kh * G * D;
+        float mx[G], den[G], rb[D]; /* rb: a bfloat16 pool's row, widened */
+        for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+        for (int64_t c = 0; c < len; c++) {
+            if (mrow && !mrow[c]) {
+                for (int64_t g = 0; g < G; g++) sc[g * len + c] = -INFINITY;
+                continue;
+            }
+            const float* kp = kv_at(J->k_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
+            for (int64_t g = 0; g < G; g++) {
+                const float* qg = qb + g * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];
+                dot *= J->scale;
+                sc[g * len + c] = dot;
+                mx[g] = dot > mx[g] ? dot : mx[g];
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t c = 0; c < len; c++) {
+                const float e =
+                    sc[g * len + c] == -INFINITY ? 0.f : fast_expf(sc[g * len + c] - mx[g]);
+                sc[g * len + c] = e;
+                sum += e;
+            }
+            den[g] = sum > 0.f ? 1.f / sum : 0.f;
+        }
+        memset(acc, 0, sizeof(float) * G * D);
+        for (int64_t c = 0; c < len; c++) {
+            if (mrow && !mrow[c]) continue;
+            const float* vp = kv_at(J->v_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
+            for (int64_t g = 0; g < G; g++) {
+                const float p = sc[g * len + c];
+                float* a = acc + g * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) a[d] += p * vp[d];
+            }
+        }
+        float* o = att + t * H * D + kh * G * D;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d++) o[g * D + d] = acc[g * D + d] * den[g];
+    }
+}
+
 /* One step. Requests b < B own tokens starts[b] .. starts[b+1]-1 (the last extend tokens of a
    sequence of seq_lens[b] KV columns, read through table[rows[b] * stride + column]); token j
    of request b sees columns 0 .. prefix + j (prefix = seq_lens[b] - its token count), or with
@@ -894,7 +1002,6 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     if (m->embed_scale != 1.f) /* Gemma: the rows times sqrt(hidden) */
         for (int64_t i = 0; i < T * Hd; i++) x[i] *= m->embed_scale;
     const int attn_threads = nthreads > 1 && T * Hkv * max_len * H * D > (1 << 17) ? nthreads : 1;
-    (void)attn_threads; /* read by an OpenMP pragma only: unused in a build without OpenMP */
     const int64_t block_min = loom_block_attn_min > 1 ? loom_block_attn_min : 1;
     /* a request of 2 .. loom_small_attn_max tokens takes small_attention (small_path), else
        one of block_min or more tokens block_attention, else the per-token loop; small_rp:
@@ -946,98 +1053,27 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                                     Hkv, kh, G, D, m->scale, att + starts[b] * H * D, H * D,
                                     nthreads, view[b].mask, bf16);
         }
-#pragma omp parallel num_threads(attn_threads) if (attn_threads > 1)
-        {
-            float* sc =
-                malloc(sizeof(float) * (G > small_rp ? G : small_rp) * (max_len + SMALL_COLS));
-            float* acc = malloc(sizeof(float) * (G > small_rp ? G : small_rp) * D);
-            float* qt = small_rp && !bf16 ? malloc(sizeof(float) * small_rp * D) : NULL;
-            int64_t* row_cols = bf16 ? malloc(sizeof(int64_t) * max_len) : NULL;
-#pragma omp for schedule(dynamic)
-            for (int64_t w = 0; w < T * Hkv; w++) {
-                const int64_t t = w / Hkv, kh = w % Hkv, b = tok_req[t];
-                const int64_t S = view[b].S, j = t - starts[b];
-                const int64_t n_tok = starts[b + 1] - starts[b];
-                const int64_t* cols = view[b].cols;
-                if (small_path(n_tok) && !bf16) { /* the request's kv head kh at once */
-                    if (j == 0)
-                        small_attention(qkv + t * QKV, QKV, n_tok, S, cols, L->k_cache, L->v_cache,
-                                        Hkv, kh, G, D, m->scale, att + t * H * D, H * D,
-                                        view[b].mask, qt, sc, acc);
-                    continue;
-                }
-                if (n_tok >= block_min && !small_path(n_tok)) continue; /* done above */
-                const uint8_t* mrow = view[b].mask ? view[b].mask + j * S : NULL;
-                int64_t len = mrow ? S : S - n_tok + j + 1;
-                if (bf16) {
-                    /* A bfloat16 pool: each row of a multi-token request (a verify step's
-                       1 + drafts, a short extend) is attended as the one-token decode step
-                       of the same token would be: its visible columns in order (a tree's or
-                       window's mask compacted away), the same kernel, so the same float32
-                       sums bit for bit. Rounding each K / V to bfloat16 turns the last-bit
-                       differences between two summation orders into whole bf16 steps of
-                       the next layer's K / V, and greedy speculation then left plain
-                       decoding (docs/architecture.md, "A 16-bit pool in the C forward"). */
-                    if (mrow) {
-                        int64_t k = 0;
-                        for (int64_t c = 0; c < S; c++)
-                            if (mrow[c]) row_cols[k++] = cols[c];
-                        cols = row_cols, len = k, mrow = NULL;
-                    }
-                }
-                if ((n_tok == 1 || bf16) && !mrow &&
-                    attn_one(qkv + t * QKV + kh * G * D, len, cols, L->k_cache, L->v_cache, Hkv,
-                             kh, G, D, m->scale, att + t * H * D + kh * G * D, sc, bf16))
-                    continue;
-                const float* qb = qkv + t * QKV + kh * G * D;
-                float mx[G], den[G], rb[D]; /* rb: a bfloat16 pool's row, widened */
-                for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-                for (int64_t c = 0; c < len; c++) {
-                    if (mrow && !mrow[c]) {
-                        for (int64_t g = 0; g < G; g++) sc[g * len + c] = -INFINITY;
-                        continue;
-                    }
-                    const float* kp = kv_at(L->k_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
-                    for (int64_t g = 0; g < G; g++) {
-                        const float* qg = qb + g * D;
-                        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];
-                        dot *= m->scale;
-                        sc[g * len + c] = dot;
-                        mx[g] = dot > mx[g] ? dot : mx[g];
-                    }
-                }
-                for (int64_t g = 0; g < G; g++) {
-                    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t c = 0; c < len; c++) {
-                        const float e =
-                            sc[g * len + c] == -INFINITY ? 0.f : fast_expf(sc[g * len + c] - mx[g]);
-                        sc[g * len + c] = e;
-                        sum += e;
-                    }
-                    den[g] = sum > 0.f ? 1.f / sum : 0.f;
-                }
-                memset(acc, 0, sizeof(float) * G * D);
-                for (int64_t c = 0; c < len; c++) {
-                    if (mrow && !mrow[c]) continue;
-                    const float* vp = kv_at(L->v_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
-                    for (int64_t g = 0; g < G; g++) {
-                        const float p = sc[g * len + c];
-                        float* a = acc + g * D;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) a[d] += p * vp[d];
-                    }
-                }
-                float* o = att + t * H * D + kh * G * D;
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t d = 0; d < D; d++) o[g * D + d] = acc[g * D + d] * den[g];
+{
+            const int nw = attn_threads;
+            const int64_t rowsc = G > small_rp ? G : small_rp;
+            float *sc[nw], *acc[nw], *qt[nw];
+            int64_t* row_cols[nw];
+            for (int i = 0; i < nw; i++) {
+                sc[i] = malloc(sizeof(float) * rowsc * (max_len + SMALL_COLS));
+                acc[i] = malloc(sizeof(float) * rowsc * D);
+                qt[i] = small_rp && !bf16 ? malloc(sizeof(float) * small_rp * D) : NULL;
+                row_cols[i] = bf16 ? malloc(sizeof(int64_t) * max_len) : NULL;
             }
-            free(sc);
-            free(acc);
-            free(qt);
-            free(row_cols);
+            AttnJob job = {qkv, att, tok_req, starts, view, L->k_cache, L->v_cache, QKV, H, Hkv,
+                           G, D, block_min, m->scale, bf16, sc, acc, qt, row_cols};
+            /* one item a chunk (items differ in cost), over the pool (pool.c) */
+            loom_par_for(nw, T * Hkv, 1, attn_items, &job);
+            for (int i = 0; i < nw; i++) {
+                free(sc[i]);
+                free(acc[i]);
+                free(qt[i]);
+                free(row_cols[i]);
+            }
         }
         if (prof) prof[1] += cpu_seconds() - att0;
         if (L->post_attn_ln) { /* Gemma: x += norm(o_proj(att)) */

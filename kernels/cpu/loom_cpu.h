@@ -1,5 +1,6 @@
 /* loom's CPU kernels: one shared library, built at run time by loom.runtime.native from the .c
-   files of this folder (attention.c, forward.c, heads.c, ngram_store.c, quant.c, layout.c).
+   files of this folder (attention.c, forward.c, heads.c, ngram_store.c, pool.c, quant.c,
+   quant_bi.c, layout.c).
 
    This header is the contract with Python. Every function Python calls is declared here with
    LOOM_API, and native.py generates the ctypes signatures from these prototypes (pointers:
@@ -319,6 +320,21 @@ float loom_q_f16(const uint8_t* p);
 int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                      int64_t ldy, int accumulate, int threads);
+
+/* pool.c: loom_par_for(nthreads, n, chunk, fn, ctx) runs fn(ctx, i0, i1, worker) over [0, n) in
+   chunks of `chunk` items, claimed by the caller (worker 0) and the pool's helpers (workers
+   1 .. nthreads - 1) as they come; returns when every chunk is done. fn must give the same
+   result whoever runs a chunk (each output computed inside one item). loom_pool: 1 (default)
+   the pool, 0 an OpenMP static `parallel for` over the chunks (bench_decode_threads.py's A/B). */
+typedef void (*loom_task_fn)(void* ctx, int64_t i0, int64_t i1, int worker);
+void loom_par_for(int nthreads, int64_t n, int64_t chunk, loom_task_fn fn, void* ctx);
+LOOM_API extern int loom_pool;
+/* chunks of a loop of n items over nthreads: about four a thread, so that a helper that is
+   late or preempted holds little of the work */
+static inline int64_t par_chunk(int64_t n, int nthreads) {
+    const int64_t parts = 4 * (int64_t)(nthreads > 1 ? nthreads : 1);
+    return (n + parts - 1) / parts;
+}
 
 /* layout.c: for "Struct.field" its offset and size, for "Struct" 0 and its sizeof, for a
    constant's name its value and 0; returns 0, or -1 for a name it does not list */

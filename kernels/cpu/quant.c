@@ -938,34 +938,46 @@ static void f32v_wide_block(int qtype, const uint8_t* w, int64_t row_bytes, int6
 #undef F32V_WCASE
 }
 
-/* loom_q_matmul's LOOM_Q_F32 branch for T <= F32V_MAX (has_f32v types): groups of four rows
-   over the threads, each group's tokens in passes of up to four (7: 4 + 3). */
-static int matmul_f32v(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
-                       const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
-                       int64_t ldy, int accumulate, int threads) {
-    if (threads < 1) threads = 1;
-    const int wr = loom_q_wide_rows;
-    if (T > 4 && wr >= 1 && wr <= F32V_WR) {
-        const int64_t wgroups = (N + wr - 1) / wr;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t g = 0; g < wgroups; g++) {
-            const int64_t n0 = wr * g;
-            const int R = N - n0 < wr ? (int)(N - n0) : wr;
-            float o[F32V_WR * F32V_MAX];
-            f32v_wide_block(qtype, w + n0 * row_bytes, row_bytes, K, x, ldx, o, R, (int)T);
-            for (int r = 0; r < R; r++) {
-                const float bn = bias ? bias[n0 + r] : 0.f;
-                for (int64_t t = 0; t < T; t++) {
-                    float* yo = y + t * ldy + n0 + r;
-                    *yo = (accumulate ? *yo : 0.f) + o[r * T + t] + bn;
-                }
+/* matmul_f32v's arguments, for its row groups on the pool */
+typedef struct {
+    int qtype;
+    const uint8_t* w;
+    int64_t N, K, row_bytes;
+    const float* x;
+    int64_t T, ldx;
+    const float* bias;
+    float* y;
+    int64_t ldy;
+    int accumulate, wr;
+} F32vJob;
+
+/* groups g0 .. g1 - 1 of j->wr rows, all T (> 4) tokens in one pass (loom_par_for's task) */
+static void f32v_wide_groups(void* ctx, int64_t g0, int64_t g1, int worker) {
+    (void)worker;
+    const F32vJob* j = ctx;
+    const int64_t N = j->N, T = j->T;
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t n0 = j->wr * g;
+        const int R = N - n0 < j->wr ? (int)(N - n0) : j->wr;
+        float o[F32V_WR * F32V_MAX];
+        f32v_wide_block(j->qtype, j->w + n0 * j->row_bytes, j->row_bytes, j->K, j->x, j->ldx, o, R,
+                        (int)T);
+        for (int r = 0; r < R; r++) {
+            const float bn = j->bias ? j->bias[n0 + r] : 0.f;
+            for (int64_t t = 0; t < T; t++) {
+                float* yo = j->y + t * j->ldy + n0 + r;
+                *yo = (j->accumulate ? *yo : 0.f) + o[r * T + t] + bn;
             }
         }
-        return 0;
     }
-    const int64_t groups = (N + 3) / 4;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
+}
+
+/* groups g0 .. g1 - 1 of four rows, the tokens in passes of up to four (loom_par_for's task) */
+static void f32v_groups(void* ctx, int64_t g0, int64_t g1, int worker) {
+    (void)worker;
+    const F32vJob* j = ctx;
+    const int64_t N = j->N, T = j->T, rb = j->row_bytes;
+    for (int64_t g = g0; g < g1; g++) {
         const int64_t n0 = 4 * g;
         const int R = N - n0 < 4 ? (int)(N - n0) : 4;
         float part[4 * F32V_MAX];
@@ -973,23 +985,40 @@ static int matmul_f32v(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_
             const int TT = T - t0 < 4 ? (int)(T - t0) : 4;
             float o[16];
             if (R == 4) {
-                f32v_block(qtype, w + n0 * row_bytes, row_bytes, K, x + t0 * ldx, ldx, o, 4, TT);
+                f32v_block(j->qtype, j->w + n0 * rb, rb, j->K, j->x + t0 * j->ldx, j->ldx, o, 4,
+                           TT);
             } else {
                 for (int r = 0; r < R; r++)
-                    f32v_block(qtype, w + (n0 + r) * row_bytes, row_bytes, K, x + t0 * ldx, ldx,
+                    f32v_block(j->qtype, j->w + (n0 + r) * rb, rb, j->K, j->x + t0 * j->ldx, j->ldx,
                                o + r * TT, 1, TT);
             }
             for (int r = 0; r < R; r++)
                 for (int t = 0; t < TT; t++) part[r * F32V_MAX + t0 + t] = o[r * TT + t];
         }
         for (int r = 0; r < R; r++) {
-            const float bn = bias ? bias[n0 + r] : 0.f;
+            const float bn = j->bias ? j->bias[n0 + r] : 0.f;
             for (int64_t t = 0; t < T; t++) {
-                float* yo = y + t * ldy + n0 + r;
-                *yo = (accumulate ? *yo : 0.f) + part[r * F32V_MAX + t] + bn;
+                float* yo = j->y + t * j->ldy + n0 + r;
+                *yo = (j->accumulate ? *yo : 0.f) + part[r * F32V_MAX + t] + bn;
             }
         }
     }
+}
+
+/* loom_q_matmul's LOOM_Q_F32 branch for T <= F32V_MAX (has_f32v types): groups of four rows
+   over the threads (the pool, pool.c), each group's tokens in passes of up to four (7: 4 + 3) */
+static int matmul_f32v(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                       const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                       int64_t ldy, int accumulate, int threads) {
+    const int wr = loom_q_wide_rows;
+    F32vJob job = {qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate, wr};
+    if (T > 4 && wr >= 1 && wr <= F32V_WR) {
+        const int64_t wgroups = (N + wr - 1) / wr;
+        loom_par_for(threads, wgroups, par_chunk(wgroups, threads), f32v_wide_groups, &job);
+        return 0;
+    }
+    const int64_t groups = (N + 3) / 4;
+    loom_par_for(threads, groups, par_chunk(groups, threads), f32v_groups, &job);
     return 0;
 }
 #else

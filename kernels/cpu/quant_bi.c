@@ -897,6 +897,36 @@ static void bi_lanes_pass(int qtype, const uint8_t* w, int64_t row_bytes, int64_
 #undef BI_LCASE
 }
 
+/* bi_lanes' arguments, for its passes on the pool */
+typedef struct {
+    int qtype;
+    const uint8_t* w;
+    int64_t N, K, row_bytes;
+    int T;
+    const int32_t* xp;
+    const float *dxu, *xsu;
+    const int32_t* sq; /* Q6_K: each token's sum of codes per unit */
+    const float* bias;
+    float* y;
+    int64_t ldy;
+    int accumulate;
+} LanesJob;
+
+/* passes i0 .. i1 - 1 of 16 rows (loom_par_for's task) */
+static void lanes_passes(void* ctx, int64_t i0, int64_t i1, int worker) {
+    (void)worker;
+    const LanesJob* j = ctx;
+    const int64_t N = j->N, rb = j->row_bytes;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t n0 = 16 * i;
+        const int R = N - n0 < 16 ? (int)(N - n0) : 16;
+        const int64_t nx = N - n0 - R < 16 ? N - n0 - R : 16; /* the next pass's rows */
+        bi_lanes_pass(j->qtype, j->w + n0 * rb, rb, j->K, R, j->T, j->xp, j->dxu, j->xsu, j->sq,
+                      j->bias ? j->bias + n0 : NULL, j->y + n0, j->ldy, j->accumulate,
+                      j->w + (n0 + R) * rb, nx * rb);
+    }
+}
+
 /* loom_q_matmul_bi for bi_lanes_type at T <= BI_LANE_T: every token quantized (bi_quantize) and
    packed once, then passes of 16 rows over the threads */
 static int bi_lanes(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
@@ -929,17 +959,10 @@ static int bi_lanes(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t r
             }
     }
     free(q);
-    if (threads < 1) threads = 1;
     const int64_t passes = (N + 15) / 16;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < passes; i++) {
-        const int64_t n0 = 16 * i;
-        const int R = N - n0 < 16 ? (int)(N - n0) : 16;
-        const int64_t nx = N - n0 - R < 16 ? N - n0 - R : 16; /* the next pass's rows */
-        bi_lanes_pass(qtype, w + n0 * row_bytes, row_bytes, K, R, (int)T, xp, dxu, xsu, sq,
-                      bias ? bias + n0 : NULL, y + n0, ldy, accumulate,
-                      w + (n0 + R) * row_bytes, nx * row_bytes);
-    }
+    LanesJob job = {qtype, w, N, K, row_bytes, (int)T, xp, dxu, xsu, sq, bias, y, ldy, accumulate};
+    /* passes over the pool (pool.c): each pass's 16 rows are computed whole by one worker */
+    loom_par_for(threads, passes, par_chunk(passes, threads), lanes_passes, &job);
     free(xp);
     free(dxu);
     free(xsu);
