@@ -36,6 +36,7 @@ import math
 from collections import deque
 
 from loom.runtime.spec import Drafter, DraftTree, tree_depths
+from loom.runtime.spec.cost import VerifyCost
 from loom.runtime.spec.ngram import MAX_PROMPT_TOKENS, NgramLookup, NgramState
 from loom.runtime.spec.ngram_copy import PromptCopy
 from loom.runtime.spec.stats import AcceptanceStats
@@ -118,8 +119,11 @@ class NgramSpeculator(Drafter):
         self.cost = cost
         return True
 
-    def _extra(self, batch_size: int, longest: int) -> float:
-        # looked up per call: tests replace the module's `extra_cost`
+    def _extra(self, batch_size: int, longest: int, context: float | None = None) -> float:
+        # looked up per call: tests replace the module's `extra_cost`; a measured table
+        # (`cost.VerifyCost`) prices the batch's context too (`context`: mean tokens a request)
+        if context is not None and isinstance(self.cost, VerifyCost):
+            return self.cost(batch_size, longest, context)
         return (self.cost or extra_cost)(batch_size, longest)
 
     def enabled_for(self, batch_size: int) -> bool:
@@ -309,11 +313,12 @@ class NgramSpeculator(Drafter):
 
     def _cut(self, reqs: list, drafts: list, b: int) -> bool:
         longest = max(map(len, drafts))
+        context = sum(r.seq_len for r in reqs) / b
         gains = [r.spec_state.gains if d else [] for r, d in zip(reqs, drafts)]
         if any(g is None for g in gains) or any(math.isinf(x) for g in gains for x in g):
             # a tree, or a probe (drafted in full whatever it is expected to earn)
             gain = sum(r.spec_state.expected for r, d in zip(reqs, drafts) if d)
-            return gain >= b * self._extra(b, longest)
+            return gain >= b * self._extra(b, longest, context)
         by_pos = [0.0] * longest
         for g in gains:
             for j, x in enumerate(g):
@@ -321,7 +326,7 @@ class NgramSpeculator(Drafter):
         best, best_d, total = 1.0 + 1e-9, 0, 0.0
         for d in range(1, longest + 1):
             total += by_pos[d - 1]
-            value = (b + total) / (b * (1.0 + max(0.0, self._extra(b, d))))
+            value = (b + total) / (b * (1.0 + max(0.0, self._extra(b, d, context))))
             if value > best:
                 best, best_d = value, d
         if best_d == 0:
