@@ -224,10 +224,12 @@ def measure(sched, batches=(1, 2, 4), drafts=(1, 2, 3, 4, 5, 6, 7), steps: int =
     batch size B: B requests (synthetic prompts) decode, and consecutive steps alternate
     decode and each draft length (the drafter swapped for FixedDrafter cells, restored
     after), so a load that changes during the measurement weighs on every cell alike; the
-    fastest wall time of `steps` steps a cell. Not a median, not CPU time: on a shared
-    machine the median step met other jobs and the forward's threads spin at their barriers
-    (CPU time that is not the step's cost); a medianed CPU-time table of SmolLM2's Q4_1 file
-    at load 7 read 7 drafts at batch 1 as 0.11 decode steps where they cost ~1.9. The requests are aborted and the
+    fastest time of `steps` steps a cell: this thread's CPU time with one forward thread,
+    else the wall time. Not a median, not the process's CPU time with several threads: on a
+    shared machine the median step met other jobs and the forward's threads spin at their
+    barriers (CPU time that is not the step's cost); a medianed CPU-time table of SmolLM2's
+    Q4_1 file at load 7 (two threads) read 7 drafts at batch 1 as 0.11 decode steps where
+    they cost ~1.9. Batch 1 is measured at a LONG_CONTEXT-token prompt too (the long row). The requests are aborted and the
     prefix cache flushed after. Returns (VerifyCost, cells [(B, d, extra decode steps)])."""
     from loom.runtime.io_struct import TokenizedGenerateReq
     from loom.runtime.sampling_params import make_sampling_params
@@ -246,6 +248,14 @@ def measure(sched, batches=(1, 2, 4), drafts=(1, 2, 3, 4, 5, 6, 7), steps: int =
     if long_n:
         per_batch[0] = per_batch[min(batches)]
         runs.append((0, 1, long_n))
+    # one forward thread: the step runs on this thread alone (OpenMP's serial branch, one
+    # torch thread), so its CPU time is the step's cost without the time other jobs held the
+    # core (at load 5-6 on 2 cores the fastest of 8 wall steps still read 1 draft at 0.06 in
+    # one start-up and 0.63 in the next); with several threads their barrier spins count as
+    # CPU time, so the wall clock
+    args = getattr(sched, "args", None)
+    one = args is not None and args.effective_cpu_threads == 1
+    clock = time.thread_time if one else time.perf_counter
     secs: dict[tuple[int, int], list[float]] = {}
     try:
         for b, n_req, n_tok in runs:
@@ -265,10 +275,10 @@ def measure(sched, batches=(1, 2, 4), drafts=(1, 2, 3, 4, 5, 6, 7), steps: int =
             for k in range(steps + 1):
                 for d in (0, *per_batch[b]):
                     sched.set_drafter(FixedDrafter(d) if d else None)
-                    t = time.perf_counter()
+                    t = clock()
                     sched.step()
                     if k:  # the first round warms each shape
-                        secs.setdefault((b, d), []).append(time.perf_counter() - t)
+                        secs.setdefault((b, d), []).append(clock() - t)
             sched.abort("")
             while not sched.is_idle:
                 sched.step()
