@@ -122,6 +122,8 @@ class VerifyCost:
     intercept must not make drafts look free): the measured cells' table where there is one,
     else the bilinear fit `coef`. extra(B, 0) is 0 with a table (no verify)."""
 
+    prices_context = True  # takes the batch's context (`__call__`); the speculator asks
+
     def __init__(self, coef, source: str = "", cells=None, long_cells=None,
                  long_context: int = LONG_CONTEXT):  # fmt: skip
         self.coef = tuple(float(x) for x in coef)

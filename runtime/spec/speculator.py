@@ -36,7 +36,6 @@ import math
 from collections import deque
 
 from loom.runtime.spec import Drafter, DraftTree, tree_depths
-from loom.runtime.spec.cost import VerifyCost
 from loom.runtime.spec.ngram import MAX_PROMPT_TOKENS, NgramLookup, NgramState
 from loom.runtime.spec.ngram_copy import PromptCopy
 from loom.runtime.spec.stats import AcceptanceStats
@@ -121,8 +120,9 @@ class NgramSpeculator(Drafter):
 
     def _extra(self, batch_size: int, longest: int, context: float | None = None) -> float:
         # looked up per call: tests replace the module's `extra_cost`; a measured table
-        # (`cost.VerifyCost`) prices the batch's context too (`context`: mean tokens a request)
-        if context is not None and isinstance(self.cost, VerifyCost):
+        # (`cost.VerifyCost`, `prices_context`; not imported here: an import cycle) prices
+        # the batch's context too (`context`: mean tokens a request)
+        if context is not None and getattr(self.cost, "prices_context", False):
             return self.cost(batch_size, longest, context)
         return (self.cost or extra_cost)(batch_size, longest)
 
