@@ -82,6 +82,26 @@ class StepTimer:
                     return out
 
                 d._gains = gains
+            # calibration: what the drafter expected each verified chain to get accepted (its
+            # running rates' product sum, `state.expected`) against what it got, by length
+            # drafted -> [verifies, expected, got, expected by the rates before calibration]
+            self.calib = defaultdict(lambda: [0, 0.0, 0, 0.0])
+            if hasattr(d, "on_verified"):
+                orig_verified = d.on_verified
+
+                def on_verified(req, drafted, accepted):
+                    st = req.spec_state
+                    exp = getattr(st, "expected", None)
+                    if exp is not None and exp != float("inf") and getattr(st, "gains", None):
+                        c = self.calib[drafted]
+                        c[0] += 1
+                        c[1] += exp
+                        c[2] += accepted
+                        raw = getattr(st, "raw", None)
+                        c[3] += sum(raw[: drafted - req.draft_forced]) if raw else exp
+                    return orig_verified(req, drafted, accepted)
+
+                d.on_verified = on_verified
             self._wrap(d, "draft", "draft")
             self._wrap(d, "worth_verifying", "draft")
             self._wrap(d, "after_forward", "after")
@@ -238,6 +258,11 @@ def main() -> None:
     print("drafts proposed by length:", dict(sorted(t.drafts.items())))
     print("drafts the running rates allowed none of:", t.no_gain[0])
     print("steps declined by worth_verifying, by longest draft:", dict(sorted(t.declined.items())))
+    if t.calib:
+        print("verified chains (not probes), by length: verifies, expected accepted "
+              "(calibrated, by the rates alone), accepted")
+        for n, (k, e, a, r) in sorted(t.calib.items()):
+            print(f"  {n}: {k:4d}  {e / k:.2f}  {r / k:.2f}  {a / k:.2f}")
     for side in ("off", "on"):
         allr = [r for recs in timers[side].steps.values() for r in recs]
         tot = {p: sum(r[p] for r in allr) for p in (*PHASES, "total")}

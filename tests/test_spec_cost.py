@@ -210,3 +210,41 @@ def test_the_cache_key_follows_the_kernels(tmp_path, monkeypatch):
     (src / "blocks.h").write_text("#define B 2\n")
     second = cost.cache_path(args)
     assert second != first and second.parent == first.parent
+
+
+def test_a_long_context_row_prices_drafts_by_the_batchs_context(tmp_path):
+    """A verify's extra rows attend over the whole context: the table's long-context row
+    (batch 1 at LONG_CONTEXT tokens) adds its difference from the short row, per token, past
+    the short row's length; no context (a head gate) or a short one reads the table alone.
+    The n-gram speculator passes the batch's mean tokens a request, so a draft that pays
+    after a short prompt is declined after a long one."""
+    from loom.runtime.req import Req
+    from loom.runtime.sampling_params import make_sampling_params
+    from loom.runtime.spec.ngram import NgramState
+    from loom.runtime.spec.speculator import NgramSpeculator
+
+    short, long_ = cost.SHORT_CONTEXT, cost.LONG_CONTEXT
+    c = cost.VerifyCost((0, 0, 0, 0), "t", [(1, 1, 0.1), (1, 7, 1.0), (2, 1, 0.3)],
+                        [(1, 1, 0.5), (1, 7, 1.2)])  # fmt: skip
+    assert c(1, 1) == c(1, 1, None) == c(1, 1, short / 2) == pytest.approx(0.1)
+    assert c(1, 1, long_) == pytest.approx(0.5)
+    assert c(1, 1, (short + long_) / 2) == pytest.approx(0.3)
+    assert c(1, 1, 2 * long_ - short) == pytest.approx(0.9)  # linear past the long row
+    assert c(2, 1, long_) == pytest.approx(0.3 + 0.4)  # the batch-1 growth on the batch's cell
+    assert c(1, 7, long_) == pytest.approx(1.2)
+    path = tmp_path / "t.json"
+    cost.save(c, path)
+    back = cost.VerifyCost.load(path)
+    assert back.long.cells == c.long.cells and back(1, 4, 700) == c(1, 4, 700)
+
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
+    spec.set_verify_cost(c)
+
+    def verifies(n_tokens: int) -> bool:
+        req = Req("r", [5] * n_tokens, make_sampling_params({}), seed=0)
+        req.spec_state = NgramState(7)
+        req.spec_state.gains = [0.3]
+        req.draft_forced = 0
+        return spec.worth_verifying([req], [[9]])
+
+    assert verifies(short) and not verifies(long_)  # 0.3 accepted against 0.1, then 0.5

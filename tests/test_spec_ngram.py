@@ -688,3 +688,63 @@ def test_finished_requests_are_learnt_lazily_and_boundedly():
     for _ in range(10):
         spec.draft(live, 8)
     assert not spec.finished and done.spec_state.seen == done.seq_len
+
+
+def test_verified_chains_calibrate_what_the_rates_promise(monkeypatch):
+    """Rates that promise a whole chain while verifies get its first token only: the drafter
+    learns, per position, what verified chains got over what the rates expected, so the same
+    rates then draft (and verify) a chain cut to what pays. Without the calibration every
+    chain is verified whole (SmolLM2's Q4_1 target: 7-token chains expected 2.07 accepted
+    tokens and got 1.21)."""
+    from loom.runtime.spec import speculator
+    from loom.runtime.spec.speculator import NgramSpeculator
+
+    monkeypatch.undo()  # the real cost model
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
+    pattern = [7, 8, 9, 10, 11, 12, 13, 14]
+    req = _req(pattern * 3)
+    req.spec_state = NgramState(7)
+    req.spec_state.steps = 1 + speculator.PROBE_EVERY  # past the openings and a probe
+    req.draft_masks = None
+
+    def draft():
+        req.spec_state.rates = [1.0] * 7  # the request's own rates promise every position
+        d = spec.draft(req, 8)
+        return d, spec.worth_verifying([req], [d])
+
+    d, ok = draft()
+    assert ok and len(d) == 7 and req.spec_state.expected == pytest.approx(7.0)
+    verifies = 0
+    for _ in range(40):
+        d, ok = draft()
+        if ok and req.spec_state.raw is not None:  # a chain by the rates (not a probe)
+            spec.on_verified(req, len(d), 1)  # the first token accepted, the second not
+            verifies += 1
+    assert verifies >= 30
+    d, ok = draft()
+    assert ok and len(d) == 1, d  # the positions past the first no longer pay a verify
+    assert req.spec_state.expected == pytest.approx(1.0)
+    assert spec.calib_got[0] == pytest.approx(spec.calib_expected[0])
+    assert spec.calib_got[1] < 0.2 * spec.calib_expected[1]  # learnt while verified
+
+
+def test_the_cut_maximises_tokens_per_time_not_tokens_less_cost(monkeypatch):
+    """Verify 1 token at 0.1 extra decode steps (1.36 tokens a step of time), or 4 at 1.0
+    (1.28 a step): the chain is cut to 1 though 4 positions gain more tokens than they
+    cost (0.55 against 0.4)."""
+    from loom.runtime.spec.speculator import NgramSpeculator
+
+    monkeypatch.undo()
+    spec = NgramSpeculator(ServerArgs(speculative_algorithm="NGRAM"), None, 384, [2])
+    spec.set_verify_cost(lambda b, d: 0.1 + 0.3 * (d - 1))
+    req = _req([1, 2, 3])
+    req.spec_state = NgramState(7)
+    req.draft_masks = None
+    req.draft_forced = 0
+    req.spec_state.gains = [0.5, 0.35, 0.35, 0.35]
+    draft = [9] * 4
+    assert spec.worth_verifying([req], [draft]) and draft == [9]
+    assert req.spec_state.expected == pytest.approx(0.5)
+    spec.set_verify_cost(lambda b, d: 0.6)  # one token does not pay for this verify
+    req.spec_state.gains = [0.5]
+    assert not spec.worth_verifying([req], [[9]])

@@ -46,7 +46,14 @@ CACHE_DIR = Path(os.environ.get("LOOM_CACHE", Path.home() / ".cache" / "loom")) 
 MODES = ("auto", "measure", "bundled")
 # in the cache key: a table measured by an older `measure` (a bilinear fit over other cells)
 # is measured again rather than read
-TABLE_VERSION = 2
+TABLE_VERSION = 3
+# the synthetic prompts' length of the table's cells, and of its long-context row: a verify's
+# extra rows attend over the whole context (small_attention) where the decode step's one row
+# does too, so what a draft costs grows with the context (SmolLM2's Q4_1 file: 1 draft 0.06
+# decode steps at 96 tokens, ~0.2-0.4 at 1,024; a table priced at 96 tokens let Spec-Bench's
+# long prompts verify 1-token drafts that accepted nothing, 597 of 923 verifies)
+SHORT_CONTEXT = 96
+LONG_CONTEXT = 1024
 
 
 def _monotone(ys: list[float]) -> list[float]:
@@ -115,16 +122,35 @@ class VerifyCost:
     intercept must not make drafts look free): the measured cells' table where there is one,
     else the bilinear fit `coef`. extra(B, 0) is 0 with a table (no verify)."""
 
-    def __init__(self, coef, source: str = "", cells=None):
+    prices_context = True  # takes the batch's context (`__call__`); the speculator asks
+
+    def __init__(self, coef, source: str = "", cells=None, long_cells=None,
+                 long_context: int = LONG_CONTEXT):  # fmt: skip
         self.coef = tuple(float(x) for x in coef)
         if len(self.coef) != 4:
             raise ValueError(f"verify cost: 4 coefficients (a, b, c, e), got {len(self.coef)}")
         self.source = source
         self.table = CostTable(cells) if cells else None
+        # batch-1 cells measured at `long_context` tokens: the growth with the context
+        self.long = CostTable(long_cells) if long_cells and self.table is not None else None
+        self.long_context = int(long_context)
+        if self.long is not None and self.long_context <= SHORT_CONTEXT:
+            raise ValueError(f"verify cost: long_context must exceed {SHORT_CONTEXT}")
 
-    def __call__(self, batch_size: int, longest_draft: int) -> float:
+    def __call__(self, batch_size: int, longest_draft: int, context: float | None = None) -> float:
+        """`context`: the batch's mean tokens per request (None: the table's own, 96); with a
+        long-context row the batch-1 difference between the rows, per token, is added
+        linearly in the context past 96 (attention grows linearly; below 96 nothing is taken
+        off)."""
         if self.table is not None:
-            return self.table(batch_size, longest_draft)
+            base = self.table(batch_size, longest_draft)
+            if self.long is None or context is None or context <= SHORT_CONTEXT:
+                return base
+            d = longest_draft
+            per_token = max(0.0, self.long(1, d) - self.table(1, d)) / (
+                self.long_context - SHORT_CONTEXT
+            )
+            return base + per_token * (context - SHORT_CONTEXT)
         a, b, c, e = self.coef
         B, d = batch_size, longest_draft
         return max(0.0, a + b * B + c * d + e * B * d)
@@ -133,19 +159,29 @@ class VerifyCost:
         out = {"coef": list(self.coef), "source": self.source}
         if self.table is not None:
             out["cells"] = [list(c) for c in self.table.cells]
+        if self.long is not None:
+            out["long_cells"] = [list(c) for c in self.long.cells]
+            out["long_context"] = self.long_context
         return out
 
     @classmethod
     def load(cls, path) -> VerifyCost:
         try:
             data = json.loads(Path(path).read_text())
-            return cls(data["coef"], data.get("source", str(path)), data.get("cells"))
+            return cls(
+                data["coef"], data.get("source", str(path)), data.get("cells"),
+                data.get("long_cells"), data.get("long_context", LONG_CONTEXT),
+            )  # fmt: skip
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"speculative_verify_cost: cannot read {path}: {e}") from e
 
     def __repr__(self) -> str:
         if self.table is not None:
             cells = " ".join(f"{b},{d}:{c:.2f}" for b, d, c in self.table.cells)
+            if self.long is not None:
+                cells += f"; at {self.long_context} tokens " + " ".join(
+                    f"{b},{d}:{c:.2f}" for b, d, c in self.long.cells
+                )
             return f"VerifyCost(cells {cells}; {self.source})"
         a, b, c, e = self.coef
         return f"VerifyCost({a:.3f} + {b:.3f} B + {c:.3f} d + {e:.3f} B d; {self.source})"
@@ -174,7 +210,7 @@ class FixedDrafter(Drafter):
         return [self.token] * min(self.n, room) if free_drafts else []
 
 
-def _prompt(i: int, vocab: int, n: int = 96) -> list[int]:
+def _prompt(i: int, vocab: int, n: int = SHORT_CONTEXT) -> list[int]:
     # distinct per request (no shared prefix), ids well inside any vocabulary
     span = max(2, min(vocab, 4000) - 20)
     return [10 + (i * 131 + k * 17) % span for k in range(n)]
@@ -190,10 +226,12 @@ def measure(sched, batches=(1, 2, 4), drafts=(1, 2, 3, 4, 5, 6, 7), steps: int =
     batch size B: B requests (synthetic prompts) decode, and consecutive steps alternate
     decode and each draft length (the drafter swapped for FixedDrafter cells, restored
     after), so a load that changes during the measurement weighs on every cell alike; the
-    fastest wall time of `steps` steps a cell. Not a median, not CPU time: on a shared
-    machine the median step met other jobs and the forward's threads spin at their barriers
-    (CPU time that is not the step's cost); a medianed CPU-time table of SmolLM2's Q4_1 file
-    at load 7 read 7 drafts at batch 1 as 0.11 decode steps where they cost ~1.9. The requests are aborted and the
+    fastest time of `steps` steps a cell: this thread's CPU time with one forward thread,
+    else the wall time. Not a median, not the process's CPU time with several threads: on a
+    shared machine the median step met other jobs and the forward's threads spin at their
+    barriers (CPU time that is not the step's cost); a medianed CPU-time table of SmolLM2's
+    Q4_1 file at load 7 (two threads) read 7 drafts at batch 1 as 0.11 decode steps where
+    they cost ~1.9. Batch 1 is measured at a LONG_CONTEXT-token prompt too (the long row). The requests are aborted and the
     prefix cache flushed after. Returns (VerifyCost, cells [(B, d, extra decode steps)])."""
     from loom.runtime.io_struct import TokenizedGenerateReq
     from loom.runtime.sampling_params import make_sampling_params
@@ -204,16 +242,32 @@ def measure(sched, batches=(1, 2, 4), drafts=(1, 2, 3, 4, 5, 6, 7), steps: int =
         b: sorted({min(d, top) for d in (drafts if b == min(batches) else wide)})
         for b in batches
     }
+    # the long-context row: batch 1 at LONG_CONTEXT tokens, where the pool and the context
+    # length hold it (key 0: a batch size no row has)
+    room = min(sched.context_len, sched.kv.size) - (1 + top) * (steps + 2) - 16
+    long_n = LONG_CONTEXT if room >= LONG_CONTEXT else 0
+    runs = [(b, b, SHORT_CONTEXT) for b in batches]
+    if long_n:
+        per_batch[0] = per_batch[min(batches)]
+        runs.append((0, 1, long_n))
+    # one forward thread: the step runs on this thread alone (OpenMP's serial branch, one
+    # torch thread), so its CPU time is the step's cost without the time other jobs held the
+    # core (at load 5-6 on 2 cores the fastest of 8 wall steps still read 1 draft at 0.06 in
+    # one start-up and 0.63 in the next); with several threads their barrier spins count as
+    # CPU time, so the wall clock
+    args = getattr(sched, "args", None)
+    one = args is not None and args.effective_cpu_threads == 1
+    clock = time.thread_time if one else time.perf_counter
     secs: dict[tuple[int, int], list[float]] = {}
     try:
-        for b in batches:
+        for b, n_req, n_tok in runs:
             params = {"temperature": 0, "ignore_eos": True,
                       "max_new_tokens": (1 + len(per_batch[b])) * (steps + 2) + 8}  # fmt: skip
-            for i in range(b):
+            for i in range(n_req):
                 sched.add_request(
                     TokenizedGenerateReq(
                         rid=f"verify-cost-{i}",
-                        input_ids=_prompt(i, sched.vocab_size),
+                        input_ids=_prompt(i, sched.vocab_size, n_tok),
                         sampling_params=make_sampling_params(params),
                         seed=0,
                     )
@@ -223,10 +277,10 @@ def measure(sched, batches=(1, 2, 4), drafts=(1, 2, 3, 4, 5, 6, 7), steps: int =
             for k in range(steps + 1):
                 for d in (0, *per_batch[b]):
                     sched.set_drafter(FixedDrafter(d) if d else None)
-                    t = time.perf_counter()
+                    t = clock()
                     sched.step()
                     if k:  # the first round warms each shape
-                        secs.setdefault((b, d), []).append(time.perf_counter() - t)
+                        secs.setdefault((b, d), []).append(clock() - t)
             sched.abort("")
             while not sched.is_idle:
                 sched.step()
@@ -236,16 +290,17 @@ def measure(sched, batches=(1, 2, 4), drafts=(1, 2, 3, 4, 5, 6, 7), steps: int =
     finally:
         sched.set_drafter(saved)
         sched.flush_cache()
-    cells = [
-        (b, d, min(secs[(b, d)]) / min(secs[(b, 0)]) - 1)
-        for b in batches
-        for d in per_batch[b]
-    ]
+    def extra(b, d):
+        return min(secs[(b, d)]) / min(secs[(b, 0)]) - 1
+
+    cells = [(b, d, extra(b, d)) for b in batches for d in per_batch[b]]
+    long_cells = [(1, d, extra(0, d)) for d in per_batch[0]] if long_n else None
     try:
         coef = fit(cells)
     except ValueError:  # one batch size or one draft length: the table alone describes it
         coef = BUNDLED
-    return VerifyCost(coef, "measured at start-up", cells), cells
+    cost = VerifyCost(coef, "measured at start-up", cells, long_cells, long_n or LONG_CONTEXT)
+    return cost, cells
 
 
 def cache_path(args) -> Path:

@@ -49,6 +49,7 @@ class NgramState:
         "steps",
         "expected",
         "gains",
+        "raw",
         "opening",
         "shadow",
         "skipped",
@@ -64,6 +65,9 @@ class NgramState:
         self.steps = 0
         self.expected = 0.0  # draft tokens the current draft is expected to get accepted
         self.gains: list[float] | None = []  # per position of the current chain (None: a tree)
+        # the chain's chances by the request's rates alone, before the drafter's calibration
+        # (`NgramSpeculator._calibrated`; None: not a chain the calibration learns from)
+        self.raw: list[float] | None = None
         # which of the drafter's opening-step rates the draft being verified used (-1: the
         # request's own; 0: it rides the prefill; k: the k-th draft after it)
         self.opening = -1
