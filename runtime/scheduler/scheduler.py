@@ -64,7 +64,8 @@ class Scheduler:
             args.grammar_compile_timeout,
             engine=args.grammar_backend,
         )
-        self.grammar_queue.start()  # the mask engine's tables, while the rest starts
+        if args.grammar_backend_eager:  # the mask engine's tables, while the rest starts
+            self.grammar_queue.start()  # (else on the first constrained request: grammar_queue.py)
         self.prefill = PrefillManager(
             self.kv, args, r.max_running_requests, random.Random(args.random_seed)
         )
