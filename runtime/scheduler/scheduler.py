@@ -44,7 +44,16 @@ class Scheduler:
         from loom.runtime.model_runner import ModelRunner
 
         self.args = args
-        self.runner = model_runner or ModelRunner(args)
+        if tokenizer is None and model_runner is None:
+            # the tokenizer before the weights: its build's transient (Gemma 3's 262k tokens /
+            # 515k merges: +260 MB) then passes over a process that holds no weights yet
+            tokenizer = _load_tokenizer(args)
+        if model_runner is None:
+            from loom.runtime.process import release_free_heap
+
+            model_runner = ModelRunner(args)
+            release_free_heap()  # the C forward's merged q/k/v and gate/up free their parts
+        self.runner = model_runner
         r = self.runner
         self.context_len = r.context_len
         self.vocab_size = r.vocab_size
