@@ -50,7 +50,13 @@ SHORT_BUDGET = 128
 
 class GrammarQueue:
     def __init__(
-        self, tokenizer, vocab_size: int, eos_token_ids, timeout: float, engine: str = "llguidance"
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids,
+        timeout: float,
+        engine: str = "llguidance",
+        eager: bool = False,
     ):
         self.tokenizer = tokenizer
         self.engine = engine
@@ -63,6 +69,8 @@ class GrammarQueue:
         self.closers: dict[int, Future] = {}  # id(req) -> its closer, while it compiles
         # requests that started before their (default) closer was built: (req, its closer)
         self.late: list[tuple[Req, Future]] = []
+        if eager:  # --grammar-backend-eager: the tables build while the rest of start-up runs
+            self.start()
 
     def _build(self, warm: bool = False):
         from loom.grammar.backend import GrammarBackend

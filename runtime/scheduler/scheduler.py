@@ -44,16 +44,9 @@ class Scheduler:
         from loom.runtime.model_runner import ModelRunner
 
         self.args = args
-        if tokenizer is None and model_runner is None:
-            # the tokenizer before the weights: its build's transient (Gemma 3's 262k tokens /
-            # 515k merges: +260 MB) then passes over a process that holds no weights yet
-            tokenizer = _load_tokenizer(args)
-        if model_runner is None:
-            from loom.runtime.process import release_free_heap
-
-            model_runner = ModelRunner(args)
-            release_free_heap()  # the C forward's merged q/k/v and gate/up free their parts
-        self.runner = model_runner
+        if tokenizer is None and model_runner is None:  # before the weights: the build's
+            tokenizer = _load_tokenizer(args)  # transient (Gemma 3: +241 MB) passes over less
+        self.runner = model_runner or ModelRunner(args)
         r = self.runner
         self.context_len = r.context_len
         self.vocab_size = r.vocab_size
@@ -72,9 +65,8 @@ class Scheduler:
             self.eos_token_ids,
             args.grammar_compile_timeout,
             engine=args.grammar_backend,
+            eager=args.grammar_backend_eager,  # else built by the first constrained request
         )
-        if args.grammar_backend_eager:  # the mask engine's tables, while the rest starts
-            self.grammar_queue.start()  # (else on the first constrained request: grammar_queue.py)
         self.prefill = PrefillManager(
             self.kv, args, r.max_running_requests, random.Random(args.random_seed)
         )
