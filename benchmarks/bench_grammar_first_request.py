@@ -3,8 +3,9 @@ schema costs end to end, against llguidance's own compile of the same schema.
 
 Model: a random one-layer Llama whose vocabulary is Llama 3's tokenizer (128,256 ids;
 tests/tiny_models.build_llama3_vocab_model), so the forward costs little and the grammar's
-share shows. One Engine, started as users start it (the grammar backend's tokenizer tables
-are built at start-up, before the Engine returns). Then, for each of --schemas new schemas
+share shows. One Engine, started with --grammar-backend-eager (the grammar backend's tokenizer
+tables built at start-up, before the Engine returns; --lazy: loom's default, the first
+constrained request builds them, and its extra TTFT is that build's cost). Then, for each of --schemas new schemas
 (distinct key names: none hits the compile cache), alternately: a plain request and a
 constrained one with the same prompt, each max_new_tokens 1, so their wall time is their time
 to first token. Extra TTFT = constrained - the median of the plain requests around it. Beside
@@ -12,7 +13,7 @@ each schema: llguidance's compile of the same schema at the same tokenizer (`LLM
 the JSON schema to its first mask, in this process). The check: the first request's and the
 worst request's extra TTFT within 3x llguidance's compile of that schema + 50 ms.
 
-    python benchmarks/bench_grammar_first_request.py [--schemas 20]
+    python benchmarks/bench_grammar_first_request.py [--schemas 20] [--lazy]
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--schemas", type=int, default=20, help="new schemas, one request each")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--lazy", action="store_true", help="loom's default (the first constrained "
+                   "request builds the grammar backend) instead of --grammar-backend-eager; the "
+                   "first request's extra TTFT then includes the build, and no bound applies to it")  # fmt: skip
     args = p.parse_args(argv)
     import loom
     from tests.tiny_models import build_llama3_vocab_model
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     path = build_llama3_vocab_model(folder)
     schemas = [schema(i) for i in range(args.schemas)]
     t = time.perf_counter()
-    engine = loom.Engine(path, max_total_tokens=4096, cpu_threads=args.threads, log_level="warning")
+    engine = loom.Engine(path, max_total_tokens=4096, cpu_threads=args.threads,
+                         log_level="warning", grammar_backend_eager=not args.lazy)  # fmt: skip
     start_s = time.perf_counter() - t
     prompt = "Give the record as JSON:"
     plain = {"max_new_tokens": 1, "temperature": 0}
@@ -110,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
     llg = llguidance_compile_ms(tok, vocab, schemas)
     bound = [FACTOR * c + SLACK_MS for c in llg]
     worst = max(range(len(extra)), key=lambda i: extra[i])
-    ok_first, ok_worst = extra[0] <= bound[0], extra[worst] <= bound[worst]
+    if args.lazy:  # the first request built the backend: the bound holds for the others
+        worst = 1 + max(range(len(extra) - 1), key=lambda i: extra[1 + i])
+    ok_first, ok_worst = args.lazy or extra[0] <= bound[0], extra[worst] <= bound[worst]
     print(
         f"Engine start {start_s:.1f} s (grammar tables ready at start: {ready}); plain TTFT "
         f"median {statistics.median(plains):.1f} ms; {len(schemas)} new schemas"
@@ -121,8 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"llguidance compile p50 {statistics.median(llg):.2f} ms, worst {max(llg):.2f} ms"
     )
     print(
-        f"bound {FACTOR:g}x llguidance's compile + {SLACK_MS:g} ms: first {extra[0]:.1f} <= "
-        f"{bound[0]:.1f} {'met' if ok_first else 'MISSED'}; worst {extra[worst]:.1f} <= "
+        f"bound {FACTOR:g}x llguidance's compile + {SLACK_MS:g} ms: first {extra[0]:.1f} "
+        + (
+            "(--lazy: builds the backend, no bound)"
+            if args.lazy
+            else f"<= {bound[0]:.1f} {'met' if ok_first else 'MISSED'}"
+        )
+        + f"; worst {'after the first ' if args.lazy else ''}{extra[worst]:.1f} <= "
         f"{bound[worst]:.1f} {'met' if ok_worst else 'MISSED'}"
     )
     print(common.loadavg())

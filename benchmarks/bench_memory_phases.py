@@ -10,6 +10,11 @@ by writing 5 to /proc/self/clear_refs), so a transient shows as peak - resident.
 
     python benchmarks/bench_memory_phases.py [--gguf smollm2|gemma3-270m|PATH] [--batch 1]
         [--pp 128] [--tg 32] [--threads 1] [--kv-cache-dtype auto] [--tracemalloc N]
+        [--grammar-backend-eager]
+
+After the plain workload, two constrained requests (new JSON schemas, 8 tokens): the first
+builds the grammar backend (loom's default: built on the first constrained request) unless
+--grammar-backend-eager built it inside Scheduler(); their wall times are printed.
 
 --tracemalloc N: also trace Python allocations and print the N largest sites alive at the end
 (slows start-up several-fold; resident figures then include tracemalloc's own bookkeeping).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import random
 import time
@@ -96,6 +102,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--tracemalloc", type=int, default=0, metavar="N")
+    p.add_argument("--grammar-backend-eager", action="store_true",
+                   help="build the grammar backend at start-up (else: on the first constrained "
+                   "request, the last phases here)")  # fmt: skip
     a = p.parse_args()
     print(f"load before: {os.getloadavg()}")
     if a.tracemalloc:
@@ -127,6 +136,7 @@ def main() -> None:
         model_path=path, quantization="gguf", max_running_requests=a.batch,
         max_total_tokens=a.batch * (a.pp + a.tg) + 64, kv_cache_dtype=a.kv_cache_dtype,
         random_seed=0, cpu_threads=a.threads, log_level="warning",
+        grammar_backend_eager=a.grammar_backend_eager,
     )  # fmt: skip
     configure_child_process(args, "scheduler", os.getpid())
     torch.set_num_threads(args.effective_cpu_threads)
@@ -163,6 +173,8 @@ def main() -> None:
             start(self)
             self.wait_ready()
 
+    # (lazily: started by the first constrained request, inside that request's phase)
+
     sm.GrammarQueue.start = start_and_wait
     wrap(gb.TokenVocabulary, "from_tokenizer", "token vocabulary")
     wrap(gb, "make_engine", "mask engine tables")
@@ -175,13 +187,13 @@ def main() -> None:
         pass
     print(f"  (Scheduler() took {time.perf_counter() - t:.1f} s)")
 
-    def run(prompts, n):
+    def run(prompts, n, extra=None):
         for i, ids in enumerate(prompts):
             sched.add_request(
                 TokenizedGenerateReq(
                     rid=f"r{random.random()}-{i}", input_ids=ids, seed=0,
                     sampling_params=make_sampling_params(
-                        {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+                        {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **(extra or {})}
                     ),
                 )
             )  # fmt: skip
@@ -201,6 +213,14 @@ def main() -> None:
     with phase("again (steady)"):
         sched.flush_cache()
         run(prompts, a.tg)
+    # a constrained request after the plain ones (wall time: what a first grammar user waits,
+    # the backend's build included unless --grammar-backend-eager built it at start-up)
+    for i, what in enumerate(("first", "second")):
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
+        t = time.perf_counter()
+        with phase(f"{what} constrained request (json_schema, 8 tokens)"):
+            run([[5, 6, 7, 8]], 8, {"json_schema": json.dumps(schema), "ignore_eos": False})
+        print(f"  ({what} constrained request: {1e3 * (time.perf_counter() - t):.0f} ms wall)")
     smaps = {}
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
         key, _, val = line.partition(":")

@@ -65,10 +65,12 @@ class ModelRunner:
         self.cpu_forward = None
         if args.cpu_forward == "auto" and args.effective_attention_backend == "cpu_paged":
             from loom.runtime.cpu_forward import CpuForward
+            from loom.runtime.process import release_free_heap
 
             self.cpu_forward = CpuForward.build(
                 self.model, self.token_to_kv_pool, tp_size=args.tp_size, pp_size=args.pp_size
             )
+            release_free_heap()  # the merged q/k/v and gate/up copies freed their parts
 
     def _kv_layout(self) -> tuple[int, int, torch.dtype, int]:
         """(KV heads on this rank, head_dim, KV dtype, bytes of KV per token) of the pool."""

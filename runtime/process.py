@@ -136,6 +136,38 @@ def limit_malloc_arenas() -> bool:
         return False
 
 
+# glibc's M_MMAP_THRESHOLD (malloc.h): allocations at least this large get their own mapping,
+# unmapped on free. Left dynamic, glibc raises the threshold to the size of each mapped chunk
+# freed (up to 32 MB): after a tokenizer build frees its large buffers, a step's activations
+# (SmolLM2 batch 32: 9-50 MB buffers of a 4,096-token prefill) come from the heap and stay
+# resident after the step. Set, it stays put. 4 MB: decode-sized buffers are reused from the
+# heap, prefill-sized ones go back (docs/benchmarks.md, "Issue 32: the scheduler without the
+# grammar backend at start-up"; 128 KB, glibc's start value, measured within 8 MB of it).
+# Set only after the fork server's imports: SmolLM2 batch 32 steady 826 MB with the mmap
+# threshold alone (the trim one left where the imports' dynamic threshold had raised it), 635
+# with both.
+# M_TRIM_THRESHOLD: free bytes at the heap's top handed back at once. The dynamic threshold
+# also raised it (to twice the mmap one) before this process set anything, so it is set too.
+M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1
+MMAP_THRESHOLD = 4 << 20
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # glibc's own ratio (128 KB measured worse: 738 MB)
+
+
+def fix_mmap_threshold() -> bool:
+    """mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD,
+    TRIM_THRESHOLD) in this process, unless the user set MALLOC_MMAP_THRESHOLD_ (glibc reads
+    that itself). False where libc is not glibc."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        )
+    except (OSError, AttributeError):
+        return False
+
+
 def release_free_heap() -> bool:
     """malloc_trim(0): hand the heap pages malloc holds free back to the kernel. Building a
     large tokenizer frees most of what it allocated (Gemma 3's: about four fifths,
@@ -172,6 +204,7 @@ def configure_child_process(args, name: str, owner_pid: int) -> None:
     # written: a collection here would write every tracked object's header and copy its page
     gc.freeze()
     limit_malloc_arenas()
+    fix_mmap_threshold()
     mp.current_process().name = name
     configure_logging(args.log_level)
     _exit_with_parent(owner_pid)

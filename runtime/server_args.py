@@ -86,6 +86,7 @@ class ServerArgs(ServerArgsValidation):
     # Grammar
     grammar_backend: str = "llguidance"
     grammar_compile_timeout: float = 30.0
+    grammar_backend_eager: bool = False  # build it at start-up, not on the first constraint
     disable_jump_forward: bool = False
 
     # Speculative decoding (SGLang's names; see _validate_speculative)

@@ -35,6 +35,9 @@ SERVER_HELP = {
     "cuda_graph_max_bs": "Largest decode batch replayed from a CUDA graph (sizes 1, 2, 4, 8, then every 8 up to it; larger batches run eagerly); default 160, capped by max running requests. Validated on the CPU too, where no graph is captured",
     "grammar_backend": "Grammar engine for regex / json_schema / ebnf constraints",
     "grammar_compile_timeout": "Seconds a grammar may take to compile before its request fails",
+    "grammar_backend_eager": "Build the grammar backend (the mask engine's tokenizer tables) at start-up, "
+    "before the server reports healthy, instead of on the first constrained request: that "
+    "request then pays only its own compile, and every server holds the tables' memory",
     "disable_jump_forward": "Turn off grammar jump-forward",
     "speculative_algorithm": "Speculative decoding: NGRAM (drafts from an n-gram trie over the prompt, the output and recent requests; grammar-aware); EAGLE / EAGLE3 (a draft head over the target's hidden states: --speculative-draft-model-path); MEDUSA (extra LM heads on the last hidden state, tree drafts)",
     "speculative_num_draft_tokens": "Tokens per request in one verify step, the last real token included (default 8 with an algorithm)",

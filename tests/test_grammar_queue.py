@@ -8,7 +8,10 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from loom.grammar.backend import GrammarBackend
+from loom.grammar.base import GrammarError
 from loom.runtime.scheduler.grammar_queue import GrammarQueue
 from tests.conftest_grammar import byte_bpe
 
@@ -127,3 +130,58 @@ def test_a_short_budget_waits_for_its_closer_and_a_long_one_starts_without(monke
     ready, failed = _drain(queue)
     assert set(ready) == {"short"} and not failed
     assert type(ready["short"].grammar).__name__ == "ClosingGrammar"
+
+
+def test_requests_before_the_build_wait_for_it_then_compile():
+    """Without --grammar-backend-eager the backend is built by the first constrained request:
+    requests that arrive while it builds wait (no compile yet) and compile once it is done;
+    a build that fails fails each of them with its error, and one slower than a queue wait
+    (QUEUE_WAIT_FACTOR timeouts) fails them without waiting forever."""
+    tok = byte_bpe()
+    queue = GrammarQueue(tok, len(tok), {tok.eos_token_id}, timeout=5.0)
+    assert not queue.ready and queue._building is None  # nothing built before a request
+    gate = threading.Event()
+    real = queue._build
+
+    def slow_build(warm=False):
+        gate.wait(5.0)
+        return real(warm)
+
+    queue._build = slow_build
+    queue.add(_req("a", "regex", "[0-9]+"), "regex", "[0-9]+")
+    queue.add(_req("b", "regex", "[a-z]+"), "regex", "[a-z]+")
+    assert queue._building is not None and [f for _, f, _ in queue.pending] == [None, None]
+    assert queue.poll() == ([], [])  # still building: both keep waiting
+    gate.set()
+    ready, failed = _drain(queue)
+    assert failed == {} and set(ready) == {"a", "b"}
+    digit, letter = tok.convert_tokens_to_ids("7"), tok.convert_tokens_to_ids("x")
+    ready["b"].grammar.accept_token(letter)  # each request got its own spec's grammar
+    ready["a"].grammar.accept_token(digit)
+    with pytest.raises(GrammarError):
+        ready["a"].grammar.accept_token(letter)
+    assert queue.ready
+    queue.close()
+
+    broken = GrammarQueue(tok, len(tok), {tok.eos_token_id}, timeout=5.0)
+
+    def fail(warm=False):
+        raise RuntimeError("no tables")
+
+    broken._build = fail
+    broken.add(_req("c", "regex", "[0-9]+"), "regex", "[0-9]+")
+    ready, failed = _drain(broken)
+    assert ready == {} and failed == {"c": "regex: the grammar backend failed to build: no tables"}
+    assert broken.add(_req("c2", "regex", "[0-9]+"), "regex", "[0-9]+") == (
+        "regex: the grammar backend failed to build: no tables"
+    )  # later requests: at once
+
+    stuck = GrammarQueue(tok, len(tok), {tok.eos_token_id}, timeout=0.05)
+    hold = threading.Event()
+    stuck._build = lambda warm=False: hold.wait(5.0)
+    stuck.add(_req("d", "regex", "[0-9]+"), "regex", "[0-9]+")
+    ready, failed = _drain(stuck, limit=3.0)
+    hold.set()
+    assert ready == {} and failed == {
+        "d": "regex: building the grammar backend took longer than 0.2 s"
+    }

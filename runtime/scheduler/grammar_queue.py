@@ -18,11 +18,15 @@ request start and is attached between two steps once built
 (`attach_late`).
 
 The backend (the mask engine's view of the tokenizer: ~2 s of tables at Llama 3's 128k
-vocabulary) is built on a thread from `start()`, at scheduler start-up, and warmed by one
-compile (the translation worker's fork, the engine's lazy set-up); the scheduler process waits
-for it (`wait_ready`) before it reports ready, so the server is healthy only once a first
-constrained request would pay just its own compile (as SGLang's grammar backends build their
-tokenizer info at start-up).
+vocabulary, and its resident set: Gemma 3's 262k tokens hold ~240 MB, more than loom's copy of
+the weights) is built on a thread, warmed by one compile (the translation worker's fork, the
+engine's lazy set-up). By default it is built when the first constrained request arrives:
+that request waits here for the build (as long as the build, bounded like a queue wait),
+while the others keep running, and a server that never sees a constraint never holds the
+tables. `--grammar-backend-eager` builds it from `start()` at scheduler start-up instead, and
+the scheduler process waits for it (`wait_ready`) before it reports ready, so the server is
+healthy only once a first constrained request would pay just its own compile (as SGLang's
+grammar backends build their tokenizer info at start-up).
 """
 
 from __future__ import annotations
@@ -46,7 +50,13 @@ SHORT_BUDGET = 128
 
 class GrammarQueue:
     def __init__(
-        self, tokenizer, vocab_size: int, eos_token_ids, timeout: float, engine: str = "llguidance"
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids,
+        timeout: float,
+        engine: str = "llguidance",
+        eager: bool = False,
     ):
         self.tokenizer = tokenizer
         self.engine = engine
@@ -55,10 +65,12 @@ class GrammarQueue:
         self.timeout = timeout
         self._backend = None
         self._building: Future | None = None  # the start-up build, while it runs
-        self.pending: list[tuple[Req, Future, float]] = []
+        self.pending: list[tuple[Req, Future | None, float]] = []  # None: waits for the build
         self.closers: dict[int, Future] = {}  # id(req) -> its closer, while it compiles
         # requests that started before their (default) closer was built: (req, its closer)
         self.late: list[tuple[Req, Future]] = []
+        if eager:  # --grammar-backend-eager: the tables build while the rest of start-up runs
+            self.start()
 
     def _build(self, warm: bool = False):
         from loom.grammar.backend import GrammarBackend
@@ -128,19 +140,64 @@ class GrammarQueue:
             self._backend.shutdown()
 
     def add(self, req: Req, kind: str, spec: str) -> str | None:
-        """Start compiling; returns an error message when it cannot even start."""
+        """Start compiling; returns an error message when it cannot even start. Before the
+        backend is built, the request waits for the build (started here if it was not)
+        with no compile future yet (None): `poll` starts its compile once the build is done."""
         if self.tokenizer is None:
             return f"{kind}: grammar-constrained decoding needs the tokenizer (skip_tokenizer_init is set)"
-        self.pending.append((req, self.backend.compile_async(kind, spec), time.monotonic()))
+        if not self.ready:
+            self.start()
+            self.pending.append((req, None, time.monotonic()))
+            return None
+        try:
+            self._compile(req, kind, spec, time.monotonic())
+        except Exception as e:  # noqa: BLE001 - the build failed: each request gets its error
+            return f"{kind}: the grammar backend failed to build: {e}"
+        return None
+
+    def _compile(self, req: Req, kind: str, spec, now: float) -> None:
+        self.pending.append((req, self.backend.compile_async(kind, spec), now))
         if getattr(req.sampling_params, "closes_within_budget", False):
             self.closers[id(req)] = self.backend.closer_async(kind, spec)
-        return None
+
+    def _start_waiting(self, failed: list[tuple[Req, str]]) -> None:
+        """Requests that waited for the backend's build: start their compiles once it is
+        done (the compile timeout counts from then), fail them if it failed, or if it took
+        longer than a queue wait (QUEUE_WAIT_FACTOR timeouts)."""
+        now = time.monotonic()
+        waiting = [(r, a) for r, fut, a in self.pending if fut is None]
+        if not waiting:
+            return
+        error = None
+        if self.ready:
+            try:
+                self.backend  # noqa: B018 - takes the build's result (or its error)
+            except Exception as e:  # noqa: BLE001 - the build's failure is each request's error
+                error = f"the grammar backend failed to build: {e}"
+        late = (
+            f"building the grammar backend took longer than {QUEUE_WAIT_FACTOR * self.timeout:g} s"
+        )
+        self.pending = [p for p in self.pending if p[1] is not None]
+        for req, admitted in waiting:
+            kind, spec = req.sampling_params.grammar_spec or ("grammar", None)
+            if error is not None:
+                failed.append((req, f"{kind}: {error}"))
+            elif self.ready:
+                self._compile(req, kind, spec, now)
+            elif now - admitted > QUEUE_WAIT_FACTOR * self.timeout:
+                failed.append((req, f"{kind}: {late}"))
+            else:
+                self.pending.append((req, None, admitted))
 
     def poll(self) -> tuple[list[Req], list[tuple[Req, str]]]:
         """(requests now ready, (request, error) pairs); both leave the queue."""
         ready, failed, still = [], [], []
+        self._start_waiting(failed)
         now = time.monotonic()
         for req, fut, admitted in self.pending:
+            if fut is None:  # still waiting for the backend's build
+                still.append((req, fut, admitted))
+                continue
             kind, spec = req.sampling_params.grammar_spec or ("grammar", None)
             started = fut.compile_started()
             closer = self.closers.get(id(req))

@@ -44,6 +44,8 @@ class Scheduler:
         from loom.runtime.model_runner import ModelRunner
 
         self.args = args
+        if tokenizer is None and model_runner is None:  # before the weights: the build's
+            tokenizer = _load_tokenizer(args)  # transient (Gemma 3: +241 MB) passes over less
         self.runner = model_runner or ModelRunner(args)
         r = self.runner
         self.context_len = r.context_len
@@ -63,8 +65,8 @@ class Scheduler:
             self.eos_token_ids,
             args.grammar_compile_timeout,
             engine=args.grammar_backend,
+            eager=args.grammar_backend_eager,  # else built by the first constrained request
         )
-        self.grammar_queue.start()  # the mask engine's tables, while the rest starts
         self.prefill = PrefillManager(
             self.kv, args, r.max_running_requests, random.Random(args.random_seed)
         )
