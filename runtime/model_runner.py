@@ -74,9 +74,11 @@ class ModelRunner:
         """--kv-cache-dtype, with `auto` for a GGUF model kept quantized on the CPU meaning a
         bfloat16 pool where the compiled C forward runs it (llama.cpp's default is a 16-bit
         cache too): half the KV bytes, and SmolLM2's teacher-forced top-1 agreement with the
-        float32 reference 99.55% over 2,000 tokens, perplexity within 0.03%
-        (docs/benchmarks.md, "Issue 32: a bfloat16 KV pool in the C forward"). A model the C
-        forward would leave to the eager layers keeps the model dtype."""
+        float32 reference 99.65% over 2,000 tokens, perplexity within 0.04%
+        (docs/benchmarks.md, "Issue 32: the bfloat16 pool's prefill split-invariant, and the
+        default again"). Every row on that pool attends as its token's decode step, so a prompt
+        decodes the same after a radix-cached prefix as prefilled whole. A model the C forward
+        would leave to the eager layers keeps the model dtype."""
         args = self.args
         if not (
             args.kv_cache_dtype == "auto"
