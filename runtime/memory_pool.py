@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-# "float32": loom's own value (SGLang has none), a float32 pool whatever the model dtype
+# "float32": loom's own value (SGLang has none), to pin a float32 pool where "auto" picks
+# bfloat16 (a GGUF model in the C forward: ModelRunner._kv_cache_dtype)
 _KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

@@ -72,8 +72,41 @@ class ModelRunner:
             )
             release_free_heap()  # the merged q/k/v and gate/up copies freed their parts
 
-    def _kv_layout(self) -> tuple[int, int, torch.dtype, int]:
-        """(KV heads on this rank, head_dim, KV dtype, bytes of KV per token) of the pool."""
+    def _kv_cache_dtype(self) -> str:
+        """--kv-cache-dtype, with `auto` for a GGUF model kept quantized on the CPU meaning a
+        bfloat16 pool where the compiled C forward runs it (llama.cpp's default is a 16-bit
+        cache too): half the KV bytes, and SmolLM2's teacher-forced top-1 agreement with the
+        float32 reference 99.65% over 2,000 tokens, perplexity within 0.04%
+        (docs/benchmarks.md, "Issue 32: the bfloat16 pool's prefill split-invariant, and the
+        default again"). Every row on that pool attends as its token's decode step, so a prompt
+        decodes the same after a radix-cached prefix as prefilled whole. A model the C forward
+        would leave to the eager layers keeps the model dtype."""
+        args = self.args
+        if not (
+            args.kv_cache_dtype == "auto"
+            and args.quantization == "gguf"
+            and args.cpu_forward == "auto"
+            and args.effective_attention_backend == "cpu_paged"
+            and self.dtype == torch.float32
+            and torch.device(self.device).type == "cpu"
+            # a file of float tensors (nothing kept quantized) keeps its checkpoint's arithmetic
+            and any(getattr(p, "quant", None) is not None for p in self.model.parameters())
+        ):
+            return args.kv_cache_dtype
+        from types import SimpleNamespace
+
+        from loom.runtime import cpu_forward
+
+        kv16 = [torch.empty(0, dtype=torch.bfloat16)]
+        pool = SimpleNamespace(k_buffers=kv16, v_buffers=kv16)
+        why = cpu_forward.unsupported(self.model, pool, tp_size=args.tp_size, pp_size=args.pp_size)
+        return "auto" if why or cpu_forward.load() is None else "bf16"
+
+    def _kv_layout(self, weights_loaded: bool = True) -> tuple[int, int, torch.dtype, int]:
+        """(KV heads on this rank, head_dim, KV dtype, bytes of KV per token) of the pool.
+        Before the weights are loaded (`weights_loaded` False: the rotary tables' sizing),
+        `auto` may still become bfloat16 (`_kv_cache_dtype` reads the loaded weights), so the
+        bytes are the fewer of the two: the pool's token count is then an upper bound."""
         cfg, args = self.config, self.args
         kv_heads = max(
             1,
@@ -81,10 +114,14 @@ class ModelRunner:
         )
         head_dim = head_dim_of(cfg)
         backend = args.effective_attention_backend
-        kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, backend)
-        per_token = (
-            2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.finfo(kv_dtype).bits // 8
-        )
+        if weights_loaded:
+            kv_dtype = resolve_kv_dtype(self._kv_cache_dtype(), self.dtype, backend)
+        else:
+            kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, backend)
+        bits = torch.finfo(kv_dtype).bits
+        if not weights_loaded and args.kv_cache_dtype == "auto" and args.quantization == "gguf":
+            bits = min(bits, 16)
+        per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * bits // 8
         return kv_heads, head_dim, kv_dtype, per_token
 
     def _pool_tokens(self, per_token: int, weights_loaded: bool = True) -> int | None:
@@ -110,7 +147,7 @@ class ModelRunner:
         positions stay below min(context length, the pool's slots). Gemma 3 270M's tables sized
         to its 32k context are 128 MB, against 1 MB for the 224-token pool bench_real gives it
         (docs/benchmarks.md, "Issue 32: where the scheduler's memory goes")."""
-        total = self._pool_tokens(self._kv_layout()[3], weights_loaded=False)
+        total = self._pool_tokens(self._kv_layout(weights_loaded=False)[3], weights_loaded=False)
         return None if total is None else min(self.context_len, total + self.args.page_size)
 
     def _init_memory(self) -> None:

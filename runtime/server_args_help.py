@@ -23,7 +23,7 @@ SERVER_HELP = {
     "max_prefill_tokens": "Token budget of one prefill batch",
     "chunked_prefill_size": "Split long prompts into chunks of this many tokens (-1: off)",
     "page_size": "Tokens per KV page",
-    "kv_cache_dtype": "KV cache storage dtype: auto (the model dtype), float32, or bf16/bfloat16 (half of float32's bytes, the compiled CPU forward included; attention still accumulates in float32; a prompt whose prefix comes from the radix cache can then decode differently from the same prompt prefilled whole); fp8_e5m2/fp8_e4m3/fp4_e2m1 are not supported yet",
+    "kv_cache_dtype": "KV cache storage dtype: auto (the model dtype; bf16 for a GGUF model kept quantized that the compiled CPU forward runs, as llama.cpp keeps a half-precision cache), float32 (pins a float32 pool) or bf16/bfloat16 (half of float32's bytes; attention still accumulates in float32); fp8_e5m2/fp8_e4m3/fp4_e2m1 are not supported yet",
     "schedule_policy": "Order of the waiting queue",
     "schedule_conservativeness": "Scale of the KV reserved for running requests' future tokens",
     "disable_radix_cache": "Turn off the radix prefix cache",

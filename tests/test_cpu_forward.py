@@ -284,6 +284,45 @@ def test_bf16_pool_verify_rows_are_the_decode_steps_bit_for_bit(
             assert torch.equal(b[mine].view(torch.int16), b[dec_slots].view(torch.int16))
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("family", ["llama", "llama-mqa", "llama-d128", "qwen3", "gemma3"])
+@torch.inference_mode()
+def test_bf16_pool_cached_prefix_and_chunks_equal_a_whole_prefill_bit_for_bit(
+    tiny_model_dir, family, isa
+):
+    """On a bfloat16 pool a prompt gives the same logits and K / V bits however its prefill is
+    split: whole (one 80-token extend: past small_attention's 32 rows and one 64-row query
+    chunk), after a cached prefix (a first request's 50 or 20 tokens in the pool, then the
+    other 30 / 60, the radix cache's case), or in chunks of 16 or 40 (--chunked-prefill-size).
+    Each row attends as its token's decode step would, so the split cannot move a sum; on this
+    pool a last-bit difference becomes a whole bf16 step of the next layer's K / V (SmolLM2's
+    tool_choice="auto" answer in tests/test_tools_real.py lost its call after a cached prefix).
+    The weights int4 with the batch-invariant matmul, as in the verify test above."""
+    runner = _runner(tiny_model_dir(family), kv_cache_dtype="bf16", quantization="int4",
+                     quantized_matmul="batch-invariant")  # fmt: skip
+    if isa != "native":
+        runner.cpu_forward.lib = cpu_forward.load(isa)
+    cf, pool = runner.cpu_forward, runner.token_to_kv_pool
+    splits = [[80], [50, 30], [20, 60], [16] * 5, [40, 40], [79, 1]]
+    st = _Steps(runner, len(splits), seed=21)
+    prompt = torch.randint(0, runner.vocab_size, (80,), generator=st.g).tolist()
+    rows, slots = [], []
+    for i, split in enumerate(splits):
+        got, mine, done = [], [], 0
+        for n in split:
+            batch = st.batch([i], [n], ForwardMode.EXTEND, ids=prompt[done : done + n])
+            got.append(cf(batch))
+            mine.append(batch.out_cache_loc)
+            done += n
+        rows.append(torch.cat(got))
+        slots.append(torch.cat(mine))
+    for i in range(1, len(splits)):
+        diff = float((rows[i] - rows[0]).abs().max())
+        assert torch.equal(rows[i], rows[0]), (splits[i], diff)
+        for b in pool.k_buffers + pool.v_buffers:
+            assert torch.equal(b[slots[i]].view(torch.int16), b[slots[0]].view(torch.int16))
+
+
 @torch.inference_mode()
 def test_attention_paths_agree_on_a_row_that_sees_nothing(tiny_model_dir):
     """A mask row with no visible column (eager gives NaN there) gets zero attention, so the

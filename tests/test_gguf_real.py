@@ -223,8 +223,8 @@ def test_gemma_c_forward_matches_eager_past_the_window(real_gguf):
     from loom.runtime.forward_batch import ForwardMode
     from tests.test_cpu_forward import _compare, _runner, _Steps
 
-    # the float32 pool pinned: this compares the layer arithmetic (over a bfloat16 pool the C
-    # side reads the prompt's own K / V rounded, eager unrounded)
+    # the float32 pool: this compares the layer arithmetic (a bfloat16 pool, the GGUF default,
+    # rounds the prompt's own K / V on the C side only; its accuracy: the teacher-forced test above)
     runner = _runner(real_gguf("gemma3-270m"), quantization="gguf", kv_cache_dtype="float32")
     assert runner.cpu_forward is not None
     st = _Steps(runner, 2, seed=3)

@@ -127,3 +127,47 @@ def test_bf16_pool_greedy_speculation_equals_plain_on_smollm2(
     for i in range(len(ASKS)):
         assert spec[f"p{i}"].ids == plain[f"p{i}"].ids, i
     assert sched.get_state()["spec_verify_ct"] > 0
+
+
+# a long shared system turn (the tool prompt's case: the radix cache holds it after a first ask)
+SYSTEM = (
+    "You are a careful assistant. Answer in one short sentence. When a question needs "
+    "arithmetic, show the result only. Never invent facts; say you do not know instead."
+)
+
+
+def test_bf16_pool_cached_prefix_and_chunked_prefill_equal_a_whole_prefill_on_smollm2(real_gguf):
+    """On SmolLM2's Q4_1 target with a bfloat16 pool (the server's defaults otherwise: the
+    radix cache on, `--quantized-matmul auto`), one chat prompt decoded greedily after three
+    prefills: whole (a fresh server), after a first ask that left the shared system turn in the
+    radix cache (its prefix then read from the pool, the rest extended), and in chunks of 16
+    tokens (`--chunked-prefill-size`). The tokens and the output logprobs (the next-token
+    logits' log-softmax) must be the same floats: with a cached prefix this model's
+    tool_choice="auto" answer in tests/test_tools_real.py lost its call, since a whole
+    prefill's rows summed their attention in another order than an extend's rows and a
+    last-bit difference became a whole bf16 step of the next layer's K / V."""
+    path = str(real_gguf("smollm2"))
+
+    def chat(sched, rid, question):
+        ids = sched.tokenizer.apply_chat_template(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+            add_generation_prompt=True, tokenize=True,
+        )  # fmt: skip
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+        submit(sched, rid, list(ids), greedy(20), return_logprob=True, top_logprobs_num=0)
+        return run_all(sched)[rid], len(ids)
+
+    ask = "What is 17 times 23?"
+    with torch.inference_mode():
+        whole, n = chat(make_scheduler(path, quantization="gguf", kv_cache_dtype="bf16"), "a", ask)
+        sched = make_scheduler(path, quantization="gguf", kv_cache_dtype="bf16")
+        assert sched.runner.token_to_kv_pool.k_buffers[0].dtype == torch.bfloat16
+        chat(sched, "first", "Why is the sky blue?")
+        cached, _ = chat(sched, "a", ask)
+        chunks = make_scheduler(path, quantization="gguf", kv_cache_dtype="bf16",
+                                chunked_prefill_size=16)  # fmt: skip
+        chunked, _ = chat(chunks, "a", ask)
+    assert n > 40 and cached.cached_tokens > 30  # the system turn came from the cache
+    for got in (cached, chunked):
+        assert got.ids == whole.ids
+        assert [lp for lp, *_ in got.output_logprobs] == [lp for lp, *_ in whole.output_logprobs]

@@ -186,7 +186,8 @@ def test_gguf_kept_quantized_matches_dequantized(real_gguf, monkeypatch, mode):
     """SmolLM2's Q4_1 file with --quantization gguf (the file's blocks, read by the C forward)
     against the same file dequantized to float32: prompt logprobs agree to float rounding with
     f32 activations, and within 3e-3 with "bi"'s 16-bit ones (measured 1.05e-3 on this text);
-    the quantized model holds less than a third of the float one's weight bytes."""
+    the quantized model holds less than a third of the float one's weight bytes. Both pools
+    float32 (a GGUF model's default pool is bfloat16: the test below)."""
     monkeypatch.setattr(quant_ops, "DEFAULT_MODE", mode)
     path = real_gguf("smollm2")
     from loom.runtime.tokenizer import load_tokenizer
@@ -210,11 +211,10 @@ def test_gguf_kept_quantized_matches_dequantized(real_gguf, monkeypatch, mode):
     assert qbytes * 3 < fbytes, (qbytes, fbytes)
 
 
-def test_gguf_model_bf16_pool_runs_in_the_c_forward(real_gguf):
-    """--kv-cache-dtype bf16 on SmolLM2's GGUF kept quantized: a bfloat16 pool the C forward
-    runs; auto and float32 keep float32. (Not the default: on a bfloat16 pool greedy NGRAM and
-    EAGLE-3 speculation differed from plain decoding on Spec-Bench prompts, docs/benchmarks.md
-    "Issue 32: a bfloat16 KV pool in the C forward"; the eager forward keeps it too.)"""
+def test_gguf_model_defaults_to_a_bf16_pool_in_the_c_forward(real_gguf):
+    """--kv-cache-dtype auto on SmolLM2's GGUF kept quantized is a bfloat16 pool the C forward
+    runs (as llama.cpp keeps a 16-bit cache); float32 pins float32; the file dequantized
+    (--quantization none), or the eager forward asked for, keeps the model's float32."""
     from loom.runtime.model_runner import ModelRunner
 
     path = str(real_gguf("smollm2"))
@@ -223,12 +223,12 @@ def test_gguf_model_bf16_pool_runs_in_the_c_forward(real_gguf):
         r = ModelRunner(ServerArgs(model_path=path, max_total_tokens=256, **kw))
         return r.token_to_kv_pool.k_buffers[0].dtype, r.cpu_forward
 
-    dtype, fast = pool(kv_cache_dtype="bf16")
+    dtype, fast = pool()
     assert dtype == torch.bfloat16 and fast is not None and fast._struct.kv_bf16 == 1
-    for kv in ("auto", "float32"):
-        dtype, fast = pool(kv_cache_dtype=kv)
-        assert dtype == torch.float32 and fast is not None and fast._struct.kv_bf16 == 0
-    assert pool(kv_cache_dtype="bf16", cpu_forward="eager") == (torch.bfloat16, None)
+    dtype, fast = pool(kv_cache_dtype="float32")
+    assert dtype == torch.float32 and fast is not None and fast._struct.kv_bf16 == 0
+    assert pool(quantization="none")[0] == torch.float32
+    assert pool(cpu_forward="eager") == (torch.float32, None)
 
 
 def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
@@ -236,7 +236,7 @@ def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
     token through the decode kernels (8 a step: f32 activations on AVX-512 builds, 16-bit
     elsewhere; quant_ops.resolve_mode), against the same file
     dequantized to f32 (one step): top-1 agreement >= 99% and perplexity within 1% over 192
-    tokens of README.md (benchmarks/bench_real.py --agreement 2000 gives the 2,000-token
+    tokens of README.md, the quantized side over its default (bfloat16) KV pool (benchmarks/bench_real.py --agreement 2000 gives the 2,000-token
     figure). int8 activations measured 96.4% on this text."""
     import math
 

@@ -441,24 +441,23 @@ static inline const float* kv_at(const float* cache, int bf16, int64_t idx, floa
    in chunks of ATTN_CHUNK rows, each against the keys its last row may see (the causal
    triangle's upper half is skipped, and a chunk's scores stay in cache); with a draft tree's
    mask [n, S] (row j sees column c where mask[j * S + c]) every row scores all S keys and the
-   masked ones get probability 0 (a row that sees nothing: zeros). */
+   masked ones get probability 0 (a row that sees nothing: zeros). A float32 pool only: a
+   bfloat16 pool's rows each take the decode kernel (loom_forward_f32). */
 #define ATTN_CHUNK 64
 /* tokens of one request from which its attention takes the blocked path (those of 2 ..
-   loom_small_attn_max tokens take small_attention instead): tuning knobs the tests and
-   benchmarks set through ctypes (c_int.in_dll) */
+   loom_small_attn_max tokens take small_attention instead; a float32 pool only): tuning knobs
+   the tests and benchmarks set through ctypes (c_int.in_dll) */
 int loom_block_attn_min = 2;
 static void block_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
                             int64_t kh, int64_t G, int64_t D, float scale, float* out, int64_t ldo,
-                            int nthreads, const uint8_t* mask, int bf16) {
+                            int nthreads, const uint8_t* mask) {
     const int64_t Sp = (S + PANEL - 1) / PANEL * PANEL, Dp = (D + PANEL - 1) / PANEL * PANEL;
-    float kb[D], vb[D]; /* a bfloat16 pool's row, widened */
     float* kp = calloc((size_t)(Sp * D), sizeof(float)); /* [Sp / 16, D, 16] */
     float* vp = calloc((size_t)(Dp * S), sizeof(float)); /* [Dp / 16, S, 16] */
     float* sc = malloc(sizeof(float) * (n < ATTN_CHUNK ? n : ATTN_CHUNK) * S);
     for (int64_t c = 0; c < S; c++) {
-        const float* kr = kv_at(kc, bf16, (cols[c] * Hkv + kh) * D, kb, D);
-        const float* vr = kv_at(vc, bf16, (cols[c] * Hkv + kh) * D, vb, D);
+        const float *kr = kc + (cols[c] * Hkv + kh) * D, *vr = vc + (cols[c] * Hkv + kh) * D;
         float* kd = kp + (c / PANEL) * D * PANEL + c % PANEL;
         for (int64_t d = 0; d < D; d++) kd[d * PANEL] = kr[d];
         for (int64_t d = 0; d < D; d++) vp[(d / PANEL) * S * PANEL + c * PANEL + d % PANEL] = vr[d];
@@ -904,18 +903,21 @@ static void attn_items(void* ctx, int64_t w0, int64_t w1, int worker) {
                                 J->view[b].mask, qt, sc, acc);
             continue;
         }
-        if (n_tok >= block_min && !small_path(n_tok)) continue; /* done above */
+        if (!bf16 && n_tok >= block_min && !small_path(n_tok)) continue; /* done above */
         const uint8_t* mrow = J->view[b].mask ? J->view[b].mask + j * S : NULL;
         int64_t len = mrow ? S : S - n_tok + j + 1;
         if (bf16) {
             /* A bfloat16 pool: each row of a multi-token request (a verify step's
-               1 + drafts, a short extend) is attended as the one-token decode step
-               of the same token would be: its visible columns in order (a tree's or
-               window's mask compacted away), the same kernel, so the same float32
-               sums bit for bit. Rounding each K / V to bfloat16 turns the last-bit
-               differences between two summation orders into whole bf16 steps of
-               the next layer's K / V, and greedy speculation then left plain
-               decoding (docs/architecture.md, "A 16-bit pool in the C forward"). */
+               1 + drafts, a whole prompt, a prefill chunk, an extend after a cached
+               prefix) is attended as the one-token decode step of the same token
+               would be: its visible columns in order (a tree's or window's mask
+               compacted away), the same kernel, so the same float32 sums bit for bit
+               however a prompt is split. Rounding each K / V to bfloat16 turns the
+               last-bit differences between two summation orders into whole bf16
+               steps of the next layer's K / V: greedy speculation left plain
+               decoding, and a prompt after a radix-cached prefix decoded otherwise
+               than prefilled whole (docs/architecture.md, "A 16-bit pool in the C
+               forward"). */
             if (mrow) {
                 int64_t k = 0;
                 for (int64_t c = 0; c < S; c++)
@@ -1017,9 +1019,10 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
         for (int64_t i = 0; i < T * Hd; i++) x[i] *= m->embed_scale;
     const int attn_threads = nthreads > 1 && T * Hkv * max_len * H * D > (1 << 17) ? nthreads : 1;
     const int64_t block_min = loom_block_attn_min > 1 ? loom_block_attn_min : 1;
-    /* a request of 2 .. loom_small_attn_max tokens takes small_attention (small_path), else
-       one of block_min or more tokens block_attention, else the per-token loop; small_rp:
-       its widest scratch row */
+    /* a float32 pool: a request of 2 .. loom_small_attn_max tokens takes small_attention
+       (small_path), else one of block_min or more tokens block_attention, else the per-token
+       loop; a bfloat16 pool: every row the decode kernel (below); small_rp: small_attention's
+       widest scratch row */
     int64_t small_rp = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = starts[b + 1] - starts[b];
@@ -1058,14 +1061,15 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
             }
         }
         const double att0 = prof ? cpu_seconds() : 0.;
-        for (int64_t b = 0; b < B; b++) { /* long multi-token requests: the blocked path */
+        /* long multi-token requests: the blocked path (a float32 pool's only) */
+        for (int64_t b = 0; b < B && !bf16; b++) {
             const int64_t n = starts[b + 1] - starts[b];
             if (n >= block_min && !small_path(n))
                 for (int64_t kh = 0; kh < Hkv; kh++)
                     block_attention(qkv + starts[b] * QKV, QKV, starts[b + 1] - starts[b],
                                     view[b].S, view[b].cols, L->k_cache, L->v_cache,
                                     Hkv, kh, G, D, m->scale, att + starts[b] * H * D, H * D,
-                                    nthreads, view[b].mask, bf16);
+                                    nthreads, view[b].mask);
         }
 {
             const int nw = attn_threads;
