@@ -288,7 +288,7 @@ def test_bf16_pool_verify_rows_are_the_decode_steps_bit_for_bit(
 @pytest.mark.parametrize("family", ["llama", "llama-mqa", "llama-d128", "qwen3", "gemma3"])
 @torch.inference_mode()
 def test_bf16_pool_cached_prefix_and_chunks_equal_a_whole_prefill_bit_for_bit(
-    tiny_model_dir, family, isa
+    tiny_model_dir, family, isa, monkeypatch
 ):
     """On a bfloat16 pool a prompt gives the same logits and K / V bits however its prefill is
     split: whole (one 80-token extend: past small_attention's 32 rows and one 64-row query
@@ -298,6 +298,9 @@ def test_bf16_pool_cached_prefix_and_chunks_equal_a_whole_prefill_bit_for_bit(
     pool a last-bit difference becomes a whole bf16 step of the next layer's K / V (SmolLM2's
     tool_choice="auto" answer in tests/test_tools_real.py lost its call after a cached prefix).
     The weights int4 with the batch-invariant matmul, as in the verify test above."""
+    from loom.runtime.layers import quant_ops
+
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", quant_ops.DEFAULT_MODE)  # the runner sets it
     runner = _runner(tiny_model_dir(family), kv_cache_dtype="bf16", quantization="int4",
                      quantized_matmul="batch-invariant")  # fmt: skip
     if isa != "native":
