@@ -24,9 +24,16 @@ class Result:
 
 
 def make_scheduler(path: str, **kwargs) -> Scheduler:
+    """An in-process scheduler whose grammar backend is built before it returns (unless
+    `grammar_backend_eager=False` is passed): the tests submit free and constrained requests
+    together and compare one batch's steps; with the server's default (the backend built by
+    the first constrained request, on a thread) the constrained ones would wait out the build
+    while the free ones ran alone, a batch that depends on the build's time."""
     kwargs.setdefault("max_total_tokens", 8192)
     kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("grammar_backend_eager", True)
     sched = Scheduler(ServerArgs(model_path=path, **kwargs))
+    sched.grammar_queue.wait_ready()
     sched.check_integrity_every_step = True
     return sched
 

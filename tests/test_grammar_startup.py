@@ -79,7 +79,7 @@ def test_the_backend_is_built_by_the_first_constrained_request(tiny_model_dir):
     from tests.runtime_helpers import make_scheduler, run_all, submit
 
     path = tiny_model_dir("llama")
-    sched = make_scheduler(path, max_total_tokens=2048)
+    sched = make_scheduler(path, max_total_tokens=2048, grammar_backend_eager=False)
     try:
         assert sched.grammar_queue._building is None and sched.grammar_queue._backend is None
         assert sched.get_state()["grammar_engine_ready"] is False
