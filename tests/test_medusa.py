@@ -196,7 +196,13 @@ def test_greedy_identical_with_medusa_trees(llama, medusa_dir, radix_off):
     sched = _same_outputs(runs, len(prompts))
     state = sched.get_state()
     assert state["spec_verify_ct"] > 0 and 1.0 < state["spec_accept_length"], state
-    assert sum(state["spec_accepted_by_position"]) < sum(state["spec_proposed_by_position"])
+    accepted, proposed = state["spec_accepted_by_position"], state["spec_proposed_by_position"]
+    assert sum(accepted) <= sum(proposed)
+    if radix_off:  # some drafts rejected: the tail's 30-odd verifies reject about half
+        assert sum(accepted) < sum(proposed), state
+    # radix on: the gate declines most of the batch-26 steps and drafts on its probes (and
+    # the timed head-cost decisions of constrained requests), 2-10 verifies; CI once saw 2,
+    # every proposed token accepted, so rejection is asserted on the radix-off run only
 
 
 def test_a_prefill_asks_the_gate_once(llama, medusa_dir):
