@@ -584,6 +584,25 @@ static inline __attribute__((always_inline)) void bi_gather8(const uint8_t* p, _
     g[1] = _mm512_permutex2var_epi32(a, iodd, b);
 }
 
+/* The lanes kernels' last step: per token, the 16 per-unit partial sums (units past nu
+   zeroed) added as a fixed tree (the canonical order of the file comment), then the previous
+   output (accumulate) and the bias added, the R live lanes stored. */
+static inline __attribute__((always_inline)) void lanes_store(
+    __m512 P[][16], const int T, int64_t nu, __mmask16 lm, const float* bias, float* y,
+    int64_t ldy, int accumulate) {
+    for (int t = 0; t < T; t++) {
+        for (int64_t c = nu; c < 16; c++) P[t][c] = _mm512_setzero_ps();
+        __m512 l1[8], l2[4];
+        for (int c = 0; c < 8; c++) l1[c] = _mm512_add_ps(P[t][c], P[t][c + 8]);
+        for (int c = 0; c < 4; c++) l2[c] = _mm512_add_ps(l1[c], l1[c + 4]);
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(l2[0], l2[2]), _mm512_add_ps(l2[1], l2[3]));
+        float* yo = y + t * ldy;
+        const __m512 prev = accumulate ? _mm512_maskz_loadu_ps(lm, yo) : _mm512_setzero_ps();
+        const __m512 bn = bias ? _mm512_maskz_loadu_ps(lm, bias) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(yo, lm, _mm512_add_ps(_mm512_add_ps(prev, sum), bn));
+    }
+}
+
 /* Rows n0 .. n0 + 15 (lanes past R masked off) against T tokens (a compile-time constant where
    inlined): xp [T][nu][16] pairs, dxu / xsu [T][nu]; writes y[t * ldy + n0 + r]. */
 static inline __attribute__((always_inline)) void bi_lanes_core(
@@ -682,17 +701,7 @@ static inline __attribute__((always_inline)) void bi_lanes_core(
             P[t][c] = p;
         }
     }
-    for (int t = 0; t < T; t++) {
-        for (int64_t c = nu; c < 16; c++) P[t][c] = _mm512_setzero_ps();
-        __m512 l1[8], l2[4];
-        for (int c = 0; c < 8; c++) l1[c] = _mm512_add_ps(P[t][c], P[t][c + 8]);
-        for (int c = 0; c < 4; c++) l2[c] = _mm512_add_ps(l1[c], l1[c + 4]);
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(l2[0], l2[2]), _mm512_add_ps(l2[1], l2[3]));
-        float* yo = y + t * ldy;
-        const __m512 prev = accumulate ? _mm512_maskz_loadu_ps(lm, yo) : _mm512_setzero_ps();
-        const __m512 bn = bias ? _mm512_maskz_loadu_ps(lm, bias) : _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(yo, lm, _mm512_add_ps(_mm512_add_ps(prev, sum), bn));
-    }
+    lanes_store(P, T, nu, lm, bias, y, ldy, accumulate);
 }
 
 /* Q4_K / Q6_K rows n0 .. n0 + 15 against T tokens (lanes = rows, as bi_lanes_core): a pass
@@ -838,17 +847,7 @@ static inline __attribute__((always_inline)) void bi_lanes_kcore(
         }
 #undef BI_KUNIT
     }
-    for (int t = 0; t < T; t++) {
-        for (int64_t c = nu; c < 16; c++) P[t][c] = _mm512_setzero_ps();
-        __m512 l1[8], l2[4];
-        for (int c = 0; c < 8; c++) l1[c] = _mm512_add_ps(P[t][c], P[t][c + 8]);
-        for (int c = 0; c < 4; c++) l2[c] = _mm512_add_ps(l1[c], l1[c + 4]);
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(l2[0], l2[2]), _mm512_add_ps(l2[1], l2[3]));
-        float* yo = y + t * ldy;
-        const __m512 prev = accumulate ? _mm512_maskz_loadu_ps(lm, yo) : _mm512_setzero_ps();
-        const __m512 bn = bias ? _mm512_maskz_loadu_ps(lm, bias) : _mm512_setzero_ps();
-        _mm512_mask_storeu_ps(yo, lm, _mm512_add_ps(_mm512_add_ps(prev, sum), bn));
-    }
+    lanes_store(P, T, nu, lm, bias, y, ldy, accumulate);
 }
 
 /* bi_lanes_core with T and the type as constants */
