@@ -32,6 +32,20 @@ def _runner(path: str, **kw) -> ModelRunner:
     return ModelRunner(ServerArgs(model_path=path, dtype="float32", max_total_tokens=4096, **kw))
 
 
+def _bf16_int4_bi_runner(path: str, isa: str, monkeypatch) -> ModelRunner:
+    """A bfloat16 pool, int4 weights with the batch-invariant matmul (a row's products the
+    same in a step of any size), the C forward of build `isa`; the process-wide matmul mode
+    the runner sets is restored after the test."""
+    from loom.runtime.layers import quant_ops
+
+    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", quant_ops.DEFAULT_MODE)  # the runner sets it
+    runner = _runner(path, kv_cache_dtype="bf16", quantization="int4",
+                     quantized_matmul="batch-invariant")  # fmt: skip
+    if isa != "native":
+        runner.cpu_forward.lib = cpu_forward.load(isa)
+    return runner
+
+
 class _Steps:
     """Requests with scattered KV slots in one runner's pools; `batch` builds one step."""
 
@@ -246,13 +260,7 @@ def test_bf16_pool_verify_rows_are_the_decode_steps_bit_for_bit(
     attention is the per-token loop. The weights int4 with the batch-invariant matmul
     (a row's products the same in a step of any size: what the matmuls must give for the
     attention to be the only difference left)."""
-    from loom.runtime.layers import quant_ops
-
-    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", quant_ops.DEFAULT_MODE)  # the runner sets it
-    runner = _runner(tiny_model_dir(family), kv_cache_dtype="bf16", quantization="int4",
-                     quantized_matmul="batch-invariant")  # fmt: skip
-    if isa != "native":
-        runner.cpu_forward.lib = cpu_forward.load(isa)
+    runner = _bf16_int4_bi_runner(tiny_model_dir(family), isa, monkeypatch)
     cf, pool = runner.cpu_forward, runner.token_to_kv_pool
     st = _Steps(runner, 3, seed=13)
     prompt = torch.randint(0, runner.vocab_size, (11,), generator=st.g).tolist()
@@ -298,13 +306,7 @@ def test_bf16_pool_cached_prefix_and_chunks_equal_a_whole_prefill_bit_for_bit(
     pool a last-bit difference becomes a whole bf16 step of the next layer's K / V (SmolLM2's
     tool_choice="auto" answer in tests/test_tools_real.py lost its call after a cached prefix).
     The weights int4 with the batch-invariant matmul, as in the verify test above."""
-    from loom.runtime.layers import quant_ops
-
-    monkeypatch.setattr(quant_ops, "DEFAULT_MODE", quant_ops.DEFAULT_MODE)  # the runner sets it
-    runner = _runner(tiny_model_dir(family), kv_cache_dtype="bf16", quantization="int4",
-                     quantized_matmul="batch-invariant")  # fmt: skip
-    if isa != "native":
-        runner.cpu_forward.lib = cpu_forward.load(isa)
+    runner = _bf16_int4_bi_runner(tiny_model_dir(family), isa, monkeypatch)
     cf, pool = runner.cpu_forward, runner.token_to_kv_pool
     splits = [[80], [50, 30], [20, 60], [16] * 5, [40, 40], [79, 1]]
     st = _Steps(runner, len(splits), seed=21)
