@@ -148,29 +148,38 @@ def in_process_round(args, jobs, warm, batch: int, rnd: int, cold: bool):
                 warm_out[side] = run_scheduler(s, warm, len(warm), "w")[0]
             compare_outputs(warm_out["off"], warm_out["on"], "warm-up")
         freeze_startup_heap()
-        order = ("on", "off") if rnd % 2 else ("off", "on")
         secs = {side: {} for side in scheds}
         # the process's CPU seconds a side (one torch thread: what the steps cost this process,
         # less moved by other jobs on a shared machine than the wall clock)
         secs["cpu"] = dict.fromkeys(scheds, 0.0)
         outs = {side: {} for side in scheds}
-        groups = job_groups(jobs, batch)
-        for side in order:
+        for side, cat, group in interleaved(job_groups(jobs, batch), rnd):
             s = scheds[side]
-            for cat, group in groups:
-                got, wall, cpu, _, _ = run_scheduler(
-                    s, [(ids, p) for _, ids, p, _ in group], batch, f"{cat}-"
-                )
-                secs[side][cat] = wall
-                secs["cpu"][side] += cpu
-                for (_, _, _, qid), ids in zip(group, got.values()):  # submission order
-                    outs[side][qid] = ids
+            got, wall, cpu, _, _ = run_scheduler(
+                s, [(ids, p) for _, ids, p, _ in group], batch, f"{cat}-"
+            )
+            secs[side][cat] = wall
+            secs["cpu"][side] += cpu
+            for (_, _, _, qid), ids in zip(group, got.values()):  # submission order
+                outs[side][qid] = ids
         state = scheds["on"].get_state()
     finally:
         for s in scheds.values():
             s.close()
         gc.unfreeze()
     return secs, outs, warm_out, state
+
+
+def interleaved(groups: list[tuple[str, list]], rnd: int):
+    """(side, category, jobs) in timing order: the two sides take turns per category, the
+    side that goes first alternating by category and by round, so a change in the machine
+    during a round (another job starting, a slow first minute) weighs on both sides alike.
+    (Session 18 timed all of one side, then all of the other: its one quiet f32 round read
+    the in-process off side at 81.0 s against 58.5 in the Engine, a 1.80x ratio where the
+    Engine and the CPU-time ratio read 1.27x; docs/benchmarks.md, session 19.)"""
+    for i, (cat, group) in enumerate(groups):
+        for side in ("on", "off") if (rnd + i) % 2 else ("off", "on"):
+            yield side, cat, group
 
 
 def job_groups(jobs, batch: int) -> list[tuple[str, list]]:
@@ -192,16 +201,13 @@ def engine_round(args, jobs, warm, batch: int, rnd: int):
     try:
         for e in engines.values():
             run_engine(e, warm, len(warm))
-        order = ("on", "off") if rnd % 2 else ("off", "on")
         secs = {side: {} for side in engines}
         outs = {side: {} for side in engines}
-        groups = job_groups(jobs, batch)
-        for side in order:
-            for cat, group in groups:
-                got, wall = run_engine(engines[side], [(ids, p) for _, ids, p, _ in group], batch)
-                secs[side][cat] = wall
-                for (_, _, _, qid), ids in zip(group, got.values()):
-                    outs[side][qid] = ids
+        for side, cat, group in interleaved(job_groups(jobs, batch), rnd):
+            got, wall = run_engine(engines[side], [(ids, p) for _, ids, p, _ in group], batch)
+            secs[side][cat] = wall
+            for (_, _, _, qid), ids in zip(group, got.values()):
+                outs[side][qid] = ids
     finally:
         for e in engines.values():
             e.shutdown()
