@@ -1004,9 +1004,14 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
         for (int64_t t = starts[b]; t < starts[b + 1]; t++) tok_req[t] = b;
     float* x = malloc(sizeof(float) * T * Hd); /* residual stream */
     float* h = malloc(sizeof(float) * T * Hd); /* normed input of a block */
-    float* qkv = malloc(sizeof(float) * T * QKV);
-    float* att = malloc(sizeof(float) * T * H * D);
-    float* gu = malloc(sizeof(float) * T * 2 * I);
+    /* qkv and att are dead once a layer's O projection has read att, before its MLP writes
+       gu: the three share one buffer (gu over both), so a step's scratch is T x (2 Hd +
+       max(QKV + H D, 2 I)) floats, not T x (2 Hd + QKV + H D + 2 I): a 4,096-token SmolLM2
+       prefill's peak 94 MB -> 69 MB */
+    const int64_t attn_cols = QKV + H * D, mid_cols = attn_cols > 2 * I ? attn_cols : 2 * I;
+    float* qkv = malloc(sizeof(float) * T * mid_cols);
+    float* att = qkv + T * QKV;
+    float* gu = qkv;
     if (m->embed_q) {
         for (int64_t t = 0; t < T; t++) {
             const QSeg* s = m->embed_q->seg; /* one segment: the whole table (cpu_forward) */
@@ -1138,8 +1143,6 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     free(win_masks);
     free(x);
     free(h);
-    free(qkv);
-    free(att);
-    free(gu);
+    free(qkv); /* att and gu too */
     return 0;
 }
