@@ -4,7 +4,7 @@ weight_loader is handed a QuantizedTensor instead of a float tensor.
 The weight stays a Parameter (so loading, tying and `named_parameters` work unchanged) and
 carries a `quant` attribute, a `QuantWeight`. A tied LM head shares the embedding's Parameter
 object and so the same QuantWeight. The float storage the layer was built with is never
-written (its pages are never touched) and is released the first time the weight is used.
+written (its pages are never touched) and is released when the first segment arrives.
 
 A fused weight (qkv, gate+up) arrives in row segments, one per checkpoint tensor and rank; the
 segments may differ in type (a Q4_K_M file keeps some v projections in Q6_K and q/k in Q4_K),
@@ -134,14 +134,20 @@ def quant_of(param: nn.Parameter | None) -> QuantWeight | None:
 
 
 def put_rows(param: nn.Parameter, offset: int, qt: QuantizedTensor) -> None:
-    """Place a quantized segment at output row `offset` of `param` (whose shape, before the
-    first use, is the logical (rows, cols) of the layer's weight)."""
-    if param.dim() != 2:
-        raise ValueError(
-            f"a quantized tensor {qt.shape} cannot load into a {param.dim()}-D parameter"
-        )
+    """Place a quantized segment at output row `offset` of `param` (whose shape, before its
+    first segment, is the logical (rows, cols) of the layer's weight). The first segment
+    releases the float storage the layer was built with, while the model loads: released at
+    the first use instead (after every weight was loaded above them), the heap's
+    below-threshold storages (SmolLM2: ~200 MB of qkv / o / down, never touched) became free
+    holes that later steps' buffers landed in and kept resident (docs/benchmarks.md, "Issue
+    32: the model's own memory"); freed while loading, the quantized blocks fill them."""
     qw = getattr(param, "quant", None)
     if qw is None:
+        if param.dim() != 2:
+            raise ValueError(
+                f"a quantized tensor {qt.shape} cannot load into a {param.dim()}-D parameter"
+            )
         qw = QuantWeight(param.shape[0], param.shape[1], param.dtype)
         param.quant = qw
+        quant_of(param)  # the float storage, never written, goes now
     qw.put(offset, qt)
