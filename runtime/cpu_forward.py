@@ -215,12 +215,12 @@ class CpuForward:
                 (a.attn.sliding_window or 0) if gemma else 0,
             )  # fmt: skip
         self._layers = layers
-        # quant.c's mode for a step: "auto" (default) takes "prefill" (8-bit activations,
-        # quant_i8.c) on a prompt step's rows, so every prompt row gets one arithmetic however
-        # its prefill is chunked, and decode / verify rows keep the batch-invariant one
-        self._q_mode = quant_ops.MODES[quant_ops.resolve_mode()]
-        auto = self._q_mode == quant_ops.MODES["auto"]
-        self._q_prompt = quant_ops.MODES["prefill"] if auto else self._q_mode
+        # quant.c's mode for a step: "prefill" (--quantized-matmul prefill-int8: 8-bit
+        # activations, quant_i8.c) on a prompt step's rows only, so every prompt row gets one
+        # arithmetic however its prefill is chunked, and decode / verify rows take "auto"
+        mode = quant_ops.DEFAULT_MODE
+        self._q_prompt = quant_ops.MODES[mode]
+        self._q_mode = quant_ops.MODES["auto" if mode == "prefill" else mode]
         self._struct = _Model(
             cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
             sum(inner.layers[0].mlp.gate_up_proj.output_sizes) // 2,

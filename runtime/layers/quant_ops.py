@@ -21,7 +21,8 @@ other builds the f32 GEMV where it exists (AVX-512F without VNNI, up to 8 tokens
 otherwise. There a token's outputs are the same in every forward of up to 8 rows (a batch-1
 decode step and its speculative verify steps) and in every forward above 8, and differ between
 the two in the last bits; "bi" alone is invariant for all.
-"prefill" (kernels/cpu/quant_i8.c: a prompt's rows, cpu_forward.py) quantizes the activations
+"prefill" (kernels/cpu/quant_i8.c; --quantized-matmul prefill-int8: the compiled forward's
+qkv / gate_up on prompt steps, cpu_forward.py and forward.c) quantizes the activations
 to 8 bits per block of 32 and takes vpdpbusd (64 multiply-adds an instruction, twice "bi"'s)
 for every block type in AVX-512 VNNI builds, one arithmetic for every token count; "auto"
 elsewhere.
@@ -50,8 +51,11 @@ def load(isa: str = "native") -> ctypes.CDLL | None:
 
 
 def resolve_mode(mode: str | None = None) -> str:
-    """`mode`, None meaning DEFAULT_MODE. "auto" is resolved per call by quant.c (T and type)."""
-    return mode or DEFAULT_MODE
+    """`mode`, None meaning DEFAULT_MODE ("prefill" there: "auto", as the decode rows of the
+    compiled forward, which alone takes "prefill" on prompt steps). "auto" is resolved per call
+    by quant.c (T and type)."""
+    m = mode or DEFAULT_MODE
+    return "auto" if mode is None and m == "prefill" else m
 
 
 # multiply-adds per thread below which another thread costs more than it saves
