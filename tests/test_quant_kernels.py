@@ -547,3 +547,39 @@ def test_prefill_rows_do_not_depend_on_the_step(qtype, isa):
     finally:
         torch.set_num_threads(prev)
 
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K", "Q8_0"])
+def test_prefill_mode_outlier_blocks_take_the_residual_plane(qtype, isa):
+    """A block whose largest value is far above the others (an outlier channel, as in Gemma 3's
+    hidden states) gets a second 8-bit plane for its rounding error (quant_i8.c, dx / 254): the
+    result matches the two-plane reference, and a row's bits still do not depend on its
+    neighbours (half of the tokens without the outlier)."""
+    if not prefill_i8(qtype, isa):
+        pytest.skip("mode prefill is auto in this build (tested above)")
+    cols = 512
+    qt = random_blocks(qtype, 37, cols, 1)
+    w = dequantize_ref(qt.qtype, qt.data, qt.shape)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))
+    x[::2, 5] = 40.0  # every other token: an outlier in block 0
+    b = x.reshape(40, -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.sign(b / d) * torch.floor((b / d).abs() + 0.5)
+    e = b - d * q
+    rest = (b * b).sum(-1, keepdim=True) - (d * 127) ** 2
+    resid = (e * e).sum(-1, keepdim=True) > 1e-3 * rest
+    assert resid[::2, 0].all() and not resid[1::2].any() and not resid[:, 1:].any()
+    d2 = d / 254
+    q2 = torch.where(resid, torch.sign(e / d2) * torch.floor((e / d2).abs() + 0.5), 0.0)
+    xs = (d * q + d2 * q2).reshape(40, cols)
+    y = quant_ops.matmul(qt, x, mode="prefill", isa=isa)
+    ref = xs @ w.T
+    err = ((y - ref).abs().max() / (xs.abs() @ w.abs().T).max()).item()
+    assert err < 2e-5, err
+    # and closer to the unrounded product than 8 bits alone on the outlier tokens (the other
+    # blocks keep their 8-bit error)
+    exact = x @ w.T
+    one_plane = quantize_act_ref(x) @ w.T
+    assert (y - exact)[::2].abs().max() < 0.5 * (one_plane - exact)[::2].abs().max()
+    alone = torch.cat([quant_ops.matmul(qt, x[i : i + 1], mode="prefill", isa=isa) for i in range(40)])
+    assert torch.equal(y, alone)

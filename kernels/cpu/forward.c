@@ -1040,11 +1040,6 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                              mask_offs[b] >= 0 ? masks + mask_offs[b] : NULL};
     uint8_t* win_masks = window ? window_views(window, B, starts, pos, full, win) : NULL;
 
-    /* mode 5 (a prompt step under --quantized-matmul prefill-int8, quant_i8.c's 8-bit
-       activations) for qkv and gate_up only, whose inputs are RMS-normed; o, down and the LM
-       head take mode 4's 16-bit activations: with 8 bits on every matmul Gemma 3's top-1
-       agreement fell to 95.9% over 2,000 tokens (97.5% with these two only; docs/benchmarks.md) */
-    const int64_t fine_mode = m->q_mode == 5 ? 4 : m->q_mode;
     for (int64_t l = 0; l < m->layers; l++) {
         const Layer* L = m->layer + l;
         const AttnView* view = L->window ? win : full;
@@ -1100,13 +1095,13 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
         }
         if (prof) prof[1] += cpu_seconds() - att0;
         if (L->post_attn_ln) { /* Gemma: x += norm(o_proj(att)) */
-            TIMED(0, qmm(L->o_q, fine_mode, att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, h, Hd, 0, nthreads));
+            TIMED(0, qmm(L->o_q, m->q_mode, att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, h, Hd, 0, nthreads));
             for (int64_t t = 0; t < T; t++) {
                 norm_row(m, h + t * Hd, L->post_attn_ln, Hd, h + t * Hd);
                 for (int64_t i = 0; i < Hd; i++) x[t * Hd + i] += h[t * Hd + i];
             }
         } else {
-            TIMED(0, qmm(L->o_q, fine_mode, att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads));
+            TIMED(0, qmm(L->o_q, m->q_mode, att, T, H * D, H * D, L->o_w, L->o_p, L->o_b, Hd, x, Hd, 1, nthreads));
         }
         for (int64_t t = 0; t < T; t++) norm_row(m, x + t * Hd, L->ln2, Hd, h + t * Hd);
         TIMED(0, qmm(L->gu_q, m->q_mode, h, T, Hd, Hd, L->gu_w, L->gu_p, L->gu_b, 2 * I, gu, 2 * I, 0, nthreads));
@@ -1119,13 +1114,13 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
                 silu_mul(g, u, I);
         }
         if (L->post_ff_ln) { /* Gemma: x += norm(down(...)) */
-            TIMED(0, qmm(L->down_q, fine_mode, gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, h, Hd, 0, nthreads));
+            TIMED(0, qmm(L->down_q, m->q_mode, gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, h, Hd, 0, nthreads));
             for (int64_t t = 0; t < T; t++) {
                 norm_row(m, h + t * Hd, L->post_ff_ln, Hd, h + t * Hd);
                 for (int64_t i = 0; i < Hd; i++) x[t * Hd + i] += h[t * Hd + i];
             }
         } else {
-            TIMED(0, qmm(L->down_q, fine_mode, gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, x, Hd, 1, nthreads));
+            TIMED(0, qmm(L->down_q, m->q_mode, gu, T, I, 2 * I, L->down_w, L->down_p, L->down_b, Hd, x, Hd, 1, nthreads));
         }
         /* an EAGLE-3 drafter's aux features: the residual stream after layer l (the eager
            model's hidden + residual), [n_aux, T, Hd] in capture_layers order */
@@ -1136,7 +1131,7 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     if (hidden_out)
         for (int64_t t = 0; t < T; t++) norm_row(m, x + t * Hd, m->norm, Hd, hidden_out + t * Hd);
     for (int64_t r = 0; r < N; r++) norm_row(m, x + logit_rows[r] * Hd, m->norm, Hd, h + r * Hd);
-    TIMED(0, qmm(m->lm_head_q, fine_mode, h, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab, logits, m->vocab, 0,
+    TIMED(0, qmm(m->lm_head_q, m->q_mode, h, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab, logits, m->vocab, 0,
                 nthreads));
     free(tok_req);
     free(full);

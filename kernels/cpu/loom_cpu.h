@@ -328,6 +328,10 @@ void loom_q_decode_row16(int qtype, const uint8_t* row, int64_t K, int16_t* w, f
                          uint8_t* u, float* s16, float* b16);
 void loom_q_put4x16(const float* sums, float* y, int64_t ldy, const float* bias, int accumulate);
 LOOM_API int loom_q_i8_type(int qtype);
+/* quant_i8.c: a block of 32 activations gets a second 8-bit plane (its rounding error at
+   dx / 254) where that error's energy is above this fraction of the energy of the block's
+   values but its largest (an outlier sets dx); 0: every block (about 15-bit activations, twice the multiply-adds) */
+LOOM_API extern float loom_q_i8_resid;
 int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                      int64_t ldy, int accumulate, int threads);

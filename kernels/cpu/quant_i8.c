@@ -31,6 +31,8 @@
 
 enum { IQ8_0 = 0, IQ4_0 = 1, IQ4_1 = 2, IQ4_K = 3, IQ6_K = 4, IQ5_0 = 5, IQ5_1 = 6 };
 
+float loom_q_i8_resid = 1e-3f; /* loom_cpu.h */
+
 int loom_q_i8_type(int qtype) { return I8_AVX512 && qtype >= IQ8_0 && qtype <= IQ5_1; }
 
 #if I8_AVX512
@@ -50,40 +52,69 @@ static int i8_offset(int qtype) {
     }
 }
 
-/* one token: x [K] -> codes q [K], per unit dx, xs = dx * sum q and co = -o * sum q */
-static void i8_quantize(const float* x, int64_t K, int G, int off, int8_t* q, float* dxu,
-                        float* xsu, int32_t* cou) {
-    const __m512 half = _mm512_set1_ps(0.5f), lim = _mm512_set1_ps(127.f);
+/* codes of v (|v| <= ~127): sign(v) floor(|v| + 0.5), at most 127 */
+static inline __m512i i8_round(__m512 v) {
+    const __m512 r = _mm512_min_ps(_mm512_roundscale_ps(_mm512_add_ps(_mm512_abs_ps(v), _mm512_set1_ps(0.5f)),
+                                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                   _mm512_set1_ps(127.f));
+    const __m512i m = _mm512_cvttps_epi32(r);
+    return _mm512_mask_sub_epi32(m, _mm512_cmplt_ps_mask(v, _mm512_setzero_ps()), _mm512_setzero_si512(), m);
+}
+
+/* one token: x [K] -> codes q [K] and residual codes q2 [K], per unit dx, dx2 = dx / 254, xs =
+   dx * sum q + dx2 * sum q2, co = -o * sum q, co2 = -o * sum q2, nz = whether q2 has a nonzero */
+static void i8_quantize(const float* x, int64_t K, int G, int off, int8_t* q, int8_t* q2,
+                        float* dxu, float* dx2u, float* xsu, int32_t* cou, int32_t* co2u,
+                        uint8_t* nz) {
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
         const __m512 a0 = _mm512_loadu_ps(x + k0), a1 = _mm512_loadu_ps(x + k0 + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
         const float dd = amax / 127.f;
         const __m512 inv = _mm512_set1_ps(dd > 0 ? 1.f / dd : 0.f);
-        int sum[2];
+        const float d2 = dd / 254.f;
+        int sum[2], sum2[2];
+        __m512 e[2], ee = _mm512_setzero_ps(), xx = _mm512_setzero_ps();
         for (int h = 0; h < 2; h++) {
-            const __m512 v = _mm512_mul_ps(h ? a1 : a0, inv);
-            const __m512 r = _mm512_min_ps(_mm512_roundscale_ps(_mm512_add_ps(_mm512_abs_ps(v), half),
-                                                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
-                                           lim);
-            const __m512i m = _mm512_cvttps_epi32(r);
-            const __m512i c = _mm512_mask_sub_epi32(m, _mm512_cmplt_ps_mask(v, _mm512_setzero_ps()),
-                                                    _mm512_setzero_si512(), m);
+            const __m512 a = h ? a1 : a0;
+            const __m512i c = i8_round(_mm512_mul_ps(a, inv));
             _mm_storeu_si128((__m128i*)(q + k0 + 16 * h), _mm512_cvtepi32_epi8(c));
             sum[h] = _mm512_reduce_add_epi32(c);
+            e[h] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(dd), a);
+            ee = _mm512_fmadd_ps(e[h], e[h], ee);
+            xx = _mm512_fmadd_ps(a, a, xx);
         }
-        if (G == 32) {
-            dxu[k0 / 32] = dd;
-            xsu[k0 / 32] = dd * (float)(sum[0] + sum[1]);
-            cou[k0 / 32] = -off * (sum[0] + sum[1]);
-        } else {
-            for (int h = 0; h < 2; h++) {
-                dxu[k0 / 16 + h] = dd;
-                xsu[k0 / 16 + h] = dd * (float)sum[h];
-                cou[k0 / 16 + h] = -off * sum[h];
-            }
+        /* the residual plane where 8 bits leave the block coarse (an outlier sets dx): its
+           error energy above loom_q_i8_resid of the energy of the values but the largest */
+        const int resid = d2 > 0 && _mm512_reduce_add_ps(ee) >
+                                        loom_q_i8_resid * (_mm512_reduce_add_ps(xx) - amax * amax);
+        const __m512 inv2 = _mm512_set1_ps(resid ? 1.f / d2 : 0.f);
+        for (int h = 0; h < 2; h++) {
+            const __m512i c = i8_round(_mm512_mul_ps(e[h], inv2));
+            _mm_storeu_si128((__m128i*)(q2 + k0 + 16 * h), _mm512_cvtepi32_epi8(c));
+            sum2[h] = _mm512_reduce_add_epi32(c);
+        }
+        for (int h = 0; h < (G == 32 ? 1 : 2); h++) {
+            const int u = G == 32 ? (int)(k0 / 32) : (int)(k0 / 16) + h;
+            const int s1 = G == 32 ? sum[0] + sum[1] : sum[h], s2 = G == 32 ? sum2[0] + sum2[1] : sum2[h];
+            dxu[u] = dd;
+            dx2u[u] = d2;
+            xsu[u] = dd * (float)s1 + d2 * (float)s2;
+            cou[u] = -off * s1;
+            co2u[u] = -off * s2;
+            nz[u] = (uint8_t)resid;
         }
     }
 }
+
+/* the residual plane of a token group pair: xr as xp, dx2 / co2 as dxt / cot, fl [TG][nu]
+   (fstride apart): whether a token of the group has residual codes in the unit */
+typedef struct {
+    const int32_t* xr;
+    const float* dx2;
+    const int32_t* co2;
+    const uint8_t* fl;
+    int64_t fstride;
+} I8Res;
 
 /* I8_ROWS rows (u [K] bytes each, s / b per unit) against TG groups of 16 tokens: xp
    [TG][K / 4][16] code quads, xstride apart; dxt / xst / cot [TG][nu][16], sstride apart;
@@ -92,7 +123,7 @@ static void i8_quantize(const float* x, int64_t K, int G, int off, int8_t* q, fl
 static inline __attribute__((always_inline)) void i8_tile_core(
     const uint8_t* const* u, const float* const* s, const float* const* b, int asym, int64_t K,
     const int G, const int TG, const int32_t* xp, int64_t xstride, const float* dxt,
-    const float* xst, const int32_t* cot, int64_t sstride, float* sums) {
+    const float* xst, const int32_t* cot, int64_t sstride, const I8Res* res, float* sums) {
     const int64_t nu = K / G;
     __m512 P[2][I8_ROWS];
     for (int g = 0; g < TG; g++)
@@ -129,14 +160,43 @@ static inline __attribute__((always_inline)) void i8_tile_core(
         }
         for (int g = 0; g < TG; g++) {
             const __m512 dx = _mm512_loadu_ps(dxt + g * sstride + j * 16);
-            const __m512 xs = asym ? _mm512_loadu_ps(xst + g * sstride + j * 16) : _mm512_setzero_ps();
             for (int r = 0; r < I8_ROWS; r++) {
                 const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(s[r][j]), dx);
                 const __m512i I = _mm512_add_epi32(acc[g][r], acc2[g][r]);
                 P[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), sd, P[g][r]);
-                if (asym) P[g][r] = _mm512_fmadd_ps(_mm512_set1_ps(b[r][j]), xs, P[g][r]);
             }
         }
+        /* the residual plane, where a token of the pass has one in this unit: a token without
+           it adds fma(0, ., P) = P (P is never -0), so the bits do not depend on its neighbours */
+        if (res->fl[j] || (TG == 2 && res->fl[res->fstride + j])) {
+            for (int g = 0; g < TG; g++) {
+                const __m512i co = _mm512_loadu_si512((const void*)(res->co2 + g * sstride + j * 16));
+                for (int r = 0; r < I8_ROWS; r++) acc[g][r] = co;
+            }
+            const int32_t* rj = res->xr + j * G / 4 * 16;
+            for (int p = 0; p < G / 4; p++) {
+                __m512i x[2];
+                for (int g = 0; g < TG; g++) x[g] = _mm512_loadu_si512((const void*)(rj + g * xstride + 16 * p));
+                for (int r = 0; r < I8_ROWS; r++) {
+                    int32_t quad;
+                    memcpy(&quad, u[r] + j * G + 4 * p, 4);
+                    const __m512i wv = _mm512_set1_epi32(quad);
+                    for (int g = 0; g < TG; g++) acc[g][r] = _mm512_dpbusd_epi32(acc[g][r], wv, x[g]);
+                }
+            }
+            for (int g = 0; g < TG; g++) {
+                const __m512 dx2 = _mm512_loadu_ps(res->dx2 + g * sstride + j * 16);
+                for (int r = 0; r < I8_ROWS; r++)
+                    P[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[g][r]),
+                                              _mm512_mul_ps(_mm512_set1_ps(s[r][j]), dx2), P[g][r]);
+            }
+        }
+        if (asym)
+            for (int g = 0; g < TG; g++) {
+                const __m512 xs = _mm512_loadu_ps(xst + g * sstride + j * 16);
+                for (int r = 0; r < I8_ROWS; r++)
+                    P[g][r] = _mm512_fmadd_ps(_mm512_set1_ps(b[r][j]), xs, P[g][r]);
+            }
     }
     for (int g = 0; g < TG; g++)
         for (int r = 0; r < I8_ROWS; r++) _mm512_storeu_ps(sums + 16 * (g * I8_ROWS + r), P[g][r]);
@@ -146,15 +206,15 @@ static inline __attribute__((always_inline)) void i8_tile_core(
 static void i8_tile(const uint8_t* const* u, const float* const* s, const float* const* b,
                     int asym, int64_t K, int G, int TG, const int32_t* xp, int64_t xstride,
                     const float* dxt, const float* xst, const int32_t* cot, int64_t sstride,
-                    float* sums) {
+                    const I8Res* res, float* sums) {
     if (G == 32 && TG == 2)
-        i8_tile_core(u, s, b, asym, K, 32, 2, xp, xstride, dxt, xst, cot, sstride, sums);
+        i8_tile_core(u, s, b, asym, K, 32, 2, xp, xstride, dxt, xst, cot, sstride, res, sums);
     else if (G == 32)
-        i8_tile_core(u, s, b, asym, K, 32, 1, xp, xstride, dxt, xst, cot, sstride, sums);
+        i8_tile_core(u, s, b, asym, K, 32, 1, xp, xstride, dxt, xst, cot, sstride, res, sums);
     else if (TG == 2)
-        i8_tile_core(u, s, b, asym, K, 16, 2, xp, xstride, dxt, xst, cot, sstride, sums);
+        i8_tile_core(u, s, b, asym, K, 16, 2, xp, xstride, dxt, xst, cot, sstride, res, sums);
     else
-        i8_tile_core(u, s, b, asym, K, 16, 1, xp, xstride, dxt, xst, cot, sstride, sums);
+        i8_tile_core(u, s, b, asym, K, 16, 1, xp, xstride, dxt, xst, cot, sstride, res, sums);
 }
 
 /* loom_q_matmul_i8's per-thread work on one block of up to I8_BLOCK rows from n0 */
@@ -162,9 +222,10 @@ typedef struct {
     int qtype, G, asym, off;
     const uint8_t* w;
     int64_t N, K, row_bytes, T, ntg, nu;
-    const int32_t* xp;
-    const float *dxt, *xst;
-    const int32_t* cot;
+    const int32_t *xp, *xr;
+    const float *dxt, *xst, *dx2t;
+    const int32_t *cot, *co2t;
+    const uint8_t* flt; /* [ntg][nu] */
     const float* bias;
     float* y;
     int64_t ldy;
@@ -200,9 +261,11 @@ static void i8_block(const I8Job* jb, int64_t n0, uint8_t* ud, int16_t* wd, floa
                 br[r] = bd + rr * nu;
             }
             float sums[2 * I8_ROWS * 16];
+            const I8Res res = {jb->xr + g0 * (K / 4) * 16, jb->dx2t + g0 * nu * 16,
+                               jb->co2t + g0 * nu * 16, jb->flt + g0 * nu, nu};
             i8_tile(ur, sr, br, jb->asym, K, jb->G, TG, jb->xp + g0 * (K / 4) * 16, (K / 4) * 16,
                     jb->dxt + g0 * nu * 16, jb->xst + g0 * nu * 16, jb->cot + g0 * nu * 16, nu * 16,
-                    sums);
+                    &res, sums);
             for (int g = 0; g < TG; g++) {
                 const int64_t t0 = (g0 + g) * I8_TOK;
                 if (RR == I8_ROWS && t0 + I8_TOK <= T) {
@@ -238,29 +301,42 @@ int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     float* dxt = aligned_alloc(64, sizeof(float) * (size_t)(ntg * nu * 16));
     float* xst = aligned_alloc(64, sizeof(float) * (size_t)(ntg * nu * 16));
     int32_t* cot = aligned_alloc(64, sizeof(int32_t) * (size_t)(ntg * nu * 16));
-    if (!xp || !dxt || !xst || !cot) {
+    int32_t* xr = aligned_alloc(64, sizeof(int32_t) * (size_t)(ntg * (K / 4) * 16));
+    float* dx2t = aligned_alloc(64, sizeof(float) * (size_t)(ntg * nu * 16));
+    int32_t* co2t = aligned_alloc(64, sizeof(int32_t) * (size_t)(ntg * nu * 16));
+    uint8_t* flt = calloc((size_t)(ntg * nu), 1);
+    uint8_t* nzt = calloc((size_t)(T * nu + 16), 1); /* [T][nu]: i8_quantize's nz per token */
+    if (!nzt || !xp || !dxt || !xst || !cot || !xr || !dx2t || !co2t || !flt) {
         free(xp);
         free(dxt);
         free(xst);
         free(cot);
+        free(xr);
+        free(dx2t);
+        free(co2t);
+        free(flt);
+        free(nzt);
         return -2;
     }
     if (threads < 1) threads = 1;
     for (int64_t t = T; t < ntg * I8_TOK; t++) {
         const int64_t g = t / I8_TOK, i = t % I8_TOK;
-        for (int64_t p = 0; p < K / 4; p++) xp[(g * (K / 4) + p) * 16 + i] = 0;
+        for (int64_t p = 0; p < K / 4; p++) xp[(g * (K / 4) + p) * 16 + i] = xr[(g * (K / 4) + p) * 16 + i] = 0;
         for (int64_t j = 0; j < nu; j++) {
-            dxt[(g * nu + j) * 16 + i] = xst[(g * nu + j) * 16 + i] = 0.f;
-            cot[(g * nu + j) * 16 + i] = 0;
+            dxt[(g * nu + j) * 16 + i] = xst[(g * nu + j) * 16 + i] = dx2t[(g * nu + j) * 16 + i] = 0.f;
+            cot[(g * nu + j) * 16 + i] = co2t[(g * nu + j) * 16 + i] = 0;
         }
     }
-    const I8Job jb = {qtype, G, i8_asym(qtype), off, w, N, K, row_bytes, T, ntg, nu, xp, dxt, xst,
-                      cot, bias, y, ldy, accumulate};
+    const I8Job jb = {qtype, G, i8_asym(qtype), off, w, N, K, row_bytes, T, ntg, nu, xp, xr, dxt,
+                      xst, dx2t, cot, co2t, flt, bias, y, ldy, accumulate};
     const int64_t nblocks = (N + I8_BLOCK - 1) / I8_BLOCK;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int8_t* q = malloc((size_t)K + 64);
+        int8_t* q2 = malloc((size_t)K + 64);
+        float* dx2u = malloc(sizeof(float) * (size_t)(nu + 16));
+        int32_t* co2u = malloc(sizeof(int32_t) * (size_t)(nu + 16));
         float* dxu = malloc(sizeof(float) * (size_t)(nu + 16));
         float* xsu = malloc(sizeof(float) * (size_t)(nu + 16));
         int32_t* cou = malloc(sizeof(int32_t) * (size_t)(nu + 16));
@@ -271,25 +347,41 @@ int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
         uint8_t* scratch = malloc((size_t)K + 64);
         float* s16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
         float* b16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
-        const int ok = q && dxu && xsu && cou && ud && wd && sd && bd && scratch && s16 && b16;
+        const int ok = q && q2 && dx2u && co2u && dxu && xsu && cou && ud && wd && sd && bd && scratch && s16 && b16;
         if (!ok) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             if (!ok) continue;
-            i8_quantize(x + t * ldx, K, G, off, q, dxu, xsu, cou);
+            i8_quantize(x + t * ldx, K, G, off, q, q2, dxu, dx2u, xsu, cou, co2u, nzt + t * nu);
             const int64_t g = t / I8_TOK, i = t % I8_TOK;
             int32_t* xo = xp + g * (K / 4) * 16 + i;
-            for (int64_t p = 0; p < K / 4; p++) memcpy(xo + 16 * p, q + 4 * p, 4);
+            int32_t* xro = xr + g * (K / 4) * 16 + i;
+            for (int64_t p = 0; p < K / 4; p++) {
+                memcpy(xo + 16 * p, q + 4 * p, 4);
+                memcpy(xro + 16 * p, q2 + 4 * p, 4);
+            }
             for (int64_t j = 0; j < nu; j++) {
                 dxt[(g * nu + j) * 16 + i] = dxu[j];
                 xst[(g * nu + j) * 16 + i] = xsu[j];
                 cot[(g * nu + j) * 16 + i] = cou[j];
+                dx2t[(g * nu + j) * 16 + i] = dx2u[j];
+                co2t[(g * nu + j) * 16 + i] = co2u[j];
             }
         }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < ntg; g++) /* a group's unit has a residual plane if a token does */
+            for (int64_t j = 0; j < nu; j++) {
+                uint8_t f = 0;
+                for (int64_t t = g * I8_TOK; t < T && t < (g + 1) * I8_TOK; t++) f |= nzt[t * nu + j];
+                flt[g * nu + j] = f;
+            }
 #pragma omp for schedule(static)
         for (int64_t bl = 0; bl < nblocks; bl++)
             if (ok) i8_block(&jb, bl * I8_BLOCK, ud, wd, sd, bd, scratch, s16, b16);
         free(q);
+        free(q2);
+        free(dx2u);
+        free(co2u);
         free(dxu);
         free(xsu);
         free(cou);
@@ -305,6 +397,11 @@ int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     free(dxt);
     free(xst);
     free(cot);
+    free(xr);
+    free(dx2t);
+    free(co2t);
+    free(flt);
+    free(nzt);
     return failed ? -2 : 0;
 #else
     return loom_q_matmul(qtype, 4, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate, threads);

@@ -22,8 +22,9 @@ otherwise. There a token's outputs are the same in every forward of up to 8 rows
 decode step and its speculative verify steps) and in every forward above 8, and differ between
 the two in the last bits; "bi" alone is invariant for all.
 "prefill" (kernels/cpu/quant_i8.c; --quantized-matmul prefill-int8: the compiled forward's
-qkv / gate_up on prompt steps, cpu_forward.py and forward.c) quantizes the activations
-to 8 bits per block of 32 and takes vpdpbusd (64 multiply-adds an instruction, twice "bi"'s)
+matmuls on prompt steps, cpu_forward.py) quantizes the activations
+to 8 bits per block of 32 (a second 8-bit plane for the rounding error of blocks an outlier
+makes coarse) and takes vpdpbusd (64 multiply-adds an instruction, twice "bi"'s)
 for every block type in AVX-512 VNNI builds, one arithmetic for every token count; "auto"
 elsewhere.
 """
