@@ -215,6 +215,12 @@ class CpuForward:
                 (a.attn.sliding_window or 0) if gemma else 0,
             )  # fmt: skip
         self._layers = layers
+        # quant.c's mode for a step: "prefill" (--quantized-matmul prefill-int8: 8-bit
+        # activations, quant_i8.c) on a prompt step's rows only, so every prompt row gets one
+        # arithmetic however its prefill is chunked, and decode / verify rows take "auto"
+        mode = quant_ops.DEFAULT_MODE
+        self._q_prompt = quant_ops.MODES[mode]
+        self._q_mode = quant_ops.MODES["auto" if mode == "prefill" else mode]
         self._struct = _Model(
             cfg.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim,
             sum(inner.layers[0].mlp.gate_up_proj.output_sizes) // 2,
@@ -223,7 +229,7 @@ class CpuForward:
             f(inner.embed_tokens.weight), p(inner.norm.weight), f(model.lm_head.weight),
             p(rot.cos_cache), p(rot.sin_cache), layers, packed(model.lm_head.weight),
             q(inner.embed_tokens.weight), q(model.lm_head.weight),
-            quant_ops.MODES[quant_ops.resolve_mode()],
+            self._q_mode,
             int(gemma), float(getattr(inner.embed_tokens, "scale", 1.0)), float(gemma),
             int(kv_dtype == torch.bfloat16),
         )  # fmt: skip
@@ -295,6 +301,7 @@ class CpuForward:
             feats = torch.empty((1 + n_aux, ids.numel(), self._struct.hidden), dtype=torch.float32)
         aux_ptr = feats.data_ptr() + 4 * ids.numel() * self._struct.hidden if n_aux else None
         base = meta.data_ptr()
+        self._struct.q_mode = self._q_prompt if batch.prompt else self._q_mode
         rc = self.lib.loom_forward_f32(
             self._model_ptr, ids.numel(), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(),
             b, base, rows.data_ptr(), base + 8 * (b + 1), table.data_ptr(), table.stride(0),

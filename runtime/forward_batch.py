@@ -63,6 +63,9 @@ class ForwardBatch:
     # [T, hidden], [residual stream after each such layer])
     capture: tuple[int, ...] | None = None
     captured: Any = None
+    # every row a prompt row (`ModelInput.prompt`): the compiled forward's quantized matmuls
+    # may take 8-bit activations (quant_i8.c); decode and verify rows never do
+    prompt: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -125,6 +128,8 @@ class ModelInput:
     # greedy chains whose grammar mask rows are left lazy (`step_grammar.LazyRows`, built on
     # one rank only): the runner resolves them around the sampler's argmax
     lazy_rows: Any = None
+    # a prefill step (not a decode batch: no generated token, no draft among its rows)
+    prompt: bool = False
 
 
 @dataclass

@@ -205,6 +205,7 @@ class ModelRunner:
             attn_backend=self.attn_backend,
             logits_indices=to_dev(logits_indices),
             capture=inp.capture,
+            prompt=inp.prompt,
         )
         if inp.drafts.has_trees:
             batch.custom_masks = [

@@ -41,4 +41,4 @@ QUANTIZATIONS = ("int8", "int4", "gguf", "none")
 # Q4_0 / Q4_1 / Q5_x where built with AVX-512 VNNI; for other types the f32 decode GEMV up to 8 rows
 # where built, the batch-invariant kernels above), "batch-invariant" (one arithmetic for every
 # row count)
-QUANTIZED_MATMULS = {"auto": "auto", "batch-invariant": "bi"}
+QUANTIZED_MATMULS = {"auto": "auto", "batch-invariant": "bi", "prefill-int8": "prefill"}

@@ -471,3 +471,115 @@ def test_bi_native_equals_the_portable_build(qtype):
                     assert torch.equal(a, b), (qtype, rows, cols, t, threads)
     finally:
         torch.set_num_threads(prev)
+
+
+def prefill_i8(qtype: str, isa: str) -> bool:
+    """Whether mode "prefill" takes quant_i8.c's 8-bit kernel for `qtype` in this build (AVX-512
+    VNNI; elsewhere it is "auto")."""
+    lib = quant_ops.load(isa)
+    return lib is not None and bool(lib.loom_q_i8_type(quant_ops.QTYPES[qtype]))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_prefill_mode_matches_reference(qtype, isa):
+    """Mode "prefill" (a prompt's rows, quant_i8.c): the activations rounded to 8 bits per block
+    of 32 (quantize_act_ref), then exact integer dots and f32 scales, against the reference at
+    odd shapes (rows past a 4-row pass and a 32-row block, partial 16-token groups), with and
+    without bias, on one and two threads. Without the kernel (the avx2
+    build) the mode is "auto", bit for bit."""
+    values = BLOCKS[qtype][0]
+    i8 = prefill_i8(qtype, isa)
+    assert i8 == quant_ops.vnni(isa)  # the same build condition as quant.c's VNNI path
+    prev = torch.get_num_threads()
+    try:
+        for rows, nblocks, seed in ((1, 1, 0), (7, 3, 1), (45, 2, 2), (70, 6, 3)):
+            cols = nblocks * values
+            qt = random_blocks(qtype, rows, cols, seed)
+            w = dequantize_ref(qt.qtype, qt.data, qt.shape)
+            for t in (1, 5, 16, 17, 33, 64):
+                g = torch.Generator().manual_seed(t)
+                x = torch.randn(t, cols, generator=g)
+                x[0, :32] = 0.0  # an all-zero activation block
+                bias = torch.randn(rows, generator=g) if t % 2 else None
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    y = quant_ops.matmul(qt, x, bias, mode="prefill", isa=isa)
+                    if not i8:
+                        auto = quant_ops.matmul(qt, x, bias, mode="auto", isa=isa)
+                        assert torch.equal(y, auto), (qtype, rows, cols, t)
+                        continue
+                    xs = quantize_act_ref(x)
+                    ref = xs @ w.T
+                    scale = xs.abs() @ w.abs().T
+                    if bias is not None:
+                        ref, scale = ref + bias, scale + bias.abs()
+                    scale = scale.max().item() + 1e-6
+                    err = (y - ref).abs().max().item() / scale
+                    assert err < 2e-5, (qtype, rows, cols, t, threads, err)
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_prefill_rows_do_not_depend_on_the_step(qtype, isa):
+    """Mode "prefill": a row's outputs are bitwise the same alone, in a step of any size, at
+    any place in it and on one or two threads, so a prompt gives the same bits however its
+    prefill is split into chunks (the forward takes this mode for every prompt row)."""
+    values = BLOCKS[qtype][0]
+    cols = (3 if values == 256 else 48) * values
+    qt = random_blocks(qtype, 37, cols, 4)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(6))
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat(
+            [quant_ops.matmul(qt, x[i : i + 1], bias, mode="prefill", isa=isa) for i in range(40)]
+        )
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for t in (2, 15, 16, 17, 32, 33, 40):
+                got = quant_ops.matmul(qt, x[:t], bias, mode="prefill", isa=isa)
+                assert torch.equal(got, alone[:t]), (qtype, t, threads)
+            perm = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+            got = quant_ops.matmul(qt, x[perm], bias, mode="prefill", isa=isa)
+            assert torch.equal(got, alone[perm]), (qtype, threads)
+    finally:
+        torch.set_num_threads(prev)
+
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K", "Q8_0"])
+def test_prefill_mode_outlier_blocks_take_the_residual_plane(qtype, isa):
+    """A block whose largest value is far above the others (an outlier channel, as in Gemma 3's
+    hidden states) gets a second 8-bit plane for its rounding error (quant_i8.c, dx / 254): the
+    result matches the two-plane reference, and a row's bits still do not depend on its
+    neighbours (half of the tokens without the outlier)."""
+    if not prefill_i8(qtype, isa):
+        pytest.skip("mode prefill is auto in this build (tested above)")
+    cols = 512
+    qt = random_blocks(qtype, 37, cols, 1)
+    w = dequantize_ref(qt.qtype, qt.data, qt.shape)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(2))
+    x[::2, 5] = 40.0  # every other token: an outlier in block 0
+    b = x.reshape(40, -1, 32)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    q = torch.sign(b / d) * torch.floor((b / d).abs() + 0.5)
+    e = b - d * q
+    rest = (b * b).sum(-1, keepdim=True) - (d * 127) ** 2
+    resid = (e * e).sum(-1, keepdim=True) > 1e-3 * rest
+    assert resid[::2, 0].all() and not resid[1::2].any() and not resid[:, 1:].any()
+    d2 = d / 254
+    q2 = torch.where(resid, torch.sign(e / d2) * torch.floor((e / d2).abs() + 0.5), 0.0)
+    xs = (d * q + d2 * q2).reshape(40, cols)
+    y = quant_ops.matmul(qt, x, mode="prefill", isa=isa)
+    ref = xs @ w.T
+    err = ((y - ref).abs().max() / (xs.abs() @ w.abs().T).max()).item()
+    assert err < 2e-5, err
+    # and closer to the unrounded product than 8 bits alone on the outlier tokens (the other
+    # blocks keep their 8-bit error)
+    exact = x @ w.T
+    one_plane = quantize_act_ref(x) @ w.T
+    assert (y - exact)[::2].abs().max() < 0.5 * (one_plane - exact)[::2].abs().max()
+    alone = torch.cat([quant_ops.matmul(qt, x[i : i + 1], mode="prefill", isa=isa) for i in range(40)])
+    assert torch.equal(y, alone)

@@ -295,7 +295,8 @@ LOOM_API int64_t ngt_check(int64_t* h);
    qtype 0..6 = Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, Q5_0, Q5_1; mode 0 = int8 activations (T <= 8), 1 = f32,
    2 = 16-bit activations (Q8_0 / Q4_0 / Q4_1, T <= 8; other types: mode 0), 3 = 16-bit
    activations for every type and T, batch-invariant (quant_bi.c), 4 = auto (per call: 3 for
-   the types loom_q_auto_bi names, else 1's f32 GEMV where the build has it and T <= 8, else 3) */
+   the types loom_q_auto_bi names, else 1's f32 GEMV where the build has it and T <= 8, else 3),
+   5 = prompt rows (quant_i8.c: 8-bit activations for loom_q_i8_type's types, else 4) */
 LOOM_API int loom_q_vnni(void);
 LOOM_API int loom_q_f32v(void);
 LOOM_API extern int loom_q_prefetch_rows;
@@ -318,6 +319,20 @@ LOOM_API int loom_q_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, int6
 void loom_q_decode_row(int qtype, const uint8_t* row, int64_t K, uint8_t* u, float* s, float* b);
 float loom_q_f16(const uint8_t* p);
 int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                     const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                     int64_t ldy, int accumulate, int threads);
+/* quant_bi.c -> quant_i8.c (internal): bi_decode_row's int16 codes / scales / offsets of a row,
+   and (AVX-512 builds) the tiles' 4-row x 16-token store; quant_i8.c: whether mode 5 has its
+   8-bit kernel for the type in this build, and that kernel (loom_q_matmul's arguments) */
+void loom_q_decode_row16(int qtype, const uint8_t* row, int64_t K, int16_t* w, float* s, float* b,
+                         uint8_t* u, float* s16, float* b16);
+void loom_q_put4x16(const float* sums, float* y, int64_t ldy, const float* bias, int accumulate);
+LOOM_API int loom_q_i8_type(int qtype);
+/* quant_i8.c: a block of 32 activations gets a second 8-bit plane (its rounding error at
+   dx / 254) where that error's energy is above this fraction of the energy of the block's
+   values but its largest (an outlier sets dx); 0: every block (about 15-bit activations, twice the multiply-adds) */
+LOOM_API extern float loom_q_i8_resid;
+int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                      int64_t ldy, int accumulate, int threads);
 

@@ -25,6 +25,8 @@
                   Q5_0 / Q5_1 in AVX-512 VNNI builds (quant_bi.c's 16-row-lane kernel beats
                   matmul_f32v there at 1..8 tokens), else LOOM_Q_F32's matmul_f32v at T <= 8,
                   LOOM_Q_BI above.
+     LOOM_Q_PREFILL (quant_i8.c) a prompt's rows: 8-bit activations and vpdpbusd on AVX-512 VNNI
+                  builds, one arithmetic for every T; elsewhere LOOM_Q_AUTO.
    Either way a row is decoded once per call and used for all T tokens, so a GEMV (T = 1..8)
    streams the weights once and a GEMM (prefill) reuses the decoded row from L1.
 
@@ -44,7 +46,7 @@
 
 enum { LOOM_Q8_0 = 0, LOOM_Q4_0 = 1, LOOM_Q4_1 = 2, LOOM_Q4_K = 3, LOOM_Q6_K = 4 };
 enum { LOOM_Q5_0 = 5, LOOM_Q5_1 = 6 };
-enum { LOOM_Q_INT8 = 0, LOOM_Q_F32 = 1, LOOM_Q_I16 = 2, LOOM_Q_BI = 3, LOOM_Q_AUTO = 4 };
+enum { LOOM_Q_INT8 = 0, LOOM_Q_F32 = 1, LOOM_Q_I16 = 2, LOOM_Q_BI = 3, LOOM_Q_AUTO = 4, LOOM_Q_PREFILL = 5 };
 
 #define GROUP 16 /* values sharing one (s, b) after decoding */
 #define ABLOCK 32 /* activation values sharing one int8 scale */
@@ -1049,6 +1051,13 @@ int loom_q_matmul(int qtype, int mode, const uint8_t* w, int64_t N, int64_t K, i
        on its Q4_K / Q6_K); in a build without them the f32 decode GEMV where it exists
        (unrounded activations, the fastest there at T <= F32V_MAX), the batch-invariant tile
        above it */
+    /* LOOM_Q_PREFILL: a prompt's rows (quant_i8.c); types without its kernel take LOOM_Q_AUTO */
+    if (mode == LOOM_Q_PREFILL) {
+        if (loom_q_i8_type(qtype))
+            return loom_q_matmul_i8(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
+                                    threads);
+        mode = LOOM_Q_AUTO;
+    }
     if (mode == LOOM_Q_AUTO)
         mode = loom_q_auto_bi(qtype) ? LOOM_Q_BI
                : LOOM_Q_F32V && T <= F32V_MAX && has_f32v(qtype) ? LOOM_Q_F32

@@ -191,6 +191,12 @@ static void bi_decode_row(int qtype, const uint8_t* row, int64_t K, int16_t* w, 
     }
 }
 
+/* bi_decode_row for quant_i8.c (its arguments) */
+void loom_q_decode_row16(int qtype, const uint8_t* row, int64_t K, int16_t* w, float* s, float* b,
+                         uint8_t* u, float* s16, float* b16) {
+    bi_decode_row(qtype, row, K, w, s, b, u, s16, b16);
+}
+
 /* Token x [K] -> codes q [K], and per unit dx (its block's scale) and xs = dx * sum of q.
    Rounding: sign(v) * floor(|v| + 0.5) in f32, v = x * (1 / dx) (quant_ref.quantize_act16_ref's
    steps), the same in the AVX-512 and the portable code. */
@@ -451,6 +457,11 @@ static inline void bi_put4x16(const float* sums, float* y, int64_t ldy, const fl
         const __m128 prev = accumulate ? _mm_loadu_ps(yo) : _mm_setzero_ps();
         _mm_storeu_ps(yo, _mm_add_ps(_mm_add_ps(prev, _mm_loadu_ps(tok[i % 4] + 4 * (i / 4))), bv));
     }
+}
+
+/* quant_i8.c's tile stores through the same 4 x 16 transpose */
+void loom_q_put4x16(const float* sums, float* y, int64_t ldy, const float* bias, int accumulate) {
+    bi_put4x16(sums, y, ldy, bias, accumulate);
 }
 
 /* bi_tile_core specialised: G 32 or 16, one or two token groups */

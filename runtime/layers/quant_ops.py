@@ -21,6 +21,12 @@ other builds the f32 GEMV where it exists (AVX-512F without VNNI, up to 8 tokens
 otherwise. There a token's outputs are the same in every forward of up to 8 rows (a batch-1
 decode step and its speculative verify steps) and in every forward above 8, and differ between
 the two in the last bits; "bi" alone is invariant for all.
+"prefill" (kernels/cpu/quant_i8.c; --quantized-matmul prefill-int8: the compiled forward's
+matmuls on prompt steps, cpu_forward.py) quantizes the activations
+to 8 bits per block of 32 (a second 8-bit plane for the rounding error of blocks an outlier
+makes coarse) and takes vpdpbusd (64 multiply-adds an instruction, twice "bi"'s)
+for every block type in AVX-512 VNNI builds, one arithmetic for every token count; "auto"
+elsewhere.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from loom.runtime import native
 from loom.runtime.layers.quant_types import QuantizedTensor
 
 QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 6}
-MODES = {"int8": 0, "f32": 1, "int16": 2, "bi": 3, "auto": 4}
+MODES = {"int8": 0, "f32": 1, "int16": 2, "bi": 3, "auto": 4, "prefill": 5}
 DEFAULT_MODE = "auto"
 # instruction-set variants (native.ISA_FLAGS): "native" takes the VNNI path on CPUs with
 # AVX-512 VNNI; "avx2" (AVX-512 off) the plain C path every other CPU takes
@@ -46,8 +52,11 @@ def load(isa: str = "native") -> ctypes.CDLL | None:
 
 
 def resolve_mode(mode: str | None = None) -> str:
-    """`mode`, None meaning DEFAULT_MODE. "auto" is resolved per call by quant.c (T and type)."""
-    return mode or DEFAULT_MODE
+    """`mode`, None meaning DEFAULT_MODE ("prefill" there: "auto", as the decode rows of the
+    compiled forward, which alone takes "prefill" on prompt steps). "auto" is resolved per call
+    by quant.c (T and type)."""
+    m = mode or DEFAULT_MODE
+    return "auto" if mode is None and m == "prefill" else m
 
 
 # multiply-adds per thread below which another thread costs more than it saves

@@ -178,6 +178,7 @@ class ScheduleBatch:
             input_logprob_starts=lp_starts,
             input_logprob_targets=lp_targets,
             lazy_rows=self.lazy_rows,
+            prompt=not self.is_decode,
         )
         return self.model_input
 
