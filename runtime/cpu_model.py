@@ -56,8 +56,10 @@ def pack(w: np.ndarray) -> np.ndarray:
 
 def read_gguf(path: str) -> tuple[SimpleNamespace, dict[str, tuple[str, np.ndarray]]]:
     """(config, weights): weights[hf name] = (qtype, uint8 block rows) for a block type the C
-    kernels read, ("F32", float32 array) otherwise, as iterate_gguf_weights(keep_quantized=True)
-    yields them; the config holds the fields the C forward's Model struct takes."""
+    kernels read, ("F32", float32 array) otherwise, the values iterate_gguf_weights(
+    keep_quantized=True) yields; the config holds the fields the C forward's Model struct takes.
+    Block rows the loader does not permute stay views of the file's map (the cached reader
+    keeps it open), so they are file-backed pages, not copies."""
     meta = metadata(path)
     arch = meta["general.architecture"]
 
@@ -93,8 +95,13 @@ def read_gguf(path: str) -> tuple[SimpleNamespace, dict[str, tuple[str, np.ndarr
         qtype = tensor.tensor_type.name
         shape = tuple(int(n) for n in reversed(tensor.shape))
         rows = fix_values(arch, name, np.asarray(tensor.data), heads, cfg.kv_heads)
-        if qtype in QTYPES:
-            weights[name] = (qtype, np.array(rows, dtype=np.uint8))  # a copy: the map is read-only
+        if qtype in QTYPES and np.shares_memory(rows, tensor.data):
+            # read in place from the map (the C side only reads): no anonymous copy, and no
+            # transient of map + copy (Gemma 3's Q8_0 embedding is 178 MB)
+            weights[name] = (qtype, np.ascontiguousarray(rows))
+            continue
+        if qtype in QTYPES:  # un-permuted q / k rows: a copy
+            weights[name] = (qtype, np.array(rows, dtype=np.uint8))
         elif qtype in ("F32", "F16"):
             values = fix_float(arch, name, rows.astype(np.float32).reshape(shape))
             weights[name] = ("F32", np.ascontiguousarray(values, dtype=np.float32))
