@@ -45,6 +45,7 @@ MAX_TOKENS = 8192
 # the one 16-bit --kv-cache-dtype loom offers (memory_pool._KV_DTYPES)
 KV16 = (torch.bfloat16,)
 
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 

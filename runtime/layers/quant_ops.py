@@ -30,7 +30,7 @@ import ctypes
 import torch
 
 from loom.runtime import native
-from loom.runtime.cpu_abi import MODES, QTYPES  # noqa: F401  (re-exported)
+from loom.runtime.cpu_abi import MODES, QTYPES
 from loom.runtime.layers.quant_types import QuantizedTensor
 
 DEFAULT_MODE = "auto"
