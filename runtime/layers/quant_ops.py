@@ -36,10 +36,9 @@ import ctypes
 import torch
 
 from loom.runtime import native
+from loom.runtime.cpu_abi import MODES, QTYPES
 from loom.runtime.layers.quant_types import QuantizedTensor
 
-QTYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q4_K": 3, "Q6_K": 4, "Q5_0": 5, "Q5_1": 6}
-MODES = {"int8": 0, "f32": 1, "int16": 2, "bi": 3, "auto": 4, "prefill": 5}
 DEFAULT_MODE = "auto"
 # instruction-set variants (native.ISA_FLAGS): "native" takes the VNNI path on CPUs with
 # AVX-512 VNNI; "avx2" (AVX-512 off) the plain C path every other CPU takes
