@@ -65,7 +65,7 @@ def test_numpy_binding_equals_the_torch_binding_bit_for_bit(real_gguf, name, kv)
     refs = []
     for ids, pos, slots, rws, seq, ext, want in _steps(3):
         batch = SimpleNamespace(
-            seq_lens_cpu=seq, extend_lens_cpu=ext, custom_masks=None, capture=None,
+            seq_lens_cpu=seq, extend_lens_cpu=ext, custom_masks=None, capture=None, prompt=False,
             input_ids=torch.tensor(ids), positions=torch.tensor(pos),
             out_cache_loc=torch.tensor(slots), req_pool_indices=torch.tensor(rws),
             req_to_token_pool=runner.req_to_token_pool, logits_indices=torch.tensor(want),
