@@ -315,18 +315,22 @@ def main() -> None:
     g.add_argument("--legacy", type=Path, default=Path("/tmp/e3/features.pt"))
     g = sub.add_parser("generate")
     g.add_argument("--data-model", default="smollm2", help="writes prompts and answers")
-    g.add_argument("--feature-model", default=None,
-                   help="the model whose prefill gives features and labels (default: --target;"
-                   " `smollm2`, the Q4_1 GGUF the f32 folder was converted from, is the same "
-                   "weights in 4-bit blocks: --check compares it with the f32 eager pass)")
+    g.add_argument(
+        "--feature-model",
+        default=None,
+        help="the model whose prefill gives features and labels (default: --target;"
+        " `smollm2`, the Q4_1 GGUF the f32 folder was converted from, is the same "
+        "weights in 4-bit blocks: --check compares it with the f32 eager pass)",
+    )
     g.add_argument("--batch", type=int, default=64)
     g.add_argument("--max-new-tokens", type=int, default=160)
     g.add_argument("--minutes", type=float, default=60)
     g.add_argument("--tokens", type=int, default=5_000_000)
     g.add_argument("--aux-layers", default="1,15,29")
     g.add_argument("--spec-bench", type=Path, default=None, help="question.jsonl (a filter)")
-    g.add_argument("--check", type=int, default=0,
-                   help="compare the first N documents with the eager f32 pass")
+    g.add_argument(
+        "--check", type=int, default=0, help="compare the first N documents with the eager f32 pass"
+    )
     g = sub.add_parser("train")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--max-train-tokens", type=int, default=None)
