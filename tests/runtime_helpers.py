@@ -92,11 +92,31 @@ def free_head(sched: Scheduler) -> Scheduler:
     """A head drafter whose gate counts no cost for the head's draft levels. On the tiny test
     models a level reads over half the weights a target step does, so the gate (rightly) cuts
     chains short; tests of what drafting does (drafts against references, identity under
-    rejection) draft full length. Verify costs and measured rates still apply."""
-    gate = getattr(sched.decode.drafter, "gate", None)  # None: no head drafter
+    rejection) draft full length. Verify costs and measured rates still apply. The head's
+    time is not charged to constrained requests either (`NgramPolicy.free`): with both, no
+    drafting decision reads a clock."""
+    drafter = sched.decode.drafter
+    gate = getattr(drafter, "gate", None)  # None: no head drafter
     if gate is not None:
         gate.per_level, gate.pinned = 0.0, True
+        drafter.policy.free = True
     return sched
+
+
+def settle_grammars(sched: Scheduler, timeout: float = 120.0) -> None:
+    """Wait until every submitted constrained request's grammar (and closer) is compiled, so
+    the next step admits them all: a batch whose make-up does not depend on compile times
+    (verify counts then repeat run to run)."""
+    import time
+
+    q = sched.grammar_queue
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        futs = [f for _, f, _ in q.pending] + list(q.closers.values())
+        if all(f is not None and f.done() for f in futs):
+            return
+        time.sleep(0.005)
+    raise AssertionError("grammars did not compile in time")
 
 
 def run_chats(sched: Scheduler, asks: list[str], max_new: int) -> dict[str, Result]:

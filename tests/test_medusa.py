@@ -19,7 +19,14 @@ from loom.runtime.sampling import verify
 from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
 from loom.runtime.spec.medusa import build_medusa_heads, load_medusa_heads, save_medusa_heads
 from loom.runtime.spec.medusa_drafter import best_first_tree
-from tests.runtime_helpers import free_head, greedy, make_scheduler, run_all, submit
+from tests.runtime_helpers import (
+    free_head,
+    greedy,
+    make_scheduler,
+    run_all,
+    settle_grammars,
+    submit,
+)  # fmt: skip
 from tests.test_spec_sampling import CRITICAL, _broken_residual, _tree_info
 
 
@@ -164,6 +171,7 @@ def _run(model, prompts, **kw):
     sched = free_head(make_scheduler(model, disable_jump_forward=True, **kw))
     for i, (ids, params) in enumerate(prompts):
         submit(sched, f"p{i}", ids, params)
+    settle_grammars(sched)  # one batch of all prompts: counts that repeat run to run
     return run_all(sched), sched
 
 
@@ -197,12 +205,12 @@ def test_greedy_identical_with_medusa_trees(llama, medusa_dir, radix_off):
     state = sched.get_state()
     assert state["spec_verify_ct"] > 0 and 1.0 < state["spec_accept_length"], state
     accepted, proposed = state["spec_accepted_by_position"], state["spec_proposed_by_position"]
-    assert sum(accepted) <= sum(proposed)
-    if radix_off:  # some drafts rejected: the tail's 30-odd verifies reject about half
-        assert sum(accepted) < sum(proposed), state
-    # radix on: the gate declines most of the batch-26 steps and drafts on its probes (and
-    # the timed head-cost decisions of constrained requests), 2-10 verifies; CI once saw 2,
-    # every proposed token accepted, so rejection is asserted on the radix-off run only
+    # some drafts rejected on both runs: radix on, the gate declines most of the batch-26
+    # steps and drafts on its probes (28 verifies, 29 of 69 drafts accepted); radix off, the
+    # tail's 31 verifies accept 20 of 76. These counts once varied (2-10 verifies radix on,
+    # CI saw 2 with every draft accepted) with the constrained requests' compile times and
+    # the head's timed cost; settle_grammars and free_head take both clocks out
+    assert 0 < sum(accepted) < sum(proposed), state
 
 
 def test_a_prefill_asks_the_gate_once(llama, medusa_dir):

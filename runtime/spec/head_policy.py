@@ -274,6 +274,10 @@ class NgramPolicy:
         # (`charge`; free requests, which the head drafts whatever it costs, pay nothing)
         self.priced: set[int] = set()
         self.head_seconds: dict[int, float] = {}
+        # True: the head's time is not charged (`charge` keeps nothing), so `head_gain` moves
+        # by accepted lengths alone and the choice no longer depends on timing (the head
+        # tests pin it, as `HeadGate.pinned`, to compare verify counts run to run)
+        self.free = False
 
     def enabled_for(self, batch_size: int) -> None:
         """The step's batch size: the n-gram speculator's learning budget is shared by it."""
@@ -315,6 +319,8 @@ class NgramPolicy:
         """The head ran `seconds` after a step over request rows `rows`: each constrained
         request among them that uses the head pays the whole of it (`_net_gain` prices it at
         the row's own rate)."""
+        if self.free:
+            return
         for row in rows:
             if row in self.priced:
                 self.head_seconds[row] = self.head_seconds.get(row, 0.0) + seconds
