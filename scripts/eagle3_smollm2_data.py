@@ -37,17 +37,15 @@ from pathlib import Path
 
 CACHE = Path("~/.cache/loom/eagle3_smollm2").expanduser()
 F32 = "~/.cache/loom/models/smollm2-135m-f32"
-HEAD_LIMIT_MB = 25
+# the recipe's 50 seed topics and 3 asks (wave 3) stay where they were written; this script
+# adds topics and asks for the large run. Run from the repo (`python scripts/...`), the
+# scripts folder is on sys.path.
+from train_eagle3_smollm2 import ASKS as _ASKS  # noqa: E402
+from train_eagle3_smollm2 import HEAD_LIMIT_MB  # noqa: E402
+from train_eagle3_smollm2 import SEED_TOPICS as _TOPICS  # noqa: E402
 
 SEED_TOPICS = [
-    "gardening", "cooking pasta", "saving money", "learning a language", "running", "sleep",
-    "the solar system", "volcanoes", "bees", "the ocean", "electric cars", "recycling",
-    "photography", "chess", "the piano", "ancient Rome", "the printing press", "rainbows",
-    "coffee", "bread baking", "job interviews", "writing emails", "time management", "friendship",
-    "dogs", "birds", "mountains", "deserts", "weather forecasts", "the human heart", "vaccines",
-    "computers", "the internet", "passwords", "spreadsheets", "budget travel", "camping",
-    "painting", "poetry", "movies", "board games", "football", "swimming", "yoga", "tea",
-    "trains", "bridges", "libraries", "museums", "public speaking",
+    *_TOPICS,
     # added for the large run (the 50 above are wave 3's)
     "cats", "horses", "whales", "rivers", "rain forests", "glaciers", "earthquakes", "tides",
     "the moon", "stars", "black holes", "gravity", "magnets", "electricity", "batteries",
@@ -83,10 +81,7 @@ SEED_TOPICS = [
     "geography", "countries", "flags", "oceans", "islands", "lakes", "caves", "volcano safety",
 ]  # fmt: skip
 ASKS = [
-    "Write one question a curious person might ask about {t}. Reply with the question only.",
-    "Write one short instruction asking an assistant to explain something about {t}. Reply "
-    "with the instruction only.",
-    "Write one request asking for practical tips about {t}. Reply with the request only.",
+    *_ASKS,
     "Write one question a student might ask a teacher about {t}. Reply with the question only.",
     "Write one request asking an assistant to compare two things related to {t}. Reply with "
     "the request only.",

@@ -211,15 +211,19 @@ def test_matmul_matches_reference(qtype, mode, isa):
             # int8 / int16 (decode): the kernel sees the activations rounded per block of 32,
             # as the reference does; larger T runs the f32 kernel in every mode
             xs = seen(x, qtype, mode, isa)
-            ref = xs @ w.T
-            # rounding error scales with the terms summed, not with the sum (a single output
-            # that nearly cancels has a tiny |ref|): measured against sum |x| |w| + |bias|
-            scale = xs.abs() @ w.abs().T
-            if bias is not None:
-                ref, scale = ref + bias, scale + bias.abs()
-            scale = scale.max().item() + 1e-6
-            err = (y - ref).abs().max().item() / scale
+            err = _relative_error(y, xs, w, bias)
             assert err < 2e-5, (qtype, mode, rows, cols, t, err)
+
+
+def _relative_error(y, xs, w, bias) -> float:
+    """max |y - (xs @ w.T + bias)| over the largest sum |x| |w| + |bias|: rounding error scales
+    with the terms summed, not with the sum (a single output that nearly cancels has a tiny
+    |ref|)."""
+    ref = xs @ w.T
+    scale = xs.abs() @ w.abs().T
+    if bias is not None:
+        ref, scale = ref + bias, scale + bias.abs()
+    return (y - ref).abs().max().item() / (scale.max().item() + 1e-6)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -509,12 +513,7 @@ def test_prefill_mode_matches_reference(qtype, isa):
                         assert torch.equal(y, auto), (qtype, rows, cols, t)
                         continue
                     xs = quantize_act_ref(x)
-                    ref = xs @ w.T
-                    scale = xs.abs() @ w.abs().T
-                    if bias is not None:
-                        ref, scale = ref + bias, scale + bias.abs()
-                    scale = scale.max().item() + 1e-6
-                    err = (y - ref).abs().max().item() / scale
+                    err = _relative_error(y, xs, w, bias)
                     assert err < 2e-5, (qtype, rows, cols, t, threads, err)
     finally:
         torch.set_num_threads(prev)
@@ -546,7 +545,6 @@ def test_prefill_rows_do_not_depend_on_the_step(qtype, isa):
             assert torch.equal(got, alone[perm]), (qtype, threads)
     finally:
         torch.set_num_threads(prev)
-
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K", "Q8_0"])
@@ -581,5 +579,7 @@ def test_prefill_mode_outlier_blocks_take_the_residual_plane(qtype, isa):
     exact = x @ w.T
     one_plane = quantize_act_ref(x) @ w.T
     assert (y - exact)[::2].abs().max() < 0.5 * (one_plane - exact)[::2].abs().max()
-    alone = torch.cat([quant_ops.matmul(qt, x[i : i + 1], mode="prefill", isa=isa) for i in range(40)])
+    alone = torch.cat(
+        [quant_ops.matmul(qt, x[i : i + 1], mode="prefill", isa=isa) for i in range(40)]
+    )
     assert torch.equal(y, alone)

@@ -285,6 +285,10 @@ static void i8_block(const I8Job* jb, int64_t n0, uint8_t* ud, int16_t* wd, floa
         }
     }
 }
+
+static void free_each(void** p, int n) {
+    for (int i = 0; i < n; i++) free(p[i]);
+}
 #endif
 
 /* loom_q_matmul's LOOM_Q_PREFILL for loom_q_i8_type's types (its arguments; checked there) */
@@ -306,16 +310,10 @@ int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     int32_t* co2t = aligned_alloc(64, sizeof(int32_t) * (size_t)(ntg * nu * 16));
     uint8_t* flt = calloc((size_t)(ntg * nu), 1);
     uint8_t* nzt = calloc((size_t)(T * nu + 16), 1); /* [T][nu]: i8_quantize's nz per token */
+    void* held[] = {xp, dxt, xst, cot, xr, dx2t, co2t, flt, nzt}; /* freed on either return */
+    const int nheld = (int)(sizeof held / sizeof *held);
     if (!nzt || !xp || !dxt || !xst || !cot || !xr || !dx2t || !co2t || !flt) {
-        free(xp);
-        free(dxt);
-        free(xst);
-        free(cot);
-        free(xr);
-        free(dx2t);
-        free(co2t);
-        free(flt);
-        free(nzt);
+        free_each(held, nheld);
         return -2;
     }
     if (threads < 1) threads = 1;
@@ -393,15 +391,7 @@ int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
         free(s16);
         free(b16);
     }
-    free(xp);
-    free(dxt);
-    free(xst);
-    free(cot);
-    free(xr);
-    free(dx2t);
-    free(co2t);
-    free(flt);
-    free(nzt);
+    free_each(held, nheld);
     return failed ? -2 : 0;
 #else
     return loom_q_matmul(qtype, 4, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate, threads);
