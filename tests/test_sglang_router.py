@@ -175,6 +175,9 @@ def test_get_load_feeds_the_routers_loads(cluster):
     assert all(x["load"] >= 0 for x in loads), loads  # -1: the router could not read it
 
 
+HOGS = 48  # long requests sent straight to worker 0 by the power-of-two test
+
+
 def test_power_of_two_sends_new_requests_to_the_less_loaded_worker(cluster):
     """--policy power_of_two over the same workers: greedy answers equal one worker's; with
     worker 0 busy (long requests sent to it directly, which the router sees only through
@@ -198,9 +201,10 @@ def test_power_of_two_sends_new_requests_to_the_less_loaded_worker(cluster):
             body = {"text": f"Busy {i}: a long story about the sea.", "sampling_params": params}
             busy.append(requests.post(one + "/generate", json=body, timeout=600).status_code)
 
-        # 16 hogs: the 4096-token pool runs 4 at a time and queues the rest, so worker 0 stays
-        # busy for 16 x 900 tokens (seconds even on an idle machine; 4 alone end in ~2 s)
-        threads = [threading.Thread(target=hog, args=(i,)) for i in range(16)]
+        # 48 hogs: the 4096-token pool runs 4 at a time and queues the rest, so worker 0 stays
+        # busy for 48 x 900 tokens (4 alone end in ~2 s on an idle machine; with 16, CI at
+        # 771739d saw worker 0 finish before the six quick requests did)
+        threads = [threading.Thread(target=hog, args=(i,)) for i in range(HOGS)]
         for t in threads:
             t.start()
         deadline, busy_since = time.monotonic() + 120, None
@@ -225,7 +229,7 @@ def test_power_of_two_sends_new_requests_to_the_less_loaded_worker(cluster):
         assert server_info(one)["num_running_reqs"] >= 1  # still busy all along
         for t in threads:
             t.join(600)
-        assert busy == [200] * 16
+        assert busy == [200] * HOGS
     finally:
         router.shutdown()
 
