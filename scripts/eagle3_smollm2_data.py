@@ -41,7 +41,7 @@ F32 = "~/.cache/loom/models/smollm2-135m-f32"
 # adds topics and asks for the large run. Run from the repo (`python scripts/...`), the
 # scripts folder is on sys.path.
 from train_eagle3_smollm2 import ASKS as _ASKS  # noqa: E402
-from train_eagle3_smollm2 import HEAD_LIMIT_MB  # noqa: E402
+from train_eagle3_smollm2 import HEAD_LIMIT_MB, spec_bench_grams  # noqa: E402
 from train_eagle3_smollm2 import SEED_TOPICS as _TOPICS  # noqa: E402
 
 SEED_TOPICS = [
@@ -102,16 +102,6 @@ def _prompt_key(tok, ids: list[int], start: int) -> str:
     return tok.decode(ids[:start]).strip().lower()
 
 
-def _grams(tok, questions: Path) -> set[tuple[int, ...]]:
-    grams: set[tuple[int, ...]] = set()
-    for line in questions.read_text().splitlines():
-        if line.strip():
-            for turn in json.loads(line)["turns"]:
-                ids = tok.encode(turn, add_special_tokens=False)
-                grams |= {tuple(ids[i : i + 8]) for i in range(len(ids) - 7)}
-    return grams
-
-
 def _shards(cache: Path) -> list[Path]:
     return sorted((cache / "shards").glob("*.pt"))
 
@@ -154,7 +144,7 @@ def generate(args) -> None:
             seen |= {_prompt_key(tok, i.tolist(), s) for i, s in zip(r["ids"], r["start"])}
             if p.name != "heldout.pt":
                 tokens += sum(int(i.numel()) for i in r["ids"])
-    grams = _grams(tok, args.spec_bench) if args.spec_bench else set()
+    grams = spec_bench_grams(tok, args.spec_bench) if args.spec_bench else set()
     (args.cache / "shards").mkdir(parents=True, exist_ok=True)
     d = Distiller(args.data_model, args.feature_model or args.target, capture,
                   batch=args.batch, threads=1)  # fmt: skip

@@ -115,14 +115,20 @@ def answer(engine, prompts: list[str], max_new: int, out: Path) -> None:
                 f.write(json.dumps({"messages": chat}) + "\n")
 
 
-def contamination(prompts: list[str], questions: Path, tok) -> float:
-    """Share of the prompts' token 8-grams that occur in Spec-Bench's question turns."""
+def spec_bench_grams(tok, questions: Path) -> set[tuple[int, ...]]:
+    """Every token 8-gram of Spec-Bench's question turns."""
     grams: set[tuple[int, ...]] = set()
     for line in questions.read_text().splitlines():
         if line.strip():
             for turn in json.loads(line)["turns"]:
                 ids = tok.encode(turn, add_special_tokens=False)
                 grams |= {tuple(ids[i : i + 8]) for i in range(len(ids) - 7)}
+    return grams
+
+
+def contamination(prompts: list[str], questions: Path, tok) -> float:
+    """Share of the prompts' token 8-grams that occur in Spec-Bench's question turns."""
+    grams = spec_bench_grams(tok, questions)
     hits = total = 0
     for p in prompts:
         ids = tok.encode(p, add_special_tokens=False)
