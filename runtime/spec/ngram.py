@@ -26,6 +26,7 @@ import heapq
 from collections.abc import Sequence
 
 from loom.runtime.spec.ngram_copy import CONTEXT, PromptCopy
+from loom.runtime.spec.ngram_own import OWN_WINDOW, OwnIndex
 from loom.runtime.spec.ngram_store_c import new_ngram_store
 
 __all__ = ["MAX_PROMPT_TOKENS", "NgramLookup", "NgramState", "new_ngram_store"]
@@ -54,6 +55,7 @@ class NgramState:
         "shadow",
         "skipped",
         "prompt_index",
+        "own",
     )
 
     def __init__(self, num_positions: int):
@@ -78,6 +80,8 @@ class NgramState:
         self.skipped = False
         # `PromptCopy.index` of the request's prompt, built at its first copy lookup
         self.prompt_index: dict[int, int] | None = None
+        # the request's own n-grams (`NgramLookup.propose` with `own`), built at its first use
+        self.own: OwnIndex | None = None
 
 
 class NgramLookup:
@@ -143,12 +147,19 @@ class NgramLookup:
         max_len: int,
         after: Sequence[int] = (),
         skip: bool = True,
+        own: bool = False,
     ) -> list[int]:
         """The chain from the matched node; where it runs out (the trie keeps windows of
         `depth` tokens, and a long match leaves few below it), the last tokens drafted so far
         are matched again from the root, so a copy continues past one window. `skip`: False
-        takes the exact match where a skip-gram would answer (`_match`)."""
+        takes the exact match where a skip-gram would answer (`_match`). `own` (and no
+        `after`): the request's own tokens' continuation first (`ngram_own.OwnIndex`), the
+        trie's where they have no match."""
         self.observe(req, state)
+        if own and not after:
+            draft = self._own(req, state).propose(max_len, self.min_window)
+            if draft:
+                return draft
         node = self._match(state.pointers, after, skip)
         draft: list[int] = []
         rematches = 0
@@ -185,6 +196,17 @@ class NgramLookup:
             if copy is not None:
                 context = (context + [token[node]])[-CONTEXT:]
         return draft
+
+    def _own(self, req, state: NgramState) -> OwnIndex:
+        """The request's `OwnIndex`, caught up with its tokens (its prompt's last
+        MAX_PROMPT_TOKENS, as the trie takes); made afresh if its tail was rewritten."""
+        index, n = state.own, req.seq_len
+        if index is None or index.seen > n:
+            start = max(0, len(req.origin_input_ids) - MAX_PROMPT_TOKENS)
+            index = state.own = OwnIndex(min(self.max_window, OWN_WINDOW), start)
+        if index.seen < n:
+            index.extend(req.tokens(index.seen, n))
+        return index
 
     def _after_value(self, slot: int) -> int | None:
         """Where the trie goes on after a copied word at `slot`: the most recently generated

@@ -164,10 +164,12 @@ class NgramSpeculator(Drafter):
             # (`_score_shadow`), so the rates rise again when the trie starts matching
             # instead of waiting for the next probe (PROBE_EVERY steps). On Spec-Bench's
             # held-out rows 249 of 476 SmolLM2 steps drafted nothing for this reason before.
-            shadow = self.ngram.propose(req, state, budget - len(forced), after=forced)
+            shadow = self.ngram.propose(
+                req, state, budget - len(forced), after=forced, own=self._own_first(req)
+            )
             if shadow:
                 state.shadow = (forced + shadow, len(req.output_ids), state.opening, len(forced))
-        ngram = self.ngram.propose(req, state, len(gains), after=forced)
+        ngram = self.ngram.propose(req, state, len(gains), after=forced, own=self._own_first(req))
         draft = forced + ngram
         if req.grammar is not None and draft:
             draft = self.grammar.walk(req, draft)
@@ -186,6 +188,14 @@ class NgramSpeculator(Drafter):
             state.raw = state.raw[: max(0, len(draft) - len(forced))]
         state.expected = sum(state.gains)
         return draft
+
+    def _own_first(self, req) -> bool:
+        """Whether `req`'s chain follows its own tokens before the trie: a free request's
+        decode steps (a constrained one keeps the trie's schema-aware path; the prefill's
+        draft, an answer's first words, what earlier answers opened with). Held-out
+        Spec-Bench rows, SmolLM2 f32, replayed: 1.36 -> 1.42 tokens per decode step's time;
+        docs/benchmarks.md, "Issue 33: where NGRAM's drafts are lost"."""
+        return req.grammar is None and bool(req.output_ids)
 
     def draft_prefill(self, req, room: int) -> list[int]:
         """Forced text, then the trie's chain, verified by the prefill forward itself: a
@@ -379,6 +389,7 @@ class NgramSpeculator(Drafter):
         drafting step pays a bounded share whatever its size (the last LEARN_QUEUE requests
         are kept)."""
         if req.spec_state is not None:
+            req.spec_state.own = None  # drafts no more: its own n-grams go (`ngram_own`)
             self.finished.append(req)
 
     def _learn_finished(self) -> None:
