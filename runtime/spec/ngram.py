@@ -15,6 +15,9 @@ continues past one window (at most MAX_REMATCHES times a draft). Where the answe
 word from its prompt at that context (a JSON value: `ngram_copy.PromptCopy`), the draft takes
 this prompt's word and goes on as the trie went on after another request's value there.
 
+A free request's decode drafts ask its own tokens first (`ngram_own.OwnIndex`: the
+longest earlier window of its prompt tail and output), the trie where they have no match.
+
 The trie (`ngram_store_c.new_ngram_store`: node ids, out of the cyclic collector's sight) holds at
 most `capacity` nodes, the least recently touched evicted first. A prompt contributes at most
 its last `MAX_PROMPT_TOKENS` tokens, so the first draft of a request costs O(that x depth).
@@ -199,7 +202,9 @@ class NgramLookup:
 
     def _own(self, req, state: NgramState) -> OwnIndex:
         """The request's `OwnIndex`, caught up with its tokens (its prompt's last
-        MAX_PROMPT_TOKENS, as the trie takes); made afresh if its tail was rewritten."""
+        MAX_PROMPT_TOKENS, as the trie takes); made afresh if its sequence got shorter (a
+        rewritten tail: jump-forward re-tokenising, which only constrained requests do, and
+        they never ask it)."""
         index, n = state.own, req.seq_len
         if index is None or index.seen > n:
             start = max(0, len(req.origin_input_ids) - MAX_PROMPT_TOKENS)
