@@ -478,7 +478,9 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
                         outs = []
                         for on in (1, 0):
                             knob.value = on
-                            wide = torch.randn(t, rows + 3, generator=torch.Generator().manual_seed(t))
+                            wide = torch.randn(
+                                t, rows + 3, generator=torch.Generator().manual_seed(t)
+                            )
                             rc = lib.loom_q_matmul(
                                 quant_ops.QTYPES[qtype], quant_ops.MODES["bi"], qt.data.data_ptr(),
                                 rows, cols, qt.row_bytes, x.data_ptr(), t, cols,

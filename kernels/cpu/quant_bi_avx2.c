@@ -39,8 +39,17 @@ int loom_q_bi_avx2_built(void) { return BA_ON; }
 enum { AQ8_0 = 0, AQ4_0 = 1, AQ4_1 = 2, AQ4_K = 3, AQ6_K = 4, AQ5_0 = 5, AQ5_1 = 6 };
 
 #define BA_Q 32512 /* quant_bi.c's BI_Q: codes in [-32512, 32512] */
-#define BA_ROWS 4 /* rows of one pass */
-#define BA_BLOCK 32 /* rows decoded at once: the token groups walk over the block's passes */
+#define BA_ROWS 6 /* rows of one pass: 6 rows x 2 groups = 12 accumulators, 2 code vectors
+                     and the broadcast in 15 of the 16 ymm (bench: 4 x 2, 2 x 4, 4 x 3, 8 x 1
+                     were 5-15 percent slower at K = 640, L1-resident) */
+#define BA_MAXR BA_ROWS
+#define BA_MAXG 2
+#define BA_BLOCK 48 /* rows decoded at once (8 passes) for more than BA_SMALL_G token groups: the
+                       groups walk over the block's passes, so a long prompt streams its packed
+                       codes once per 48 rows (the decoded rows sit in L2) */
+#define BA_SMALL_G 4 /* up to 32 tokens (decode and verify steps) a block is one pass's 6 rows,
+                        decoded into L1 right before the pass (at 8 tokens the decode costs about
+                        half of the multiply-adds: its output should not go through L2) */
 
 static inline float ba_f16(const uint8_t* p) {
     uint16_t v;
@@ -202,32 +211,37 @@ static void ba_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu
    and token 8g + i before y, accumulate and bias. */
 static inline __attribute__((always_inline)) void ba_pass_core(
     const int16_t* const* w, const float* const* s, const float* const* b, const int asym,
-    int64_t K, const int G, const int TG, const int32_t* xp, int64_t xstride, const float* dxt,
-    const float* xst, int64_t sstride, float* sums) {
+    int64_t K, const int G, const int R, const int TG, const int32_t* xp, int64_t xstride,
+    const float* dxt, const float* xst, int64_t sstride, float* sums) {
     const int64_t nu = K / G;
     const int PU = G / 2; /* pairs a unit */
-    __m256 P[BA_ROWS][2][16];
+    __m256 P[BA_MAXR][BA_MAXG][16]; /* 6 KB: L1 */
     for (int64_t j = 0; j < nu; j++) {
-        __m256i acc[BA_ROWS][2];
-        for (int r = 0; r < BA_ROWS; r++)
+        __m256i acc[BA_MAXR][BA_MAXG];
+        for (int r = 0; r < R; r++)
             for (int g = 0; g < TG; g++) acc[r][g] = _mm256_setzero_si256();
         const int32_t* xj = xp + j * PU * 8;
-#pragma GCC unroll 2
+#pragma GCC unroll 16
         for (int p = 0; p < PU; p++) {
-            __m256i xv[2];
+            __m256i xv[BA_MAXG];
             for (int g = 0; g < TG; g++) xv[g] = _mm256_loadu_si256((const __m256i*)(xj + g * xstride + 8 * p));
-            for (int r = 0; r < BA_ROWS; r++) {
+            for (int r = 0; r < R; r++) {
                 int32_t wp;
                 memcpy(&wp, w[r] + j * G + 2 * p, 4);
                 const __m256i wv = _mm256_set1_epi32(wp);
-                for (int g = 0; g < TG; g++) acc[r][g] = _mm256_add_epi32(acc[r][g], _mm256_madd_epi16(wv, xv[g]));
+                for (int g = 0; g < TG; g++) {
+                    acc[r][g] = _mm256_add_epi32(acc[r][g], _mm256_madd_epi16(wv, xv[g]));
+                    /* keeps each sum a chain in its register: unrolled, GCC otherwise
+                       reassociates the integer adds into trees of products and spills them */
+                    __asm__("" : "+x"(acc[r][g]));
+                }
             }
         }
         const int c = (int)(j % 16);
         for (int g = 0; g < TG; g++) {
             const __m256 dx = _mm256_loadu_ps(dxt + g * sstride + 8 * j);
             const __m256 xs = asym ? _mm256_loadu_ps(xst + g * sstride + 8 * j) : _mm256_setzero_ps();
-            for (int r = 0; r < BA_ROWS; r++) {
+            for (int r = 0; r < R; r++) {
                 const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(s[r][j]), dx);
                 __m256 pv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][g]), sd, j < 16 ? _mm256_setzero_ps() : P[r][g][c]);
                 if (asym) pv = _mm256_fmadd_ps(_mm256_set1_ps(b[r][j]), xs, pv);
@@ -235,7 +249,7 @@ static inline __attribute__((always_inline)) void ba_pass_core(
             }
         }
     }
-    for (int r = 0; r < BA_ROWS; r++)
+    for (int r = 0; r < R; r++)
         for (int g = 0; g < TG; g++) {
             __m256* Pc = P[r][g];
             for (int64_t c = nu; c < 16; c++) Pc[c] = _mm256_setzero_ps();
@@ -252,7 +266,7 @@ static void ba_pass(const int16_t* const* w, const float* const* s, const float*
                     const float* xst, int64_t sstride, float* sums) {
 #define BA_CASE(GG, TT, AA)                                                                      \
     if (G == GG && TG == TT && asym == AA) {                                                     \
-        ba_pass_core(w, s, b, AA, K, GG, TT, xp, xstride, dxt, xst, sstride, sums);              \
+        ba_pass_core(w, s, b, AA, K, GG, BA_ROWS, TT, xp, xstride, dxt, xst, sstride, sums);     \
         return;                                                                                  \
     }
     BA_CASE(32, 2, 0)
@@ -264,10 +278,45 @@ static void ba_pass(const int16_t* const* w, const float* const* s, const float*
 #undef BA_CASE
 }
 
+/* Group g's 8 tokens x 6 rows of sums ([r][TG][8]) into y (token i at y + i * ldy, its 6
+   rows consecutive): an 8 x 8 transpose (two zero rows), then per token
+   ((accumulate ? y : 0) + sum) + bias, the portable C's two adds */
+static inline void ba_put6x8(const float* sums, int TG, int g, float* y, int64_t ldy,
+                             const float* bias, int accumulate) {
+    __m256 v[8];
+    for (int r = 0; r < 8; r++) v[r] = r < BA_ROWS ? _mm256_loadu_ps(sums + (r * TG + g) * 8) : _mm256_setzero_ps();
+    const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    __m256 tok[8]; /* tok[i] lane r: row r of token i */
+    tok[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    tok[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    tok[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    tok[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    tok[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    tok[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    tok[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    tok[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+    const __m128 blo = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+    const __m128 bhi = bias ? _mm_castpd_ps(_mm_load_sd((const double*)(bias + 4))) : _mm_setzero_ps();
+    for (int i = 0; i < 8; i++) {
+        float* yo = y + i * ldy;
+        const __m128 plo = accumulate ? _mm_loadu_ps(yo) : _mm_setzero_ps();
+        const __m128 phi = accumulate ? _mm_castpd_ps(_mm_load_sd((const double*)(yo + 4))) : _mm_setzero_ps();
+        _mm_storeu_ps(yo, _mm_add_ps(_mm_add_ps(plo, _mm256_castps256_ps128(tok[i])), blo));
+        _mm_store_sd((double*)(yo + 4), _mm_castps_pd(_mm_add_ps(_mm_add_ps(phi, _mm256_extractf128_ps(tok[i], 1)), bhi)));
+    }
+}
+
 typedef struct {
     int qtype, G, asym;
     const uint8_t* w;
-    int64_t N, K, row_bytes, T, ngroups;
+    int64_t N, K, row_bytes, T, ngroups, block;
     const int32_t* xp; /* [ngroups][K / 2][8] */
     const float *dxt, *xst; /* [ngroups][nu][8] */
     const float* bias;
@@ -277,7 +326,7 @@ typedef struct {
     int failed;
 } BaJob;
 
-/* row blocks i0 .. i1 - 1 of BA_BLOCK rows (loom_par_for's task) */
+/* row blocks i0 .. i1 - 1 of jb->block rows (loom_par_for's task) */
 static void ba_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
     (void)worker;
     BaJob* jb = ctx;
@@ -293,8 +342,8 @@ static void ba_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
         return;
     }
     for (int64_t blk = i0; blk < i1; blk++) {
-        const int64_t n0 = blk * BA_BLOCK;
-        const int R = jb->N - n0 < BA_BLOCK ? (int)(jb->N - n0) : BA_BLOCK;
+        const int64_t n0 = blk * jb->block;
+        const int R = jb->N - n0 < jb->block ? (int)(jb->N - n0) : (int)jb->block;
         for (int r = 0; r < R; r++)
             ba_decode_row(jb->qtype, jb->w + (n0 + r) * jb->row_bytes, K, wd + r * K, sd + r * nu, bd + r * nu);
         for (int64_t g0 = 0; g0 < jb->ngroups; g0 += 2) {
@@ -310,13 +359,18 @@ static void ba_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
                     sr[r] = sd + rr * nu;
                     br[r] = bd + rr * nu;
                 }
-                float sums[BA_ROWS * 2 * 8];
+                float sums[BA_ROWS * BA_MAXG * 8];
                 ba_pass(wr, sr, br, jb->asym, K, jb->G, TG, jb->xp + g0 * (K / 2) * 8, (K / 2) * 8,
                         jb->dxt + g0 * nu * 8, jb->xst + g0 * nu * 8, nu * 8, sums);
+                int done = 0;
+                for (int g = 0; g < TG && RR == BA_ROWS && (g0 + g) * 8 + 8 <= T; g++, done++)
+                    ba_put6x8(sums, TG, g, jb->y + (g0 + g) * 8 * jb->ldy + n0 + r0, jb->ldy,
+                              jb->bias ? jb->bias + n0 + r0 : NULL, jb->accumulate);
+                if (done == TG) continue;
                 for (int r = 0; r < RR; r++) {
                     const int64_t n = n0 + r0 + r;
                     const float bn = jb->bias ? jb->bias[n] : 0.f;
-                    for (int g = 0; g < TG; g++)
+                    for (int g = done; g < TG; g++)
                         for (int i = 0; i < 8; i++) {
                             const int64_t t = (g0 + g) * 8 + i;
                             if (t >= T) break;
@@ -395,8 +449,9 @@ int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int
         free(xst);
         return -2;
     }
-    const int64_t nblocks = (N + BA_BLOCK - 1) / BA_BLOCK;
-    BaJob job = {qtype, G, asym, w, N, K, row_bytes, T, ng, xp, dxt, xst, bias, y, ldy, accumulate, 0};
+    const int64_t block = ng <= BA_SMALL_G ? BA_ROWS : BA_BLOCK;
+    const int64_t nblocks = (N + block - 1) / block;
+    BaJob job = {qtype, G, asym, w, N, K, row_bytes, T, ng, block, xp, dxt, xst, bias, y, ldy, accumulate, 0};
     loom_par_for(threads, nblocks, par_chunk(nblocks, threads), ba_blocks, &job);
     free(xp);
     free(dxt);
