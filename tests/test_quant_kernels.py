@@ -450,6 +450,52 @@ def test_bi_tile_accumulates_into_strided_output(qtype, isa):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
+    """quant_bi_avx2.c (mode "bi" in AVX2 + FMA builds without AVX-512 VNNI: 8-token lanes, 4
+    rows a pass) gives bitwise the portable C's outputs (loom_q_bi_avx2 = 0: quant.c's generic
+    row decoder, scalar fmaf): every block type, units per row below, at and past the 16
+    partial sums, odd row counts (a pass's dropped rows, a 32-row block's tail), token counts
+    around the 8-token groups and the 2-group passes, an all-zero and a large activation
+    block, with and without bias, accumulating into a strided output, one and two threads."""
+    lib = quant_ops.load(isa)
+    if lib is None or not lib.loom_q_bi_avx2_built():
+        pytest.skip("this build has no AVX2 tiles (no AVX2 + FMA, or AVX-512 VNNI's instead)")
+    knob = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2")
+    values = BLOCKS[qtype][0]
+    prev = torch.get_num_threads()
+    try:
+        for rows, nb in ((5, 1), (17, 3), (37, 16), (45, 20)):
+            cols = nb * 32 if values == 32 else 256 * (1 + nb // 8)
+            qt = random_blocks(qtype, rows, cols, rows + nb)
+            x = torch.randn(33, cols, generator=torch.Generator().manual_seed(nb))
+            x[2, 32:64] = 0.0
+            x[5, :32] *= 1e4
+            bias = torch.randn(rows, generator=torch.Generator().manual_seed(rows))
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for t in (1, 3, 7, 8, 9, 16, 17, 24, 33):
+                    for b in (bias, None):
+                        outs = []
+                        for on in (1, 0):
+                            knob.value = on
+                            wide = torch.randn(
+                                t, rows + 3, generator=torch.Generator().manual_seed(t)
+                            )
+                            rc = lib.loom_q_matmul(
+                                quant_ops.QTYPES[qtype], quant_ops.MODES["bi"], qt.data.data_ptr(),
+                                rows, cols, qt.row_bytes, x.data_ptr(), t, cols,
+                                None if b is None else b.data_ptr(), wide[:, 1:].data_ptr(),
+                                wide.stride(0), t % 2, threads,
+                            )  # fmt: skip
+                            assert rc == 0
+                            outs.append(wide)
+                        assert torch.equal(outs[0], outs[1]), (qtype, rows, cols, t, threads)
+    finally:
+        knob.value = 1
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_bi_native_equals_the_portable_build(qtype):
     """Mode "bi" is one arithmetic on every build: the AVX-512 kernels (quant_bi.c's 16-row lanes
     at 1..8 tokens, the tiles above, each decoding rows in registers) give bitwise the portable

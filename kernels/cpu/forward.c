@@ -796,8 +796,39 @@ static void qk_norm_rope_add(float* qkv, int64_t T, int64_t ld, int64_t H, int64
    y = sqrt(2 / pi) (x + 0.044715 x^3): fast_expf's polynomial vectorizes where tanhf does not;
    the exponent is clamped at 80 (the quotient is then 0 to float precision) */
 static void gelu_tanh_mul(float* g, const float* u, int64_t I) {
-#pragma omp simd
-    for (int64_t i = 0; i < I; i++) {
+    int64_t i0 = 0;
+#if defined(__AVX2__)
+    /* GCC leaves the loop below scalar where it cannot if-convert the clamps into AVX-512
+       masks ("control flow in loop": a Gemma 3 batch-32 prefill spent ~0.7 s of CPU in it on
+       an AVX2 build). The same operations 8 at a time, each the scalar's IEEE step (no
+       contraction: the library builds with -std=c11), so the bits are the loop's. */
+    const __m256 c0 = _mm256_set1_ps(0.044715f), c1 = _mm256_set1_ps(-1.5957691216057308f);
+    const __m256 lim = _mm256_set1_ps(80.f), one = _mm256_set1_ps(1.f);
+    for (; i0 + 8 <= I; i0 += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i0);
+        __m256 z = _mm256_mul_ps(c1, _mm256_add_ps(x, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(c0, x), x), x)));
+        z = _mm256_blendv_ps(z, lim, _mm256_cmp_ps(z, lim, _CMP_GT_OQ));
+        /* fast_expf(z) */
+        const __m256 n = _mm256_round_ps(_mm256_mul_ps(z, _mm256_set1_ps(1.44269504f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 r = _mm256_sub_ps(_mm256_sub_ps(z, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f))),
+                                       _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
+        __m256 p = _mm256_set1_ps(1.f / 720.f);
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 120.f));
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 24.f));
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 6.f));
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), one);
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), one);
+        const __m256 m126 = _mm256_set1_ps(-126.f);
+        const __m256 nc = _mm256_blendv_ps(n, m126, _mm256_cmp_ps(n, m126, _CMP_LT_OQ));
+        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(nc), _mm256_set1_epi32(127)), 23);
+        const __m256 ex = _mm256_andnot_ps(_mm256_cmp_ps(z, _mm256_set1_ps(-87.f), _CMP_LT_OQ),
+                                           _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+        _mm256_storeu_ps(g + i0, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, ex)), _mm256_loadu_ps(u + i0)));
+    }
+#endif
+    for (int64_t i = i0; i < I; i++) {
         const float x = g[i];
         float z = -1.5957691216057308f * (x + 0.044715f * x * x * x);
         z = z > 80.f ? 80.f : z;

@@ -1,6 +1,6 @@
 /* loom's CPU kernels: one shared library, built at run time by loom.runtime.native from the .c
    files of this folder (attention.c, forward.c, heads.c, ngram_store.c, pool.c, quant.c,
-   quant_bi.c, layout.c).
+   quant_bi.c, quant_bi_avx2.c, quant_i8.c, layout.c).
 
    This header is the contract with Python. Every function Python calls is declared here with
    LOOM_API, and native.py generates the ctypes signatures from these prototypes (pointers:
@@ -305,6 +305,11 @@ LOOM_API extern int loom_q_wide_rows;
    T <= 8 (AVX-512 builds), 0 = its older GEMV / 8-token tile (the same bits; a knob for
    bench_quant_gemv.py's A/B) */
 LOOM_API extern int loom_q_bi_lanes;
+/* quant_bi_avx2.c: 1 (default) = mode 3 takes its AVX2 tiles in AVX2 + FMA builds without
+   AVX-512 VNNI, 0 = the portable C (the same bits; the tests' reference and an A/B knob) */
+LOOM_API extern int loom_q_bi_avx2;
+/* 1 where this build has quant_bi_avx2.c's kernels */
+LOOM_API int loom_q_bi_avx2_built(void);
 /* 1 where mode 4 (auto) takes mode 3 at every token count for this block type (bi_lanes built
    and on: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 in AVX-512 VNNI builds), 0 where it takes 1's f32 GEMV at T <= 8 */
 LOOM_API int loom_q_auto_bi(int qtype);
@@ -326,6 +331,10 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
    8-bit kernel for the type in this build, and that kernel (loom_q_matmul's arguments) */
 void loom_q_decode_row16(int qtype, const uint8_t* row, int64_t K, int16_t* w, float* s, float* b,
                          uint8_t* u, float* s16, float* b16);
+/* quant_bi.c -> quant_bi_avx2.c (internal): mode 3 on AVX2 (loom_q_matmul's arguments) */
+int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                          const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                          int64_t ldy, int accumulate, int threads);
 void loom_q_put4x16(const float* sums, float* y, int64_t ldy, const float* bias, int accumulate);
 LOOM_API int loom_q_i8_type(int qtype);
 /* quant_i8.c: a block of 32 activations gets a second 8-bit plane (its rounding error at

@@ -988,6 +988,12 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     const int G = unit_len(qtype), asym = is_asym(qtype);
     const int64_t nu = K / G;
     if (K % G) return -1;
+#if !BI_AVX512
+    /* AVX2 builds: quant_bi_avx2.c's tiles (the same bits; loom_q_bi_avx2 = 0 keeps the
+       portable C below, the tests' reference) */
+    if (loom_q_bi_avx2 && loom_q_bi_avx2_built())
+        return loom_q_matmul_bi_avx2(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate, threads);
+#endif
 #if BI_AVX512
     if (T <= BI_LANE_T && bi_lanes_type(qtype) && loom_q_bi_lanes)
         return bi_lanes(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate, threads);
