@@ -251,6 +251,11 @@ static void bi_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu
     }
 }
 
+/* bi_quantize for quant_bi2.c's AVX2 lanes kernel (its arguments) */
+void loom_q_bi_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu, float* xsu) {
+    bi_quantize(x, K, G, q, dxu, xsu);
+}
+
 #if !BI_AVX512
 /* the canonical tree over 16 partials (scalar form) */
 static inline float bi_tree(const float* P) {
@@ -992,6 +997,9 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     if (T <= BI_LANE_T && bi_lanes_type(qtype) && loom_q_bi_lanes)
         return bi_lanes(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate, threads);
 #endif
+    if (T <= 8 && loom_q_bi_lanes2_type(qtype)) /* AVX2 builds: quant_bi2.c, the same bits */
+        return loom_q_matmul_bi_lanes2(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy,
+                                       accumulate, threads);
     int16_t* q = malloc(sizeof(int16_t) * (size_t)(T * K + 64));
     float* dxu = malloc(sizeof(float) * (size_t)(T * nu + 16));
     float* xsu = malloc(sizeof(float) * (size_t)(T * nu + 16));
