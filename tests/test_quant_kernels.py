@@ -150,8 +150,12 @@ def test_bi_lanes_kernel_is_the_canonical_arithmetic(qtype, isa):
     masked lanes), units per row below, at and past the 16 partial sums, accumulating into a
     strided output with a bias, one and two threads."""
     lib = quant_ops.load(isa)
-    if lib is None or not (auto_bi(qtype, isa) or lib.loom_q_bi_lanes2_type(quant_ops.QTYPES[qtype])):
-        pytest.skip("this build has no lanes kernel for the type (AVX-512 VNNI, or AVX2 for Q8_0 / Q4_x)")
+    if lib is None or not (
+        auto_bi(qtype, isa) or lib.loom_q_bi_lanes2_type(quant_ops.QTYPES[qtype])
+    ):
+        pytest.skip(
+            "this build has no lanes kernel for the type (AVX-512 VNNI, or AVX2 for Q8_0 / Q4_x)"
+        )
     knob = ctypes.c_int.in_dll(lib, "loom_q_bi_lanes")
     prev = torch.get_num_threads()
     try:
