@@ -142,15 +142,20 @@ def test_auto_mode_takes_the_f32_gemv_up_to_8_tokens_and_bi_above(isa):
 
 @pytest.mark.parametrize("qtype", LANE_TYPES)
 def test_bi_lanes_kernel_is_the_canonical_arithmetic(qtype, isa):
-    """quant_bi.c's 16-row-lane kernel (mode "bi" at 1..8 tokens for LANE_TYPES): each
+    """quant_bi.c's 16-row-lane kernel (mode "bi" at 1..8 tokens for LANE_TYPES; in AVX2
+    builds without AVX-512, quant_bi2.c's 8-row-lane kernel for Q8_0 / Q4_0 / Q4_1): each
     row of a T-row call equals the 1-row call bitwise for T = 1..8, and every output equals
-    the older "bi" kernels' (the per-row GEMV and the 8-token tile, loom_q_bi_lanes = 0) bit
-    for bit: row counts below, at and past a 16-row pass (odd ones: masked lanes), units per
-    row below, at and past the 16 partial sums, accumulating into a strided output with a
-    bias, one and two threads."""
+    the older "bi" kernels' (the per-row GEMV and the 8-token tile, or the portable C,
+    loom_q_bi_lanes = 0) bit for bit: row counts below, at and past a 16-row pass (odd ones:
+    masked lanes), units per row below, at and past the 16 partial sums, accumulating into a
+    strided output with a bias, one and two threads."""
     lib = quant_ops.load(isa)
-    if lib is None or not auto_bi(qtype, isa):
-        pytest.skip("this build has no 16-row-lane kernel (AVX-512 VNNI)")
+    if lib is None or not (
+        auto_bi(qtype, isa) or lib.loom_q_bi_lanes2_type(quant_ops.QTYPES[qtype])
+    ):
+        pytest.skip(
+            "this build has no lanes kernel for the type (AVX-512 VNNI, or AVX2 for Q8_0 / Q4_x)"
+        )
     knob = ctypes.c_int.in_dll(lib, "loom_q_bi_lanes")
     prev = torch.get_num_threads()
     try:
@@ -498,8 +503,9 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_bi_native_equals_the_portable_build(qtype):
     """Mode "bi" is one arithmetic on every build: the AVX-512 kernels (quant_bi.c's 16-row lanes
-    at 1..8 tokens, the tiles above, each decoding rows in registers) give bitwise the portable
-    C's outputs (quant.c's generic row decoder, scalar fmaf), for every block type, at token
+    at 1..8 tokens, the tiles above, each decoding rows in registers) give bitwise the avx2
+    build's outputs (quant_bi2.c's 8-row lanes at 1..8 tokens for Q8_0 / Q4_x, else the portable
+    C: quant.c's generic row decoder, scalar fmaf), for every block type, at token
     counts on both sides of each kernel's range, odd row counts, one and two threads."""
     native, portable = quant_ops.load("native"), quant_ops.load("avx2")
     if native is None or portable is None or not quant_ops.vnni("native"):

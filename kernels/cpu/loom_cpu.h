@@ -326,6 +326,15 @@ float loom_q_f16(const uint8_t* p);
 int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                      int64_t ldy, int accumulate, int threads);
+/* quant_bi.c <-> quant_bi2.c (internal): one token's 16-bit codes and per-unit scales / sums
+   (bi_quantize); whether mode 3 takes quant_bi2.c's AVX2 8-row-lane kernel for a type at
+   T <= 8 (Q8_0 / Q4_0 / Q4_1 in AVX2 builds without AVX-512, loom_q_bi_lanes on; the same
+   bits as the portable C), and that kernel (loom_q_matmul's arguments) */
+void loom_q_bi_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu, float* xsu);
+LOOM_API int loom_q_bi_lanes2_type(int qtype);
+int loom_q_matmul_bi_lanes2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                            const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                            int64_t ldy, int accumulate, int threads);
 /* quant_bi.c -> quant_i8.c (internal): bi_decode_row's int16 codes / scales / offsets of a row,
    and (AVX-512 builds) the tiles' 4-row x 16-token store; quant_i8.c: whether mode 5 has its
    8-bit kernel for the type in this build, and that kernel (loom_q_matmul's arguments) */

@@ -251,6 +251,11 @@ static void bi_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu
     }
 }
 
+/* bi_quantize for quant_bi2.c's AVX2 lanes kernel (its arguments) */
+void loom_q_bi_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu, float* xsu) {
+    bi_quantize(x, K, G, q, dxu, xsu);
+}
+
 #if !BI_AVX512
 /* the canonical tree over 16 partials (scalar form) */
 static inline float bi_tree(const float* P) {
@@ -988,6 +993,14 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     const int G = unit_len(qtype), asym = is_asym(qtype);
     const int64_t nu = K / G;
     if (K % G) return -1;
+    /* AVX2 builds, 1-4 tokens of Q8_0 / Q4_0 / Q4_1: quant_bi2.c's row lanes (each block of
+       weights decoded once for every token); other types and 5 tokens and more:
+       quant_bi_avx2.c's 8-token tiles, which waste lanes below that and win at 8 (SmolLM2's
+       whole step, docs/benchmarks.md "the two AVX2 kernels"). Both are the portable C's bits
+       (loom_q_bi_lanes / loom_q_bi_avx2 = 0 skip them) */
+    if (T <= 4 && loom_q_bi_lanes2_type(qtype))
+        return loom_q_matmul_bi_lanes2(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy,
+                                       accumulate, threads);
 #if !BI_AVX512
     /* AVX2 builds: quant_bi_avx2.c's tiles (the same bits; loom_q_bi_avx2 = 0 keeps the
        portable C below, the tests' reference) */
