@@ -138,6 +138,8 @@ class LazyTokenizer:
         return self._decoder.decode(ids, skip_special_tokens)
 
     def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_path", "_decoder", "_tok", "_lock", "file"):
+            raise AttributeError(name)  # copy / pickle probes, and before __init__ set them
         return getattr(self.full(), name)
 
 
