@@ -328,6 +328,52 @@ def test_bf16_pool_cached_prefix_and_chunks_equal_a_whole_prefill_bit_for_bit(
             assert torch.equal(b[slots[i]].view(torch.int16), b[slots[0]].view(torch.int16))
 
 
+@pytest.mark.parametrize("weights", ["int4-bi", "float"])
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("family", ["llama", "llama-mqa", "qwen3", "gemma3"])
+@torch.inference_mode()
+def test_bf16_pool_step_in_parts_equals_the_whole_step_bit_for_bit(
+    tiny_model_dir, family, isa, weights, monkeypatch
+):
+    """On a bfloat16 pool a long step runs as parts of at most loom_step_rows rows (forward.c:
+    a 4,096-token prefill's scratch was ~100 MB) with the logits and K / V bits of the whole
+    step: three requests after cached prefixes, 80 tokens cut into five parts of 16 (two
+    requests split across parts), every row's logits and then the last row's only (the LM
+    head runs once over the logit rows either way). gemma3: window 8, so parts start past
+    it. The same tokens go to two sets of requests, one step whole, one in parts."""
+    if weights == "int4-bi":
+        runner = _bf16_int4_bi_runner(tiny_model_dir(family), isa, monkeypatch)
+    else:
+        runner = _runner(tiny_model_dir(family), kv_cache_dtype="bf16")
+        if isa != "native":
+            runner.cpu_forward.lib = cpu_forward.load(isa)
+    cf, pool = runner.cpu_forward, runner.token_to_kv_pool
+    knob = ctypes.c_int.in_dll(cf.lib, "loom_step_rows")
+    assert knob.value == 512
+    st = _Steps(runner, 6, seed=13)
+    g = torch.Generator().manual_seed(4)
+    ids = [torch.randint(0, runner.vocab_size, (n,), generator=g).tolist() for n in (13, 80, 80)]
+    out = {}
+    try:
+        for side, (reqs, rows) in {"whole": ([0, 1, 2], 0), "parts": ([3, 4, 5], 16)}.items():
+            knob.value = rows
+            got, mine = [], []
+            steps = [([3, 9, 1], ids[0], True), ([30, 5, 45], ids[1], True),
+                     ([45, 30, 5], ids[2], False)]  # fmt: skip
+            for ext, tok, all_logits in steps:
+                batch = st.batch(reqs, ext, ForwardMode.EXTEND, ids=tok, all_logits=all_logits)
+                got.append(cf(batch))
+                mine.append(batch.out_cache_loc)
+            out[side] = got, torch.cat(mine)
+    finally:
+        knob.value = 512
+    (whole, s0), (parts, s1) = out["whole"], out["parts"]
+    for a, b in zip(whole, parts):
+        assert torch.equal(a, b), float((a - b).abs().max())
+    for buf in pool.k_buffers + pool.v_buffers:
+        assert torch.equal(buf[s0].view(torch.int16), buf[s1].view(torch.int16))
+
+
 @torch.inference_mode()
 def test_attention_paths_agree_on_a_row_that_sees_nothing(tiny_model_dir):
     """A mask row with no visible column (eager gives NaN there) gets zero attention, so the

@@ -4,6 +4,7 @@ fill of the pool, against sorting the free pages as the reference."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -77,3 +78,35 @@ def test_pages_go_out_first_in_first_out_across_the_ring_wrap(page_size):
             held.append(got)
         assert alloc.free_list().tolist() == list(ref)
         assert alloc.available_size() == len(ref) * page_size
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """How many of the tensor's memory pages are resident (mincore(2), Linux)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    vec = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    rc = libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec)
+    assert rc == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore(2) as Linux reports it")
+def test_request_rows_are_zero_but_not_resident_until_written():
+    """The request-row table of a default Gemma 3 server (257 rows x 32,769 columns, int64:
+    67 MB) reads as zeros but takes no memory at start-up (torch.zeros wrote every page);
+    a written row costs the pages it touches."""
+    from loom.runtime.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(257, 32769, "cpu")
+    table = pool.req_to_token
+    assert table.shape == (257, 32769) and table.dtype == torch.int64
+    assert _resident_pages(table) == 0
+    assert int(table[7].abs().sum()) == 0 and int(table[-1, -3:].abs().sum()) == 0
+    table[5, :1000] = torch.arange(1000)
+    assert table[5, 999] == 999 and int(table[4].abs().sum()) == 0
+    assert 0 < _resident_pages(table) < table.numel() * 8 // 4096 // 4

@@ -1031,27 +1031,19 @@ static void attn_items(void* ctx, int64_t w0, int64_t w1, int worker) {
     }
 }
 
-/* One step. Requests b < B own tokens starts[b] .. starts[b+1]-1 (the last extend tokens of a
-   sequence of seq_lens[b] KV columns, read through table[rows[b] * stride + column]); token j
-   of request b sees columns 0 .. prefix + j (prefix = seq_lens[b] - its token count), or with
-   mask_offs[b] >= 0 the columns c < seq_lens[b] where masks[mask_offs[b] + j * seq_lens[b] + c]
-   is nonzero. Rows logit_rows[0 .. N-1] get float32 logits [N, vocab]. With hidden_out, every
-   row's final-norm hidden state [T, hidden]; with n_aux > 0, aux_out [n_aux, T, hidden] gets the
-   residual stream after layer aux_layers[a] (both what LlamaModel.forward captures).
-   Returns 0, or -1 for a position past the rotary table, -2 for a token id past the vocab. */
-int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_t* pos,
-                     const int64_t* slots, int64_t B, const int64_t* starts, const int64_t* rows,
-                     const int64_t* seq_lens, const int64_t* table, int64_t stride,
-                     const uint8_t* masks, const int64_t* mask_offs, int64_t N,
-                     const int64_t* logit_rows, float* logits, int nthreads, double* prof,
-                     float* hidden_out, int64_t n_aux, const int64_t* aux_layers, float* aux_out) {
+/* The layers of one part of a step (every token of it, or one run of rows: loom_forward_f32),
+   then the final norm of its rows fin_rows[0 .. N-1] into fin's rows fin_at[r] (fin_at NULL:
+   r). Arguments as loom_forward_f32's. */
+static void forward_part(const Model* m, int64_t T, const int64_t* ids, const int64_t* pos,
+                         const int64_t* slots, int64_t B, const int64_t* starts, const int64_t* rows,
+                         const int64_t* seq_lens, const int64_t* table, int64_t stride,
+                         const uint8_t* masks, const int64_t* mask_offs, int64_t N,
+                         const int64_t* fin_rows, const int64_t* fin_at, float* fin, int nthreads,
+                         double* prof, float* hidden_out, int64_t n_aux, const int64_t* aux_layers,
+                         float* aux_out) {
     const int64_t Hd = m->hidden, H = m->heads, Hkv = m->kv_heads, D = m->head_dim;
     const int64_t G = H / Hkv, I = m->inter, QKV = (H + 2 * Hkv) * D;
     const int bf16 = m->kv_bf16 != 0;
-    for (int64_t t = 0; t < T; t++) {
-        if (pos[t] < 0 || pos[t] >= m->max_pos) return -1;
-        if (ids[t] < 0 || ids[t] >= m->vocab) return -2;
-    }
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int64_t* tok_req = malloc(sizeof(int64_t) * (T > 0 ? T : 1));
@@ -1192,14 +1184,89 @@ int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_
     /* a drafter reading the final hidden states (capture_layers not None): every row, normed */
     if (hidden_out)
         for (int64_t t = 0; t < T; t++) norm_row(m, x + t * Hd, m->norm, Hd, hidden_out + t * Hd);
-    for (int64_t r = 0; r < N; r++) norm_row(m, x + logit_rows[r] * Hd, m->norm, Hd, h + r * Hd);
-    TIMED(0, qmm(m->lm_head_q, m->q_mode, h, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab, logits, m->vocab, 0,
-                nthreads));
+    for (int64_t r = 0; r < N; r++)
+        norm_row(m, x + fin_rows[r] * Hd, m->norm, Hd, fin + (fin_at ? fin_at[r] : r) * Hd);
     free(tok_req);
     free(full);
     free(win_masks);
     scratch_free(x, row_bytes);
     scratch_free(h, row_bytes);
     scratch_free(qkv, mid_bytes); /* att and gu too */
+}
+
+/* A step's scratch grows with its rows (SmolLM2: 17 KB a row, Gemma 3 270M: 21 KB, beside the
+   matmuls' activation copies): bench_real's batch-32 prefill of 4,096 rows held ~100 MB for
+   the step. On a bfloat16 pool a step of more than loom_step_rows rows runs as consecutive
+   parts of equal size (at most loom_step_rows rows each; a request may span parts), each
+   through every layer before the next: every row attends its visible columns in order through
+   the decode kernel, whose K / V the earlier parts have written, so the rows, K / V bits and
+   logits are those of the whole step (the same invariant as --chunked-prefill-size:
+   tests/test_cpu_forward.py). The LM head runs once, over every logit row, as before. A
+   float32 pool's long requests take block_attention, whose sums depend on the rows in the
+   call, so its steps stay whole, as do steps with masks (verify trees: few rows) and EAGLE-3
+   captures ([n_aux, T, hidden] in step order). 0: never split. */
+int loom_step_rows = 512;
+
+/* One step. Requests b < B own tokens starts[b] .. starts[b+1]-1 (the last extend tokens of a
+   sequence of seq_lens[b] KV columns, read through table[rows[b] * stride + column]); token j
+   of request b sees columns 0 .. prefix + j (prefix = seq_lens[b] - its token count), or with
+   mask_offs[b] >= 0 the columns c < seq_lens[b] where masks[mask_offs[b] + j * seq_lens[b] + c]
+   is nonzero. Rows logit_rows[0 .. N-1] get float32 logits [N, vocab]. With hidden_out, every
+   row's final-norm hidden state [T, hidden]; with n_aux > 0, aux_out [n_aux, T, hidden] gets the
+   residual stream after layer aux_layers[a] (both what LlamaModel.forward captures).
+   Returns 0, or -1 for a position past the rotary table, -2 for a token id past the vocab. */
+int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, const int64_t* pos,
+                     const int64_t* slots, int64_t B, const int64_t* starts, const int64_t* rows,
+                     const int64_t* seq_lens, const int64_t* table, int64_t stride,
+                     const uint8_t* masks, const int64_t* mask_offs, int64_t N,
+                     const int64_t* logit_rows, float* logits, int nthreads, double* prof,
+                     float* hidden_out, int64_t n_aux, const int64_t* aux_layers, float* aux_out) {
+    const int64_t Hd = m->hidden, P = loom_step_rows;
+    for (int64_t t = 0; t < T; t++) {
+        if (pos[t] < 0 || pos[t] >= m->max_pos) return -1;
+        if (ids[t] < 0 || ids[t] >= m->vocab) return -2;
+    }
+    int split = m->kv_bf16 != 0 && n_aux == 0 && P > 0 && T > P;
+    for (int64_t b = 0; b < B && split; b++) split = mask_offs[b] < 0;
+    const size_t fin_bytes = sizeof(float) * (N > 0 ? N : 1) * Hd;
+    float* fin = scratch_alloc(fin_bytes); /* the logit rows, final-normed */
+    if (!split) {
+        forward_part(m, T, ids, pos, slots, B, starts, rows, seq_lens, table, stride, masks,
+                     mask_offs, N, logit_rows, NULL, fin, nthreads, prof, hidden_out, n_aux,
+                     aux_layers, aux_out);
+    } else {
+        const int64_t parts = (T + P - 1) / P, per = (T + parts - 1) / parts;
+        /* one part's requests (starts, rows, seq_lens, mask_offs) and logit rows (own, fin's) */
+        int64_t* buf = malloc(sizeof(int64_t) * (size_t)(4 * B + 1 + 2 * (N > 0 ? N : 1)));
+        int64_t *p_starts = buf, *p_rows = buf + B + 1, *p_lens = p_rows + B, *p_offs = p_lens + B;
+        int64_t *p_fin = p_offs + B, *p_at = p_fin + (N > 0 ? N : 1);
+        for (int64_t t0 = 0; t0 < T; t0 += per) {
+            const int64_t t1 = t0 + per < T ? t0 + per : T;
+            int64_t nb = 0, nf = 0;
+            p_starts[0] = 0;
+            for (int64_t b = 0; b < B; b++) {
+                const int64_t s = starts[b] > t0 ? starts[b] : t0;
+                const int64_t e = starts[b + 1] < t1 ? starts[b + 1] : t1;
+                if (s >= e) continue;
+                /* the part's tokens of request b end (starts[b+1] - e) tokens before its last */
+                p_rows[nb] = rows[b];
+                p_lens[nb] = seq_lens[b] - (starts[b + 1] - e);
+                p_offs[nb] = -1;
+                p_starts[++nb] = e - t0;
+            }
+            for (int64_t r = 0; r < N; r++)
+                if (logit_rows[r] >= t0 && logit_rows[r] < t1) {
+                    p_fin[nf] = logit_rows[r] - t0;
+                    p_at[nf++] = r;
+                }
+            forward_part(m, t1 - t0, ids + t0, pos + t0, slots + t0, nb, p_starts, p_rows, p_lens,
+                         table, stride, NULL, p_offs, nf, p_fin, p_at, fin, nthreads, prof,
+                         hidden_out ? hidden_out + t0 * Hd : NULL, 0, NULL, NULL);
+        }
+        free(buf);
+    }
+    TIMED(0, qmm(m->lm_head_q, m->q_mode, fin, N, Hd, Hd, m->lm_head, m->lm_head_p, NULL, m->vocab,
+                 logits, m->vocab, 0, nthreads));
+    scratch_free(fin, fin_bytes);
     return 0;
 }

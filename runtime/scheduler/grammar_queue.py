@@ -74,9 +74,10 @@ class GrammarQueue:
 
     def _build(self, warm: bool = False):
         from loom.grammar.backend import GrammarBackend
+        from loom.runtime.gguf.vocab import real_tokenizer
 
         backend = GrammarBackend(
-            self.tokenizer,
+            real_tokenizer(self.tokenizer),  # a GGUF file's: built here, on the build thread
             self.vocab_size,
             set(self.eos_token_ids),
             engine=self.engine,

@@ -480,15 +480,15 @@ def _make_hicache(args: ServerArgs, runner):
 def _load_tokenizer(args: ServerArgs):
     if args.skip_tokenizer_init:
         return None
-    from loom.runtime.tokenizer import load_tokenizer
+    from loom.runtime.gguf.vocab import scheduler_tokenizer  # a GGUF file's: lazy
 
-    return load_tokenizer(args.tokenizer_path)
+    return scheduler_tokenizer(args.tokenizer_path, lazy=not args.speculative_algorithm)
 
 
 def _eos_ids(model_path: str, tokenizer) -> frozenset[int]:
-    from loom.runtime.tokenizer import eos_token_ids
+    from loom.runtime.gguf.vocab import scheduler_eos_ids
 
-    return frozenset(eos_token_ids(model_path, tokenizer))
+    return frozenset(scheduler_eos_ids(model_path, tokenizer))
 
 
 def _fast_step_tokens(runner) -> int | None:
