@@ -118,11 +118,17 @@ def _compare(
     assert got.shape == want.shape and got.dtype == torch.float32
     # a 16-bit pool: C's and eager's float32 K / V (1e-6 apart) round to different bfloat16
     # values in a few elements (one unit, 2^-8 relative; checked below), which the later
-    # layers carry into the logits (measured up to 8.6e-4 on these models)
+    # layers carry into the logits (measured up to 8.6e-4 on these models on an AVX-512 CPU,
+    # and 2.9e-3 in 2 of 15,744 logits on an AVX2 one, AMD Zen 3, where torch's eager float32
+    # kernels round differently and more values straddle a boundary)
     if pool.k_buffers[0].dtype != torch.float32:
-        tol = max(tol, 2e-3)
+        tol = max(tol, 4e-3)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # the same greedy token, but where eager's top two are a tie within the tolerance (the
+    # random tiny models have such rows; one on the AVX2 CPU above)
+    top2 = want.topk(2, dim=-1).values
+    tie = top2[:, 0] - top2[:, 1] <= 2 * tol
+    assert torch.equal(got.argmax(-1)[~tie], want.argmax(-1)[~tie])
     if capture is not None:  # a drafter's features: final hidden + inner layers'
         (hid, aux), (want_hid, want_aux) = batch.captured, want_cap
         torch.testing.assert_close(hid, want_hid, rtol=1e-4, atol=1e-4)
