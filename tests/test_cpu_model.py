@@ -73,9 +73,11 @@ def test_numpy_binding_equals_the_torch_binding_bit_for_bit(real_gguf, name, kv)
         refs.append(cf(batch).numpy())
         got = af(ids, pos, slots, rws, seq, ext, want, nthreads=threads)
         assert np.array_equal(refs[-1].argmax(-1), got.argmax(-1))
-        # float32 pool: Gemma's logits reach ~70; a bfloat16 pool rounds K / V to 8 bits, where
-        # a table's last-bit difference moves a stored value by 2^-8 now and then
-        tol = 1e-2 if kv == "float32" else 0.5
+        # float32 pool: Gemma's logits reach ~70 (measured 2.8e-2 apart on an AVX2 CPU, AMD
+        # Zen 3, whose numpy sin / cos differ more from torch's than on AVX-512); a bfloat16
+        # pool rounds K / V to 8 bits, where a table's last-bit difference moves a stored value
+        # by 2^-8 now and then. The bit-for-bit check below, with torch's tables, is exact.
+        tol = 5e-2 if kv == "float32" else 0.5
         np.testing.assert_allclose(got, refs[-1], rtol=1e-3, atol=tol)
     for mine, theirs in swaps:
         mine[:] = theirs
