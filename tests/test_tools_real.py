@@ -120,7 +120,13 @@ def test_required_call_is_schema_valid_and_parsed(client):
         assert not (choice.message.content or "").strip()
 
 
-def test_auto_calls_on_a_question_that_needs_the_tool(client):
+def test_auto_leaves_the_choice_to_the_model_and_parses_what_it_chose(client):
+    """tool_choice auto: the model chooses between prose and a call, and what it chose is
+    returned as such. Which one SmolLM2 chooses here is a near tie that the CPU decides: a
+    call on the AVX-512 machines of sessions 15-19, prose on session 20's AVX2 one (first
+    token 'The' at logprob -2.04, four other prose openings within 0.9 of it, main's code
+    too), so the test holds either answer to its form: a call is the one tool with
+    schema-valid arguments and finish_reason tool_calls; prose has no call markup left in it."""
     choice = _call(
         client,
         "Calculate the factorial of 5 using math functions.",
@@ -128,8 +134,16 @@ def test_auto_calls_on_a_question_that_needs_the_tool(client):
         tool_choice="auto",
     )
     calls = choice.message.tool_calls or []
-    assert [c.function.name for c in calls] == ["math_factorial"], choice
-    assert json.loads(calls[0].function.arguments) == {"number": 5}
+    if calls:
+        assert choice.finish_reason == "tool_calls" and len(calls) == 1, choice
+        assert calls[0].function.name == "math_factorial", choice
+        got = json.loads(calls[0].function.arguments)
+        jsonschema.validate(got, FACTORIAL["function"]["parameters"])
+        assert got == {"number": 5}
+    else:
+        content = choice.message.content or ""
+        assert choice.finish_reason in ("stop", "length") and content.strip(), choice
+        assert "<tool_call>" not in content and "math_factorial(" not in content, choice
 
 
 def test_grammar_off_leaves_the_model_to_itself(client):
