@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -15,3 +18,15 @@ def load_file(relpath: str, name: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@contextlib.contextmanager
+def benchmark_module(name: str) -> Iterator[ModuleType]:
+    """benchmarks/<name>.py as a module, with benchmarks/ on sys.path while it is in use (the
+    benchmarks import each other by name: bench_spec imports spec_protocol, ...)."""
+    path = str(ROOT / "benchmarks")
+    sys.path.insert(0, path)
+    try:
+        yield load_file(f"benchmarks/{name}.py", name)
+    finally:
+        sys.path.remove(path)

@@ -5,11 +5,10 @@ bundled model (issue 33: the old warm-up jobs produced the timed answers)."""
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 
-from tests.file_modules import ROOT, load_file
+from tests.file_modules import benchmark_module, load_file
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +55,8 @@ def test_check_distinct(proto):
 
 @pytest.fixture(scope="module")
 def bench_spec():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_spec imports spec_protocol by name
-    try:
-        yield load_file("benchmarks/bench_spec.py", "bench_spec")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    with benchmark_module("bench_spec") as mod:  # bench_spec imports spec_protocol by name
+        yield mod
 
 
 def _outputs(proto, sched, jobs):
@@ -111,19 +107,18 @@ def test_specbench_sides_take_turns_per_category():
     """bench_specbench times the two sides category by category, the first side alternating
     by category and by round (session 18 timed one whole side, then the other, and one
     round's drift read as a 1.80x ratio where the CPU time read 1.27x)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    bench = load_file("benchmarks/bench_specbench.py", "bench_specbench")
-    groups = [(c, [c]) for c in ("a", "b", "c", "d")]
-    for rnd in (0, 1):
-        order = list(bench.interleaved(groups, rnd))
-        # each category: both sides, one right after the other, on the same jobs
-        assert [(c, g) for _, c, g in order[::2]] == groups
-        assert [(c, g) for _, c, g in order[1::2]] == groups
-        assert all({order[i][0], order[i + 1][0]} == {"on", "off"} for i in range(0, 8, 2))
-        firsts = [side for side, _, _ in order[::2]]
-        assert firsts.count("on") == firsts.count("off") == 2
-        assert firsts[0] == ("off" if rnd == 0 else "on")
-    # a round later, every category's first side is the other one
-    r0 = [s for s, _, _ in bench.interleaved(groups, 0)]
-    r1 = [s for s, _, _ in bench.interleaved(groups, 1)]
-    assert all(a != b for a, b in zip(r0, r1))
+    with benchmark_module("bench_specbench") as bench:
+        groups = [(c, [c]) for c in ("a", "b", "c", "d")]
+        for rnd in (0, 1):
+            order = list(bench.interleaved(groups, rnd))
+            # each category: both sides, one right after the other, on the same jobs
+            assert [(c, g) for _, c, g in order[::2]] == groups
+            assert [(c, g) for _, c, g in order[1::2]] == groups
+            assert all({order[i][0], order[i + 1][0]} == {"on", "off"} for i in range(0, 8, 2))
+            firsts = [side for side, _, _ in order[::2]]
+            assert firsts.count("on") == firsts.count("off") == 2
+            assert firsts[0] == ("off" if rnd == 0 else "on")
+        # a round later, every category's first side is the other one
+        r0 = [s for s, _, _ in bench.interleaved(groups, 0)]
+        r1 = [s for s, _, _ in bench.interleaved(groups, 1)]
+        assert all(a != b for a, b in zip(r0, r1))

@@ -3,23 +3,18 @@ token, and reads a verify's accepted run as the scheduler's verify step does."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from loom.runtime.server_args import ServerArgs
 from loom.runtime.spec import DraftTree
 from loom.runtime.spec.speculator import NgramSpeculator
-from tests.file_modules import ROOT, load_file
+from tests.file_modules import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def replay():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # it imports bench_specbench by name
-    try:
-        yield load_file("benchmarks/bench_spec_replay.py", "bench_spec_replay")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    with benchmark_module("bench_spec_replay") as mod:  # it imports bench_specbench by name
+        yield mod
 
 
 def test_accepted_runs_of_chains_and_trees(replay):

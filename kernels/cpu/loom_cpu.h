@@ -332,6 +332,7 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
    T <= 8 (Q8_0 / Q4_0 / Q4_1 in AVX2 builds without AVX-512, loom_q_bi_lanes on; the same
    bits as the portable C), and that kernel (loom_q_matmul's arguments) */
 void loom_q_bi_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu, float* xsu);
+void loom_q_bi_pack_pairs(int qtype, const int16_t* q, int64_t K, int32_t* xp);
 LOOM_API int loom_q_bi_lanes2_type(int qtype);
 int loom_q_matmul_bi_lanes2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                             const float* x, int64_t T, int64_t ldx, const float* bias, float* y,

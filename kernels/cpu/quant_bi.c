@@ -256,6 +256,37 @@ void loom_q_bi_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu
     bi_quantize(x, K, G, q, dxu, xsu);
 }
 
+static inline int32_t bi_pair(const int16_t* q, int a, int b) {
+    return (int32_t)((uint32_t)(uint16_t)q[a] | (uint32_t)(uint16_t)q[b] << 16);
+}
+
+/* one token's codes q [K] -> xp [K / 32][16] pairs in the order of the lanes kernels (below,
+   "The pair order inside a unit"; quant_bi2.c's AVX2 lanes use the same) */
+static void bi_pack_pairs(int qtype, const int16_t* q, int64_t K, int32_t* xp) {
+    for (int64_t j = 0; j < K / 32; j++) {
+        const int16_t* qj = q + 32 * j;
+        int32_t* o = xp + 16 * j;
+        if (qtype == BQ8_0) {
+            for (int m = 0; m < 8; m++) {
+                o[2 * m] = bi_pair(qj, 4 * m, 4 * m + 2);
+                o[2 * m + 1] = bi_pair(qj, 4 * m + 1, 4 * m + 3);
+            }
+        } else {
+            for (int m = 0; m < 4; m++) {
+                o[4 * m] = bi_pair(qj, 4 * m, 4 * m + 2);
+                o[4 * m + 1] = bi_pair(qj, 4 * m + 16, 4 * m + 18);
+                o[4 * m + 2] = bi_pair(qj, 4 * m + 1, 4 * m + 3);
+                o[4 * m + 3] = bi_pair(qj, 4 * m + 17, 4 * m + 19);
+            }
+        }
+    }
+}
+
+/* bi_pack_pairs for quant_bi2.c (its arguments) */
+void loom_q_bi_pack_pairs(int qtype, const int16_t* q, int64_t K, int32_t* xp) {
+    bi_pack_pairs(qtype, q, K, xp);
+}
+
 #if !BI_AVX512
 /* the canonical tree over 16 partials (scalar form) */
 static inline float bi_tree(const float* P) {
@@ -559,31 +590,6 @@ static int bi_lanes_type(int qtype) {
 /* v >> s for s >= 0, v << -s below (s a constant where inlined) */
 static inline __attribute__((always_inline)) __m512i bi_shr(__m512i v, const int s) {
     return s >= 0 ? _mm512_srli_epi32(v, (unsigned)s) : _mm512_slli_epi32(v, (unsigned)-s);
-}
-
-static inline int32_t bi_pair(const int16_t* q, int a, int b) {
-    return (int32_t)((uint32_t)(uint16_t)q[a] | (uint32_t)(uint16_t)q[b] << 16);
-}
-
-/* one token's codes q [K] -> xp [K / 32][16] pairs in the order above */
-static void bi_pack_pairs(int qtype, const int16_t* q, int64_t K, int32_t* xp) {
-    for (int64_t j = 0; j < K / 32; j++) {
-        const int16_t* qj = q + 32 * j;
-        int32_t* o = xp + 16 * j;
-        if (qtype == BQ8_0) {
-            for (int m = 0; m < 8; m++) {
-                o[2 * m] = bi_pair(qj, 4 * m, 4 * m + 2);
-                o[2 * m + 1] = bi_pair(qj, 4 * m + 1, 4 * m + 3);
-            }
-        } else {
-            for (int m = 0; m < 4; m++) {
-                o[4 * m] = bi_pair(qj, 4 * m, 4 * m + 2);
-                o[4 * m + 1] = bi_pair(qj, 4 * m + 16, 4 * m + 18);
-                o[4 * m + 2] = bi_pair(qj, 4 * m + 1, 4 * m + 3);
-                o[4 * m + 3] = bi_pair(qj, 4 * m + 17, 4 * m + 19);
-            }
-        }
-    }
 }
 
 /* 8 bytes at p of each of 16 rows (offsets vidx8a: rows 0-7, vidx8b: 8-15; masked rows read

@@ -39,31 +39,6 @@ int loom_q_bi_lanes2_type(int qtype) {
 }
 
 #if B2_AVX2
-static inline int32_t b2_pair(const int16_t* q, int a, int b) {
-    return (int32_t)((uint32_t)(uint16_t)q[a] | (uint32_t)(uint16_t)q[b] << 16);
-}
-
-/* one token's codes q [K] -> xp [K / 32][16] pairs in the order above */
-static void b2_pack_pairs(int qtype, const int16_t* q, int64_t K, int32_t* xp) {
-    for (int64_t j = 0; j < K / 32; j++) {
-        const int16_t* qj = q + 32 * j;
-        int32_t* o = xp + 16 * j;
-        if (qtype == B2Q8_0) {
-            for (int m = 0; m < 8; m++) {
-                o[2 * m] = b2_pair(qj, 4 * m, 4 * m + 2);
-                o[2 * m + 1] = b2_pair(qj, 4 * m + 1, 4 * m + 3);
-            }
-        } else {
-            for (int m = 0; m < 4; m++) {
-                o[4 * m] = b2_pair(qj, 4 * m, 4 * m + 2);
-                o[4 * m + 1] = b2_pair(qj, 4 * m + 16, 4 * m + 18);
-                o[4 * m + 2] = b2_pair(qj, 4 * m + 1, 4 * m + 3);
-                o[4 * m + 3] = b2_pair(qj, 4 * m + 17, 4 * m + 19);
-            }
-        }
-    }
-}
-
 /* the low 16 bits of each of 8 dwords, as f16, to f32 */
 static inline __m256 b2_f16lo(__m256i v) {
     const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
@@ -222,7 +197,7 @@ int loom_q_matmul_bi_lanes2(int qtype, const uint8_t* w, int64_t N, int64_t K, i
     }
     for (int64_t t = 0; t < T; t++) {
         loom_q_bi_quantize(x + t * ldx, K, 32, q, dxu + t * nu, xsu + t * nu);
-        b2_pack_pairs(qtype, q, K, xp + t * nu * 16);
+        loom_q_bi_pack_pairs(qtype, q, K, xp + t * nu * 16); /* B2Q* codes are quant_bi.c's */
     }
     free(q);
     const int64_t passes = (N + 7) / 8;
