@@ -122,10 +122,11 @@ def test_required_call_is_schema_valid_and_parsed(client):
 
 def test_auto_leaves_the_choice_to_the_model_and_parses_what_it_chose(client):
     """tool_choice auto: the model chooses between prose and a call, and what it chose is
-    returned as such. Which one SmolLM2 chooses here is a near tie that the CPU decides: a
-    call on the AVX-512 machines of sessions 15-19, prose on session 20's AVX2 one (first
-    token 'The' at logprob -2.04, four other prose openings within 0.9 of it, main's code
-    too), so the test holds either answer to its form: a call is the one tool with
+    returned as such. Which one SmolLM2 chooses here is not stable across machines: a call on
+    the AVX-512 machine of sessions 15-19, prose on session 20's (an AVX2 CPU and a fresh
+    package resolution; main's code too; the cause is not isolated): its first token there
+    is 'The' at logprob -2.04 with four other prose openings within 0.9 and no '<' in the
+    top five. So the test holds either answer to its form: a call is the one tool with
     schema-valid arguments and finish_reason tool_calls; prose has no call markup left in it."""
     choice = _call(
         client,
