@@ -333,6 +333,17 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
    bits as the portable C), and that kernel (loom_q_matmul's arguments) */
 void loom_q_bi_quantize(const float* x, int64_t K, int G, int16_t* q, float* dxu, float* xsu);
 void loom_q_bi_pack_pairs(int qtype, const int16_t* q, int64_t K, int32_t* xp);
+/* Q4_K (and Q5_K): sub-block j's 6-bit scale and min from the block's 12 scale bytes q
+   (ggml's get_scale_min_k4); quant.c, quant_bi.c and quant_bi_avx2.c decode with it */
+static inline void k4_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
 LOOM_API int loom_q_bi_lanes2_type(int qtype);
 int loom_q_matmul_bi_lanes2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                             const float* x, int64_t T, int64_t ldx, const float* bias, float* y,

@@ -83,17 +83,6 @@ static inline float f16_to_f32(const uint8_t* p) {
 #endif
 }
 
-/* Q4_K's packed 6-bit scale and min of sub-block j (0..7), as ggml's get_scale_min_k4. */
-static inline void k4_scale_min(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *sc = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
-    }
-}
-
 float loom_q_f16(const uint8_t* p) { return f16_to_f32(p); }
 
 static int block_values(int qtype) { return qtype == LOOM_Q4_K || qtype == LOOM_Q6_K ? 256 : 32; }

@@ -115,9 +115,9 @@ static void ba_decode_row(int qtype, const uint8_t* row, int64_t K, int16_t* w, 
                     ba_widen(_mm_and_si128(v, low), 0, w + 256 * i + 64 * c + 16 * h);
                     ba_widen(_mm_and_si128(_mm_srli_epi16(v, 4), low), 0, w + 256 * i + 64 * c + 32 + 16 * h);
                 }
-            for (int j = 0; j < 8; j++) { /* ggml's get_scale_min_k4, as quant.c's k4_scale_min */
-                const uint8_t sc = j < 4 ? q[j] & 63 : (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-                const uint8_t mn = j < 4 ? q[j + 4] & 63 : (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+            for (int j = 0; j < 8; j++) {
+                uint8_t sc, mn;
+                k4_scale_min(j, q, &sc, &mn);
                 s[8 * i + j] = d * sc;
                 b[8 * i + j] = -dmin * mn;
             }
