@@ -9,7 +9,11 @@ step(s) and the median full-batch decode step, with os.getloadavg(). With --thre
 CPU columns are the calling thread's only (the OpenMP workers' share is not in them).
 
     python benchmarks/bench_batch_step.py [--model smollm2] [--quantization gguf] [--batch 32]
-        [--pp 128] [--tg 32] [--threads 1]
+        [--pp 128] [--tg 32] [--threads 1] [--attn-avx2 0,1] [--rounds 1]
+
+--attn-avx2 0,1: an A/B of the AVX2 one-token attention (kernels/cpu/attn_avx2.c, the knob
+loom_attn_avx2; 0: attn_items' per-token loop, the same bits), the values alternating per
+round in the same scheduler.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def main() -> None:
     p.add_argument("--tg", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kv-cache-dtype", default="auto", help="loom's --kv-cache-dtype (auto, bf16)")
+    p.add_argument("--attn-avx2", default="", help="comma list of loom_attn_avx2 values (A/B)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of the measured batch")
     a = p.parse_args()
     import torch
 
@@ -82,27 +88,35 @@ def main() -> None:
             rows.append((wall, cpu, mm, attn, fwd, running))
         return rows
 
+    import ctypes
+
+    knob = ctypes.c_int.in_dll(sched.runner.cpu_forward.lib, "loom_attn_avx2")
+    values = [int(v) for v in a.attn_avx2.split(",")] if a.attn_avx2 else [knob.value]
     run("warm", 2)
-    rows = run("r", a.tg)
     print(
         f"{model_path(a.model)} ({a.quantization}), B {b}, pp {a.pp}, tg {a.tg}, "
         f"threads {a.threads}"
     )
-    print(f"load {os.getloadavg()}")
     print(
         "step            wall ms   CPU ms  matmul ms  attention ms  rest ms"
-        "  forward wall ms  outside ms"
+        "  forward wall ms  outside ms  loom_attn_avx2  load"
     )
-    shown = [("prefill", r) for r in rows if r[5] < b]
-    decode = [r for r in rows if r[5] == b]
-    if decode:
-        shown.append(("decode median", [statistics.median(x[i] for x in decode) for i in range(5)]))
-    for name, r in shown:
-        wall, cpu, mm, attn, fwd = (v * 1e3 for v in r[:5])
-        print(
-            f"{name:14} {wall:9.1f} {cpu:8.1f} {mm:10.1f} {attn:13.1f} {cpu - mm - attn:8.1f}"
-            f" {fwd:16.1f} {wall - fwd:11.1f}"
-        )
+    for rnd in range(a.rounds):
+        for v in values:
+            knob.value = v
+            rows = run(f"r{rnd}.{v}.", a.tg)
+            shown = [("prefill", r) for r in rows if r[5] < b]
+            decode = [r for r in rows if r[5] == b]
+            if decode:
+                med = [statistics.median(x[i] for x in decode) for i in range(5)]
+                shown.append(("decode median", med))
+            for name, r in shown:
+                wall, cpu, mm, attn, fwd = (x * 1e3 for x in r[:5])
+                print(
+                    f"{name:14} {wall:9.1f} {cpu:8.1f} {mm:10.1f} {attn:13.1f} "
+                    f"{cpu - mm - attn:8.1f} {fwd:16.1f} {wall - fwd:11.1f}  {v:14d}"
+                    f"  {os.getloadavg()[0]:.1f}"
+                )
 
 
 if __name__ == "__main__":

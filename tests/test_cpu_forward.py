@@ -642,3 +642,46 @@ def test_avx2_variant_forward_matches_eager(tiny_model_dir, family, kv):
     _compare(runner, st.batch([0, 1, 2, 3], [1] * 4, ForwardMode.DECODE, all_logits=False))
     masks = [tree_mask(st.lens[0], [-1, -1, 0, 1], "cpu"), None]
     _compare(runner, st.batch([0, 1], [5, 7], ForwardMode.EXTEND, masks))
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+# head_dim 16 / 32 / 64 / 128 / 256, GQA groups 1-4; gemma3: window 8 (compacted columns)
+@pytest.mark.parametrize(
+    "family", ["llama-mha", "llama-mqa", "llama-d64", "llama-d128", "llama-d256", "gemma3"]
+)
+@torch.inference_mode()
+def test_avx2_one_token_attention_is_the_per_token_loop_bit_for_bit(tiny_model_dir, family, kv):
+    """attn_avx2.c (forward.c attn_one in AVX2 builds: decode tokens, and on a bfloat16 pool
+    every row) against attn_items' per-token loop (the knob loom_attn_avx2 = 0), in the AVX2
+    build: the same logits and K / V bits on prompts, decode steps over contexts of 1 to ~90
+    columns (not multiples of 8 among them) and draft-tree verify steps."""
+    runner = _runner(tiny_model_dir(family), kv_cache_dtype=kv)
+    runner.cpu_forward.lib = cpu_forward.load("avx2")
+    cf, pool = runner.cpu_forward, runner.token_to_kv_pool
+    knob = ctypes.c_int.in_dll(cf.lib, "loom_attn_avx2")
+    assert knob.value == 1
+    st = _Steps(runner, 3, seed=21)
+
+    def both(batch: ForwardBatch) -> None:
+        before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
+        out = []
+        for value in (0, 1):
+            for b, old in zip(pool.k_buffers + pool.v_buffers, before):
+                b.copy_(old)
+            knob.value = value
+            try:
+                logits = cf(batch)
+            finally:
+                knob.value = 1
+            out.append((logits, [b.clone() for b in pool.k_buffers + pool.v_buffers]))
+        (l0, kv0), (l1, kv1) = out
+        assert torch.equal(l0, l1), float((l0 - l1).abs().max())
+        for a, b in zip(kv0, kv1):  # as bits: the pool's unwritten slots may hold NaNs
+            bits = torch.int32 if a.dtype == torch.float32 else torch.int16
+            assert torch.equal(a.view(bits), b.view(bits))
+
+    both(st.batch([0, 1, 2], [1, 7, 77], ForwardMode.EXTEND))
+    for _ in range(10):
+        both(st.batch([0, 1, 2], [1] * 3, ForwardMode.DECODE, all_logits=False))
+    masks = [None, tree_mask(st.lens[1], [-1, 0, 0, 1], "cpu"), None]
+    both(st.batch([0, 1, 2], [3, 5, 1], ForwardMode.EXTEND, masks))

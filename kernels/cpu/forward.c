@@ -615,6 +615,10 @@ static int attn_one(const float* qb, int64_t S, const int64_t* cols, const float
         }
         return 1;
     }
+#else
+    /* AVX2 builds: attn_avx2.c, bitwise the per-token loop of attn_items (0 where it does
+       not apply or the knob loom_attn_avx2 is 0: that loop runs) */
+    return loom_attn_one_avx2(qb, S, cols, kc, vc, Hkv, kh, G, D, scale, o, sc, bf16);
 #endif
     (void)qb, (void)S, (void)cols, (void)kc, (void)vc, (void)Hkv, (void)kh, (void)G, (void)D;
     (void)scale, (void)o, (void)sc, (void)bf16;

@@ -261,6 +261,13 @@ LOOM_API int loom_forward_f32(const Model* m, int64_t T, const int64_t* ids, con
 LOOM_API extern int loom_block_attn_min;
 LOOM_API extern int loom_small_attn_max;
 LOOM_API extern int loom_step_rows;
+/* attn_avx2.c: 1 (default) = AVX2 builds take its one-token attention kernel (forward.c
+   attn_one), 0 = attn_items' per-token loop (the same bits; the tests' reference) */
+LOOM_API extern int loom_attn_avx2;
+/* attn_avx2.c: forward.c's attn_one in AVX2 builds; 0 where it does not apply */
+int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const float* kc,
+                       const float* vc, int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale,
+                       float* o, float* sc, int bf16);
 
 /* heads.c: the compiled draft heads (runtime/spec/head_kernel.py) */
 LOOM_API int loom_head_bf16_dot(void);
