@@ -147,8 +147,20 @@ int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const fl
     float kb[AA_ROWS * AA_MAX_D]; /* a bfloat16 pool's 8 K rows, widened */
     float mx[64], den[64];
     for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
+    const int64_t row_bytes = D * (bf16 ? 2 : 4);
     for (int64_t c0 = 0; c0 < S; c0 += AA_ROWS) {
         const int64_t n = S - c0 < AA_ROWS ? S - c0 : AA_ROWS;
+        /* the pool's rows are scattered (the req-to-token table) and a step's K / V are
+           streamed from memory: the next block's K rows and this block's V rows (read by
+           the V passes below, from cache then) are fetched ahead */
+        for (int64_t c = c0 + AA_ROWS; c < c0 + 2 * AA_ROWS && c < S; c++) {
+            const char* p = (const char*)kc + (cols[c] * Hkv + kh) * row_bytes;
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+        }
+        for (int64_t c = c0; c < c0 + n; c++) {
+            const char* p = (const char*)vc + (cols[c] * Hkv + kh) * row_bytes;
+            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+        }
         const float* kr[AA_ROWS];
         for (int r = 0; r < AA_ROWS; r++) { /* rows past S repeat row c0 (scores dropped) */
             const int64_t idx = (cols[c0 + (r < n ? r : 0)] * Hkv + kh) * D;
