@@ -88,53 +88,64 @@ static inline float gk_tree(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(l3, _mm_shuffle_ps(l3, l3, 1)));
 }
 
-/* One Q4_K row against T tokens (a constant where inlined): xk [T][K], dxu / xsu [T][K / 32];
-   out[t] = the canonical sum (tree included) */
+/* Q4_K super-block i of a row against T tokens (a constant where inlined): xk [T][K], dxu / xsu
+   [T][K / 32]; P[t] the partials c = 8 (i & 1) .. + 7 of token t, which its 8 units update */
+static inline __attribute__((always_inline)) void gk_sb_q4k(const uint8_t* blk, int64_t i, int64_t K,
+                                                            const int T, const int16_t* xk,
+                                                            const float* dxu, const float* xsu,
+                                                            __m256* P) {
+    const int64_t nu = K / 32;
+    const __m256i m4 = _mm256_set1_epi16(0xF);
+    /* 6-bit scales / mins of the 8 units: u[0..1]'s bytes the scales, u[2..3]'s the mins */
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t mins_lo = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = mins_lo;
+    u[0] &= 0x3f3f3f3fu;
+    const __m128i sm = _mm_loadu_si128((const __m128i*)u);
+    const __m256 sv = _mm256_mul_ps(_mm256_set1_ps(gk_f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+    const __m256 bv = _mm256_mul_ps(_mm256_set1_ps(-gk_f16(blk + 2)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+    __m256i h[GK_MAXT][4];
+    for (int c = 0; c < 4; c++) {
+        const __m256i B = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * c));
+        const __m256i e0 = _mm256_and_si256(B, m4), e1 = _mm256_and_si256(_mm256_srli_epi16(B, 8), m4);
+        const __m256i e2 = _mm256_and_si256(_mm256_srli_epi16(B, 4), m4), e3 = _mm256_srli_epi16(B, 12);
+        for (int t = 0; t < T; t++) {
+            const int16_t* x = xk + t * K + 256 * i + 64 * c;
+            const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(e0, _mm256_loadu_si256((const __m256i*)x)),
+                                               _mm256_madd_epi16(e1, _mm256_loadu_si256((const __m256i*)(x + 16))));
+            const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(e2, _mm256_loadu_si256((const __m256i*)(x + 32))),
+                                               _mm256_madd_epi16(e3, _mm256_loadu_si256((const __m256i*)(x + 48))));
+            h[t][c] = _mm256_hadd_epi32(a, b); /* units 2c, 2c + 1: lanes 0-1 / 2-3 of each half */
+        }
+    }
+    for (int t = 0; t < T; t++) {
+        const __m256i I = gk_sum8(_mm256_hadd_epi32(h[t][0], h[t][1]), _mm256_hadd_epi32(h[t][2], h[t][3]));
+        const __m256 sd = _mm256_mul_ps(sv, _mm256_loadu_ps(dxu + t * nu + 8 * i));
+        const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), sd, P[t]);
+        P[t] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xsu + t * nu + 8 * i), p);
+    }
+}
+
+/* One Q4_K row against T tokens: out[t] = the canonical sum (tree included). Super-blocks in
+   pairs, so that each partial vector is a register of its own. */
 static inline __attribute__((always_inline)) void gk_row_q4k(const uint8_t* row, int64_t K,
                                                              const int T, const int16_t* xk,
                                                              const float* dxu, const float* xsu,
                                                              float* out) {
-    const int64_t nu = K / 32;
-    const __m256i m4 = _mm256_set1_epi16(0xF);
-    __m256 P[GK_MAXT][2];
-    for (int t = 0; t < T; t++) P[t][0] = P[t][1] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < K / 256; i++) {
-        const uint8_t* blk = row + 144 * i;
-        /* 6-bit scales / mins of the 8 units: utmp[0..1] bytes = scales, [2..3] = mins */
-        uint32_t u[4];
-        memcpy(u, blk + 4, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-        const uint32_t mins_lo = u[1] & 0x3f3f3f3fu;
-        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-        u[2] = mins_lo;
-        u[0] &= 0x3f3f3f3fu;
-        const __m128i sm = _mm_loadu_si128((const __m128i*)u);
-        const __m256 sv = _mm256_mul_ps(_mm256_set1_ps(gk_f16(blk)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
-        const __m256 bv = _mm256_mul_ps(_mm256_set1_ps(-gk_f16(blk + 2)),
-                                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
-        __m256i h[GK_MAXT][4];
-        for (int c = 0; c < 4; c++) {
-            const __m256i B = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * c));
-            const __m256i e0 = _mm256_and_si256(B, m4), e1 = _mm256_and_si256(_mm256_srli_epi16(B, 8), m4);
-            const __m256i e2 = _mm256_and_si256(_mm256_srli_epi16(B, 4), m4), e3 = _mm256_srli_epi16(B, 12);
-            for (int t = 0; t < T; t++) {
-                const int16_t* x = xk + t * K + 256 * i + 64 * c;
-                const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(e0, _mm256_loadu_si256((const __m256i*)x)),
-                                                   _mm256_madd_epi16(e1, _mm256_loadu_si256((const __m256i*)(x + 16))));
-                const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(e2, _mm256_loadu_si256((const __m256i*)(x + 32))),
-                                                   _mm256_madd_epi16(e3, _mm256_loadu_si256((const __m256i*)(x + 48))));
-                h[t][c] = _mm256_hadd_epi32(a, b); /* units 2c, 2c + 1: lanes 0-1 / 2-3 of each half */
-            }
-        }
-        const int hi = (int)(i & 1); /* units 8i .. 8i + 7 are P's c = 8 (i & 1) .. + 7 */
-        for (int t = 0; t < T; t++) {
-            const __m256i I = gk_sum8(_mm256_hadd_epi32(h[t][0], h[t][1]), _mm256_hadd_epi32(h[t][2], h[t][3]));
-            const __m256 sd = _mm256_mul_ps(sv, _mm256_loadu_ps(dxu + t * nu + 8 * i));
-            const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), sd, P[t][hi]);
-            P[t][hi] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xsu + t * nu + 8 * i), p);
-        }
+    const int64_t nsb = K / 256;
+    __m256 P0[GK_MAXT], P1[GK_MAXT];
+    for (int t = 0; t < T; t++) P0[t] = P1[t] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 1 < nsb; i += 2) {
+        gk_sb_q4k(row + 144 * i, i, K, T, xk, dxu, xsu, P0);
+        gk_sb_q4k(row + 144 * (i + 1), i + 1, K, T, xk, dxu, xsu, P1);
     }
-    for (int t = 0; t < T; t++) out[t] = gk_tree(P[t][0], P[t][1]);
+    if (i < nsb) gk_sb_q4k(row + 144 * i, i, K, T, xk, dxu, xsu, P0);
+    for (int t = 0; t < T; t++) out[t] = gk_tree(P0[t], P1[t]);
 }
 
 /* One Q6_K row against T tokens: xk [T][K], dxu [T][K / 16], sq [T][K / 16] */
