@@ -13,9 +13,10 @@
    cross-lane move). The token's 16-bit codes are packed once per call in the same order
    (gk_pack: per 32 values, the 16 even then the 16 odd ones), and vpmaddwd multiplies a weight
    vector by its activation vector: 16 multiply-adds, exact int32 pairs of one unit. A unit's 8
-   (Q4_K) or 4 (Q6_K) int32 partials are summed by horizontal adds that reduce the 8 units of
-   a super-block (Q4_K) or of half of one (Q6_K) together into one vector of their 8 exact I_j,
-   and the float steps run on that vector (lane i = unit j0 + i):
+   (Q4_K) or 4 (Q6_K) int32 partials are summed by unpacks and adds (gk_pair32 / gk_pair64,
+   one-uop shuffles where vphaddd measured slower: docs/benchmarks.md, helper "gemvk") that
+   reduce the 8 units of a super-block (Q4_K) or of half of one (Q6_K) together into one vector
+   of their 8 exact I_j, and the float steps run on that vector (lane i = unit j0 + i):
      P[j mod 16] = fma((float) I_j, s_j * dx_j, P[j mod 16])   (Q4_K: then fma(b_j, xs_j, P))
    with the 16 partials P as two vectors (c = 0..7, 8..15), then the fixed tree P[c] + P[c + 8],
    + [c + 4], (l[0] + l[2]) + (l[1] + l[3]), and ((accumulate ? y : 0) + sum) + bias: the
@@ -75,7 +76,17 @@ static void gk_pack(int qtype, const int16_t* q, int64_t K, int16_t* xk, int32_t
     }
 }
 
-/* the int32 lanes of v, as 8 per-unit sums: hadd of (units 2c, 2c + 1) pairs then of those */
+/* lanes (a0 + a2, b0 + b2, a1 + a3, b1 + b3) of each 128-bit half */
+static inline __m256i gk_pair32(__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+
+/* lanes (a0 + a1, a2 + a3, b0 + b1, b2 + b3) of each 128-bit half */
+static inline __m256i gk_pair64(__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+}
+
+/* a: units 0-3, b: units 4-7, each unit's two halves in the two 128-bit halves -> units 0..7 */
 static inline __m256i gk_sum8(__m256i a, __m256i b) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
@@ -119,11 +130,11 @@ static inline __attribute__((always_inline)) void gk_sb_q4k(const uint8_t* blk, 
                                                _mm256_madd_epi16(e1, _mm256_loadu_si256((const __m256i*)(x + 16))));
             const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(e2, _mm256_loadu_si256((const __m256i*)(x + 32))),
                                                _mm256_madd_epi16(e3, _mm256_loadu_si256((const __m256i*)(x + 48))));
-            h[t][c] = _mm256_hadd_epi32(a, b); /* units 2c, 2c + 1: lanes 0-1 / 2-3 of each half */
+            h[t][c] = gk_pair32(a, b); /* units 2c, 2c + 1: lanes 0, 2 / 1, 3 of each half */
         }
     }
     for (int t = 0; t < T; t++) {
-        const __m256i I = gk_sum8(_mm256_hadd_epi32(h[t][0], h[t][1]), _mm256_hadd_epi32(h[t][2], h[t][3]));
+        const __m256i I = gk_sum8(gk_pair64(h[t][0], h[t][1]), gk_pair64(h[t][2], h[t][3]));
         const __m256 sd = _mm256_mul_ps(sv, _mm256_loadu_ps(dxu + t * nu + 8 * i));
         const __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), sd, P[t]);
         P[t] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(xsu + t * nu + 8 * i), p);
@@ -185,9 +196,9 @@ static inline __attribute__((always_inline)) void gk_row_q6k(const uint8_t* row,
                 for (int k = 0; k < 4; k++)
                     v[k] = _mm256_add_epi32(_mm256_madd_epi16(ev[k], _mm256_loadu_si256((const __m256i*)(x + 32 * k))),
                                             _mm256_madd_epi16(od[k], _mm256_loadu_si256((const __m256i*)(x + 32 * k + 16))));
-                /* hadd, hadd: lanes (j0, j0 + 2, j0 + 4, j0 + 6 | j0 + 1, ...): permuted to j0 .. j0 + 7 */
+                /* pair32, pair64: lanes (j0, j0 + 2, j0 + 4, j0 + 6 | j0 + 1, ...): permuted to j0 .. j0 + 7 */
                 const __m256i U = _mm256_permutevar8x32_epi32(
-                    _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3])), order);
+                    gk_pair64(gk_pair32(v[0], v[1]), gk_pair32(v[2], v[3])), order);
                 const __m256i I = _mm256_sub_epi32(
                     U, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(sq + t * nu + j0)), 5));
                 const __m256 sd = _mm256_mul_ps(sv, _mm256_loadu_ps(dxu + t * nu + j0));
