@@ -145,7 +145,7 @@ def main() -> None:
     for v in filter(None, args.bi_lanes.split(",")):
         pfs[f"bi#{v}"] = (*k0[:2], int(v), *k0[3:])
     for v in filter(None, args.bi_avx2.split(",")):
-        pfs[f"bi~{v}"] = (*k0[:3], int(v), k0[4])
+        pfs[f"bi~{v}"] = (*k0[:3], int(v), k0[4] if int(v) else 0)  # 0: the portable C for all
     for v in filter(None, args.bi_kgemv.split(",")):
         pfs[f"bi^{v}"] = (*k0[:4], int(v))
     modes = list(pfs)
