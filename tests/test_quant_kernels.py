@@ -466,6 +466,8 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
     if lib is None or not lib.loom_q_bi_avx2_built():
         pytest.skip("this build has no AVX2 tiles (no AVX2 + FMA, or AVX-512 VNNI's instead)")
     knob = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2")
+    kgemv = ctypes.c_int.in_dll(lib, "loom_q_bi_kgemv")
+    kgemv.value = 0  # the tiles at 1-4 tokens too (quant_gemv_k_avx2.c has its own test)
     values = BLOCKS[qtype][0]
     prev = torch.get_num_threads()
     try:
@@ -496,7 +498,56 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
                             outs.append(wide)
                         assert torch.equal(outs[0], outs[1]), (qtype, rows, cols, t, threads)
     finally:
-        knob.value = 1
+        knob.value = kgemv.value = 1
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K"))
+def test_bi_kgemv_equals_the_portable_c(qtype, isa):
+    """quant_gemv_k_avx2.c (mode "bi" for Q4_K / Q6_K at 1-4 tokens in AVX2 + FMA builds without
+    AVX-512 VNNI: one row a time, lanes = values) gives bitwise the portable C's outputs
+    (loom_q_bi_kgemv = 0 and loom_q_bi_avx2 = 0) and quant_bi_avx2.c's tiles' (loom_q_bi_kgemv
+    = 0): K of 1 to 9 super-blocks (units below, at and past the 16 partial sums), row counts
+    below, at and past a pool item of 4 rows, an all-zero and a large activation block, with
+    and without bias, accumulating into a strided output or not, one and two threads."""
+    lib = quant_ops.load(isa)
+    if lib is None or not lib.loom_q_bi_kgemv_type(quant_ops.QTYPES[qtype]):
+        pytest.skip("this build has no K-quant GEMV (no AVX2 + FMA, or AVX-512 VNNI's lanes)")
+    kg = ctypes.c_int.in_dll(lib, "loom_q_bi_kgemv")
+    avx2 = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2")
+    prev = torch.get_num_threads()
+    try:
+        for rows, nsb in ((1, 1), (3, 2), (4, 3), (9, 4), (37, 9)):
+            cols = 256 * nsb
+            qt = random_blocks(qtype, rows, cols, rows + nsb)
+            x = torch.randn(4, cols, generator=torch.Generator().manual_seed(nsb))
+            x[1, 32:64] = 0.0
+            x[2, :32] *= 1e4
+            bias = torch.randn(rows, generator=torch.Generator().manual_seed(rows))
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for t in (1, 2, 3, 4):
+                    for b in (bias, None):
+                        outs = []
+                        for k, a in ((1, 1), (0, 0), (0, 1)):
+                            kg.value, avx2.value = k, a
+                            wide = torch.randn(
+                                t, rows + 3, generator=torch.Generator().manual_seed(t)
+                            )
+                            rc = lib.loom_q_matmul(
+                                quant_ops.QTYPES[qtype], quant_ops.MODES["bi"], qt.data.data_ptr(),
+                                rows, cols, qt.row_bytes, x.data_ptr(), t, cols,
+                                None if b is None else b.data_ptr(), wide[:, 1:].data_ptr(),
+                                wide.stride(0), t % 2, threads,
+                            )  # fmt: skip
+                            assert rc == 0
+                            outs.append(wide)
+                        where = (qtype, rows, cols, t, threads, b is None)
+                        assert torch.equal(outs[0], outs[1]), where
+                        assert torch.equal(outs[0], outs[2]), where
+                        assert not torch.isnan(outs[0]).any(), where
+    finally:
+        kg.value = avx2.value = 1
         torch.set_num_threads(prev)
 
 

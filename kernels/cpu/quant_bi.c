@@ -999,6 +999,11 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     const int G = unit_len(qtype), asym = is_asym(qtype);
     const int64_t nu = K / G;
     if (K % G) return -1;
+    /* AVX2 builds, 1-4 tokens of Q4_K / Q6_K: quant_gemv_k_avx2.c's GEMV (lanes = values; the
+       same bits, loom_q_bi_kgemv = 0 skips it) */
+    if (T <= 4 && loom_q_bi_kgemv_type(qtype))
+        return loom_q_matmul_bi_kgemv(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy,
+                                      accumulate, threads);
     /* AVX2 builds, 1-4 tokens of Q8_0 / Q4_0 / Q4_1: quant_bi2.c's row lanes (each block of
        weights decoded once for every token); other types and 5 tokens and more:
        quant_bi_avx2.c's 8-token tiles, which waste lanes below that and win at 8 (SmolLM2's
