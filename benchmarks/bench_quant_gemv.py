@@ -96,6 +96,12 @@ def main() -> None:
         default="",
         help="comma list: bi mode once per loom_q_bi_avx2 (AVX2 builds; 0: the portable C)",
     )
+    p.add_argument(
+        "--bi-gemv",
+        default="",
+        help="comma list: bi mode once per loom_q_bi_gemv (AVX2 builds, 1-4 tokens; 0: the row "
+        "lanes / 8-token tiles)",
+    )
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     path = args.gguf
@@ -126,16 +132,23 @@ def main() -> None:
         avx2 = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2")
     except ValueError:
         avx2 = ctypes.c_int(1)
-    # mode -> (prefetch rows, wide rows, bi lanes, bi avx2)
-    pfs = {m: (knob.value, wide.value, lanes.value, avx2.value) for m in modes}
+    try:  # (likewise quant_gemv_avx2.c's knob)
+        gemv = ctypes.c_int.in_dll(lib, "loom_q_bi_gemv")
+    except ValueError:
+        gemv = ctypes.c_int(1)
+    # mode -> (prefetch rows, wide rows, bi lanes, bi avx2, bi gemv)
+    base = (knob.value, wide.value, lanes.value, avx2.value, gemv.value)
+    pfs = {m: base for m in modes}
     for v in filter(None, args.prefetch_rows.split(",")):
-        pfs[f"f32@{v}"] = (int(v), wide.value, lanes.value, avx2.value)
+        pfs[f"f32@{v}"] = (int(v), *base[1:])
     for v in filter(None, args.wide_rows.split(",")):
-        pfs[f"f32w{v}"] = (knob.value, int(v), lanes.value, avx2.value)
+        pfs[f"f32w{v}"] = (base[0], int(v), *base[2:])
     for v in filter(None, args.bi_lanes.split(",")):
-        pfs[f"bi#{v}"] = (knob.value, wide.value, int(v), avx2.value)
+        pfs[f"bi#{v}"] = (*base[:2], int(v), *base[3:])
     for v in filter(None, args.bi_avx2.split(",")):
-        pfs[f"bi~{v}"] = (knob.value, wide.value, lanes.value, int(v))
+        pfs[f"bi~{v}"] = (*base[:3], int(v), base[4])
+    for v in filter(None, args.bi_gemv.split(",")):
+        pfs[f"bi^{v}"] = (*base[:4], int(v))
     modes = list(pfs)
     if args.only:
         mats = {k: v for k, v in mats.items() if k in args.only.split(",")}
@@ -146,7 +159,7 @@ def main() -> None:
         empty()
     print(f"empty ctypes call: {(time.perf_counter() - t0) / 10000 * 1e9:.0f} ns")
     for T in [int(v) for v in args.tokens.split(",")]:
-        run_tokens(lib, model, mats, modes, pfs, (knob, wide, lanes, avx2), T, args)
+        run_tokens(lib, model, mats, modes, pfs, (knob, wide, lanes, avx2, gemv), T, args)
     print(f"load after {os.getloadavg()}")
 
 
@@ -161,7 +174,7 @@ def run_tokens(lib, model, mats, modes, pfs, knobs, T: int, args) -> None:
         x, y = torch.randn(T, k), torch.empty(T, n)
         keep.append((x, y))
         return (
-            quant_ops.QTYPES[qt.qtype], quant_ops.MODES[re.split("[@w#~]", mode)[0]], qt.data.data_ptr(), n, k,
+            quant_ops.QTYPES[qt.qtype], quant_ops.MODES[re.split("[@w#~^]", mode)[0]], qt.data.data_ptr(), n, k,
             qt.row_bytes, x.data_ptr(), T, k, None, y.data_ptr(), n, 0, args.threads,
         )  # fmt: skip
 

@@ -43,11 +43,15 @@ static inline __m256i gv_reduce8(__m256i v0, __m256i v1, __m256i v2, __m256i v3)
     return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
 }
 
-/* the f16 at byte offsets 0 (*s) and 2 (*b) of 8 blocks of `stride` bytes from p, as f32 */
-static inline void gv_f16x8(const uint8_t* p, int stride, __m256* s, __m256* b) {
+/* the f16 at byte offsets 0 (*s) and 2 (*b) of m <= 8 blocks of `stride` bytes from p, as f32
+   (0 past m) */
+static inline void gv_f16x8(const uint8_t* p, int stride, int m, __m256* s, __m256* b) {
     int32_t d[8]; /* (inserted into a register: a stored array read as one vector would stall
                      on store forwarding) */
-    for (int k = 0; k < 8; k++) memcpy(&d[k], p + (int64_t)k * stride, 4);
+    for (int k = 0; k < 8; k++) {
+        d[k] = 0;
+        if (k < m) memcpy(&d[k], p + (int64_t)k * stride, 4);
+    }
     const __m256i v = _mm256_set_epi32(d[7], d[6], d[5], d[4], d[3], d[2], d[1], d[0]);
     const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
     const __m256i hi = _mm256_srli_epi32(v, 16);

@@ -13,8 +13,8 @@
    Per (row, token) the steps are the canonical ones: the unit's exact int32 I (pairs in any
    order), P[j mod 16] = fma((float) I, s_j * dx_j, P[...]) from +0 in increasing j (asym: then
    fma(b_j, xs_j, P[...])), the fixed tree, ((accumulate ? y : 0) + sum) + bias. A row's last
-   group of fewer than 8 units runs on a zeroed copy of its blocks against zero activations and
-   zero dx: those lanes add fma(0, 0, P) = P (P is never -0: it starts at +0 and a sum is -0
+   group of fewer than 8 units has zero activations, dx and scales past them: those lanes add
+   fma(0, 0, P) = P (P is never -0: it starts at +0 and a sum is -0
    only of two -0), as the other kernels leave P[c] at +0 for c past the units. So the outputs
    are bitwise the portable kernel's for every T. */
 
@@ -90,17 +90,23 @@ static inline __attribute__((always_inline)) void gv_decode(const int qtype, con
     }
 }
 
-/* One group of 8 units at blk (blocks of bb bytes) against T tokens: P[t][0..1] updated */
+/* One group of m <= 8 units at blk (blocks of bb bytes; m a constant 8 but in a row's last
+   group) against T tokens: P[t][half] updated. Units past m: their pair's low unit's block
+   again (codes met by zero activations: no effect on I) or no pair at all (I = 0), scale 0. */
 static inline __attribute__((always_inline)) void gv_group(const int qtype, const int T,
-                                                           const uint8_t* blk, const int32_t* xg,
-                                                           int64_t xstride, const float* dxg,
-                                                           const float* xsg, int64_t sstride,
-                                                           __m256* Pt, int half) {
+                                                           const uint8_t* blk, const int m,
+                                                           const int32_t* xg, int64_t xstride,
+                                                           const float* dxg, const float* xsg,
+                                                           int64_t sstride, __m256* Pt, int half) {
     const int bb = gv_block_bytes(qtype), asym = qtype == GVQ4_1;
     __m256i v[4][4]; /* [token][pair] */
     for (int p = 0; p < 4; p++) {
+        if (p >= m) {
+            for (int t = 0; t < T; t++) v[t][p] = _mm256_setzero_si256();
+            continue;
+        }
         __m256i e[4];
-        gv_decode(qtype, blk + p * bb, blk + (p + 4) * bb, e);
+        gv_decode(qtype, blk + p * bb, blk + (p + 4 < m ? p + 4 : p) * bb, e);
         for (int t = 0; t < T; t++) {
             const __m256i* x = (const __m256i*)(xg + t * xstride + 32 * p);
             const __m256i a0 = _mm256_madd_epi16(e[0], _mm256_loadu_si256(x));
@@ -111,7 +117,7 @@ static inline __attribute__((always_inline)) void gv_group(const int qtype, cons
         }
     }
     __m256 s, b;
-    gv_f16x8(blk, bb, &s, &b);
+    gv_f16x8(blk, bb, m, &s, &b);
     for (int t = 0; t < T; t++) {
         const __m256i I = gv_reduce8(v[t][0], v[t][1], v[t][2], v[t][3]);
         Pt[2 * t + half] = gv_fstep(Pt[2 * t + half], I, s, _mm256_loadu_ps(dxg + t * sstride), asym, b,
@@ -132,16 +138,12 @@ static inline __attribute__((always_inline)) void gv_row(const int qtype, const 
     for (int64_t g = 0; g < full; g++) {
         const uint8_t* blk = row + g * 8 * bb;
         for (int o = 0; o < 8 * bb; o += 64) _mm_prefetch((const char*)(blk + GV_PF + o), _MM_HINT_T0);
-        gv_group(qtype, T, blk, xp + GV_GROUP_DW * g, GV_GROUP_DW * ng, dxu + 8 * g, xsu + 8 * g,
+        gv_group(qtype, T, blk, 8, xp + GV_GROUP_DW * g, GV_GROUP_DW * ng, dxu + 8 * g, xsu + 8 * g,
                  8 * ng, P, (int)(g & 1));
     }
-    if (full < ng) { /* the last units: a zeroed copy of their blocks (scales 0, codes 0) */
-        uint8_t tail[8 * 34];
-        memset(tail, 0, sizeof(tail));
-        memcpy(tail, row + full * 8 * bb, (size_t)((nu - 8 * full) * bb));
-        gv_group(qtype, T, tail, xp + GV_GROUP_DW * full, GV_GROUP_DW * ng, dxu + 8 * full,
-                 xsu + 8 * full, 8 * ng, P, (int)(full & 1));
-    }
+    if (full < ng) /* the row's last nu mod 8 units */
+        gv_group(qtype, T, row + full * 8 * bb, (int)(nu - 8 * full), xp + GV_GROUP_DW * full,
+                 GV_GROUP_DW * ng, dxu + 8 * full, xsu + 8 * full, 8 * ng, P, (int)(full & 1));
     for (int t = 0; t < T; t++) out[t] = gv_tree(P[2 * t], P[2 * t + 1]);
 }
 
