@@ -200,29 +200,24 @@ static void gv_items(void* ctx, int64_t i0, int64_t i1, int worker) {
 #endif
 
 /* loom_q_matmul_bi for loom_q_bi_gemv_type at T <= 4 (its arguments): every token quantized
-   (quant_bi.c's bi_quantize) and packed once (gemv_avx2.h's order), then rows over the pool */
+   and packed once (gemv_avx2.h's gv_quantize_pack: bi_quantize's codes), then rows over the pool */
 int loom_q_matmul_bi_gemv(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                           int64_t ldy, int accumulate, int threads) {
 #if GV_ON
     if (T < 1 || T > 4 || K % 32 || !loom_q_bi_gemv_type(qtype)) return -1;
     const int64_t nu = K / 32, ng = (nu + 7) / 8;
-    int16_t* q = calloc((size_t)(ng * 256), sizeof(int16_t));
     int32_t* xp = malloc(sizeof(int32_t) * (size_t)(T * ng * GV_GROUP_DW));
-    float* dxu = calloc((size_t)(T * ng * 8), sizeof(float));
-    float* xsu = calloc((size_t)(T * ng * 8), sizeof(float));
-    if (!q || !xp || !dxu || !xsu) {
-        free(q);
+    float* dxu = malloc(sizeof(float) * (size_t)(T * ng * 8));
+    float* xsu = malloc(sizeof(float) * (size_t)(T * ng * 8));
+    if (!xp || !dxu || !xsu) {
         free(xp);
         free(dxu);
         free(xsu);
         return -2;
     }
-    for (int64_t t = 0; t < T; t++) {
-        loom_q_bi_quantize(x + t * ldx, K, 32, q, dxu + t * ng * 8, xsu + t * ng * 8);
-        gv_pack(q, ng, xp + t * ng * GV_GROUP_DW); /* q past K stays zero */
-    }
-    free(q);
+    for (int64_t t = 0; t < T; t++)
+        gv_quantize_pack(x + t * ldx, K, ng, xp + t * ng * GV_GROUP_DW, dxu + t * ng * 8, xsu + t * ng * 8);
     const int64_t items = (N + GV_ROWS - 1) / GV_ROWS;
     GvJob job = {qtype, w, N, nu, ng, row_bytes, (int)T, xp, dxu, xsu, bias, y, ldy, accumulate};
     if (threads < 1) threads = 1;
