@@ -23,9 +23,10 @@
 #define GV_GROUP_DW 128 /* int32 activation pairs of one group of 8 units (4 pairs x 4 v x 8) */
 
 /* One token x [K] (K a multiple of 32) -> xp [ng][128] pairs (xp[g][32 p + 8 v + 4 h + i]:
-   pair i of vector v of unit 8g + p + 4h; zero past K) and per unit dx, xs = dx * (sum of its codes) (0 past K): quant_bi.c's bi_quantize for G = 32 step
-   for step (amax of |x|, dx = amax / 32512, inv = dx > 0 ? 1 / dx : 0, code = sign(v) *
-   min(floor(|v * inv| + 0.5), 32512)), so the same codes and scales, without the int16 copy. */
+   pair i of vector v of unit 8g + p + 4h; zero past K) and per unit dx, xs = dx * (sum of its
+   codes) (0 past K): quant_bi.c's bi_quantize for G = 32 step for step (amax of |x|, dx = amax /
+   32512, inv = dx > 0 ? 1 / dx : 0, code = sign(v) * min(floor(|v * inv| + 0.5), 32512)), so
+   the same codes and scales, without the int16 copy. */
 static inline void gv_quantize_pack(const float* x, int64_t K, int64_t ng, int32_t* xp, float* dxu,
                                     float* xsu) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), half = _mm256_set1_ps(0.5f);
@@ -82,15 +83,19 @@ static inline __m256i gv_reduce8(__m256i v0, __m256i v1, __m256i v2, __m256i v3)
 }
 
 /* the f16 at byte offsets 0 (*s) and 2 (*b) of m <= 8 blocks of `stride` bytes from p, as f32
-   (0 past m) */
+   (0 past m): 8 dword loads joined by unpacks (an array of 8 ints read as one vector cost twice
+   the whole group's time on Zen 3, store forwarding; a vpgatherdd more than these:
+   docs/benchmarks.md, helper "gemv") */
 static inline void gv_f16x8(const uint8_t* p, int stride, int m, __m256* s, __m256* b) {
-    int32_t d[8]; /* (inserted into a register: a stored array read as one vector would stall
-                     on store forwarding) */
+    __m128i d[8];
     for (int k = 0; k < 8; k++) {
-        d[k] = 0;
-        if (k < m) memcpy(&d[k], p + (int64_t)k * stride, 4);
+        int32_t t = 0;
+        if (k < m) memcpy(&t, p + (int64_t)k * stride, 4);
+        d[k] = _mm_cvtsi32_si128(t);
     }
-    const __m256i v = _mm256_set_epi32(d[7], d[6], d[5], d[4], d[3], d[2], d[1], d[0]);
+    const __m128i a = _mm_unpacklo_epi64(_mm_unpacklo_epi32(d[0], d[1]), _mm_unpacklo_epi32(d[2], d[3]));
+    const __m128i c = _mm_unpacklo_epi64(_mm_unpacklo_epi32(d[4], d[5]), _mm_unpacklo_epi32(d[6], d[7]));
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(a), c, 1);
     const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
     const __m256i hi = _mm256_srli_epi32(v, 16);
     *s = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)));
