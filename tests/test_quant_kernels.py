@@ -505,8 +505,8 @@ GEMV_AVX2_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")  # quant_gemv_avx2.c's types
 
 @pytest.mark.parametrize("qtype", GEMV_AVX2_TYPES)
 def test_bi_gemv_avx2_equals_the_portable_c(qtype, isa):
-    """quant_gemv_avx2.c (mode "bi" at 1..4 tokens in AVX2 + FMA + F16C builds without AVX-512:
-    lanes = a row's values, 8 units a step) gives bitwise the portable C's outputs (every AVX2
+    """quant_gemv_avx2.c (mode "bi" at 1..4 tokens, Q5_0 1..3, in AVX2 + FMA + F16C builds
+    without AVX-512: lanes = a row's values, 8 units a step) gives bitwise the portable C's outputs (every AVX2
     knob off: loom_q_bi_gemv, loom_q_bi_lanes, loom_q_bi_avx2 = 0) and the older AVX2 kernels'
     (loom_q_bi_gemv = 0): units per row below, at and past a group of 8 and the 16 partial sums
     (a last group of 1..7 units: missing pairs, a pair's missing high unit), 1 row and odd row

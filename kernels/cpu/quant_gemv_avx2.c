@@ -36,6 +36,13 @@ int loom_q_bi_gemv_type(int qtype) {
            (qtype == GVQ8_0 || qtype == GVQ4_0 || qtype == GVQ4_1 || qtype == GVQ5_0);
 }
 
+/* the token counts it takes: 1..4, Q5_0 1..3 (at 4 tokens its decode's constants and 16 dot
+   vectors spill, and quant_bi_avx2.c's 8-token tile was faster on Gemma 3's Q5_0 matrices:
+   docs/benchmarks.md, helper "gemv") */
+int loom_q_bi_gemv_max_t(int qtype) {
+    return !loom_q_bi_gemv_type(qtype) ? 0 : qtype == GVQ5_0 ? 3 : 4;
+}
+
 #if GV_ON
 #define GV_PF 2048 /* bytes ahead of the row being read that the loop prefetches */
 
@@ -192,20 +199,22 @@ static void gv_items(void* ctx, int64_t i0, int64_t i1, int worker) {
         case GVQ8_0: GV_CASES(GVQ8_0) break;
         case GVQ4_0: GV_CASES(GVQ4_0) break;
         case GVQ4_1: GV_CASES(GVQ4_1) break;
-        default: GV_CASES(GVQ5_0) break;
+        default: /* Q5_0: T <= 3 (loom_q_bi_gemv_max_t) */
+            switch (j->T) { GV_CASE(GVQ5_0, 1) GV_CASE(GVQ5_0, 2) GV_CASE(GVQ5_0, 3) default: break; }
+            break;
     }
 #undef GV_CASES
 #undef GV_CASE
 }
 #endif
 
-/* loom_q_matmul_bi for loom_q_bi_gemv_type at T <= 4 (its arguments): every token quantized
+/* loom_q_matmul_bi for loom_q_bi_gemv_type at T <= loom_q_bi_gemv_max_t (its arguments): every token quantized
    and packed once (gemv_avx2.h's gv_quantize_pack: bi_quantize's codes), then rows over the pool */
 int loom_q_matmul_bi_gemv(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                           int64_t ldy, int accumulate, int threads) {
 #if GV_ON
-    if (T < 1 || T > 4 || K % 32 || !loom_q_bi_gemv_type(qtype)) return -1;
+    if (T < 1 || T > loom_q_bi_gemv_max_t(qtype) || K % 32) return -1;
     const int64_t nu = K / 32, ng = (nu + 7) / 8;
     int32_t* xp = malloc(sizeof(int32_t) * (size_t)(T * ng * GV_GROUP_DW));
     float* dxu = malloc(sizeof(float) * (size_t)(T * ng * 8));
