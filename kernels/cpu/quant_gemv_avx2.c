@@ -69,18 +69,22 @@ static inline __attribute__((always_inline)) void gv_decode(const int qtype, con
         uint32_t qa, qb;
         memcpy(&qa, a + 2, 4);
         memcpy(&qb, b + 2, 4);
-        const __m256i qh = _mm256_set_epi32((int)qb, (int)qb, (int)qb, (int)qb, (int)qa, (int)qa, (int)qa, (int)qa);
+        const __m256i qh = _mm256_set_epi32((int)qb, (int)qb, (int)qb, (int)qb, (int)qa, (int)qa,
+                                            (int)qa, (int)qa);
         /* byte k of the low (high) half: qh's byte k / 8 (2 + k / 8), then bit k mod 8 */
-        const __m256i slo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0,
-                                             0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m256i slo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0,
+                                             0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         const __m256i shi = _mm256_add_epi8(slo, _mm256_set1_epi8(2));
         const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
         const __m256i f0 = _mm256_set1_epi8((char)0xF0);
-        const __m256i blo = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, slo), bit), bit);
-        const __m256i bhi = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, shi), bit), bit);
+        const __m256i blo =
+            _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, slo), bit), bit);
+        const __m256i bhi =
+            _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, shi), bit), bit);
         /* code - 16 as a signed byte: the nibble where the bit is set, nibble - 16 where not */
         const __m256i lo = _mm256_or_si256(_mm256_and_si256(X, m4), _mm256_andnot_si256(blo, f0));
-        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(X, 4), m4), _mm256_andnot_si256(bhi, f0));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(X, 4), m4),
+                                           _mm256_andnot_si256(bhi, f0));
         e[0] = _mm256_srai_epi16(_mm256_slli_epi16(lo, 8), 8);
         e[1] = _mm256_srai_epi16(lo, 8);
         e[2] = _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8);
@@ -127,8 +131,9 @@ static inline __attribute__((always_inline)) void gv_group(const int qtype, cons
     gv_f16x8(blk, bb, m, &s, &b);
     for (int t = 0; t < T; t++) {
         const __m256i I = gv_reduce8(v[t][0], v[t][1], v[t][2], v[t][3]);
-        Pt[2 * t + half] = gv_fstep(Pt[2 * t + half], I, s, _mm256_loadu_ps(dxg + t * sstride), asym, b,
-                                    asym ? _mm256_loadu_ps(xsg + t * sstride) : _mm256_setzero_ps());
+        Pt[2 * t + half] =
+            gv_fstep(Pt[2 * t + half], I, s, _mm256_loadu_ps(dxg + t * sstride), asym, b,
+                     asym ? _mm256_loadu_ps(xsg + t * sstride) : _mm256_setzero_ps());
     }
 }
 
@@ -144,7 +149,8 @@ static inline __attribute__((always_inline)) void gv_row(const int qtype, const 
     const int64_t full = nu / 8;
     for (int64_t g = 0; g < full; g++) {
         const uint8_t* blk = row + g * 8 * bb;
-        for (int o = 0; o < 8 * bb; o += 64) _mm_prefetch((const char*)(blk + GV_PF + o), _MM_HINT_T0);
+        for (int o = 0; o < 8 * bb; o += 64)
+            _mm_prefetch((const char*)(blk + GV_PF + o), _MM_HINT_T0);
         gv_group(qtype, T, blk, 8, xp + GV_GROUP_DW * g, GV_GROUP_DW * ng, dxu + 8 * g, xsu + 8 * g,
                  8 * ng, P, (int)(g & 1));
     }
@@ -187,29 +193,31 @@ static inline __attribute__((always_inline)) void gv_rows_t(const GvJob* j, cons
 static void gv_items(void* ctx, int64_t i0, int64_t i1, int worker) {
     (void)worker;
     const GvJob* j = ctx;
-#define GV_CASE(Q, TT)                                                                            \
-    case TT:                                                                                      \
-        gv_rows_t(j, Q, TT, i0, i1);                                                              \
+#define GV_CASE(Q, TT)                                                                             \
+    case TT:                                                                                       \
+        gv_rows_t(j, Q, TT, i0, i1);                                                               \
         break;
-#define GV_CASES(Q)                                                                               \
-    switch (j->T) {                                                                               \
-        GV_CASE(Q, 1) GV_CASE(Q, 2) GV_CASE(Q, 3) GV_CASE(Q, 4) default: break;                   \
-    }
+#define GV_CASES(Q)                                                                                \
+    switch (j->T) { GV_CASE(Q, 1) GV_CASE(Q, 2) GV_CASE(Q, 3) GV_CASE(Q, 4) default : break; }
     switch (j->qtype) {
-        case GVQ8_0: GV_CASES(GVQ8_0) break;
-        case GVQ4_0: GV_CASES(GVQ4_0) break;
-        case GVQ4_1: GV_CASES(GVQ4_1) break;
-        default: /* Q5_0: T <= 3 (loom_q_bi_gemv_max_t) */
-            switch (j->T) { GV_CASE(GVQ5_0, 1) GV_CASE(GVQ5_0, 2) GV_CASE(GVQ5_0, 3) default: break; }
-            break;
+    case GVQ8_0:
+        GV_CASES(GVQ8_0) break;
+    case GVQ4_0:
+        GV_CASES(GVQ4_0) break;
+    case GVQ4_1:
+        GV_CASES(GVQ4_1) break;
+    default: /* Q5_0: T <= 3 (loom_q_bi_gemv_max_t) */
+        switch (j->T) { GV_CASE(GVQ5_0, 1) GV_CASE(GVQ5_0, 2) GV_CASE(GVQ5_0, 3) default : break; }
+        break;
     }
 #undef GV_CASES
 #undef GV_CASE
 }
 #endif
 
-/* loom_q_matmul_bi for loom_q_bi_gemv_type at T <= loom_q_bi_gemv_max_t (its arguments): every token quantized
-   and packed once (gemv_avx2.h's gv_quantize_pack: bi_quantize's codes), then rows over the pool */
+/* loom_q_matmul_bi for loom_q_bi_gemv_type at T <= loom_q_bi_gemv_max_t (its arguments):
+   every token quantized and packed once (gemv_avx2.h's gv_quantize_pack: bi_quantize's codes),
+   then rows over the pool */
 int loom_q_matmul_bi_gemv(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                           int64_t ldy, int accumulate, int threads) {
@@ -226,7 +234,8 @@ int loom_q_matmul_bi_gemv(int qtype, const uint8_t* w, int64_t N, int64_t K, int
         return -2;
     }
     for (int64_t t = 0; t < T; t++)
-        gv_quantize_pack(x + t * ldx, K, ng, xp + t * ng * GV_GROUP_DW, dxu + t * ng * 8, xsu + t * ng * 8);
+        gv_quantize_pack(x + t * ldx, K, ng, xp + t * ng * GV_GROUP_DW, dxu + t * ng * 8,
+                         xsu + t * ng * 8);
     const int64_t items = (N + GV_ROWS - 1) / GV_ROWS;
     GvJob job = {qtype, w, N, nu, ng, row_bytes, (int)T, xp, dxu, xsu, bias, y, ldy, accumulate};
     if (threads < 1) threads = 1;
