@@ -101,6 +101,12 @@ def main() -> None:
         default="",
         help="comma list: bi mode once per loom_q_bi_kgemv (AVX2 builds, Q4_K / Q6_K at 1-4 tokens; 0: the tiles)",
     )
+    p.add_argument(
+        "--bi-gemv",
+        default="",
+        help="comma list: bi mode once per loom_q_bi_gemv (AVX2 builds, 1-4 tokens; 0: the row "
+        "lanes / 8-token tiles)",
+    )
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     path = args.gguf
@@ -131,12 +137,16 @@ def main() -> None:
         avx2 = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2")
     except ValueError:
         avx2 = ctypes.c_int(1)
-    try:  # (likewise quant_gemv_k_avx2.c's knob)
+    try:  # (likewise quant_gemv_k_avx2.c's and quant_gemv_avx2.c's knobs)
         kgemv = ctypes.c_int.in_dll(lib, "loom_q_bi_kgemv")
     except ValueError:
         kgemv = ctypes.c_int(1)
-    # mode -> (prefetch rows, wide rows, bi lanes, bi avx2, bi kgemv)
-    k0 = (knob.value, wide.value, lanes.value, avx2.value, kgemv.value)
+    try:
+        gemv = ctypes.c_int.in_dll(lib, "loom_q_bi_gemv")
+    except ValueError:
+        gemv = ctypes.c_int(1)
+    # mode -> (prefetch rows, wide rows, bi lanes, bi avx2, bi kgemv, bi gemv)
+    k0 = (knob.value, wide.value, lanes.value, avx2.value, kgemv.value, gemv.value)
     pfs = {m: k0 for m in modes}
     for v in filter(None, args.prefetch_rows.split(",")):
         pfs[f"f32@{v}"] = (int(v), *k0[1:])
@@ -145,9 +155,12 @@ def main() -> None:
     for v in filter(None, args.bi_lanes.split(",")):
         pfs[f"bi#{v}"] = (*k0[:2], int(v), *k0[3:])
     for v in filter(None, args.bi_avx2.split(",")):
-        pfs[f"bi~{v}"] = (*k0[:3], int(v), k0[4] if int(v) else 0)  # 0: the portable C for all
+        # 0: the portable C for all (the K-type GEMV off too)
+        pfs[f"bi~{v}"] = (*k0[:3], int(v), *(k0[4:] if int(v) else (0, 0)))
     for v in filter(None, args.bi_kgemv.split(",")):
-        pfs[f"bi^{v}"] = (*k0[:4], int(v))
+        pfs[f"bi^{v}"] = (*k0[:4], int(v), k0[5])
+    for v in filter(None, args.bi_gemv.split(",")):
+        pfs[f"bi%{v}"] = (*k0[:5], int(v))
     modes = list(pfs)
     if args.only:
         mats = {k: v for k, v in mats.items() if k in args.only.split(",")}
@@ -158,7 +171,7 @@ def main() -> None:
         empty()
     print(f"empty ctypes call: {(time.perf_counter() - t0) / 10000 * 1e9:.0f} ns")
     for T in [int(v) for v in args.tokens.split(",")]:
-        run_tokens(lib, model, mats, modes, pfs, (knob, wide, lanes, avx2, kgemv), T, args)
+        run_tokens(lib, model, mats, modes, pfs, (knob, wide, lanes, avx2, kgemv, gemv), T, args)
     print(f"load after {os.getloadavg()}")
 
 

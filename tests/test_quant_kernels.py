@@ -467,7 +467,9 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
         pytest.skip("this build has no AVX2 tiles (no AVX2 + FMA, or AVX-512 VNNI's instead)")
     knob = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2")
     kgemv = ctypes.c_int.in_dll(lib, "loom_q_bi_kgemv")
-    kgemv.value = 0  # the tiles at 1-4 tokens too (quant_gemv_k_avx2.c has its own test)
+    gemv = ctypes.c_int.in_dll(lib, "loom_q_bi_gemv")
+    # the tiles at 1-4 tokens too (quant_gemv_k_avx2.c and quant_gemv_avx2.c have their own tests)
+    kgemv.value = gemv.value = 0
     values = BLOCKS[qtype][0]
     prev = torch.get_num_threads()
     try:
@@ -498,7 +500,7 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
                             outs.append(wide)
                         assert torch.equal(outs[0], outs[1]), (qtype, rows, cols, t, threads)
     finally:
-        knob.value = kgemv.value = 1
+        knob.value = kgemv.value = gemv.value = 1
         torch.set_num_threads(prev)
 
 
@@ -548,6 +550,63 @@ def test_bi_kgemv_equals_the_portable_c(qtype, isa):
                         assert not torch.isnan(outs[0]).any(), where
     finally:
         kg.value = avx2.value = 1
+        torch.set_num_threads(prev)
+
+
+GEMV_AVX2_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0")  # quant_gemv_avx2.c's types
+
+
+@pytest.mark.parametrize("qtype", GEMV_AVX2_TYPES)
+def test_bi_gemv_avx2_equals_the_portable_c(qtype, isa):
+    """quant_gemv_avx2.c (mode "bi" at 1..4 tokens, Q5_0 1..3, in AVX2 + FMA + F16C builds
+    without AVX-512: lanes = a row's values, 8 units a step) gives bitwise the portable C's outputs (every AVX2
+    knob off: loom_q_bi_gemv, loom_q_bi_lanes, loom_q_bi_avx2 = 0) and the older AVX2 kernels'
+    (loom_q_bi_gemv = 0): units per row below, at and past a group of 8 and the 16 partial sums
+    (a last group of 1..7 units: missing pairs, a pair's missing high unit), 1 row and odd row
+    counts past the 4-row items, T = 1..4, an all-zero and a large activation block, with and
+    without bias, accumulating or not into a strided output, one and two threads."""
+    lib = quant_ops.load(isa)
+    if lib is None or not lib.loom_q_bi_gemv_type(quant_ops.QTYPES[qtype]):
+        pytest.skip("this build has no AVX2 values-as-lanes GEMV (AVX2 + FMA + F16C, no AVX-512)")
+    knobs = [
+        ctypes.c_int.in_dll(lib, k) for k in ("loom_q_bi_gemv", "loom_q_bi_lanes", "loom_q_bi_avx2")
+    ]
+    prev = torch.get_num_threads()
+    try:
+        for rows, nb in ((1, 1), (3, 7), (5, 8), (9, 9), (13, 18), (37, 20), (6, 36), (2, 45)):
+            cols = 32 * nb
+            qt = random_blocks(qtype, rows, cols, rows + nb)
+            x = torch.randn(4, cols, generator=torch.Generator().manual_seed(nb))
+            x[1, 32:64] = 0.0  # an all-zero activation block (or the row's only one, nb = 1)
+            x[2, :32] *= 1e4  # and a large one
+            bias = torch.randn(rows, generator=torch.Generator().manual_seed(rows))
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for t in range(1, 5):
+                    for b in (bias, None):
+                        outs = []
+                        for on in ((1, 1, 1), (0, 1, 1), (0, 0, 0)):
+                            for k, v in zip(knobs, on):
+                                k.value = v
+                            wide = torch.randn(
+                                t, rows + 3, generator=torch.Generator().manual_seed(t)
+                            )
+                            rc = lib.loom_q_matmul(
+                                quant_ops.QTYPES[qtype], quant_ops.MODES["bi"], qt.data.data_ptr(),
+                                rows, cols, qt.row_bytes, x.data_ptr(), t, cols,
+                                None if b is None else b.data_ptr(), wide[:, 1:].data_ptr(),
+                                wide.stride(0), t % 2, threads,
+                            )  # fmt: skip
+                            assert rc == 0
+                            outs.append(wide)
+                        key = (qtype, rows, cols, t, threads, b is None)
+                        assert torch.equal(outs[0], outs[2]), key
+                        assert torch.equal(outs[0], outs[1]), key
+                        # nothing written outside the rows
+                        assert torch.equal(outs[0][:, 0], outs[2][:, 0]), key
+    finally:
+        for k in knobs:
+            k.value = 1
         torch.set_num_threads(prev)
 
 

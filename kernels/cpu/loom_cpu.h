@@ -364,6 +364,18 @@ LOOM_API int loom_q_bi_kgemv_type(int qtype);
 int loom_q_matmul_bi_kgemv(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                            const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                            int64_t ldy, int accumulate, int threads);
+
+/* quant_gemv_avx2.c: 1 (default) = mode 3 takes its values-as-lanes GEMV for Q8_0 / Q4_0 / Q4_1
+   at 1..4 tokens and Q5_0 at 1..3 in AVX2 + FMA + F16C builds without AVX-512, 0 = quant_bi2.c's
+   row lanes / quant_bi_avx2.c's tiles (the same bits; the tests' reference and bench_quant_gemv.py's A/B);
+   whether it takes a type now, the most tokens it takes for it (0: none; Q5_0 3, else 4), and
+   the kernel (quant_bi.c -> it, loom_q_matmul's arguments) */
+LOOM_API extern int loom_q_bi_gemv;
+LOOM_API int loom_q_bi_gemv_type(int qtype);
+LOOM_API int loom_q_bi_gemv_max_t(int qtype);
+int loom_q_matmul_bi_gemv(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                          const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                          int64_t ldy, int accumulate, int threads);
 /* quant_bi.c -> quant_i8.c (internal): bi_decode_row's int16 codes / scales / offsets of a row,
    and (AVX-512 builds) the tiles' 4-row x 16-token store; quant_i8.c: whether mode 5 has its
    8-bit kernel for the type in this build, and that kernel (loom_q_matmul's arguments) */

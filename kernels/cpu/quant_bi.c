@@ -1004,8 +1004,14 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     if (T <= 4 && loom_q_bi_kgemv_type(qtype))
         return loom_q_matmul_bi_kgemv(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy,
                                       accumulate, threads);
-    /* AVX2 builds, 1-4 tokens of Q8_0 / Q4_0 / Q4_1: quant_bi2.c's row lanes (each block of
-       weights decoded once for every token); other types and 5 tokens and more:
+    /* AVX2 builds, 1-4 tokens of Q8_0 / Q4_0 / Q4_1, 1-3 of Q5_0: quant_gemv_avx2.c's
+       values-as-lanes GEMV (contiguous rows, no gathers; the same bits; loom_q_bi_gemv = 0
+       skips it) */
+    if (T <= loom_q_bi_gemv_max_t(qtype))
+        return loom_q_matmul_bi_gemv(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy,
+                                     accumulate, threads);
+    /* AVX2 builds, 1-4 tokens of Q8_0 / Q4_0 / Q4_1 where that is off: quant_bi2.c's row
+       lanes (each block of weights decoded once for every token); other types and 5 tokens and more:
        quant_bi_avx2.c's 8-token tiles, which waste lanes below that and win at 8 (SmolLM2's
        whole step: docs/benchmarks.md, "the tables of session 20"). Both are the portable C's
        bits (loom_q_bi_lanes / loom_q_bi_avx2 = 0 skip them) */
