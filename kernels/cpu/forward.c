@@ -221,6 +221,9 @@ void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const
    step on SmolLM2"). Cache-resident weights: 16 tokens 1.61 -> 1.25 ms with it. */
 #define PF_LINES(MT) ((MT) >= 2 ? 64 : 0)
 
+/* 1: on AVX2 a 7- or 8-token call is one pass (gemm_packed_ld); 0: the MT_MAX split */
+int loom_f32_verify_tiles = 1;
+
 /* which variant this build is: 512 (AVX-512F) or 256 (AVX2 / generic vectors) */
 int loom_isa_bits(void) { return ISA_BITS; }
 
@@ -275,8 +278,8 @@ static inline
                                                     int64_t ldy, int accumulate, const int MT) {
     const int U = USETS(MT);
     const int64_t pf = PF_LINES(MT);
-    v8 acc[MT_MAX][2];
-#pragma GCC unroll 6
+    v8 acc[8][2]; /* MT_MAX passes, and the verify tiles of 7 and 8 tokens */
+#pragma GCC unroll 8
     for (int i = 0; i < U * MT; i++) acc[i][0] = acc[i][1] = (v8){0};
     int64_t k = 0;
     for (; k + U <= K; k += U) {
@@ -285,7 +288,7 @@ static inline
             if (pf) __builtin_prefetch(wp + (k + u + pf) * PANEL);
             const v8 w0 = ld(wp + (k + u) * PANEL), w1 = ld(wp + (k + u) * PANEL + 8);
             const float* xk = xs + (k + u) * MT;
-#pragma GCC unroll 6
+#pragma GCC unroll 8
             for (int t = 0; t < MT; t++) {
                 const float xv = xk[t];
                 const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -296,7 +299,7 @@ static inline
     }
     for (; k < K; k++) {
         const v8 w0 = ld(wp + k * PANEL), w1 = ld(wp + k * PANEL + 8);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
         for (int t = 0; t < MT; t++) {
             const float xv = xs[k * MT + t];
             const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -306,12 +309,12 @@ static inline
     }
 #pragma GCC unroll 4
     for (int u = 1; u < U; u++)
-#pragma GCC unroll 6
+#pragma GCC unroll 8
         for (int t = 0; t < MT; t++) {
             acc[t][0] += acc[u * MT + t][0];
             acc[t][1] += acc[u * MT + t][1];
         }
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int t = 0; t < MT; t++) {
         float* o = y + t * ldy;
         if (nn == PANEL && !accumulate && !b) {
@@ -332,8 +335,9 @@ static inline
 
 /* gemm's contract with the weights packed (wp as above), panels ldp floats apart (K * PANEL,
    or more where only the first K of each panel's rows are used). The T tokens go in
-   ceil(T / MT_MAX) passes of near-equal size (7 tokens on AVX2: 4 + 3, not 6 + 1, whose
-   single-token pass runs at a quarter of the FMA rate). */
+   ceil(T / MT_MAX) passes of near-equal size (9 tokens on AVX2: 5 + 4, not 6 + 3; 6 + 1's
+   single-token pass would run at a quarter of the FMA rate), but for the AVX2 verify tiles
+   below. */
 static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp,
                            int64_t ldp, const float* b, int64_t N, float* y, int64_t ldy,
                            int accumulate, int nthreads) {
@@ -347,7 +351,19 @@ static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, co
         return;
     }
     if (T <= 0) return;
-    const int64_t nb = (T + MT_MAX - 1) / MT_MAX, q = T / nb, r = T % nb;
+    /* AVX2 (MT_MAX 6): a call of 7 or 8 tokens (a speculative verify of 6 or 7 drafts) is one
+       pass (loom_f32_verify_tiles; 0: ceil(T / MT_MAX) passes, 4 + 3 and 4 + 4, the old
+       split). A 4-token pass keeps 8 FMA chains in flight and ran at ~0.6 of a 6-token pass's
+       multiply-add rate on the Zen 3 CPU, so 4 + 4 was the slowest way to do 8 tokens; one
+       8-token pass needs 16 accumulators and a broadcast register, one more than AVX2 has
+       (the compiler spills one accumulator), and still did 8 tokens of SmolLM2's matmuls in
+       0.76-0.80 of the 4 + 4 time, 7 in 0.73-0.82 of 4 + 3's (docs/benchmarks.md, "the f32
+       target's verify cost on an AVX2 CPU"). Each output stays one chain over k ascending,
+       the sum order of every pass of 4+ tokens. */
+    const int64_t nb = ISA_BITS == 256 && loom_f32_verify_tiles && (T == 7 || T == 8)
+                           ? 1
+                           : (T + MT_MAX - 1) / MT_MAX,
+                  q = T / nb, r = T % nb;
     /* each pass's x transposed (xs[start * K + k * mt + t]): the kernel's broadcasts then read
        one pointer at constant offsets */
     float stack_xs[8192];
@@ -382,9 +398,9 @@ static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, co
             case 4: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 4); break;
             case 5: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 5); break;
             case 6: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 6); break;
-#if MT_MAX > 6
             case 7: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 7); break;
             case 8: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 8); break;
+#if MT_MAX > 8
             case 9: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 9); break;
             case 10: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 10); break;
             case 11: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 11); break;
