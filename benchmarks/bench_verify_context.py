@@ -7,10 +7,12 @@ accepted, so the context grows by one token a step on both); per cell the fastes
 and the medians of the C forward's own matmul / attention CPU ms over 8 rounds.
 
     python benchmarks/bench_verify_context.py --model ~/.cache/loom/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --quantization gguf [--contexts 96,512,1024,1536] [--verify-tiles 1,0]
+        --quantization gguf [--contexts 96,512,1024,1536] [--knob NAME=1,0]
 
---verify-tiles: forward.c's loom_f32_verify_tiles per variant (the f32 target on AVX2: 1, a 7-
-or 8-token matmul in one pass; 0, the old 4 + 3 / 4 + 4 split), alternating within each round.
+--knob NAME=V1,V2,...: an int knob of the C library (loom_f32_verify_tiles: the f32 target on
+AVX2, 1 a 7- or 8-token matmul in one pass, 0 the old 4 + 3 / 4 + 4 split;
+loom_small_attn_round: 8 or 16, small_attention's row rounding) set to each value in turn,
+alternating within each round.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--contexts", default="96,512,1024,1536")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--verify-tiles", default=None, help="loom_f32_verify_tiles values, e.g. 1,0")
+    ap.add_argument("--knob", default=None, help="NAME=V1,V2: a C knob's values, alternating")
     args = ap.parse_args()
     kw = {"model_path": args.model, "dtype": "float32", "max_running_requests": 16,
           "speculative_algorithm": "NGRAM", "speculative_verify_cost": "bundled"}  # fmt: skip
@@ -52,8 +54,13 @@ def main() -> None:
     if fwd is not None:
         fwd.profile = prof
     params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 10 * (args.rounds + 2)}
-    tiles = [None] if args.verify_tiles is None else [int(v) for v in args.verify_tiles.split(",")]
-    knob = ctypes.c_int.in_dll(fwd.lib, "loom_f32_verify_tiles") if fwd is not None else None
+    tiles: list[int | None] = [None]
+    knob = name = None
+    if args.knob:
+        name, vals = args.knob.split("=")
+        tiles = [int(v) for v in vals.split(",")]
+        knob = ctypes.c_int.in_dll(fwd.lib, name)
+    default = knob.value if knob is not None else None
     print("context: per drafts, fastest wall ms / median matmul ms / median attention ms")
     for n in (int(x) for x in args.contexts.split(",")):
         sched.add_request(
@@ -92,10 +99,10 @@ def main() -> None:
                 f" / {1e3 * statistics.median(x[2] for x in res[v, d]):.2f}"
                 for d in DRAFTS
             )
-            name = "" if v is None else f" tiles={v}"
-            print(f"{n:6d}{name}: {cells}   loadavg {os.getloadavg()[0]:.1f}", flush=True)
+            tag = "" if v is None else f" {name}={v}"
+            print(f"{n:6d}{tag}: {cells}   loadavg {os.getloadavg()[0]:.1f}", flush=True)
         if knob is not None:
-            knob.value = 1
+            knob.value = default
 
 
 if __name__ == "__main__":

@@ -649,6 +649,20 @@ static int attn_one(const float* qb, int64_t S, const int64_t* cols, const float
    pool's rows of such a request each take the decode kernel (loom_forward_f32). */
 #define SMALL_LANES 16
 #define SMALL_COLS 4 /* the V pass below is written out for 4 */
+/* R is rounded up to SMALL_ROUND rows, a last group of 8 lanes taking the rows past the 16s
+   (knob loom_small_attn_round).
+   AVX2: 8 (one ymm). A verify of 6-8 tokens with SmolLM2's 3 query heads a kv head (R = 18-24)
+   had RP = 32 and the attention of a 16-row one doubled at every context (512 tokens: 9-11 ms
+   of CPU a step for 2-5 tokens, 19-22 ms for 6-8; docs/benchmarks.md, "the f32 target's
+   verify cost on an AVX2 CPU"). AVX-512: 16, the old rounding (not measured here). Each score
+   is the same chain over d whatever the grouping: no change in bits. */
+#if ISA_BITS == 512
+#define SMALL_ROUND 16
+#else
+#define SMALL_ROUND 8
+#endif
+/* the rounding in use: SMALL_ROUND, or 16 (the old rounding, for A/Bs; any value but 8 is 16) */
+int loom_small_attn_round = SMALL_ROUND;
 int loom_small_attn_max = 32;
 /* whether a request of n tokens takes small_attention */
 static inline int small_path(int64_t n) { return n >= 2 && n <= loom_small_attn_max; }
@@ -664,11 +678,31 @@ static inline void small_prefetch(const float* cache, const int64_t* cols, int64
         for (int64_t b = 0; b < D * (int64_t)sizeof(float); b += 64) __builtin_prefetch(p + b, 0, 3);
     }
 }
+/* the scores of lanes r0 .. r0 + L of SMALL_COLS keys (kr) into sc's columns c0 .. */
+static inline __attribute__((always_inline)) void small_scores(const float* qt, int64_t RP,
+                                                               int64_t r0, const float* const* kr,
+                                                               int64_t D, float* sc, int64_t c0,
+                                                               int64_t S, const int L) {
+    float a[SMALL_COLS][SMALL_LANES];
+    for (int64_t u = 0; u < SMALL_COLS; u++)
+        for (int64_t i = 0; i < L; i++) a[u][i] = 0.f;
+    for (int64_t d = 0; d < D; d++) {
+        const float* qd = qt + d * RP + r0;
+        for (int64_t u = 0; u < SMALL_COLS; u++) {
+            const float kd = kr[u][d];
+#pragma omp simd
+            for (int64_t i = 0; i < L; i++) a[u][i] += qd[i] * kd;
+        }
+    }
+    for (int64_t u = 0; u < SMALL_COLS && c0 + u < S; u++)
+        memcpy(sc + (c0 + u) * RP + r0, a[u], sizeof(float) * L);
+}
 static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
                             int64_t kh, int64_t G, int64_t D, float scale, float* out, int64_t ldo,
                             const uint8_t* mask, float* qt, float* sc, float* acc) {
-    const int64_t R = n * G, RP = (R + SMALL_LANES - 1) / SMALL_LANES * SMALL_LANES;
+    const int64_t rd = loom_small_attn_round == 8 ? 8 : 16;
+    const int64_t R = n * G, RP = (R + rd - 1) / rd * rd;
     const int64_t first = S - n; /* columns before it are seen by every row (causal) */
     memset(qt, 0, sizeof(float) * D * RP);
     for (int64_t j = 0; j < n; j++)
@@ -686,17 +720,10 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
             kr[u] = kc + (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D;
         small_prefetch(kc, cols, c0 + SMALL_PF, S, Hkv, kh, D);
         for (int64_t r0 = 0; r0 < RP; r0 += SMALL_LANES) {
-            float a[SMALL_COLS][SMALL_LANES] = {{0.f}};
-            for (int64_t d = 0; d < D; d++) {
-                const float* qd = qt + d * RP + r0;
-                for (int64_t u = 0; u < SMALL_COLS; u++) {
-                    const float kd = kr[u][d];
-#pragma omp simd
-                    for (int64_t i = 0; i < SMALL_LANES; i++) a[u][i] += qd[i] * kd;
-                }
-            }
-            for (int64_t u = 0; u < SMALL_COLS && c0 + u < S; u++)
-                memcpy(sc + (c0 + u) * RP + r0, a[u], sizeof(a[u]));
+            if (r0 + SMALL_LANES <= RP)
+                small_scores(qt, RP, r0, kr, D, sc, c0, S, SMALL_LANES);
+            else
+                small_scores(qt, RP, r0, kr, D, sc, c0, S, 8);
         }
         for (int64_t c = c0; c < c0 + SMALL_COLS && c < S; c++) {
             float* s = sc + c * RP;

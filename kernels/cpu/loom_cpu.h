@@ -262,6 +262,7 @@ LOOM_API extern int loom_block_attn_min;
 LOOM_API extern int loom_small_attn_max;
 LOOM_API extern int loom_step_rows;
 LOOM_API extern int loom_f32_verify_tiles;
+LOOM_API extern int loom_small_attn_round;
 
 /* heads.c: the compiled draft heads (runtime/spec/head_kernel.py) */
 LOOM_API int loom_head_bf16_dot(void);
