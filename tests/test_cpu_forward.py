@@ -685,3 +685,31 @@ def test_avx2_one_token_attention_is_the_per_token_loop_bit_for_bit(tiny_model_d
         both(st.batch([0, 1, 2], [1] * 3, ForwardMode.DECODE, all_logits=False))
     masks = [None, tree_mask(st.lens[1], [-1, 0, 0, 1], "cpu"), None]
     both(st.batch([0, 1, 2], [3, 5, 1], ForwardMode.EXTEND, masks))
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_verify_tiles_and_the_old_split_match_linear(isa):
+    """loom_f32_verify_tiles: on AVX2 a 7- or 8-token packed matmul is one pass (an 8-token
+    pass spills an accumulator), where the old split (knob 0) ran 4 + 3 and 4 + 4; both, and
+    the AVX-512 build (which has no such case), give linear's result (with bias) on odd
+    shapes, SmolLM2's QKV among them."""
+    lib = cpu_forward.load(isa)
+    knob = ctypes.c_int.in_dll(lib, "loom_f32_verify_tiles")
+    old = knob.value
+    try:
+        for k, n in ((576, 960), (45, 37), (1, 17)):
+            g = torch.Generator().manual_seed(k + n)
+            w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+            wp = cpu_forward.pack(w)
+            for t in (6, 7, 8, 9):
+                x = torch.randn(t, k, generator=g)
+                want = torch.nn.functional.linear(x, w, b)
+                for tiles in (1, 0):
+                    knob.value = tiles
+                    y = torch.full((t, n), float("nan"))
+                    lib.loom_linear_packed_f32(
+                        x.data_ptr(), t, k, wp.data_ptr(), b.data_ptr(), n, y.data_ptr(), 1
+                    )
+                    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+    finally:
+        knob.value = old

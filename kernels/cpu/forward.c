@@ -221,6 +221,9 @@ void loom_linear_f32(const float* x, int64_t T, int64_t K, const float* w, const
    step on SmolLM2"). Cache-resident weights: 16 tokens 1.61 -> 1.25 ms with it. */
 #define PF_LINES(MT) ((MT) >= 2 ? 64 : 0)
 
+/* 1: on AVX2 a 7- or 8-token call is one pass (gemm_packed_ld); 0: the MT_MAX split */
+int loom_f32_verify_tiles = 1;
+
 /* which variant this build is: 512 (AVX-512F) or 256 (AVX2 / generic vectors) */
 int loom_isa_bits(void) { return ISA_BITS; }
 
@@ -275,8 +278,8 @@ static inline
                                                     int64_t ldy, int accumulate, const int MT) {
     const int U = USETS(MT);
     const int64_t pf = PF_LINES(MT);
-    v8 acc[MT_MAX][2];
-#pragma GCC unroll 6
+    v8 acc[8][2]; /* MT_MAX passes, and the verify tiles of 7 and 8 tokens */
+#pragma GCC unroll 8
     for (int i = 0; i < U * MT; i++) acc[i][0] = acc[i][1] = (v8){0};
     int64_t k = 0;
     for (; k + U <= K; k += U) {
@@ -285,7 +288,7 @@ static inline
             if (pf) __builtin_prefetch(wp + (k + u + pf) * PANEL);
             const v8 w0 = ld(wp + (k + u) * PANEL), w1 = ld(wp + (k + u) * PANEL + 8);
             const float* xk = xs + (k + u) * MT;
-#pragma GCC unroll 6
+#pragma GCC unroll 8
             for (int t = 0; t < MT; t++) {
                 const float xv = xk[t];
                 const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -296,7 +299,7 @@ static inline
     }
     for (; k < K; k++) {
         const v8 w0 = ld(wp + k * PANEL), w1 = ld(wp + k * PANEL + 8);
-#pragma GCC unroll 6
+#pragma GCC unroll 8
         for (int t = 0; t < MT; t++) {
             const float xv = xs[k * MT + t];
             const v8 xb = {xv, xv, xv, xv, xv, xv, xv, xv};
@@ -306,12 +309,12 @@ static inline
     }
 #pragma GCC unroll 4
     for (int u = 1; u < U; u++)
-#pragma GCC unroll 6
+#pragma GCC unroll 8
         for (int t = 0; t < MT; t++) {
             acc[t][0] += acc[u * MT + t][0];
             acc[t][1] += acc[u * MT + t][1];
         }
-#pragma GCC unroll 6
+#pragma GCC unroll 8
     for (int t = 0; t < MT; t++) {
         float* o = y + t * ldy;
         if (nn == PANEL && !accumulate && !b) {
@@ -332,8 +335,9 @@ static inline
 
 /* gemm's contract with the weights packed (wp as above), panels ldp floats apart (K * PANEL,
    or more where only the first K of each panel's rows are used). The T tokens go in
-   ceil(T / MT_MAX) passes of near-equal size (7 tokens on AVX2: 4 + 3, not 6 + 1, whose
-   single-token pass runs at a quarter of the FMA rate). */
+   ceil(T / MT_MAX) passes of near-equal size (9 tokens on AVX2: 5 + 4, not 6 + 3; 6 + 1's
+   single-token pass would run at a quarter of the FMA rate), but for the AVX2 verify tiles
+   below. */
 static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, const float* wp,
                            int64_t ldp, const float* b, int64_t N, float* y, int64_t ldy,
                            int accumulate, int nthreads) {
@@ -347,7 +351,19 @@ static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, co
         return;
     }
     if (T <= 0) return;
-    const int64_t nb = (T + MT_MAX - 1) / MT_MAX, q = T / nb, r = T % nb;
+    /* AVX2 (MT_MAX 6): a call of 7 or 8 tokens (a speculative verify of 6 or 7 drafts) is one
+       pass (loom_f32_verify_tiles; 0: ceil(T / MT_MAX) passes, 4 + 3 and 4 + 4, the old
+       split). A 4-token pass keeps 8 FMA chains in flight and ran at ~0.6 of a 6-token pass's
+       multiply-add rate on the Zen 3 CPU, so 4 + 4 was the slowest way to do 8 tokens; one
+       8-token pass needs 16 accumulators and a broadcast register, one more than AVX2 has
+       (the compiler spills one accumulator), and still did 8 tokens of SmolLM2's matmuls in
+       0.76-0.80 of the 4 + 4 time, 7 in 0.73-0.82 of 4 + 3's (docs/benchmarks.md, "the f32
+       target's verify cost on an AVX2 CPU"). Each output stays one chain over k ascending,
+       the sum order of every pass of 4+ tokens. */
+    const int64_t nb = ISA_BITS == 256 && loom_f32_verify_tiles && (T == 7 || T == 8)
+                           ? 1
+                           : (T + MT_MAX - 1) / MT_MAX,
+                  q = T / nb, r = T % nb;
     /* each pass's x transposed (xs[start * K + k * mt + t]): the kernel's broadcasts then read
        one pointer at constant offsets */
     float stack_xs[8192];
@@ -382,9 +398,9 @@ static void gemm_packed_ld(const float* x, int64_t T, int64_t K, int64_t ldx, co
             case 4: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 4); break;
             case 5: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 5); break;
             case 6: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 6); break;
-#if MT_MAX > 6
             case 7: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 7); break;
             case 8: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 8); break;
+#if MT_MAX > 8
             case 9: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 9); break;
             case 10: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 10); break;
             case 11: panel_block(xj, K, w, bb, nn, yj, ldy, accumulate, 11); break;
@@ -637,6 +653,20 @@ static int attn_one(const float* qb, int64_t S, const int64_t* cols, const float
    pool's rows of such a request each take the decode kernel (loom_forward_f32). */
 #define SMALL_LANES 16
 #define SMALL_COLS 4 /* the V pass below is written out for 4 */
+/* R is rounded up to SMALL_ROUND rows, a last group of 8 lanes taking the rows past the 16s
+   (knob loom_small_attn_round).
+   AVX2: 8 (one ymm). A verify of 6-8 tokens with SmolLM2's 3 query heads a kv head (R = 18-24)
+   had RP = 32 and the attention of a 16-row one doubled at every context (512 tokens: 9-11 ms
+   of CPU a step for 2-5 tokens, 19-22 ms for 6-8; docs/benchmarks.md, "the f32 target's
+   verify cost on an AVX2 CPU"). AVX-512: 16, the old rounding (not measured here). Each score
+   is the same chain over d whatever the grouping: no change in bits. */
+#if ISA_BITS == 512
+#define SMALL_ROUND 16
+#else
+#define SMALL_ROUND 8
+#endif
+/* the rounding in use: SMALL_ROUND, or 16 (the old rounding, for A/Bs; any value but 8 is 16) */
+int loom_small_attn_round = SMALL_ROUND;
 int loom_small_attn_max = 32;
 /* whether a request of n tokens takes small_attention */
 static inline int small_path(int64_t n) { return n >= 2 && n <= loom_small_attn_max; }
@@ -652,11 +682,31 @@ static inline void small_prefetch(const float* cache, const int64_t* cols, int64
         for (int64_t b = 0; b < D * (int64_t)sizeof(float); b += 64) __builtin_prefetch(p + b, 0, 3);
     }
 }
+/* the scores of lanes r0 .. r0 + L of SMALL_COLS keys (kr) into sc's columns c0 .. */
+static inline __attribute__((always_inline)) void small_scores(const float* qt, int64_t RP,
+                                                               int64_t r0, const float* const* kr,
+                                                               int64_t D, float* sc, int64_t c0,
+                                                               int64_t S, const int L) {
+    float a[SMALL_COLS][SMALL_LANES];
+    for (int64_t u = 0; u < SMALL_COLS; u++)
+        for (int64_t i = 0; i < L; i++) a[u][i] = 0.f;
+    for (int64_t d = 0; d < D; d++) {
+        const float* qd = qt + d * RP + r0;
+        for (int64_t u = 0; u < SMALL_COLS; u++) {
+            const float kd = kr[u][d];
+#pragma omp simd
+            for (int64_t i = 0; i < L; i++) a[u][i] += qd[i] * kd;
+        }
+    }
+    for (int64_t u = 0; u < SMALL_COLS && c0 + u < S; u++)
+        memcpy(sc + (c0 + u) * RP + r0, a[u], sizeof(float) * L);
+}
 static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
                             const int64_t* cols, const float* kc, const float* vc, int64_t Hkv,
                             int64_t kh, int64_t G, int64_t D, float scale, float* out, int64_t ldo,
                             const uint8_t* mask, float* qt, float* sc, float* acc) {
-    const int64_t R = n * G, RP = (R + SMALL_LANES - 1) / SMALL_LANES * SMALL_LANES;
+    const int64_t rd = loom_small_attn_round == 8 ? 8 : 16;
+    const int64_t R = n * G, RP = (R + rd - 1) / rd * rd;
     const int64_t first = S - n; /* columns before it are seen by every row (causal) */
     memset(qt, 0, sizeof(float) * D * RP);
     for (int64_t j = 0; j < n; j++)
@@ -674,17 +724,10 @@ static void small_attention(const float* qkv, int64_t QKV, int64_t n, int64_t S,
             kr[u] = kc + (cols[c0 + u < S ? c0 + u : S - 1] * Hkv + kh) * D;
         small_prefetch(kc, cols, c0 + SMALL_PF, S, Hkv, kh, D);
         for (int64_t r0 = 0; r0 < RP; r0 += SMALL_LANES) {
-            float a[SMALL_COLS][SMALL_LANES] = {{0.f}};
-            for (int64_t d = 0; d < D; d++) {
-                const float* qd = qt + d * RP + r0;
-                for (int64_t u = 0; u < SMALL_COLS; u++) {
-                    const float kd = kr[u][d];
-#pragma omp simd
-                    for (int64_t i = 0; i < SMALL_LANES; i++) a[u][i] += qd[i] * kd;
-                }
-            }
-            for (int64_t u = 0; u < SMALL_COLS && c0 + u < S; u++)
-                memcpy(sc + (c0 + u) * RP + r0, a[u], sizeof(a[u]));
+            if (r0 + SMALL_LANES <= RP)
+                small_scores(qt, RP, r0, kr, D, sc, c0, S, SMALL_LANES);
+            else
+                small_scores(qt, RP, r0, kr, D, sc, c0, S, 8);
         }
         for (int64_t c = c0; c < c0 + SMALL_COLS && c < S; c++) {
             float* s = sc + c * RP;

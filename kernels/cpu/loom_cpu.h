@@ -269,6 +269,9 @@ int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const fl
                        const float* vc, int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale,
                        float* o, float* sc, int bf16);
 
+LOOM_API extern int loom_f32_verify_tiles;
+LOOM_API extern int loom_small_attn_round;
+
 /* heads.c: the compiled draft heads (runtime/spec/head_kernel.py) */
 LOOM_API int loom_head_bf16_dot(void);
 LOOM_API int loom_eagle_round(const Head* m, int64_t T, const int64_t* ids, const int64_t* pos,
