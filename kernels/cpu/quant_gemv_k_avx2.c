@@ -37,6 +37,8 @@
     !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
 #define GK_ON 1
 #include <immintrin.h>
+
+#include "gemv_avx2.h" /* gv_tree: the canonical tree, shared with quant_gemv_avx2.c */
 #else
 #define GK_ON 0
 #endif
@@ -89,14 +91,6 @@ static inline __m256i gk_pair64(__m256i a, __m256i b) {
 /* a: units 0-3, b: units 4-7, each unit's two halves in the two 128-bit halves -> units 0..7 */
 static inline __m256i gk_sum8(__m256i a, __m256i b) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
-/* the canonical tree over P[0..7] (lo) and P[8..15] (hi) */
-static inline float gk_tree(__m256 lo, __m256 hi) {
-    const __m256 l1 = _mm256_add_ps(lo, hi);
-    const __m128 l2 = _mm_add_ps(_mm256_castps256_ps128(l1), _mm256_extractf128_ps(l1, 1));
-    const __m128 l3 = _mm_add_ps(l2, _mm_movehl_ps(l2, l2));
-    return _mm_cvtss_f32(_mm_add_ss(l3, _mm_shuffle_ps(l3, l3, 1)));
 }
 
 /* Q4_K super-block i of a row against T tokens (a constant where inlined): xk [T][K], dxu / xsu
@@ -156,7 +150,7 @@ static inline __attribute__((always_inline)) void gk_row_q4k(const uint8_t* row,
         gk_sb_q4k(row + 144 * (i + 1), i + 1, K, T, xk, dxu, xsu, P1);
     }
     if (i < nsb) gk_sb_q4k(row + 144 * i, i, K, T, xk, dxu, xsu, P0);
-    for (int t = 0; t < T; t++) out[t] = gk_tree(P0[t], P1[t]);
+    for (int t = 0; t < T; t++) out[t] = gv_tree(P0[t], P1[t]);
 }
 
 /* One Q6_K row against T tokens: xk [T][K], dxu [T][K / 16], sq [T][K / 16] */
@@ -206,7 +200,7 @@ static inline __attribute__((always_inline)) void gk_row_q6k(const uint8_t* row,
             }
         }
     }
-    for (int t = 0; t < T; t++) out[t] = gk_tree(P[t][0], P[t][1]);
+    for (int t = 0; t < T; t++) out[t] = gv_tree(P[t][0], P[t][1]);
 }
 
 typedef struct {
