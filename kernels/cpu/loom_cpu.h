@@ -1,6 +1,7 @@
 /* loom's CPU kernels: one shared library, built at run time by loom.runtime.native from the .c
-   files of this folder (attention.c, forward.c, heads.c, ngram_store.c, pool.c, quant.c,
-   quant_bi.c, quant_bi_avx2.c, quant_gemv_k_avx2.c, quant_i8.c, layout.c).
+   files of this folder (attention.c, attn_avx2.c, forward.c, heads.c, ngram_store.c, pool.c,
+   quant.c, quant_bi.c, quant_bi2.c, quant_bi_avx2.c, quant_gemv_avx2.c, quant_gemv_k_avx2.c,
+   quant_i8.c, layout.c).
 
    This header is the contract with Python. Every function Python calls is declared here with
    LOOM_API, and native.py generates the ctypes signatures from these prototypes (pointers:
@@ -268,7 +269,9 @@ LOOM_API extern int loom_attn_avx2;
 int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const float* kc,
                        const float* vc, int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale,
                        float* o, float* sc, int bf16);
-
+/* forward.c, AVX2 builds: 1 (default) = a 7- or 8-token packed f32 matmul is one pass, 0 = the
+   ceil(T / MT_MAX) passes (4 + 3, 4 + 4); and the lanes a request's query rows round up to in
+   the small attention (8 on AVX2; 16 = the older rounding). Both are A/B knobs of the benches */
 LOOM_API extern int loom_f32_verify_tiles;
 LOOM_API extern int loom_small_attn_round;
 
