@@ -27,6 +27,8 @@ int loom_attn_avx2 = 1; /* loom_cpu.h */
 #if ISA_BITS == 256 && defined(__AVX2__)
 #include <immintrin.h>
 
+#include "simd_avx2.h"
+
 #define AA_ROWS 8     /* K rows of a score pass (the 8 x 8 transpose) */
 #define AA_MAX_D 256  /* the widened K rows' buffer: AA_ROWS x AA_MAX_D floats */
 
@@ -38,47 +40,6 @@ static inline __attribute__((always_inline)) __m256 aa_ld(const float* cache, in
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_loadu_ps(cache + idx);
-}
-
-/* fast_expf (loom_cpu.h) on 8 values: the same operations in the same order */
-static inline __attribute__((always_inline)) __m256 aa_exp(__m256 x) {
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_CUR_DIRECTION);
-    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f))),
-                                   _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f));
-    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f));
-    const __m256 lo = _mm256_set1_ps(-126.f);
-    const __m256 nc = _mm256_blendv_ps(n, lo, _mm256_cmp_ps(n, lo, _CMP_LT_OQ));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvttps_epi32(nc), _mm256_set1_epi32(127)), 23);
-    const __m256 v = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ), v);
-}
-
-/* lanes t[l][r] = a[r][l]: the 8 x 8 transpose */
-static inline __attribute__((always_inline)) void aa_transpose(__m256* a) {
-    const __m256 t0 = _mm256_unpacklo_ps(a[0], a[1]), t1 = _mm256_unpackhi_ps(a[0], a[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(a[2], a[3]), t3 = _mm256_unpackhi_ps(a[2], a[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(a[4], a[5]), t5 = _mm256_unpackhi_ps(a[4], a[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(a[6], a[7]), t7 = _mm256_unpackhi_ps(a[6], a[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    a[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-    a[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-    a[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-    a[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-    a[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-    a[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-    a[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-    a[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
 /* The scores of query head qg against K rows kr[0 .. 7] (D / 8 vectors each): 8 dots in the
@@ -93,7 +54,7 @@ static inline __attribute__((always_inline)) __m256 aa_scores8(const float* qg,
         for (int r = 0; r < AA_ROWS; r++)
             a[r] = _mm256_add_ps(a[r], _mm256_mul_ps(q, _mm256_loadu_ps(kr[r] + 8 * i)));
     }
-    aa_transpose(a);
+    transpose8_ps(a);
     __m256 s = _mm256_setzero_ps();
     for (int l = 0; l < 8; l++) s = _mm256_add_ps(s, a[l]);
     return _mm256_mul_ps(s, _mm256_set1_ps(scale));
@@ -187,7 +148,7 @@ int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const fl
         int64_t c = 0;
         for (; c + 8 <= S; c += 8) {
             const __m256 x = _mm256_loadu_ps(s + c);
-            const __m256 e = aa_exp(_mm256_sub_ps(x, m));
+            const __m256 e = fast_exp8(_mm256_sub_ps(x, m));
             _mm256_storeu_ps(s + c, _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), e));
         }
         for (; c < S; c++) s[c] = s[c] == -INFINITY ? 0.f : fast_expf(s[c] - mx[g]);

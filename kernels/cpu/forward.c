@@ -23,6 +23,9 @@
 #include <sys/mman.h>
 
 #include "blocks.h"
+#if defined(__AVX2__)
+#include "simd_avx2.h"
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -855,23 +858,7 @@ static void gelu_tanh_mul(float* g, const float* u, int64_t I) {
         const __m256 x = _mm256_loadu_ps(g + i0);
         __m256 z = _mm256_mul_ps(c1, _mm256_add_ps(x, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(c0, x), x), x)));
         z = _mm256_blendv_ps(z, lim, _mm256_cmp_ps(z, lim, _CMP_GT_OQ));
-        /* fast_expf(z) */
-        const __m256 n = _mm256_round_ps(_mm256_mul_ps(z, _mm256_set1_ps(1.44269504f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 r = _mm256_sub_ps(_mm256_sub_ps(z, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f))),
-                                       _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
-        __m256 p = _mm256_set1_ps(1.f / 720.f);
-        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 120.f));
-        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 24.f));
-        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.f / 6.f));
-        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
-        p = _mm256_add_ps(_mm256_mul_ps(p, r), one);
-        p = _mm256_add_ps(_mm256_mul_ps(p, r), one);
-        const __m256 m126 = _mm256_set1_ps(-126.f);
-        const __m256 nc = _mm256_blendv_ps(n, m126, _mm256_cmp_ps(n, m126, _CMP_LT_OQ));
-        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(nc), _mm256_set1_epi32(127)), 23);
-        const __m256 ex = _mm256_andnot_ps(_mm256_cmp_ps(z, _mm256_set1_ps(-87.f), _CMP_LT_OQ),
-                                           _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+        const __m256 ex = fast_exp8(z); /* fast_expf(z) */
         _mm256_storeu_ps(g + i0, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, ex)), _mm256_loadu_ps(u + i0)));
     }
 #endif
