@@ -610,7 +610,7 @@ def test_bi_gemv_avx2_equals_the_portable_c(qtype, isa):
         torch.set_num_threads(prev)
 
 
-GEMV1_TYPES = ("Q8_0",)  # quant_gemv1_avx2.c's types (one token)
+GEMV1_TYPES = ("Q8_0", "Q5_0")  # quant_gemv1_avx2.c's types (one token)
 
 
 @pytest.mark.parametrize("qtype", GEMV1_TYPES)

@@ -382,8 +382,8 @@ LOOM_API int loom_q_bi_gemv_max_t(int qtype);
 int loom_q_matmul_bi_gemv(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                           int64_t ldy, int accumulate, int threads);
-/* quant_gemv1_avx2.c: 1 (default) = mode 3 takes its one-token Q8_0 GEMV (one unit a ymm) in
-   AVX2 + FMA + F16C builds without AVX-512, 0 = quant_gemv_avx2.c's at one token too (the same
+/* quant_gemv1_avx2.c: 1 (default) = mode 3 takes its one-token Q8_0 / Q5_0 GEMV (one unit a
+   ymm) in AVX2 + FMA + F16C builds without AVX-512, 0 = quant_gemv_avx2.c's at one token (the same
    bits; the tests' reference and bench_quant_gemv.py's A/B); whether it takes a type now, and the
    kernel (quant_bi.c -> it, loom_q_matmul's arguments at T = 1) */
 LOOM_API extern int loom_q_bi_gemv1;

@@ -1,15 +1,18 @@
-/* Mode "bi" (quant_bi.c's canonical arithmetic) for ONE token of Q8_0 on AVX2 builds without
-   AVX-512: the decode step's LM head (Gemma 3's tied 262144 x 640, 178 MB) and Q8_0 layers.
+/* Mode "bi" (quant_bi.c's canonical arithmetic) for ONE token of Q8_0 / Q5_0 on AVX2 builds
+   without AVX-512: the decode step's LM head (Gemma 3's tied Q8_0 262144 x 640, 178 MB) and its
+   Q5_0 q / k / gate / up.
 
    Why not quant_gemv_avx2.c's layout at one token: there a ymm holds units p and p + 4 of a
-   group, so each Q8_0 block's bytes are split into even / odd int16 by shifts (6 per pair of
-   units, plus an insert per load) and a row whose unit count is not a multiple of 8 pays a whole
-   group for its last 1-4 units (K = 640: 20 units, 3 groups' work for 2.5). That kernel is
+   group, so each block's bytes are split into even / odd int16 by shifts (6 per pair of units,
+   plus an insert per load) and a row whose unit count is not a multiple of 8 pays a whole group
+   for its last 1-4 units (K = 640: 20 units, 3 groups' work for 2.5). That kernel is
    compute-bound at one token (as fast from L2 as from memory: docs/benchmarks.md, helper
-   "gemvk", session 22). Here a ymm is ONE unit's 16 values: vpmovsxbw straight from the block
-   (one load-op per 16 values), the token's codes in natural order, 2 vpmaddwd + 1 vpaddd a unit
-   (8 int32 partials), and a group's 8 units reduce by 6 vphaddd + 2 lane permutes + 1 add to
-   lane k = unit 8g + k; a row's last group computes only its own units.
+   "gemvk", session 22). Here a ymm is ONE unit's 16 values against the token's codes in natural
+   order: Q8_0 by vpmovsxbw straight from the block; Q5_0 by vpmovzxbw of its 16 bytes (word k:
+   low nibble = value k, high = value 16 + k) and the fifth bits as words (qh's low / high 16
+   bits broadcast, a word mask per lane and a compare), no byte shuffles. 2 vpmaddwd + 1 vpaddd a
+   unit give 8 int32 partials; a group's 8 units reduce by 6 vphaddd + 2 lane permutes + 1 add
+   to lane k = unit 8g + k; a row's last group computes only its own units.
 
    Per row the float steps are quant_gemv_avx2.c's (gemv_avx2.h: gv_f16x8, gv_fstep, gv_tree;
    lane k of P[g mod 2] is the canonical P[(8g + k) mod 16]); units past the row have I = 0,
@@ -24,24 +27,42 @@
 #define G1_ON 0
 #endif
 
-enum { G1Q8_0 = 0 };
+enum { G1Q8_0 = 0, G1Q5_0 = 5 };
 
 int loom_q_bi_gemv1 = 1; /* loom_cpu.h */
 
 /* under quant_gemv_avx2.c's knob too: loom_q_bi_gemv = 0 keeps meaning the older kernels */
 int loom_q_bi_gemv1_type(int qtype) {
-    return G1_ON && loom_q_bi_gemv1 && loom_q_bi_gemv && qtype == G1Q8_0;
+    return G1_ON && loom_q_bi_gemv1 && loom_q_bi_gemv && (qtype == G1Q8_0 || qtype == G1Q5_0);
 }
 
 #if G1_ON
-#define G1_PF 4096 /* bytes ahead of the group being read that the loop prefetches (2048: ~4
-                      percent slower streaming the LM head; docs/benchmarks.md, helper "gemvk") */
+#define G1_PF 4096 /* bytes ahead of the group being read that the loop prefetches */
 #define G1_ROWS 4 /* rows of one loom_par_for item */
 
-/* unit at blk (a Q8_0 block) against the token's 32 codes xq -> 8 int32 partials */
-static inline __m256i g1_unit(const uint8_t* blk, const int16_t* xq) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18)));
+/* unit at blk (a Q8_0 or Q5_0 block) against the token's 32 codes xq -> 8 int32 partials */
+static inline __attribute__((always_inline)) __m256i g1_unit(const int qtype, const uint8_t* blk,
+                                                             const int16_t* xq) {
+    __m256i w0, w1;
+    if (qtype == G1Q8_0) {
+        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2)));
+        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18)));
+    } else { /* Q5_0: word k of w0 (w1) is nibble k (its high one), qh's bit k (16 + k) fifth */
+        const __m256i W = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(blk + 6)));
+        int16_t h0, h1;
+        memcpy(&h0, blk + 2, 2);
+        memcpy(&h1, blk + 4, 2);
+        const __m256i mk = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
+                                             4096, 8192, 16384, (short)0x8000);
+        /* code - 16: the nibble where the bit is set, nibble - 16 (its bits | 0xFFF0) where not */
+        const __m256i m16 = _mm256_set1_epi16((short)0xFFF0);
+        const __m256i f0 =
+            _mm256_andnot_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(h0), mk), mk), m16);
+        const __m256i f1 =
+            _mm256_andnot_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(h1), mk), mk), m16);
+        w0 = _mm256_or_si256(_mm256_and_si256(W, _mm256_set1_epi16(0x0F)), f0);
+        w1 = _mm256_or_si256(_mm256_srli_epi16(W, 4), f1);
+    }
     return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xq)),
                             _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xq + 16))));
 }
@@ -57,18 +78,20 @@ static inline __m256i g1_reduce8(const __m256i* u) {
 }
 
 /* one group of m <= 8 units at blk (m a constant 8 but in a row's last group) */
-static inline __attribute__((always_inline)) __m256 g1_group(const uint8_t* blk, const int m,
-                                                             const int16_t* xq, const float* dx,
-                                                             __m256 P) {
+static inline __attribute__((always_inline)) __m256 g1_group(const int qtype, const uint8_t* blk,
+                                                             const int m, const int16_t* xq,
+                                                             const float* dx, __m256 P) {
+    const int bb = qtype == G1Q8_0 ? 34 : 22;
     __m256i u[8];
     for (int k = 0; k < 8; k++)
-        u[k] = k < m ? g1_unit(blk + 34 * k, xq + 32 * k) : _mm256_setzero_si256();
+        u[k] = k < m ? g1_unit(qtype, blk + bb * k, xq + 32 * k) : _mm256_setzero_si256();
     __m256 s, b;
-    gv_f16x8(blk, 34, m, &s, &b);
+    gv_f16x8(blk, bb, m, &s, &b);
     return gv_fstep(P, g1_reduce8(u), s, _mm256_loadu_ps(dx), 0, b, s);
 }
 
 typedef struct {
+    int qtype;
     const uint8_t* w;
     int64_t N, nu, row_bytes;
     const int16_t* xq;
@@ -78,29 +101,29 @@ typedef struct {
     int accumulate;
 } G1Job;
 
-static void g1_items(void* ctx, int64_t i0, int64_t i1, int worker) {
-    (void)worker;
-    const G1Job* j = ctx;
+static inline __attribute__((always_inline)) void g1_rows(const G1Job* j, const int qtype,
+                                                          int64_t i0, int64_t i1) {
+    const int bb = qtype == G1Q8_0 ? 34 : 22;
     const int64_t n1 = i1 * G1_ROWS < j->N ? i1 * G1_ROWS : j->N, full = j->nu / 8;
     const int tail = (int)(j->nu - 8 * full);
     for (int64_t n = i0 * G1_ROWS; n < n1; n++) {
         const uint8_t* row = j->w + n * j->row_bytes;
         __m256 P[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
         for (int64_t g = 0; g < full; g++) {
-            const uint8_t* blk = row + g * 8 * 34;
-            for (int o = 0; o < 8 * 34; o += 64)
+            const uint8_t* blk = row + g * 8 * bb;
+            for (int o = 0; o < 8 * bb; o += 64)
                 _mm_prefetch((const char*)(blk + G1_PF + o), _MM_HINT_T0);
-            P[g & 1] = g1_group(blk, 8, j->xq + 256 * g, j->dx + 8 * g, P[g & 1]);
+            P[g & 1] = g1_group(qtype, blk, 8, j->xq + 256 * g, j->dx + 8 * g, P[g & 1]);
         }
         if (tail) { /* the row's last nu mod 8 units, m as a constant per case */
-            const uint8_t* blk = row + full * 8 * 34;
+            const uint8_t* blk = row + full * 8 * bb;
             const int16_t* xq = j->xq + 256 * full;
             const float* dx = j->dx + 8 * full;
             __m256* p = &P[full & 1];
             switch (tail) {
 #define G1_TAIL(M)                                                                                 \
     case M:                                                                                        \
-        *p = g1_group(blk, M, xq, dx, *p);                                                         \
+        *p = g1_group(qtype, blk, M, xq, dx, *p);                                                  \
         break;
                 G1_TAIL(1) G1_TAIL(2) G1_TAIL(3) G1_TAIL(4) G1_TAIL(5) G1_TAIL(6) G1_TAIL(7)
 #undef G1_TAIL
@@ -110,6 +133,15 @@ static void g1_items(void* ctx, int64_t i0, int64_t i1, int worker) {
         float* yo = j->y + n;
         *yo = (j->accumulate ? *yo : 0.f) + gv_tree(P[0], P[1]) + (j->bias ? j->bias[n] : 0.f);
     }
+}
+
+static void g1_items(void* ctx, int64_t i0, int64_t i1, int worker) {
+    (void)worker;
+    const G1Job* j = ctx;
+    if (j->qtype == G1Q8_0)
+        g1_rows(j, G1Q8_0, i0, i1);
+    else
+        g1_rows(j, G1Q5_0, i0, i1);
 }
 #endif
 
@@ -142,7 +174,7 @@ int loom_q_matmul_bi_gemv1(int qtype, const uint8_t* w, int64_t N, int64_t K, in
                                                          _MM_SHUFFLE(3, 1, 2, 0)));
     }
     const int64_t items = (N + G1_ROWS - 1) / G1_ROWS;
-    G1Job job = {w, N, nu, row_bytes, xq, dx, bias, y, accumulate};
+    G1Job job = {qtype, w, N, nu, row_bytes, xq, dx, bias, y, accumulate};
     if (threads < 1) threads = 1;
     loom_par_for(threads, items, par_chunk(items, threads), g1_items, &job);
     free(xq);
