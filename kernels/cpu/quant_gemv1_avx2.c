@@ -37,7 +37,10 @@ int loom_q_bi_gemv1_type(int qtype) {
 }
 
 #if G1_ON
-#define G1_PF 4096 /* bytes ahead of the group being read that the loop prefetches */
+/* bytes ahead of the group being read that the loop prefetches (4096 was as fast on an
+   aligned_alloc'd copy but ~10 percent slower on the model's own LM head: docs/benchmarks.md,
+   helper "gemvk", session 22) */
+#define G1_PF 2048
 #define G1_ROWS 4 /* rows of one loom_par_for item */
 
 /* unit at blk (a Q8_0 or Q5_0 block) against the token's 32 codes xq -> 8 int32 partials */
