@@ -59,10 +59,10 @@ static inline __attribute__((always_inline)) __m256i g1_unit(const int qtype, co
                                              4096, 8192, 16384, (short)0x8000);
         /* code - 16: the nibble where the bit is set, nibble - 16 (its bits | 0xFFF0) where not */
         const __m256i m16 = _mm256_set1_epi16((short)0xFFF0);
-        const __m256i f0 =
-            _mm256_andnot_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(h0), mk), mk), m16);
-        const __m256i f1 =
-            _mm256_andnot_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(h1), mk), mk), m16);
+        const __m256i b0 = _mm256_and_si256(_mm256_set1_epi16(h0), mk);
+        const __m256i f0 = _mm256_andnot_si256(_mm256_cmpeq_epi16(b0, mk), m16);
+        const __m256i b1 = _mm256_and_si256(_mm256_set1_epi16(h1), mk);
+        const __m256i f1 = _mm256_andnot_si256(_mm256_cmpeq_epi16(b1, mk), m16);
         w0 = _mm256_or_si256(_mm256_and_si256(W, _mm256_set1_epi16(0x0F)), f0);
         w1 = _mm256_or_si256(_mm256_srli_epi16(W, 4), f1);
     }
