@@ -107,6 +107,12 @@ def main() -> None:
         help="comma list: bi mode once per loom_q_bi_gemv (AVX2 builds, 1-4 tokens; 0: the row "
         "lanes / 8-token tiles)",
     )
+    p.add_argument(
+        "--bi-gemv1",
+        default="",
+        help="comma list: bi mode once per loom_q_bi_gemv1 (AVX2 builds, Q8_0 / Q5_0 at one token; "
+        "0: quant_gemv_avx2.c)",
+    )
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     path = args.gguf
@@ -145,8 +151,12 @@ def main() -> None:
         gemv = ctypes.c_int.in_dll(lib, "loom_q_bi_gemv")
     except ValueError:
         gemv = ctypes.c_int(1)
-    # mode -> (prefetch rows, wide rows, bi lanes, bi avx2, bi kgemv, bi gemv)
-    k0 = (knob.value, wide.value, lanes.value, avx2.value, kgemv.value, gemv.value)
+    try:
+        gemv1 = ctypes.c_int.in_dll(lib, "loom_q_bi_gemv1")
+    except ValueError:
+        gemv1 = ctypes.c_int(1)
+    # mode -> (prefetch rows, wide rows, bi lanes, bi avx2, bi kgemv, bi gemv, bi gemv1)
+    k0 = (knob.value, wide.value, lanes.value, avx2.value, kgemv.value, gemv.value, gemv1.value)
     pfs = {m: k0 for m in modes}
     for v in filter(None, args.prefetch_rows.split(",")):
         pfs[f"f32@{v}"] = (int(v), *k0[1:])
@@ -156,11 +166,13 @@ def main() -> None:
         pfs[f"bi#{v}"] = (*k0[:2], int(v), *k0[3:])
     for v in filter(None, args.bi_avx2.split(",")):
         # 0: the portable C for all (the K-type GEMV off too)
-        pfs[f"bi~{v}"] = (*k0[:3], int(v), *(k0[4:] if int(v) else (0, 0)))
+        pfs[f"bi~{v}"] = (*k0[:3], int(v), *(k0[4:] if int(v) else (0, 0, 0)))
     for v in filter(None, args.bi_kgemv.split(",")):
-        pfs[f"bi^{v}"] = (*k0[:4], int(v), k0[5])
+        pfs[f"bi^{v}"] = (*k0[:4], int(v), *k0[5:])
     for v in filter(None, args.bi_gemv.split(",")):
-        pfs[f"bi%{v}"] = (*k0[:5], int(v))
+        pfs[f"bi%{v}"] = (*k0[:5], int(v), k0[6])
+    for v in filter(None, args.bi_gemv1.split(",")):
+        pfs[f"bi!{v}"] = (*k0[:6], int(v))
     modes = list(pfs)
     if args.only:
         mats = {k: v for k, v in mats.items() if k in args.only.split(",")}
@@ -171,7 +183,8 @@ def main() -> None:
         empty()
     print(f"empty ctypes call: {(time.perf_counter() - t0) / 10000 * 1e9:.0f} ns")
     for T in [int(v) for v in args.tokens.split(",")]:
-        run_tokens(lib, model, mats, modes, pfs, (knob, wide, lanes, avx2, kgemv, gemv), T, args)
+        knobs = (knob, wide, lanes, avx2, kgemv, gemv, gemv1)
+        run_tokens(lib, model, mats, modes, pfs, knobs, T, args)
     print(f"load after {os.getloadavg()}")
 
 
@@ -186,7 +199,7 @@ def run_tokens(lib, model, mats, modes, pfs, knobs, T: int, args) -> None:
         x, y = torch.randn(T, k), torch.empty(T, n)
         keep.append((x, y))
         return (
-            quant_ops.QTYPES[qt.qtype], quant_ops.MODES[re.split("[@w#~^]", mode)[0]], qt.data.data_ptr(), n, k,
+            quant_ops.QTYPES[qt.qtype], quant_ops.MODES[re.split("[@w#~^%!]", mode)[0]], qt.data.data_ptr(), n, k,
             qt.row_bytes, x.data_ptr(), T, k, None, y.data_ptr(), n, 0, args.threads,
         )  # fmt: skip
 

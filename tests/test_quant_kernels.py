@@ -610,6 +610,62 @@ def test_bi_gemv_avx2_equals_the_portable_c(qtype, isa):
         torch.set_num_threads(prev)
 
 
+GEMV1_TYPES = ("Q8_0", "Q5_0")  # quant_gemv1_avx2.c's types (one token)
+
+
+@pytest.mark.parametrize("qtype", GEMV1_TYPES)
+def test_bi_gemv1_equals_the_portable_c(qtype, isa):
+    """quant_gemv1_avx2.c (mode "bi" at one token, one unit a ymm, in AVX2 + FMA + F16C builds
+    without AVX-512) gives bitwise the portable C's outputs (every AVX2 knob off) and
+    quant_gemv_avx2.c's (loom_q_bi_gemv1 = 0): units per row below, at and past a group of 8
+    (a last group of each size 1..7: its own units only) and past the 16 partial sums, 1 row and
+    odd row counts past the 4-row items, an all-zero and a large activation block, with and
+    without bias, accumulating or not into a strided output, one and two threads."""
+    lib = quant_ops.load(isa)
+    if lib is None or not lib.loom_q_bi_gemv1_type(quant_ops.QTYPES[qtype]):
+        pytest.skip("this build has no one-token AVX2 GEMV (AVX2 + FMA + F16C, no AVX-512)")
+    names = ("loom_q_bi_gemv1", "loom_q_bi_gemv", "loom_q_bi_lanes", "loom_q_bi_avx2")
+    knobs = [ctypes.c_int.in_dll(lib, k) for k in names]
+    prev = torch.get_num_threads()
+    shapes = [(1, 1), (3, 7), (5, 8), (9, 9), (13, 18), (37, 20), (6, 36), (2, 45)]
+    shapes += [(7, 16 + m) for m in (2, 3, 5, 6)]
+    try:
+        for rows, nb in shapes:
+            cols = 32 * nb
+            qt = random_blocks(qtype, rows, cols, rows + nb)
+            x = torch.randn(1, cols, generator=torch.Generator().manual_seed(nb))
+            for xs in range(2):
+                if xs:
+                    x[0, 32 * (nb // 2) : 32 * (nb // 2) + 32] = 0.0  # an all-zero block
+                    x[0, :32] *= 1e4  # and a large one
+                bias = torch.randn(rows, generator=torch.Generator().manual_seed(rows))
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    for b in (bias, None):
+                        outs = []
+                        for on in ((1, 1, 1, 1), (0, 1, 1, 1), (0, 0, 0, 0)):
+                            for k, v in zip(knobs, on):
+                                k.value = v
+                            wide = torch.randn(
+                                1, rows + 3, generator=torch.Generator().manual_seed(1)
+                            )
+                            rc = lib.loom_q_matmul(
+                                quant_ops.QTYPES[qtype], quant_ops.MODES["bi"], qt.data.data_ptr(),
+                                rows, cols, qt.row_bytes, x.data_ptr(), 1, cols,
+                                None if b is None else b.data_ptr(), wide[:, 1:].data_ptr(),
+                                wide.stride(0), xs, threads,
+                            )  # fmt: skip
+                            assert rc == 0
+                            outs.append(wide)
+                        key = (qtype, rows, cols, threads, xs, b is None)
+                        assert torch.equal(outs[0], outs[2]), key
+                        assert torch.equal(outs[0], outs[1]), key
+    finally:
+        for k in knobs:
+            k.value = 1
+        torch.set_num_threads(prev)
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_bi_native_equals_the_portable_build(qtype):
     """Mode "bi" is one arithmetic on every build: the AVX-512 kernels (quant_bi.c's 16-row lanes

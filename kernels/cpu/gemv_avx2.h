@@ -22,16 +22,45 @@
 
 #define GV_GROUP_DW 128 /* int32 activation pairs of one group of 8 units (4 pairs x 4 v x 8) */
 
-/* One token x [K] (K a multiple of 32) -> xp [ng][128] pairs (xp[g][32 p + 8 v + 4 h + i]:
-   pair i of vector v of unit 8g + p + 4h; zero past K) and per unit dx, xs = dx * (sum of its
-   codes) (0 past K): quant_bi.c's bi_quantize for G = 32 step for step (amax of |x|, dx = amax /
-   32512, inv = dx > 0 ? 1 / dx : 0, code = sign(v) * min(floor(|v * inv| + 0.5), 32512)), so
-   the same codes and scales, without the int16 copy. */
-static inline void gv_quantize_pack(const float* x, int64_t K, int64_t ng, int32_t* xp, float* dxu,
-                                    float* xsu) {
+/* One unit of 32 values at xb -> its codes c[k] (int32, values 8k .. 8k + 7), *dx and the sum of
+   its codes: quant_bi.c's bi_quantize for G = 32 step for step (amax of |x|, dx = amax / 32512,
+   inv = dx > 0 ? 1 / dx : 0, code = sign(v) * min(floor(|v * inv| + 0.5), 32512)) */
+static inline int32_t gv_codes32(const float* xb, __m256i* c, float* dx) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)),
                  half = _mm256_set1_ps(0.5f);
     const __m256 lim = _mm256_set1_ps(32512.f);
+    __m256 a[4];
+    for (int k = 0; k < 4; k++) a[k] = _mm256_loadu_ps(xb + 8 * k);
+    const __m256 m2 =
+        _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a[0], absm), _mm256_and_ps(a[1], absm)),
+                      _mm256_max_ps(_mm256_and_ps(a[2], absm), _mm256_and_ps(a[3], absm)));
+    __m128 m1 = _mm_max_ps(_mm256_castps256_ps128(m2), _mm256_extractf128_ps(m2, 1));
+    m1 = _mm_max_ps(m1, _mm_movehl_ps(m1, m1));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m1, _mm_shuffle_ps(m1, m1, 1)));
+    const float dd = amax / 32512.f;
+    const __m256 inv = _mm256_set1_ps(dd > 0 ? 1.f / dd : 0.f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        const __m256 v = _mm256_mul_ps(a[k], inv);
+        const __m256 r =
+            _mm256_min_ps(_mm256_floor_ps(_mm256_add_ps(_mm256_and_ps(v, absm), half)), lim);
+        const __m256i m = _mm256_cvttps_epi32(r);
+        const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+        c[k] = _mm256_blendv_epi8(m, _mm256_sub_epi32(_mm256_setzero_si256(), m), neg);
+        sum = _mm256_add_epi32(sum, c[k]);
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    *dx = dd;
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* One token x [K] (K a multiple of 32) -> xp [ng][128] pairs (xp[g][32 p + 8 v + 4 h + i]:
+   pair i of vector v of unit 8g + p + 4h; zero past K) and per unit dx, xs = dx * (sum of its
+   codes) (0 past K): gv_codes32's codes and scales, without the int16 copy. */
+static inline void gv_quantize_pack(const float* x, int64_t K, int64_t ng, int32_t* xp, float* dxu,
+                                    float* xsu) {
     /* words of a lane [0..7] -> [0, 2, 4, 6, 1, 3, 5, 7] */
     const __m256i eo = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1,
                                         4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
@@ -45,33 +74,11 @@ static inline void gv_quantize_pack(const float* x, int64_t K, int64_t ng, int32
                 _mm_storeu_si128((__m128i*)(o + 8 * v), _mm_setzero_si128());
             continue;
         }
-        const float* xb = x + 32 * j;
-        __m256 a[4];
-        for (int k = 0; k < 4; k++) a[k] = _mm256_loadu_ps(xb + 8 * k);
-        const __m256 m2 =
-            _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a[0], absm), _mm256_and_ps(a[1], absm)),
-                          _mm256_max_ps(_mm256_and_ps(a[2], absm), _mm256_and_ps(a[3], absm)));
-        __m128 m1 = _mm_max_ps(_mm256_castps256_ps128(m2), _mm256_extractf128_ps(m2, 1));
-        m1 = _mm_max_ps(m1, _mm_movehl_ps(m1, m1));
-        const float amax = _mm_cvtss_f32(_mm_max_ss(m1, _mm_shuffle_ps(m1, m1, 1)));
-        const float dd = amax / 32512.f;
-        const __m256 inv = _mm256_set1_ps(dd > 0 ? 1.f / dd : 0.f);
-        __m256i c[4], sum = _mm256_setzero_si256();
-        for (int k = 0; k < 4; k++) {
-            const __m256 v = _mm256_mul_ps(a[k], inv);
-            const __m256 r =
-                _mm256_min_ps(_mm256_floor_ps(_mm256_add_ps(_mm256_and_ps(v, absm), half)), lim);
-            const __m256i m = _mm256_cvttps_epi32(r);
-            const __m256i neg =
-                _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
-            c[k] = _mm256_blendv_epi8(m, _mm256_sub_epi32(_mm256_setzero_si256(), m), neg);
-            sum = _mm256_add_epi32(sum, c[k]);
-        }
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+        __m256i c[4];
+        float dd;
+        const int32_t sum = gv_codes32(x + 32 * j, c, &dd);
         dxu[j] = dd;
-        xsu[j] = dd * (float)_mm_cvtsi128_si32(s4);
+        xsu[j] = dd * (float)sum;
         for (int h = 0; h < 2; h++) { /* values 16h .. 16h + 15 -> v 2h (even), 2h + 1 (odd) */
             /* packs works per 128-bit lane: [c0 lo 4, c1 lo 4 | c0 hi 4, c1 hi 4] -> permute */
             const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2 * h], c[2 * h + 1]),

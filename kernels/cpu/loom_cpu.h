@@ -1,7 +1,7 @@
 /* loom's CPU kernels: one shared library, built at run time by loom.runtime.native from the .c
    files of this folder (attention.c, attn_avx2.c, forward.c, heads.c, ngram_store.c, pool.c,
-   quant.c, quant_bi.c, quant_bi2.c, quant_bi_avx2.c, quant_gemv_avx2.c, quant_gemv_k_avx2.c,
-   quant_i8.c, layout.c).
+   quant.c, quant_bi.c, quant_bi2.c, quant_bi_avx2.c, quant_gemv_avx2.c, quant_gemv1_avx2.c,
+   quant_gemv_k_avx2.c, quant_i8.c, layout.c).
 
    This header is the contract with Python. Every function Python calls is declared here with
    LOOM_API, and native.py generates the ctypes signatures from these prototypes (pointers:
@@ -382,6 +382,15 @@ LOOM_API int loom_q_bi_gemv_max_t(int qtype);
 int loom_q_matmul_bi_gemv(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                           int64_t ldy, int accumulate, int threads);
+/* quant_gemv1_avx2.c: 1 (default) = mode 3 takes its one-token Q8_0 / Q5_0 GEMV (one unit a
+   ymm) in AVX2 + FMA + F16C builds without AVX-512, 0 = quant_gemv_avx2.c's at one token (the same
+   bits; the tests' reference and bench_quant_gemv.py's A/B); whether it takes a type now, and the
+   kernel (quant_bi.c -> it, loom_q_matmul's arguments at T = 1) */
+LOOM_API extern int loom_q_bi_gemv1;
+LOOM_API int loom_q_bi_gemv1_type(int qtype);
+int loom_q_matmul_bi_gemv1(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                           const float* x, int64_t T, const float* bias, float* y, int accumulate,
+                           int threads);
 /* quant_bi.c -> quant_i8.c (internal): bi_decode_row's int16 codes / scales / offsets of a row,
    and (AVX-512 builds) the tiles' 4-row x 16-token store; quant_i8.c: whether mode 5 has its
    8-bit kernel for the type in this build, and that kernel (loom_q_matmul's arguments) */

@@ -1004,6 +1004,11 @@ int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     if (T <= 4 && loom_q_bi_kgemv_type(qtype))
         return loom_q_matmul_bi_kgemv(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy,
                                       accumulate, threads);
+    /* AVX2 builds, one token of Q8_0 / Q5_0: quant_gemv1_avx2.c's GEMV (one unit a ymm; the
+       same bits, loom_q_bi_gemv1 = 0 skips it) */
+    if (T == 1 && loom_q_bi_gemv1_type(qtype))
+        return loom_q_matmul_bi_gemv1(qtype, w, N, K, row_bytes, x, T, bias, y, accumulate,
+                                      threads);
     /* AVX2 builds, 1-4 tokens of Q8_0 / Q4_0 / Q4_1, 1-3 of Q5_0: quant_gemv_avx2.c's
        values-as-lanes GEMV (contiguous rows, no gathers; the same bits; loom_q_bi_gemv = 0
        skips it) */
