@@ -461,11 +461,14 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
     row decoder, scalar fmaf): every block type, units per row below, at and past the 16
     partial sums, odd row counts (a pass's dropped rows, a 32-row block's tail), token counts
     around the 8-token groups and the 2-group passes, an all-zero and a large activation
-    block, with and without bias, accumulating into a strided output, one and two threads."""
+    block, with and without bias, accumulating into a strided output, one and two threads.
+    Knob 2 (the default: the register row decoder of the 32-value types) and 1 (the earlier
+    row decoder) both."""
     lib = quant_ops.load(isa)
     if lib is None or not lib.loom_q_bi_avx2_built():
         pytest.skip("this build has no AVX2 tiles (no AVX2 + FMA, or AVX-512 VNNI's instead)")
     knob = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2")
+    default = knob.value
     kgemv = ctypes.c_int.in_dll(lib, "loom_q_bi_kgemv")
     gemv = ctypes.c_int.in_dll(lib, "loom_q_bi_gemv")
     # the tiles at 1-4 tokens too (quant_gemv_k_avx2.c and quant_gemv_avx2.c have their own tests)
@@ -485,7 +488,7 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
                 for t in (1, 3, 7, 8, 9, 16, 17, 24, 33):
                     for b in (bias, None):
                         outs = []
-                        for on in (1, 0):
+                        for on in (2, 1, 0):
                             knob.value = on
                             wide = torch.randn(
                                 t, rows + 3, generator=torch.Generator().manual_seed(t)
@@ -498,9 +501,11 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
                             )  # fmt: skip
                             assert rc == 0
                             outs.append(wide)
-                        assert torch.equal(outs[0], outs[1]), (qtype, rows, cols, t, threads)
+                        for o in outs[:2]:
+                            assert torch.equal(o, outs[2]), (qtype, rows, cols, t, threads)
     finally:
-        knob.value = kgemv.value = gemv.value = 1
+        knob.value = default
+        kgemv.value = gemv.value = 1
         torch.set_num_threads(prev)
 
 
@@ -517,6 +522,7 @@ def test_bi_kgemv_equals_the_portable_c(qtype, isa):
         pytest.skip("this build has no K-quant GEMV (no AVX2 + FMA, or AVX-512 VNNI's lanes)")
     kg = ctypes.c_int.in_dll(lib, "loom_q_bi_kgemv")
     avx2 = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2")
+    avx2_default = avx2.value
     prev = torch.get_num_threads()
     try:
         for rows, nsb in ((1, 1), (3, 2), (4, 3), (9, 4), (37, 9)):
@@ -549,7 +555,8 @@ def test_bi_kgemv_equals_the_portable_c(qtype, isa):
                         assert torch.equal(outs[0], outs[2]), where
                         assert not torch.isnan(outs[0]).any(), where
     finally:
-        kg.value = avx2.value = 1
+        kg.value = 1
+        avx2.value = avx2_default
         torch.set_num_threads(prev)
 
 
@@ -571,6 +578,7 @@ def test_bi_gemv_avx2_equals_the_portable_c(qtype, isa):
     knobs = [
         ctypes.c_int.in_dll(lib, k) for k in ("loom_q_bi_gemv", "loom_q_bi_lanes", "loom_q_bi_avx2")
     ]
+    defaults = [k.value for k in knobs]
     prev = torch.get_num_threads()
     try:
         for rows, nb in ((1, 1), (3, 7), (5, 8), (9, 9), (13, 18), (37, 20), (6, 36), (2, 45)):
@@ -605,8 +613,8 @@ def test_bi_gemv_avx2_equals_the_portable_c(qtype, isa):
                         # nothing written outside the rows
                         assert torch.equal(outs[0][:, 0], outs[2][:, 0]), key
     finally:
-        for k in knobs:
-            k.value = 1
+        for k, v in zip(knobs, defaults):
+            k.value = v
         torch.set_num_threads(prev)
 
 

@@ -30,7 +30,7 @@
 #define BA_ON 0
 #endif
 
-int loom_q_bi_avx2 = 1; /* loom_cpu.h */
+int loom_q_bi_avx2 = 2; /* loom_cpu.h: 2 = ba_decode_row32 for the 32-value types, 1 = ba_decode_row for all */
 
 int loom_q_bi_avx2_built(void) { return BA_ON; }
 
@@ -148,6 +148,62 @@ static void ba_decode_row(int qtype, const uint8_t* row, int64_t K, int16_t* w, 
             s[16 * i + g] = d * sc[g];
             b[16 * i + g] = -32.f * d * sc[g];
         }
+    }
+}
+
+/* ba_decode_row for the 32-value block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; knob
+   loom_q_bi_avx2 = 2): the same codes, scales and offsets, in fewer instructions. A block's 32
+   codes go from one 256-bit vector of bytes (the nibbles side by side, Q5's fifth bits from qh
+   by a byte shuffle and compare, the type's offset subtracted as bytes: every code fits int8)
+   to two sign extensions; the f16 scales (and Q4_1 / Q5_1's offsets) of 8 blocks convert in
+   one vcvtph2ps, exact as _cvtsh_ss; symmetric types store no offsets (a pass reads b only for
+   asymmetric ones). At 32 tokens a row's decode is ~10 percent of its multiply-adds, so the
+   per-block scalar work counted (docs/benchmarks.md, session 22's "batch" section). */
+static void ba_decode_row32(int qtype, const uint8_t* row, int64_t K, int16_t* w, float* s, float* b) {
+    const int64_t nu = K / 32;
+    const int bb = qtype == AQ8_0 ? 34 : qtype == AQ4_0 ? 18 : qtype == AQ4_1 ? 20 : qtype == AQ5_0 ? 22 : 24;
+    const int q5 = qtype == AQ5_0 || qtype == AQ5_1, hasm = qtype == AQ4_1 || qtype == AQ5_1;
+    const int qoff = q5 ? (hasm ? 8 : 6) : (hasm ? 4 : 2);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i off = _mm256_set1_epi8((char)(qtype == AQ4_0 ? 8 : qtype == AQ5_0 ? 16 : 0));
+    /* byte k of the shuffled qh holds qh's byte k / 8; the mask picks its bit k mod 8 */
+    const __m256i qsel = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                           0x0101010101010101LL, 0);
+    const __m256i bsel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i sixteen = _mm256_set1_epi8(16);
+    for (int64_t i = 0; i < nu; i++) {
+        const uint8_t* blk = row + i * bb;
+        __m256i v;
+        if (qtype == AQ8_0)
+            v = _mm256_loadu_si256((const __m256i*)(blk + 2));
+        else {
+            const __m128i q = _mm_loadu_si128((const __m128i*)(blk + qoff));
+            /* values 0-15: the low nibbles, 16-31: the high ones */
+            v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
+            if (q5) { /* value j: bit j of qh adds 16 */
+                uint32_t qh;
+                memcpy(&qh, blk + (hasm ? 4 : 2), 4);
+                const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), qsel);
+                v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bsel), bsel), sixteen));
+            }
+            v = _mm256_sub_epi8(v, off);
+        }
+        _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
+        _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
+    }
+    int64_t i = 0;
+    for (; i + 8 <= nu; i += 8) {
+        uint16_t d[8], m[8];
+        for (int k = 0; k < 8; k++) {
+            memcpy(d + k, row + (i + k) * bb, 2);
+            memcpy(m + k, row + (i + k) * bb + 2, 2);
+        }
+        _mm256_storeu_ps(s + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d)));
+        if (hasm) _mm256_storeu_ps(b + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)m)));
+    }
+    for (; i < nu; i++) {
+        s[i] = ba_f16(row + i * bb);
+        if (hasm) b[i] = ba_f16(row + i * bb + 2);
     }
 }
 
@@ -323,6 +379,7 @@ typedef struct {
     float* y;
     int64_t ldy;
     int accumulate;
+    int row32; /* ba_decode_row32 decodes the rows */
     int failed;
 } BaJob;
 
@@ -344,8 +401,13 @@ static void ba_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
     for (int64_t blk = i0; blk < i1; blk++) {
         const int64_t n0 = blk * jb->block;
         const int R = jb->N - n0 < jb->block ? (int)(jb->N - n0) : (int)jb->block;
-        for (int r = 0; r < R; r++)
-            ba_decode_row(jb->qtype, jb->w + (n0 + r) * jb->row_bytes, K, wd + r * K, sd + r * nu, bd + r * nu);
+        for (int r = 0; r < R; r++) {
+            const uint8_t* row = jb->w + (n0 + r) * jb->row_bytes;
+            if (jb->row32)
+                ba_decode_row32(jb->qtype, row, K, wd + r * K, sd + r * nu, bd + r * nu);
+            else
+                ba_decode_row(jb->qtype, row, K, wd + r * K, sd + r * nu, bd + r * nu);
+        }
         for (int64_t g0 = 0; g0 < jb->ngroups; g0 += 2) {
             const int TG = jb->ngroups - g0 >= 2 ? 2 : 1;
             for (int r0 = 0; r0 < R; r0 += BA_ROWS) {
@@ -451,7 +513,8 @@ int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int
     }
     const int64_t block = ng <= BA_SMALL_G ? BA_ROWS : BA_BLOCK;
     const int64_t nblocks = (N + block - 1) / block;
-    BaJob job = {qtype, G, asym, w, N, K, row_bytes, T, ng, block, xp, dxt, xst, bias, y, ldy, accumulate, 0};
+    const int row32 = loom_q_bi_avx2 >= 2 && qtype != AQ4_K && qtype != AQ6_K;
+    BaJob job = {qtype, G, asym, w, N, K, row_bytes, T, ng, block, xp, dxt, xst, bias, y, ldy, accumulate, row32, 0};
     loom_par_for(threads, nblocks, par_chunk(nblocks, threads), ba_blocks, &job);
     free(xp);
     free(dxt);
