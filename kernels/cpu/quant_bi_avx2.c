@@ -26,6 +26,8 @@
     !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
 #define BA_ON 1
 #include <immintrin.h>
+
+#include "simd_avx2.h"
 #else
 #define BA_ON 0
 #endif
@@ -341,23 +343,8 @@ static inline void ba_put6x8(const float* sums, int TG, int g, float* y, int64_t
                              const float* bias, int accumulate) {
     __m256 v[8];
     for (int r = 0; r < 8; r++) v[r] = r < BA_ROWS ? _mm256_loadu_ps(sums + (r * TG + g) * 8) : _mm256_setzero_ps();
-    const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-    __m256 tok[8]; /* tok[i] lane r: row r of token i */
-    tok[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-    tok[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-    tok[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-    tok[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-    tok[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-    tok[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-    tok[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-    tok[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+    transpose8_ps(v);
+    const __m256* tok = v; /* tok[i] lane r: row r of token i */
     const __m128 blo = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
     const __m128 bhi = bias ? _mm_castpd_ps(_mm_load_sd((const double*)(bias + 4))) : _mm_setzero_ps();
     for (int i = 0; i < 8; i++) {
