@@ -24,7 +24,7 @@
 
 #include "loom_cpu.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && \
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
     !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__))
 #define IA_ON 1
 #include <immintrin.h>
@@ -40,9 +40,15 @@ int loom_q_i8_avx2_built(void) { return IA_ON; }
 
 enum { JQ8_0 = 0, JQ4_0 = 1, JQ4_1 = 2, JQ4_K = 3, JQ6_K = 4, JQ5_0 = 5, JQ5_1 = 6 };
 
-#define IA_ROWS 4 /* rows of one pass */
-#define IA_MAXG 2 /* 8-token groups of one pass */
-#define IA_BLOCK 32 /* rows decoded at once, each used by every token group */
+#ifndef IA_R
+#define IA_R 6
+#endif
+#ifndef IA_G
+#define IA_G 1
+#endif
+#define IA_ROWS IA_R /* rows of one pass */
+#define IA_MAXG IA_G /* 8-token groups of one pass */
+#define IA_BLOCK (8 * IA_R) /* rows decoded at once, each used by every token group */
 
 static int ia_unit(int qtype) { return qtype == JQ6_K ? 16 : 32; }
 static int ia_asym(int qtype) { return qtype == JQ4_1 || qtype == JQ5_1 || qtype == JQ4_K; }
@@ -203,7 +209,8 @@ static void ia_quantize(const float* x, int64_t K, int G, int off, int8_t* q, in
     }
 }
 
-/* one row's weight bytes for the tiles: u [K] (w + o; Q8_0 |w|) and, Q8_0 only, sg [K] = w */
+/* one row's int16 codes (quant_bi.c's bi_decode_row) -> its bytes u [K] (w + o; Q8_0 |w|) and,
+   Q8_0 only, sg [K] = w */
 static void ia_row_bytes(int qtype, const int16_t* wd, int64_t K, uint8_t* u, int8_t* sg) {
     const __m256i o16 = _mm256_set1_epi16((short)ia_offset(qtype));
     for (int64_t k = 0; k < K; k += 32) {
@@ -220,41 +227,91 @@ static void ia_row_bytes(int qtype, const int16_t* wd, int64_t K, uint8_t* u, in
     }
 }
 
-/* one plane's integer dots of unit j: I [TG][R] = co + sum u q (Q8_0: sum |w| (q sign w)) over
-   the unit's G / 4 quads; xj: the unit's first quad of group 0, xstride apart per group */
-static inline __attribute__((always_inline)) void ia_dots(
-    const uint8_t* const* u, const int8_t* const* sg, int64_t kj, const int G, const int TG, const int R,
-    const int M, const int32_t* xj, int64_t xstride, const int32_t* co, int64_t sstride,
-    __m256i I[IA_MAXG][IA_ROWS]) {
+static inline float ia_f16(const uint8_t* p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return _cvtsh_ss(v);
+}
+
+/* Q5_0 / Q5_1 rows straight to their bytes u (the 5-bit codes: w + 16, Q5_1 w) and per unit
+   bi_decode_row's scale d and offset (Q5_1 m; Q5_0's, unused, -16 d): the generic decoder
+   that loom_q_decode_row16 takes for them on AVX2 cost a fifth of a 128-token call */
+static void ia_decode_q5(int q51, const uint8_t* row, int64_t K, uint8_t* u, float* s, float* b) {
+    const int bb = q51 ? 24 : 22;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    /* bit j of qh -> byte j (0xFF / 0): byte j of the broadcast picks qh's byte j / 8, then
+       every bit but j % 8 is set, so the byte is all ones iff bit j is */
+    const __m256i pick = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);
+    for (int64_t i = 0; i < K / 32; i++) {
+        const uint8_t* blk = row + i * bb;
+        uint32_t qh;
+        memcpy(&qh, blk + (q51 ? 4 : 2), 4);
+        const __m128i q = _mm_loadu_si128((const __m128i*)(blk + (q51 ? 8 : 6)));
+        const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+        const __m256i bits = _mm256_cmpeq_epi8(_mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), pick), others),
+                                               _mm256_set1_epi8(-1));
+        _mm256_storeu_si256((__m256i*)(u + 32 * i), _mm256_or_si256(nib, _mm256_and_si256(bits, _mm256_set1_epi8(16))));
+        s[i] = ia_f16(blk);
+        b[i] = q51 ? ia_f16(blk + 2) : -16.f * s[i];
+    }
+}
+
+/* row r of a pass of R rows: bytes u (and Q8_0 sg) [K] -> quads wq (sq) [K / 4][R] */
+static void ia_pack_row(int qtype, const uint8_t* u, const int8_t* sg, int64_t K, int R, int r, int32_t* wq,
+                        int32_t* sq) {
+    for (int64_t p = 0; p < K / 4; p++) memcpy(wq + p * R + r, u + 4 * p, 4);
+    if (qtype == JQ8_0)
+        for (int64_t p = 0; p < K / 4; p++) memcpy(sq + p * R + r, sg + 4 * p, 4);
+}
+
+/* one plane's integer dots of a unit of NQ quads: I [TG][R] = co + sum u q (Q8_0: sum |w| (q
+   sign w)); wq / sq: the unit's quads [NQ][R]; xj: its first quad of group 0 (xstride apart per
+   group), co its offsets (sstride apart) */
+static inline __attribute__((always_inline)) void ia_dots(const int32_t* wq, const int32_t* sq, const int NQ,
+                                                          const int TG, const int R, const int M,
+                                                          const int32_t* xj, int64_t xstride, const int32_t* co,
+                                                          int64_t sstride, __m256i I[IA_MAXG][IA_ROWS]) {
     const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
     for (int g = 0; g < TG; g++) {
         const __m256i c = _mm256_loadu_si256((const __m256i*)(co + g * sstride));
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) I[g][r] = c;
     }
-    for (int p0 = 0; p0 < G / 4; p0 += M) {
+#pragma GCC unroll 8
+    for (int p0 = 0; p0 < NQ; p0 += M) {
         __m256i a[IA_MAXG][IA_ROWS];
+#pragma GCC unroll 8
         for (int p = p0; p < p0 + M; p++) {
             __m256i x[IA_MAXG];
+#pragma GCC unroll 8
             for (int g = 0; g < TG; g++) x[g] = _mm256_loadu_si256((const __m256i*)(xj + g * xstride + 8 * p));
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                int32_t quad;
-                memcpy(&quad, u[r] + kj + 4 * p, 4);
-                const __m256i wv = _mm256_set1_epi32(quad);
-                __m256i sv = wv;
-                if (M == 1) { /* Q8_0: the sign trick */
-                    memcpy(&quad, sg[r] + kj + 4 * p, 4);
-                    sv = _mm256_set1_epi32(quad);
-                }
+                const __m256i wv = _mm256_set1_epi32(wq[p * R + r]);
+                const __m256i sv = M == 1 ? _mm256_set1_epi32(sq[p * R + r]) : wv; /* Q8_0: the sign trick */
+#pragma GCC unroll 8
                 for (int g = 0; g < TG; g++) {
                     const __m256i m = _mm256_maddubs_epi16(wv, M == 1 ? _mm256_sign_epi8(x[g], sv) : x[g]);
-                    a[g][r] = p == p0 ? m : _mm256_add_epi16(a[g][r], m);
+                    /* vpaddsw never saturates here (the bound above) and, unlike vpaddw, is not
+                       reassociated by gcc into trees that keep every product live */
+                    a[g][r] = p == p0 ? m : _mm256_adds_epi16(a[g][r], m);
                 }
             }
         }
+#pragma GCC unroll 8
         for (int g = 0; g < TG; g++)
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) I[g][r] = _mm256_add_epi32(I[g][r], _mm256_madd_epi16(a[g][r], ones));
     }
 }
+
+/* a pass's packed rows: quads wq / sq [K / 4][R], scales sc and offsets bo [nu][R] */
+typedef struct {
+    const int32_t *wq, *sq;
+    const float *sc, *bo;
+} IaRows;
 
 /* the residual plane of a pass: codes xr (as xp), dx2 / co2 (as dxt / cot), fl [TG][nu]
    (fstride apart): whether a token of the group has residual codes in the unit */
@@ -268,70 +325,80 @@ typedef struct {
 
 /* R rows against TG groups of 8 tokens: xp [TG][K / 4][8] quads (xstride apart), dxt / xst /
    cot [TG][nu][8] (sstride apart); sums [TG][R][8] */
-static inline __attribute__((always_inline)) void ia_pass_core(
-    const uint8_t* const* u, const int8_t* const* sg, const float* const* s, const float* const* b,
-    int asym, int64_t K, const int G, const int TG, const int M, const int32_t* xp, int64_t xstride,
-    const float* dxt, const float* xst, const int32_t* cot, int64_t sstride, const IaRes* res,
-    float* sums) {
-    const int R = IA_ROWS;
+static inline __attribute__((always_inline)) void ia_pass_core(const IaRows* rw, int asym, int64_t K, const int G,
+                                                               const int TG, const int R, const int M,
+                                                               const int32_t* xp, int64_t xstride, const float* dxt,
+                                                               const float* xst, const int32_t* cot, int64_t sstride,
+                                                               const IaRes* res, float* sums) {
     const int64_t nu = K / G;
+    const int NQ = G / 4;
     __m256 P[IA_MAXG][IA_ROWS];
+#pragma GCC unroll 8
     for (int g = 0; g < TG; g++)
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) P[g][r] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nu; j++) {
         __m256i I[IA_MAXG][IA_ROWS];
-        ia_dots(u, sg, j * G, G, TG, R, M, xp + j * G / 4 * 8, xstride, cot + j * 8, sstride, I);
+        ia_dots(rw->wq + j * NQ * R, rw->sq + j * NQ * R, NQ, TG, R, M, xp + j * NQ * 8, xstride, cot + j * 8,
+                sstride, I);
+#pragma GCC unroll 8
         for (int g = 0; g < TG; g++) {
             const __m256 dx = _mm256_loadu_ps(dxt + g * sstride + j * 8);
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++)
-                P[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[g][r]), _mm256_mul_ps(_mm256_set1_ps(s[r][j]), dx), P[g][r]);
+                P[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[g][r]), _mm256_mul_ps(_mm256_set1_ps(rw->sc[j * R + r]), dx),
+                                          P[g][r]);
         }
         /* a token without residual codes adds fma(0, ., P) = P (P is never -0): its bits do
            not depend on its neighbours */
         if (res->fl[j] || (TG == 2 && res->fl[res->fstride + j])) {
-            ia_dots(u, sg, j * G, G, TG, R, M, res->xr + j * G / 4 * 8, xstride, res->co2 + j * 8, sstride, I);
+            /* the quads through pointers gcc cannot equate with the main plane's: else it keeps
+               that plane's broadcasts for this rare branch, spilling them on every unit */
+            const int32_t *wq2 = rw->wq, *sq2 = rw->sq;
+            __asm__("" : "+r"(wq2), "+r"(sq2));
+            ia_dots(wq2 + j * NQ * R, sq2 + j * NQ * R, NQ, TG, R, M, res->xr + j * NQ * 8, xstride,
+                    res->co2 + j * 8, sstride, I);
+#pragma GCC unroll 8
             for (int g = 0; g < TG; g++) {
                 const __m256 dx2 = _mm256_loadu_ps(res->dx2 + g * sstride + j * 8);
+#pragma GCC unroll 8
                 for (int r = 0; r < R; r++)
-                    P[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[g][r]), _mm256_mul_ps(_mm256_set1_ps(s[r][j]), dx2),
-                                              P[g][r]);
+                    P[g][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[g][r]),
+                                              _mm256_mul_ps(_mm256_set1_ps(rw->sc[j * R + r]), dx2), P[g][r]);
             }
         }
         if (asym)
+#pragma GCC unroll 8
             for (int g = 0; g < TG; g++) {
                 const __m256 xs = _mm256_loadu_ps(xst + g * sstride + j * 8);
-                for (int r = 0; r < R; r++) P[g][r] = _mm256_fmadd_ps(_mm256_set1_ps(b[r][j]), xs, P[g][r]);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+                    P[g][r] = _mm256_fmadd_ps(_mm256_set1_ps(rw->bo[j * R + r]), xs, P[g][r]);
             }
     }
+#pragma GCC unroll 8
     for (int g = 0; g < TG; g++)
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) _mm256_storeu_ps(sums + 8 * (g * R + r), P[g][r]);
 }
 
 #define IA_PASS(G_, TG_, M_) \
-    ia_pass_core(u, sg, s, b, asym, K, G_, TG_, M_, xp, xstride, dxt, xst, cot, sstride, res, sums)
+    ia_pass_core(rw, asym, K, G_, TG_, IA_ROWS, M_, xp, xstride, dxt, xst, cot, sstride, res, sums)
 
 /* ia_pass_core specialised per (G, M) of the types and 1 or 2 groups */
-static void ia_pass(const uint8_t* const* u, const int8_t* const* sg, const float* const* s,
-                    const float* const* b, int asym, int64_t K, int qtype, int TG, const int32_t* xp,
+static void ia_pass(const IaRows* rw, int asym, int64_t K, int qtype, int TG, const int32_t* xp,
                     int64_t xstride, const float* dxt, const float* xst, const int32_t* cot,
                     int64_t sstride, const IaRes* res, float* sums) {
+#define IA_PASS_TG(G_, M_)                    \
+    if (IA_MAXG > 1 && TG == 2)               \
+        IA_PASS(G_, IA_MAXG > 1 ? 2 : 1, M_); \
+    else                                      \
+        IA_PASS(G_, 1, M_)
     switch (ia_m(qtype)) {
-        case 1:
-            if (TG == 2) IA_PASS(32, 2, 1);
-            else IA_PASS(32, 1, 1);
-            return;
-        case 2:
-            if (TG == 2) IA_PASS(16, 2, 2);
-            else IA_PASS(16, 1, 2);
-            return;
-        case 4:
-            if (TG == 2) IA_PASS(32, 2, 4);
-            else IA_PASS(32, 1, 4);
-            return;
-        default:
-            if (TG == 2) IA_PASS(32, 2, 8);
-            else IA_PASS(32, 1, 8);
-            return;
+        case 1: IA_PASS_TG(32, 1); return;
+        case 2: IA_PASS_TG(16, 2); return;
+        case 4: IA_PASS_TG(32, 4); return;
+        default: IA_PASS_TG(32, 8); return;
     }
 }
 
@@ -422,15 +489,17 @@ static void ia_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
     (void)worker;
     IaJob* jb = ctx;
     const int64_t K = jb->K, nu = jb->nu, T = jb->T;
-    uint8_t* ud = malloc((size_t)(IA_BLOCK * K + 64));
-    int8_t* sgd = malloc((size_t)(IA_BLOCK * K + 64));
+    int32_t* wq = malloc(sizeof(int32_t) * (size_t)(IA_BLOCK * K / 4 + 16));
+    int32_t* sq = malloc(sizeof(int32_t) * (size_t)(IA_BLOCK * K / 4 + 16));
     int16_t* wd = malloc(sizeof(int16_t) * (size_t)(K + 64));
-    float* sd = malloc(sizeof(float) * (size_t)(IA_BLOCK * nu + 16));
-    float* bd = malloc(sizeof(float) * (size_t)(IA_BLOCK * nu + 16));
+    float* sd = malloc(sizeof(float) * (size_t)(2 * IA_BLOCK * nu + 16));
+    float* sr = malloc(sizeof(float) * (size_t)(2 * nu + 16));
     uint8_t* scratch = malloc((size_t)K + 64);
+    uint8_t* ub = malloc((size_t)K + 64);
+    int8_t* sgb = malloc((size_t)K + 64);
     float* s16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
     float* b16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
-    void* held[] = {ud, sgd, wd, sd, bd, scratch, s16, b16};
+    void* held[] = {wq, sq, wd, sd, sr, scratch, ub, sgb, s16, b16};
     const int nheld = (int)(sizeof held / sizeof *held);
     int ok = 1;
     for (int i = 0; i < nheld; i++) ok = ok && held[i];
@@ -438,10 +507,26 @@ static void ia_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
     for (int64_t blk = i0; ok && blk < i1; blk++) {
         const int64_t n0 = blk * IA_BLOCK;
         const int R = jb->N - n0 < IA_BLOCK ? (int)(jb->N - n0) : IA_BLOCK;
-        for (int r = 0; r < R; r++) {
-            loom_q_decode_row16(jb->qtype, jb->w + (n0 + r) * jb->row_bytes, K, wd, sd + r * nu, bd + r * nu,
-                                scratch, s16, b16);
-            ia_row_bytes(jb->qtype, wd, K, ud + r * K, sgd + r * K);
+        /* pass q's rows: quads at wq + q (K / 4) IA_ROWS, scales then offsets at sd + 2 q nu
+           IA_ROWS; a last pass's rows past R repeat the block's last row (computed, dropped) */
+        for (int r = 0; r < (R + IA_ROWS - 1) / IA_ROWS * IA_ROWS; r++) {
+            const int q = r / IA_ROWS, rr = r % IA_ROWS;
+            if (r < R) { /* past R: the last row's bytes are still in ub / sgb and sr */
+                const uint8_t* row = jb->w + (n0 + r) * jb->row_bytes;
+                if (jb->qtype == JQ5_0 || jb->qtype == JQ5_1)
+                    ia_decode_q5(jb->qtype == JQ5_1, row, K, ub, sr, sr + nu);
+                else {
+                    loom_q_decode_row16(jb->qtype, row, K, wd, sr, sr + nu, scratch, s16, b16);
+                    ia_row_bytes(jb->qtype, wd, K, ub, sgb);
+                }
+            }
+            ia_pack_row(jb->qtype, ub, sgb, K, IA_ROWS, rr, wq + (int64_t)q * (K / 4) * IA_ROWS,
+                        sq + (int64_t)q * (K / 4) * IA_ROWS);
+            float* sc = sd + (int64_t)q * 2 * nu * IA_ROWS;
+            for (int64_t j = 0; j < nu; j++) {
+                sc[j * IA_ROWS + rr] = sr[j];
+                sc[nu * IA_ROWS + j * IA_ROWS + rr] = sr[nu + j];
+            }
         }
         for (int64_t g0 = 0; g0 < jb->ng; g0 += IA_MAXG) {
             const int TG = jb->ng - g0 >= IA_MAXG ? IA_MAXG : (int)(jb->ng - g0);
@@ -449,25 +534,19 @@ static void ia_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
                                jb->flt + g0 * nu, nu};
             for (int r0 = 0; r0 < R; r0 += IA_ROWS) {
                 const int RR = R - r0 < IA_ROWS ? R - r0 : IA_ROWS;
-                const uint8_t* ur[IA_ROWS];
-                const int8_t* sr_[IA_ROWS];
-                const float* sr[IA_ROWS];
-                const float* br[IA_ROWS];
-                for (int r = 0; r < IA_ROWS; r++) { /* rows past RR repeat r0: computed, dropped */
-                    const int rr = r0 + (r < RR ? r : 0);
-                    ur[r] = ud + rr * K;
-                    sr_[r] = sgd + rr * K;
-                    sr[r] = sd + rr * nu;
-                    br[r] = bd + rr * nu;
-                }
+                const int q = r0 / IA_ROWS;
+                const float* sc = sd + (int64_t)q * 2 * nu * IA_ROWS;
+                const IaRows rw = {wq + (int64_t)q * (K / 4) * IA_ROWS, sq + (int64_t)q * (K / 4) * IA_ROWS, sc,
+                                   sc + nu * IA_ROWS};
                 float sums[IA_MAXG * IA_ROWS * 8];
-                ia_pass(ur, sr_, sr, br, jb->asym, K, jb->qtype, TG, jb->xp + g0 * (K / 4) * 8, (K / 4) * 8,
-                        jb->dxt + g0 * nu * 8, jb->xst + g0 * nu * 8, jb->cot + g0 * nu * 8, nu * 8, &res, sums);
+                ia_pass(&rw, jb->asym, K, jb->qtype, TG, jb->xp + g0 * (K / 4) * 8, (K / 4) * 8, jb->dxt + g0 * nu * 8,
+                        jb->xst + g0 * nu * 8, jb->cot + g0 * nu * 8, nu * 8, &res, sums);
                 for (int g = 0; g < TG; g++) {
                     const int64_t t0 = (g0 + g) * 8;
-                    if (RR == IA_ROWS && t0 + 8 <= T) {
-                        ia_put4x8(sums + 8 * g * IA_ROWS, 8, jb->y + t0 * jb->ldy + n0 + r0, jb->ldy,
-                                  jb->bias ? jb->bias + n0 + r0 : NULL, jb->accumulate);
+                    if (IA_ROWS % 4 == 0 && RR == IA_ROWS && t0 + 8 <= T) {
+                        for (int r = 0; r < IA_ROWS; r += 4)
+                            ia_put4x8(sums + 8 * (g * IA_ROWS + r), 8, jb->y + t0 * jb->ldy + n0 + r0 + r, jb->ldy,
+                                      jb->bias ? jb->bias + n0 + r0 + r : NULL, jb->accumulate);
                         continue;
                     }
                     for (int r = 0; r < RR; r++) {
