@@ -209,24 +209,6 @@ static void ia_quantize(const float* x, int64_t K, int G, int off, int8_t* q, in
     }
 }
 
-/* one row's int16 codes (quant_bi.c's bi_decode_row) -> its bytes u [K] (w + o; Q8_0 |w|) and,
-   Q8_0 only, sg [K] = w */
-static void ia_row_bytes(int qtype, const int16_t* wd, int64_t K, uint8_t* u, int8_t* sg) {
-    const __m256i o16 = _mm256_set1_epi16((short)ia_offset(qtype));
-    for (int64_t k = 0; k < K; k += 32) {
-        const __m256i a = _mm256_loadu_si256((const __m256i*)(wd + k));
-        const __m256i b = _mm256_loadu_si256((const __m256i*)(wd + k + 16));
-        if (qtype == JQ8_0) {
-            const __m256i w8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(a, b), 0xD8);
-            _mm256_storeu_si256((__m256i*)(sg + k), w8);
-            _mm256_storeu_si256((__m256i*)(u + k), _mm256_abs_epi8(w8)); /* -128 -> 0x80 = 128 */
-        } else {
-            const __m256i u8 = _mm256_packus_epi16(_mm256_add_epi16(a, o16), _mm256_add_epi16(b, o16));
-            _mm256_storeu_si256((__m256i*)(u + k), _mm256_permute4x64_epi64(u8, 0xD8));
-        }
-    }
-}
-
 static inline float ia_f16(const uint8_t* p) {
     uint16_t v;
     memcpy(&v, p, 2);
@@ -254,6 +236,86 @@ static void ia_decode_q5(int q51, const uint8_t* row, int64_t K, uint8_t* u, flo
         _mm256_storeu_si256((__m256i*)(u + 32 * i), _mm256_or_si256(nib, _mm256_and_si256(bits, _mm256_set1_epi8(16))));
         s[i] = ia_f16(blk);
         b[i] = q51 ? ia_f16(blk + 2) : -16.f * s[i];
+    }
+}
+
+/* Q8_0 rows: |w| and w (the sign trick's operands), scale d per unit */
+static void ia_decode_q8(const uint8_t* row, int64_t K, uint8_t* u, int8_t* sg, float* s, float* b) {
+    for (int64_t i = 0; i < K / 32; i++) {
+        const uint8_t* blk = row + i * 34;
+        const __m256i w8 = _mm256_loadu_si256((const __m256i*)(blk + 2));
+        _mm256_storeu_si256((__m256i*)(sg + 32 * i), w8);
+        _mm256_storeu_si256((__m256i*)(u + 32 * i), _mm256_abs_epi8(w8)); /* -128 -> 0x80 = 128 */
+        s[i] = ia_f16(blk);
+        b[i] = 0.f; /* unused (Q8_0 is not asym) */
+    }
+}
+
+/* Q4_0 / Q4_1 rows: the nibbles (u = w + 8, Q4_1 w), scale d, offset (Q4_1 m; Q4_0's unused) */
+static void ia_decode_q4(int q41, const uint8_t* row, int64_t K, uint8_t* u, float* s, float* b) {
+    const int bb = q41 ? 20 : 18;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t i = 0; i < K / 32; i++) {
+        const uint8_t* blk = row + i * bb;
+        const __m128i q = _mm_loadu_si128((const __m128i*)(blk + (q41 ? 4 : 2)));
+        _mm256_storeu_si256((__m256i*)(u + 32 * i),
+                            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low)));
+        s[i] = ia_f16(blk);
+        b[i] = q41 ? ia_f16(blk + 2) : -8.f * s[i];
+    }
+}
+
+/* Q4_K rows (144 bytes a 256: f16 d, f16 dmin, 12 bytes of 6-bit scales / mins, 128 of nibbles:
+   32 bytes per 64 values, low nibbles first): u the nibbles, unit j s = d sc_j, b = -dmin mn_j */
+static void ia_decode_q4k(const uint8_t* row, int64_t K, uint8_t* u, float* s, float* b) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t i = 0; i < K / 256; i++) {
+        const uint8_t* blk = row + i * 144;
+        const float d = ia_f16(blk), dmin = ia_f16(blk + 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 16 + 32 * c));
+            _mm256_storeu_si256((__m256i*)(u + 256 * i + 64 * c), _mm256_and_si256(v, m4));
+            _mm256_storeu_si256((__m256i*)(u + 256 * i + 64 * c + 32), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+        }
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, mn;
+            k4_scale_min(j, blk + 4, &sc, &mn);
+            s[8 * i + j] = d * sc;
+            b[8 * i + j] = -dmin * mn;
+        }
+    }
+}
+
+/* Q6_K rows (210 bytes a 256: 128 of low nibbles, 64 of 2-bit highs, 16 int8 scales, f16 d):
+   u the 6-bit codes (w + 32), unit g (16 values) s = d sc_g (b unused: -32 d sc_g) */
+static void ia_decode_q6k(const uint8_t* row, int64_t K, uint8_t* u, float* s, float* b) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+    for (int64_t i = 0; i < K / 256; i++) {
+        const uint8_t* blk = row + i * 210;
+        for (int n = 0; n < 2; n++) {
+            const __m256i A = _mm256_loadu_si256((const __m256i*)(blk + 64 * n));
+            const __m256i B = _mm256_loadu_si256((const __m256i*)(blk + 64 * n + 32));
+            const __m256i H = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * n));
+            /* fields masked per byte after each 16-bit shift: no bits cross bytes */
+            uint8_t* uo = u + 256 * i + 128 * n;
+            _mm256_storeu_si256((__m256i*)uo,
+                                _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4)));
+            _mm256_storeu_si256((__m256i*)(uo + 32),
+                                _mm256_or_si256(_mm256_and_si256(B, m4),
+                                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4)));
+            _mm256_storeu_si256((__m256i*)(uo + 64),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4),
+                                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4)));
+            _mm256_storeu_si256((__m256i*)(uo + 96),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4)));
+        }
+        const int8_t* sc = (const int8_t*)(blk + 192);
+        const float d = ia_f16(blk + 208);
+        for (int g = 0; g < 16; g++) {
+            s[16 * i + g] = d * sc[g];
+            b[16 * i + g] = -32.f * d * sc[g];
+        }
     }
 }
 
@@ -491,15 +553,11 @@ static void ia_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
     const int64_t K = jb->K, nu = jb->nu, T = jb->T;
     int32_t* wq = malloc(sizeof(int32_t) * (size_t)(IA_BLOCK * K / 4 + 16));
     int32_t* sq = malloc(sizeof(int32_t) * (size_t)(IA_BLOCK * K / 4 + 16));
-    int16_t* wd = malloc(sizeof(int16_t) * (size_t)(K + 64));
     float* sd = malloc(sizeof(float) * (size_t)(2 * IA_BLOCK * nu + 16));
     float* sr = malloc(sizeof(float) * (size_t)(2 * nu + 16));
-    uint8_t* scratch = malloc((size_t)K + 64);
     uint8_t* ub = malloc((size_t)K + 64);
     int8_t* sgb = malloc((size_t)K + 64);
-    float* s16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
-    float* b16 = malloc(sizeof(float) * (size_t)(K / 16 + 1));
-    void* held[] = {wq, sq, wd, sd, sr, scratch, ub, sgb, s16, b16};
+    void* held[] = {wq, sq, sd, sr, ub, sgb};
     const int nheld = (int)(sizeof held / sizeof *held);
     int ok = 1;
     for (int i = 0; i < nheld; i++) ok = ok && held[i];
@@ -515,10 +573,14 @@ static void ia_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
                 const uint8_t* row = jb->w + (n0 + r) * jb->row_bytes;
                 if (jb->qtype == JQ5_0 || jb->qtype == JQ5_1)
                     ia_decode_q5(jb->qtype == JQ5_1, row, K, ub, sr, sr + nu);
-                else {
-                    loom_q_decode_row16(jb->qtype, row, K, wd, sr, sr + nu, scratch, s16, b16);
-                    ia_row_bytes(jb->qtype, wd, K, ub, sgb);
-                }
+                else if (jb->qtype == JQ8_0)
+                    ia_decode_q8(row, K, ub, sgb, sr, sr + nu);
+                else if (jb->qtype == JQ4_0 || jb->qtype == JQ4_1)
+                    ia_decode_q4(jb->qtype == JQ4_1, row, K, ub, sr, sr + nu);
+                else if (jb->qtype == JQ4_K)
+                    ia_decode_q4k(row, K, ub, sr, sr + nu);
+                else
+                    ia_decode_q6k(row, K, ub, sr, sr + nu);
             }
             ia_pack_row(jb->qtype, ub, sgb, K, IA_ROWS, rr, wq + (int64_t)q * (K / 4) * IA_ROWS,
                         sq + (int64_t)q * (K / 4) * IA_ROWS);
