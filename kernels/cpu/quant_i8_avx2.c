@@ -20,7 +20,16 @@
    2 x 63 x 127 = 16002 and M = 8 / 4 / 2 vpmaddubsw results (pairs <= 3810 / 7874 / 16002) add
    in int16 (vpaddw) below 32767 before one vpmaddwd; I = that - o * sum q. Q8_0's codes need
    all 8 bits, so the sign trick: |w| (<= 128) unsigned, q with w's sign (vpsignb) signed, pairs
-   <= 2 x 128 x 127 = 32512, one vpmaddwd per vpmaddubsw; I = sum w q directly. */
+   <= 2 x 128 x 127 = 32512, one vpmaddwd per vpmaddubsw; I = sum w q directly.
+
+   How: a call quantizes its tokens once into groups of 8 (codes as int32 quads, per-unit
+   scales, offsets and residual flags); rows are decoded IA_BLOCK at a time straight to bytes
+   (AVX2 per type: quant.c's generic decoder, which loom_q_decode_row16 takes on this build, was
+   15-20 percent of a 128-token call) and packed per pass of IA_ROWS rows as [quad][row], so a
+   pass reads one weight stream; each pass (6 rows x 8 tokens: 6 int16 and 6 float
+   accumulators) walks every token group. The residual plane is a second dot pass on the units
+   where a token of the group has one. Rows and tokens never mix, so a row's bits do not depend
+   on T, the thread count or its place in the step. */
 
 #include "loom_cpu.h"
 
@@ -40,15 +49,10 @@ int loom_q_i8_avx2_built(void) { return IA_ON; }
 
 enum { JQ8_0 = 0, JQ4_0 = 1, JQ4_1 = 2, JQ4_K = 3, JQ6_K = 4, JQ5_0 = 5, JQ5_1 = 6 };
 
-#ifndef IA_R
-#define IA_R 6
-#endif
-#ifndef IA_G
-#define IA_G 1
-#endif
-#define IA_ROWS IA_R /* rows of one pass */
-#define IA_MAXG IA_G /* 8-token groups of one pass */
-#define IA_BLOCK (8 * IA_R) /* rows decoded at once, each used by every token group */
+#define IA_ROWS 6 /* rows of one pass (bench at 128 tokens, K = 576-2048: 6 x 1 group beat 4 x 1,
+                     4 x 2, 3 x 2, 2 x 2, 5 x 1 and 8 x 1 by 5-30 percent) */
+#define IA_MAXG 1 /* 8-token groups of one pass (the code takes 1 or 2) */
+#define IA_BLOCK (8 * IA_ROWS) /* rows decoded at once, each used by every token group */
 
 static int ia_unit(int qtype) { return qtype == JQ6_K ? 16 : 32; }
 static int ia_asym(int qtype) { return qtype == JQ4_1 || qtype == JQ5_1 || qtype == JQ4_K; }
@@ -78,6 +82,14 @@ static inline float ia_reduce16(const float* L) {
     for (int i = 0; i < 8; i++) t3[i] = L[8 + i] + L[i];
     for (int i = 0; i < 4; i++) t6[i] = t3[4 + i] + t3[i];
     return (t6[0] + t6[2]) + (t6[1] + t6[3]);
+}
+
+/* ia_reduce16 on lanes 0..7 (lo) and 8..15 (hi) in registers, the same additions */
+static inline float ia_reduce16v(__m256 lo, __m256 hi) {
+    const __m256 t3 = _mm256_add_ps(hi, lo);
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6)); /* (0 + 2), (1 + 3) */
+    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
 }
 
 /* the per-unit results of quantizing one token (quant_i8.c's i8_quantize's outputs) */
@@ -188,12 +200,11 @@ static void ia_quantize(const float* x, int64_t K, int G, int off, int8_t* q, in
         const int sum[2] = {ia_hsum(_mm256_add_epi32(c[0], c[1])), ia_hsum(_mm256_add_epi32(c[2], c[3]))};
         /* zmm lanes 0..7 (values 0..7 then 16..23) and 8..15 (8..15 then 24..31) */
         const __m256 z = _mm256_setzero_ps();
-        float ee[16], xx[16];
-        _mm256_storeu_ps(ee, _mm256_fmadd_ps(e[2], e[2], _mm256_fmadd_ps(e[0], e[0], z)));
-        _mm256_storeu_ps(ee + 8, _mm256_fmadd_ps(e[3], e[3], _mm256_fmadd_ps(e[1], e[1], z)));
-        _mm256_storeu_ps(xx, _mm256_fmadd_ps(a[2], a[2], _mm256_fmadd_ps(a[0], a[0], z)));
-        _mm256_storeu_ps(xx + 8, _mm256_fmadd_ps(a[3], a[3], _mm256_fmadd_ps(a[1], a[1], z)));
-        const int resid = d2 > 0 && ia_reduce16(ee) > loom_q_i8_resid * (ia_reduce16(xx) - amax * amax);
+        const float ee = ia_reduce16v(_mm256_fmadd_ps(e[2], e[2], _mm256_fmadd_ps(e[0], e[0], z)),
+                                      _mm256_fmadd_ps(e[3], e[3], _mm256_fmadd_ps(e[1], e[1], z)));
+        const float xx = ia_reduce16v(_mm256_fmadd_ps(a[2], a[2], _mm256_fmadd_ps(a[0], a[0], z)),
+                                      _mm256_fmadd_ps(a[3], a[3], _mm256_fmadd_ps(a[1], a[1], z)));
+        const int resid = d2 > 0 && ee > loom_q_i8_resid * (xx - amax * amax);
         int sum2[2] = {0, 0};
         if (resid) {
             const __m256 inv2 = _mm256_set1_ps(1.f / d2);
@@ -528,10 +539,10 @@ static void ia_quant_tokens(void* ctx, int64_t t0, int64_t t1, int worker) {
         ia_quantize(jb->x + t * jb->ldx, K, jb->G, jb->off, q, q2, &o);
         int32_t* xo = jb->xp + g * (K / 4) * 8 + i;
         int32_t* xro = jb->xr + g * (K / 4) * 8 + i;
-        for (int64_t p = 0; p < K / 4; p++) {
-            memcpy(xo + 8 * p, q + 4 * p, 4);
-            memcpy(xro + 8 * p, q2 + 4 * p, 4);
-        }
+        for (int64_t p = 0; p < K / 4; p++) memcpy(xo + 8 * p, q + 4 * p, 4);
+        for (int64_t j = 0; j < nu; j++) /* xr is zeroed: only units with residual codes */
+            if (o.nz[j])
+                for (int64_t p = j * jb->G / 4; p < (j + 1) * jb->G / 4; p++) memcpy(xro + 8 * p, q2 + 4 * p, 4);
         for (int64_t j = 0; j < nu; j++) {
             const int64_t at = (g * nu + j) * 8 + i;
             jb->dxt[at] = o.dx[j];
