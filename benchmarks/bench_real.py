@@ -13,6 +13,8 @@ os.getloadavg() is printed, since ratios on a shared machine are what carries.
     --kv-cache-dtype bf16: loom's KV pool in bfloat16 (llama.cpp keeps f16 K / V); with
     --agreement, the quantized side's pool (the f32 reference keeps float32)
     python benchmarks/bench_real.py --gguf gemma3-270m ...        # Gemma 3 270M Q4_K_M
+    --quantized-matmul prefill-int8: loom's prompt steps with 8-bit activations (with
+    --agreement, the quantized side's; the f32 reference has no quantized matmuls)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class LoomSide:
         quantization: str | None,
         kv_tokens: int,
         kv_dtype: str = "auto",
+        quantized_matmul: str = "auto",
     ):
         import loom
 
@@ -57,6 +60,7 @@ class LoomSide:
             max_running_requests=max_running,
             max_total_tokens=kv_tokens,
             kv_cache_dtype=kv_dtype,
+            quantized_matmul=quantized_matmul,
             random_seed=0,
             cpu_threads=threads,
             log_level="warning",
@@ -79,15 +83,19 @@ class LoomSide:
         self.engine.shutdown()
 
 
-def _teacher_forced(gguf: str, ids: list[int], quantization: str | None, chunk: int, kv: str):
+def _teacher_forced(
+    gguf: str, ids: list[int], quantization: str | None, chunk: int, kv: str, qmm: str = "auto"
+):
     """(logprobs, top-1 ids) of runtime/teacher_forced.py, in a spawned process."""
     from loom.runtime.teacher_forced import teacher_forced
 
-    lp, top, _ = teacher_forced(gguf, ids, quantization, chunk, kv)
+    lp, top, _ = teacher_forced(gguf, ids, quantization, chunk, kv, qmm)
     return lp, top
 
 
-def agreement(gguf: str, ntok: int, chunk: int, kv_dtype: str = "auto") -> None:
+def agreement(
+    gguf: str, ntok: int, chunk: int, kv_dtype: str = "auto", quantized_matmul: str = "auto"
+) -> None:
     """Teacher-forced top-1 agreement and perplexity of --quantization gguf against the same
     file dequantized to float32, on `ntok` tokens of this repository's README + architecture
     docs, one request. The quantized side reads `chunk` tokens a step (<= 8: the decode
@@ -110,9 +118,11 @@ def agreement(gguf: str, ntok: int, chunk: int, kv_dtype: str = "auto") -> None:
         with ProcessPoolExecutor(1, mp_context=ctx) as pool:
             step = chunk if q == "gguf" else len(ids)
             kv = kv_dtype if q == "gguf" else "auto"
-            vals, res[q] = pool.submit(_teacher_forced, gguf, ids, q, step, kv).result()
+            qmm = quantized_matmul if q == "gguf" else "auto"
+            vals, res[q] = pool.submit(_teacher_forced, gguf, ids, q, step, kv, qmm).result()
         print(
-            f"{'f32' if q == 'none' else q} (KV {kv}): perplexity {math.exp(-sum(vals) / len(vals)):.4f}",
+            f"{'f32' if q == 'none' else f'{q} ({qmm})'} (KV {kv}): perplexity "
+            f"{math.exp(-sum(vals) / len(vals)):.4f}",
             flush=True,
         )
     pairs = [(a, b) for a, b in zip(res["none"], res["gguf"]) if a is not None and b is not None]
@@ -239,6 +249,11 @@ def main() -> None:
         "--kv-cache-dtype", default="auto",
         help="loom's KV pool: auto (float32) or bf16; --agreement: the quantized side's",
     )  # fmt: skip
+    p.add_argument(
+        "--quantized-matmul", default="auto", choices=("auto", "batch-invariant", "prefill-int8"),
+        help="loom's --quantized-matmul (prefill-int8: 8-bit activations on prompt steps); "
+        "--agreement: the quantized side's",
+    )  # fmt: skip
     args = p.parse_args()
     gguf = args.gguf or smollm2_gguf()
     if not gguf.endswith(".gguf"):  # a short name: smollm2, gemma3-270m
@@ -246,20 +261,21 @@ def main() -> None:
 
         gguf = resolve_model_name(gguf)
     if args.agreement:
-        agreement(gguf, args.agreement, args.chunk, args.kv_cache_dtype)
+        agreement(gguf, args.agreement, args.chunk, args.kv_cache_dtype, args.quantized_matmul)
         return
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     print(
         f"model {gguf}, threads {args.threads}, pp {args.pp}, tg {args.tg}, rounds {args.rounds}"
-        f", loom KV {args.kv_cache_dtype}"
+        f", loom KV {args.kv_cache_dtype}, loom --quantized-matmul {args.quantized_matmul}"
     )
     print(f"load before: {os.getloadavg()}")
     rng = random.Random(0)
     tree = TreeMemory()
     kv_tokens = max(sizes) * (args.pp + args.tg) + 64  # as peers.llamacpp.batched sizes -c
     loom_side = LoomSide(
-        gguf, args.threads, max(sizes), args.quantization or "none", kv_tokens, args.kv_cache_dtype
-    )
+        gguf, args.threads, max(sizes), args.quantization or "none", kv_tokens,
+        args.kv_cache_dtype, args.quantized_matmul,
+    )  # fmt: skip
     sched_pids = [c.pid for c in __import__("psutil").Process().children(recursive=True)]
     peers = {}
     if not args.no_llamacpp:

@@ -16,15 +16,18 @@ def teacher_forced(
     quantization: str | None = None,
     chunk: int | None = None,
     kv_cache_dtype: str = "auto",
+    quantized_matmul: str = "auto",
 ) -> tuple[list[float], list[int], Scheduler]:
     """(logprob of each of ids[1:] given its prefix, the top-1 id predicted at each of those
     positions, the scheduler that ran it), float32 activations, `chunk` tokens a step
-    (None: the scheduler's default chunked prefill), the KV pool in `kv_cache_dtype`."""
+    (None: the scheduler's default chunked prefill), the KV pool in `kv_cache_dtype`, the
+    quantized matmuls' `quantized_matmul` (--quantized-matmul; process-wide once set)."""
     extra = {} if chunk is None else {"chunked_prefill_size": chunk}
     s = Scheduler(
         ServerArgs(
             model_path=model_path, max_total_tokens=len(ids) + 64, quantization=quantization,
-            dtype="float32", kv_cache_dtype=kv_cache_dtype, **extra,
+            dtype="float32", kv_cache_dtype=kv_cache_dtype, quantized_matmul=quantized_matmul,
+            **extra,
         )
     )  # fmt: skip
     s.add_request(

@@ -704,10 +704,16 @@ def test_bi_native_equals_the_portable_build(qtype):
 
 
 def prefill_i8(qtype: str, isa: str) -> bool:
-    """Whether mode "prefill" takes quant_i8.c's 8-bit kernel for `qtype` in this build (AVX-512
-    VNNI; elsewhere it is "auto")."""
+    """Whether mode "prefill" takes an 8-bit kernel for `qtype` in this build (quant_i8.c's on
+    AVX-512 VNNI, quant_i8_avx2.c's on AVX2 + FMA; elsewhere it is "auto")."""
     lib = quant_ops.load(isa)
     return lib is not None and bool(lib.loom_q_i8_type(quant_ops.QTYPES[qtype]))
+
+
+def i8_avx2(isa: str) -> bool:
+    """Whether the `isa` build has quant_i8_avx2.c's kernel (AVX2 + FMA without AVX-512 VNNI)."""
+    lib = quant_ops.load(isa)
+    return lib is not None and bool(lib.loom_q_i8_avx2_built())
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -719,7 +725,7 @@ def test_prefill_mode_matches_reference(qtype, isa):
     build) the mode is "auto", bit for bit."""
     values = BLOCKS[qtype][0]
     i8 = prefill_i8(qtype, isa)
-    assert i8 == quant_ops.vnni(isa)  # the same build condition as quant.c's VNNI path
+    assert i8 == (quant_ops.vnni(isa) or i8_avx2(isa))  # quant.c's VNNI path's condition, or AVX2
     prev = torch.get_num_threads()
     try:
         for rows, nblocks, seed in ((1, 1, 0), (7, 3, 1), (45, 2, 2), (70, 6, 3)):
@@ -809,3 +815,73 @@ def test_prefill_mode_outlier_blocks_take_the_residual_plane(qtype, isa):
         [quant_ops.matmul(qt, x[i : i + 1], mode="prefill", isa=isa) for i in range(40)]
     )
     assert torch.equal(y, alone)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_prefill_i8_avx2_equals_the_scalar_reference(qtype, isa):
+    """quant_i8_avx2.c (mode "prefill" in AVX2 + FMA builds without AVX-512 VNNI: 8-token lanes,
+    vpmaddubsw) gives bitwise the outputs of the same arithmetic in scalar C (loom_q_i8_avx2 = 0:
+    scalar quantizer, I = sum w q, fmaf per unit): rows below, at and past a 4-row pass and a
+    32-row block, token counts around the 8-token groups and their pairs, an all-zero, a large
+    and an outlier block (the residual plane on some tokens only), with and without bias,
+    accumulating or not into a strided output, one and two threads."""
+    lib = quant_ops.load(isa)
+    if not i8_avx2(isa):
+        pytest.skip("this build has no AVX2 8-bit prompt-row kernel (AVX2 + FMA, no AVX-512 VNNI)")
+    knob = ctypes.c_int.in_dll(lib, "loom_q_i8_avx2")
+    values = BLOCKS[qtype][0]
+    try:
+        for rows, nb in ((1, 1), (5, 2), (37, 3), (70, 1)):
+            cols = nb * (values if values == 256 else 64)
+            qt = random_blocks(qtype, rows, cols, rows + nb)
+            x = torch.randn(40, cols, generator=torch.Generator().manual_seed(nb))
+            x[1, :32] = 0.0  # an all-zero activation block
+            x[2, 32:64] *= 1e4  # a large one
+            x[3::3, 7] = 60.0  # an outlier: the residual plane on every third token
+            bias = torch.randn(rows, generator=torch.Generator().manual_seed(rows))
+            for t in (1, 7, 8, 9, 16, 17, 33, 40):
+                for threads in (1, 2):
+                    b = bias if t % 2 else None
+                    outs = []
+                    for on in (1, 0):
+                        knob.value = on
+                        wide = torch.randn(t, rows + 3, generator=torch.Generator().manual_seed(t))
+                        rc = lib.loom_q_matmul(
+                            quant_ops.QTYPES[qtype], quant_ops.MODES["prefill"], qt.data.data_ptr(),
+                            rows, cols, qt.row_bytes, x.data_ptr(), t, cols,
+                            None if b is None else b.data_ptr(), wide[:, 1:].data_ptr(),
+                            wide.stride(0), (t // 8) % 2, threads,
+                        )  # fmt: skip
+                        assert rc == 0
+                        outs.append(wide)
+                    key = (qtype, rows, cols, t, threads)
+                    assert torch.equal(outs[0], outs[1]), key
+    finally:
+        knob.value = 1
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_prefill_i8_native_equals_the_avx2_build(qtype):
+    """Mode "prefill" is one arithmetic on both builds: quant_i8.c's AVX-512 VNNI kernel (the
+    native build of such a CPU) gives bitwise quant_i8_avx2.c's outputs (its -mno-avx512f build),
+    residual plane included, at odd shapes, one and two threads."""
+    if not (quant_ops.vnni("native") and i8_avx2("avx2")):
+        pytest.skip("needs the AVX-512 VNNI build and the AVX2 one (an AVX-512 VNNI CPU)")
+    values = BLOCKS[qtype][0]
+    prev = torch.get_num_threads()
+    try:
+        for rows, nb in ((17, 3 if values == 256 else 20), (37, 1 if values == 256 else 3)):
+            cols = nb * values
+            qt = random_blocks(qtype, rows, cols, rows)
+            x = torch.randn(33, cols, generator=torch.Generator().manual_seed(nb))
+            x[4, :32] = 0.0
+            x[::4, 3] = 50.0  # outliers: residual planes
+            bias = torch.randn(rows, generator=torch.Generator().manual_seed(2))
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for t in (1, 3, 8, 9, 16, 17, 33):
+                    a = quant_ops.matmul(qt, x[:t], bias, mode="prefill", isa="native")
+                    b = quant_ops.matmul(qt, x[:t], bias, mode="prefill", isa="avx2")
+                    assert torch.equal(a, b), (qtype, rows, cols, t, threads)
+    finally:
+        torch.set_num_threads(prev)

@@ -1,7 +1,7 @@
 /* loom's CPU kernels: one shared library, built at run time by loom.runtime.native from the .c
    files of this folder (attention.c, attn_avx2.c, forward.c, heads.c, ngram_store.c, pool.c,
    quant.c, quant_bi.c, quant_bi2.c, quant_bi_avx2.c, quant_gemv_avx2.c, quant_gemv1_avx2.c,
-   quant_gemv_k_avx2.c, quant_i8.c, layout.c).
+   quant_gemv_k_avx2.c, quant_i8.c, quant_i8_avx2.c, layout.c).
 
    This header is the contract with Python. Every function Python calls is declared here with
    LOOM_API, and native.py generates the ctypes signatures from these prototypes (pointers:
@@ -411,6 +411,15 @@ LOOM_API extern float loom_q_i8_resid;
 int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                      int64_t ldy, int accumulate, int threads);
+/* quant_i8_avx2.c: mode 5 in AVX2 + FMA builds without AVX-512 VNNI (quant_i8.c's arithmetic,
+   bitwise); the knob 1 (default) its AVX2 kernel, 0 the same arithmetic in scalar C (one
+   thread: the tests' bitwise reference); whether the build has it; the kernel (quant_i8.c ->
+   it, loom_q_matmul's arguments; -1 where not built) */
+LOOM_API extern int loom_q_i8_avx2;
+LOOM_API int loom_q_i8_avx2_built(void);
+int loom_q_matmul_i8_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
+                          const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
+                          int64_t ldy, int accumulate, int threads);
 
 /* pool.c: loom_par_for(nthreads, n, chunk, fn, ctx) runs fn(ctx, i0, i1, worker) over [0, n) in
    chunks of `chunk` items, claimed by the caller (worker 0) and the pool's helpers (workers

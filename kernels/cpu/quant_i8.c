@@ -18,7 +18,8 @@
    - unit j: I_j = sum u q - o * sum q, an exact int32 (= sum w q);
    - y = ((accumulate ? y : 0) + P) + bias with P from +0 over the units in increasing j:
        P = fma((float) I_j, s_j * dx_j, P);   asym: P = fma(b_j, xs_j, P), xs_j = dx_j * sum q.
-   Types without the kernel, and builds without AVX-512 VNNI, take mode 4 (auto) instead. */
+   AVX2 + FMA builds without AVX-512 VNNI take quant_i8_avx2.c's kernel (the same arithmetic,
+   bitwise); types without a kernel, and builds without either, take mode 4 (auto) instead. */
 
 #include "loom_cpu.h"
 
@@ -33,7 +34,9 @@ enum { IQ8_0 = 0, IQ4_0 = 1, IQ4_1 = 2, IQ4_K = 3, IQ6_K = 4, IQ5_0 = 5, IQ5_1 =
 
 float loom_q_i8_resid = 1e-3f; /* loom_cpu.h */
 
-int loom_q_i8_type(int qtype) { return I8_AVX512 && qtype >= IQ8_0 && qtype <= IQ5_1; }
+int loom_q_i8_type(int qtype) {
+    return (I8_AVX512 || loom_q_i8_avx2_built()) && qtype >= IQ8_0 && qtype <= IQ5_1;
+}
 
 #if I8_AVX512
 #define I8_ROWS 4 /* rows of one pass */
@@ -394,6 +397,9 @@ int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
     free_each(held, nheld);
     return failed ? -2 : 0;
 #else
+    if (loom_q_i8_avx2_built())
+        return loom_q_matmul_i8_avx2(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate,
+                                     threads);
     return loom_q_matmul(qtype, 4, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate, threads);
 #endif
 }
