@@ -25,7 +25,7 @@ from loom.radix.tree import MatchResult, as_slots
 
 
 class ReqToTokenPoolLike(Protocol):
-    req_to_token: Any  # int32/int64 tensor [max_reqs, max_context]; row = req.req_pool_idx
+    req_to_token: Any  # int32/int64 [max_reqs, max_context], numpy or a tensor; row = req_pool_idx
 
 
 class AllocatorLike(Protocol):
