@@ -19,19 +19,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import torch
+import numpy as np
 
-from loom.radix.tree import MatchResult
+from loom.radix.tree import MatchResult, as_slots
 
 
 class ReqToTokenPoolLike(Protocol):
-    req_to_token: torch.Tensor  # int32/int64 [max_reqs, max_context]; row = req.req_pool_idx
+    req_to_token: Any  # int32/int64 [max_reqs, max_context], numpy or a tensor; row = req_pool_idx
 
 
 class AllocatorLike(Protocol):
     page_size: int
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: np.ndarray) -> None:
         """Return slots; with page_size > 1 frees the unique pages `slots // page_size`."""
 
     def available_size(self) -> int: ...
@@ -41,7 +41,7 @@ class ReqLike(Protocol):
     fill_ids: list[int]  # prompt + output ids the request holds
     kv_len: int  # leading fill_ids whose KV is written at req_to_token[row, :kv_len]
     req_pool_idx: int
-    prefix_indices: torch.Tensor  # the tree's slots the request borrowed (never freed by it)
+    prefix_indices: np.ndarray  # the tree's slots the request borrowed (never freed by it)
     last_node: Any  # the node locked on the request's behalf, or None
     extra_key: str | None
 
@@ -106,7 +106,25 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def check_integrity(self) -> None: ...
 
-    def _row(self, req: ReqLike) -> torch.Tensor:
+    def _row(self, req: ReqLike) -> np.ndarray:
         """The request's first kv_len slots as int64 (a copy: the row gets rewritten)."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len]
-        return row.to(dtype=torch.int64, copy=True)
+        return read_slots(self.req_to_token_pool.req_to_token, req.req_pool_idx, 0, req.kv_len)
+
+
+def read_slots(table, row: int, start: int, end: int) -> np.ndarray:
+    """`table[row, start:end]` as a numpy int64 array (a copy), from a numpy table or a tensor
+    on any device. Slots are numpy on the host (radix values, `Req.prefix_indices`, the
+    allocator's); the request table is the runner's, a tensor where the forward reads it."""
+    return as_slots(table[row, start:end])
+
+
+def write_slots(table, row: int, start: int, slots: np.ndarray) -> None:
+    """`table[row, start:start+len(slots)] = slots` for a numpy table or a tensor on any device
+    (a CPU tensor is written through its numpy view: no torch index_put)."""
+    end = start + len(slots)
+    if isinstance(table, np.ndarray):
+        table[row, start:end] = slots
+    elif table.device.type == "cpu":
+        table.numpy()[row, start:end] = slots
+    else:
+        table[row, start:end] = table.new_tensor(slots)

@@ -15,9 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
-from loom.radix.base import AllocatorLike, BasePrefixCache, ReqLike, ReqToTokenPoolLike
+from loom.radix.base import (
+    AllocatorLike,
+    BasePrefixCache,
+    ReqLike,
+    ReqToTokenPoolLike,
+    write_slots,
+)
 from loom.radix.tree import MatchResult, RadixTree, TreeNode
 
 
@@ -38,7 +44,7 @@ class RadixCache(BasePrefixCache):
     def match_prefix(self, key: Sequence[int], extra_key: str | None = None) -> MatchResult:
         return self.tree.match_prefix(key, extra_key)
 
-    def _insert_computed(self, req: ReqLike) -> tuple[list[int], torch.Tensor, int]:
+    def _insert_computed(self, req: ReqLike) -> tuple[list[int], np.ndarray, int]:
         """Insert the request's page-aligned KV and free the duplicates it computed.
 
         Returns (aligned tokens, the request's slots for [0, kv_len), aligned length).
@@ -81,8 +87,7 @@ class RadixCache(BasePrefixCache):
         tokens, _, aligned = self._insert_computed(req)
         match = self.tree.match_prefix(tokens, getattr(req, "extra_key", None))
         assert len(match.indices) == aligned, (len(match.indices), aligned)
-        table = self.req_to_token_pool.req_to_token
-        table[req.req_pool_idx, :aligned] = match.indices.to(device=table.device, dtype=table.dtype)
+        write_slots(self.req_to_token_pool.req_to_token, req.req_pool_idx, 0, match.indices)
         self.inc_lock_ref(match.last_node)  # lock the new path before releasing the old one
         self.dec_lock_ref(req.last_node)
         req.prefix_indices = match.indices

@@ -45,6 +45,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from loom.radix.base import AllocatorLike, ReqLike, ReqToTokenPoolLike
@@ -182,7 +183,7 @@ class HiRadixCache(RadixCache):
         return root
 
     @staticmethod
-    def _run(slots: torch.Tensor) -> slice | None:
+    def _run(slots: np.ndarray) -> slice | None:
         """`slots` as a slice when they are consecutive (fresh pages usually are): a slice
         copy runs at memory speed, an indexed copy was ~10x slower on the CPU."""
         n = len(slots)
@@ -191,10 +192,11 @@ class HiRadixCache(RadixCache):
             return slice(first, first + n)
         return None
 
-    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+    def _gather(self, slots: np.ndarray) -> torch.Tensor:
         """The KV of `slots` as [2, layers, n, kv_heads, head_dim] (a copy)."""
         pool = self.kv_pool
         run = self._run(slots)
+        index = torch.from_numpy(slots) if run is None else None
         out = torch.empty(
             self.page_shape[:2] + (len(slots),) + self.page_shape[3:], dtype=self.dtype
         )
@@ -203,21 +205,22 @@ class HiRadixCache(RadixCache):
                 out[0, layer].copy_(kb[run])
                 out[1, layer].copy_(vb[run])
             else:
-                torch.index_select(kb, 0, slots, out=out[0, layer])
-                torch.index_select(vb, 0, slots, out=out[1, layer])
+                torch.index_select(kb, 0, index, out=out[0, layer])
+                torch.index_select(vb, 0, index, out=out[1, layer])
         return out
 
-    def _scatter(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    def _scatter(self, slots: np.ndarray, kv: torch.Tensor) -> None:
         run = self._run(slots)
+        index = torch.from_numpy(slots) if run is None else None
         for layer, (kb, vb) in enumerate(zip(self.kv_pool.k_buffers, self.kv_pool.v_buffers)):
             if run is not None:
                 kb[run].copy_(kv[0, layer])
                 vb[run].copy_(kv[1, layer])
             else:
-                kb.index_copy_(0, slots, kv[0, layer])
-                vb.index_copy_(0, slots, kv[1, layer])
+                kb.index_copy_(0, index, kv[0, layer])
+                vb.index_copy_(0, index, kv[1, layer])
 
-    def _store_pages(self, tokens: list[int], slots: torch.Tensor, first: int, extra_key,
+    def _store_pages(self, tokens: list[int], slots: np.ndarray, first: int, extra_key,
                      to_l3: bool) -> None:  # fmt: skip
         """Copy pages `first..` of `tokens` (KV at `slots`, one per token) to L2, and to L3
         when `to_l3`; pages a tier already holds are only refreshed."""
@@ -355,7 +358,7 @@ class HiRadixCache(RadixCache):
             logger.warning("hicache storage %s failed: %s", self.storage.name, job.error)
 
     # ---------------------------------------------------------------- tree hooks
-    def _path(self, node: TreeNode) -> tuple[list[int], torch.Tensor]:
+    def _path(self, node: TreeNode) -> tuple[list[int], np.ndarray]:
         """Tokens and slots from the root to the end of `node`."""
         keys, values = [], []
         while node is not self.tree.root:
@@ -363,7 +366,7 @@ class HiRadixCache(RadixCache):
             values.append(node.value)
             node = node.parent
         tokens = [t for k in reversed(keys) for t in k]
-        return tokens, torch.cat(values[::-1])
+        return tokens, np.concatenate(values[::-1])
 
     def _on_evict(self, node: TreeNode) -> None:
         """Keep the evicted node's whole pages (a page straddling its start reads the head
@@ -396,7 +399,7 @@ class HiRadixCache(RadixCache):
         self,
         key: Sequence[int],
         extra_key: str | None,
-        alloc: Callable[[int], torch.Tensor | None],
+        alloc: Callable[[int], np.ndarray | None],
     ) -> int:
         """Extend the L1 match of `key` with the pages L2/L3 hold (see the module docstring);
         returns the tokens loaded into L1. `alloc(n)` gives n fresh slots (or None)."""
@@ -434,7 +437,7 @@ class HiRadixCache(RadixCache):
         kv = torch.cat([self.codec.unpack(f) for f in found], dim=2)
         kv = kv[:, :, n1 - first * self.block :]
         self._scatter(slots, kv)
-        present = self.tree.insert(key[:end], torch.cat([match.indices, slots]), extra_key)
+        present = self.tree.insert(key[:end], np.concatenate([match.indices, slots]), extra_key)
         if present > n1:  # cannot happen single-threaded; keep the ownership rule anyway
             self.token_to_kv_pool_allocator.free(slots[: present - n1])
         page_bytes = self.codec.page_bytes

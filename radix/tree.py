@@ -1,6 +1,6 @@
 """RadixAttention's prefix tree: token-id sequences -> KV slot indices.
 
-The tree knows nothing of requests, pools or devices: a value is a 1-D int64 CPU tensor of KV
+The tree knows nothing of requests, pools or devices: a value is a 1-D numpy int64 array of KV
 slot indices, one per token of the node's key, and the only way slots leave the tree is
 `evict`, which hands them to `on_free`. That keeps it testable with simulated slot numbers.
 
@@ -27,19 +27,27 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 ChildKey = tuple[Any, Any]  # (extra_key, first token id | first page tuple)
 
 
-def _as_list(key: Sequence[int] | torch.Tensor) -> list[int]:
-    if isinstance(key, torch.Tensor):
+def _as_list(key) -> list[int]:
+    """A key as a list of ints (a list, a numpy array or a tensor of token ids)."""
+    if hasattr(key, "tolist"):
         return key.tolist()
     return list(key)
 
 
-def empty_indices() -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64)
+def as_slots(value) -> np.ndarray:
+    """A 1-D int64 numpy copy of slots (a numpy array, a list, or a tensor on any device)."""
+    if hasattr(value, "cpu"):  # a tensor: through its own numpy view
+        value = value.cpu().numpy()
+    return np.array(value, dtype=np.int64).reshape(-1)
+
+
+def empty_indices() -> np.ndarray:
+    return np.empty(0, dtype=np.int64)
 
 
 class TreeNode:
@@ -52,7 +60,7 @@ class TreeNode:
     def __init__(
         self,
         key: list[int],
-        value: torch.Tensor,
+        value: np.ndarray,
         parent: TreeNode | None,
         extra_key: str | None,
         last_access: int,
@@ -84,7 +92,7 @@ class MatchResult:
     `indices, last_node = result`.
     """
 
-    indices: torch.Tensor
+    indices: np.ndarray
     last_node: TreeNode | None
 
     def __iter__(self) -> Iterator[Any]:
@@ -97,7 +105,7 @@ class RadixTree:
     def __init__(
         self,
         page_size: int = 1,
-        on_free: Callable[[torch.Tensor], None] | None = None,
+        on_free: Callable[[np.ndarray], None] | None = None,
         on_evict: Callable[[TreeNode], None] | None = None,
     ) -> None:
         assert page_size >= 1, page_size
@@ -163,12 +171,12 @@ class RadixTree:
     # ---- match / insert -------------------------------------------------------------------
 
     def match_prefix(
-        self, key: Sequence[int] | torch.Tensor, extra_key: str | None = None
+        self, key: Sequence[int] | np.ndarray, extra_key: str | None = None
     ) -> MatchResult:
         """Longest cached (page-aligned) prefix of `key` under `extra_key`.
 
         Splits a node the match ends inside, so `last_node` covers exactly the match. Touches
-        the LRU time of every node on the path. The returned tensor is a copy.
+        the LRU time of every node on the path. The returned array is a copy.
         """
         key = _as_list(key)
         key = key[: len(key) - len(key) % self.page_size]
@@ -187,13 +195,13 @@ class RadixTree:
             node, pos = child, pos + n
             if split:  # key diverges inside the old node: nothing further can match
                 break
-        indices = torch.cat(values) if values else empty_indices()
+        indices = np.concatenate(values) if values else empty_indices()
         return MatchResult(indices, node)
 
     def insert(
         self,
-        key: Sequence[int] | torch.Tensor,
-        value: torch.Tensor,
+        key: Sequence[int] | np.ndarray,
+        value: np.ndarray,
         extra_key: str | None = None,
     ) -> int:
         """Cache `key -> value`; return how many leading tokens were already cached.
@@ -213,7 +221,7 @@ class RadixTree:
             if child is None:
                 leaf = TreeNode(
                     key[pos:],
-                    value[pos:].to(device="cpu", dtype=torch.int64, copy=True),
+                    as_slots(value[pos:]),
                     node,
                     extra_key,
                     now,
@@ -289,10 +297,10 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def all_values(self) -> torch.Tensor:
+    def all_values(self) -> np.ndarray:
         """Every slot the tree owns, concatenated (order unspecified)."""
         values = [n.value for n in self._nodes()]
-        return torch.cat(values) if values else empty_indices()
+        return np.concatenate(values) if values else empty_indices()
 
     def pretty_print(self) -> str:
         lines: list[str] = []
@@ -331,14 +339,14 @@ class RadixTree:
                 if node is not self.root:
                     assert child.extra_key == node.extra_key, f"{where}: extra_key differs"
                 v = child.value
-                assert v.dtype == torch.int64 and v.dim() == 1 and v.device.type == "cpu", (
-                    f"{where}: value must be a 1-D int64 CPU tensor"
+                assert isinstance(v, np.ndarray) and v.dtype == np.int64 and v.ndim == 1, (
+                    f"{where}: value must be a 1-D numpy int64 array"
                 )
                 assert len(v) == len(child.key), f"{where}: {len(v)} slots for {len(child.key)}"
                 if ps > 1:
-                    pages = v.view(-1, ps)
+                    pages = v.reshape(-1, ps)
                     assert bool((pages[:, 0] % ps == 0).all()) and bool(
-                        (pages - pages[:, :1] == torch.arange(ps)).all()
+                        (pages - pages[:, :1] == np.arange(ps)).all()
                     ), f"{where}: a page-sized run of slots is not one whole KV page"
                 slots = v.tolist()
                 dup = seen.intersection(slots)

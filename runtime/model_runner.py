@@ -17,12 +17,8 @@ from loom.runtime.forward_batch import (
     host_tensor,
 )
 from loom.runtime.graph_runner import create_graph_runner
-from loom.runtime.memory_pool import (
-    PagedAllocator,
-    ReqToTokenPool,
-    TokenToKVPool,
-    resolve_kv_dtype,
-)
+from loom.runtime.kv_pages import PagedAllocator
+from loom.runtime.memory_pool import ReqToTokenPool, TokenToKVPool, resolve_kv_dtype
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
 from loom.runtime.sampler import greedy_accepts, greedy_rows, sample_verify_trees

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from loom.runtime.sampling_params import SamplingParams
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
+if TYPE_CHECKING:
+    import torch
+
+_EMPTY = np.empty(0, dtype=np.int64)  # slots are numpy int64 on the host (radix/base.py)
 
 
 @dataclass
@@ -72,7 +75,7 @@ class Req:
 
         # KV state
         self.req_pool_idx: int | None = None
-        self.prefix_indices: torch.Tensor = _EMPTY
+        self.prefix_indices: np.ndarray = _EMPTY
         self.last_node: Any = None
         self.kv_len = 0
         self.extend_len = 0  # positions computed in the current step (drafts included)
@@ -95,7 +98,7 @@ class Req:
         # first draft and kept; None: not decided yet)
         self.spec_head: bool | None = None
         self.spec_state: Any = None  # the drafter's incremental state for this request
-        self.new_slots: torch.Tensor = _EMPTY  # KV slots allocated for the current step
+        self.new_slots: np.ndarray = _EMPTY  # KV slots allocated for the current step
         self.cached_tokens = 0  # prompt tokens served from the radix cache (reported)
         self.is_chunked = False
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -36,7 +37,7 @@ class FakeAllocator:
         self.free_pages.remove(page)
         return page
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: np.ndarray) -> None:
         pages = set((slots // self.page_size).tolist())
         twice = pages & self.free_pages
         assert not twice, f"pages {sorted(twice)} freed twice"
@@ -58,7 +59,7 @@ class FakeReq:
     req_pool_idx: int
     extra_key: str | None = None
     kv_len: int = 0
-    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    prefix_indices: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     last_node: object = None
 
 
@@ -80,7 +81,7 @@ class Harness:
         m = self.cache.match_prefix(tokens, extra_key)
         self.cache.inc_lock_ref(m.last_node)
         req.prefix_indices, req.last_node, req.kv_len = m.indices, m.last_node, len(m.indices)
-        self.row(req)[: req.kv_len] = m.indices.to(torch.int32)
+        self.row(req)[: req.kv_len] = torch.from_numpy(m.indices).to(torch.int32)
         self.live.append(req)
         return req
 
@@ -114,8 +115,8 @@ class Harness:
 
     def check(self) -> None:
         self.cache.check_integrity()
-        tree = self.cache.tree.all_values() if not self.cache.disable else torch.empty(0)
-        tree_pages = set((tree.long() // self.ps).tolist())
+        tree = self.cache.tree.all_values() if not self.cache.disable else np.empty(0, np.int64)
+        tree_pages = set((tree // self.ps).tolist())
         assert len(tree_pages) * self.ps == self.cache.total_size()
         parts = [self.alloc.free_pages, tree_pages] + [self.owned_pages(r) for r in self.live]
         assert sum(len(p) for p in parts) == self.alloc.num_pages, "a page leaked or is shared"
@@ -190,7 +191,7 @@ def test_chunked_prefill_then_decode(ps: int):
     h.finish(req)
     kv = len(prompt) + 3
     assert h.cache.total_size() == kv - kv % ps and h.cache.protected_size() == 0
-    assert h.cache.match_prefix(req.fill_ids).indices.numel() == kv - kv % ps
+    assert h.cache.match_prefix(req.fill_ids).indices.size == kv - kv % ps
     h.check()
 
 
@@ -286,7 +287,7 @@ def test_reset():
     h.finish(a)
     h.cache.reset()  # returns the cached slots to the allocator
     assert h.cache.total_size() == 0
-    assert h.cache.match_prefix([1, 2, 3]).indices.numel() == 0
+    assert h.cache.match_prefix([1, 2, 3]).indices.size == 0
     assert h.alloc.available_size() == h.alloc.num_pages
     h.check()
     b = h.admit([1, 2, 3])

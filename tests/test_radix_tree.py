@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from loom.radix.tree import MatchResult, RadixTree
 
 
-def slots(*xs: int) -> torch.Tensor:
-    return torch.tensor(xs, dtype=torch.int64)
+def slots(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.int64)
 
 
-def span(start: int, n: int) -> torch.Tensor:
-    return torch.arange(start, start + n, dtype=torch.int64)
+def span(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int64)
 
 
 class Freed:
@@ -22,7 +23,7 @@ class Freed:
     def __init__(self) -> None:
         self.calls: list[list[int]] = []
 
-    def __call__(self, value: torch.Tensor) -> None:
+    def __call__(self, value: np.ndarray) -> None:
         self.calls.append(value.tolist())
 
     @property
@@ -34,10 +35,10 @@ def test_match_on_empty_tree():
     tree = RadixTree()
     m = tree.match_prefix([1, 2, 3])
     assert isinstance(m, MatchResult)
-    assert m.indices.dtype == torch.int64 and m.indices.numel() == 0
+    assert isinstance(m.indices, np.ndarray) and m.indices.dtype == np.int64 and m.indices.size == 0
     assert m.last_node is tree.root
     indices, node = tree.match_prefix([])  # unpacks like a tuple
-    assert indices.numel() == 0 and node is tree.root
+    assert indices.size == 0 and node is tree.root
     assert tree.total_size() == 0
     tree.check_integrity()
 
@@ -88,7 +89,7 @@ def test_match_result_is_a_copy():
     tree = RadixTree()
     tree.insert([1, 2, 3], span(0, 3))
     m = tree.match_prefix([1, 2, 3])
-    m.indices.fill_(-1)
+    m.indices.fill(-1)
     assert tree.match_prefix([1, 2, 3]).indices.tolist() == [0, 1, 2]
 
 
@@ -96,7 +97,7 @@ def test_insert_copies_the_callers_tensor():
     tree = RadixTree()
     row = span(0, 4)
     tree.insert([1, 2, 3, 4], row)
-    row.fill_(99)  # the caller's req_to_token row gets reused
+    row.fill(99)  # the caller's req_to_token row gets reused
     assert tree.match_prefix([1, 2, 3, 4]).indices.tolist() == [0, 1, 2, 3]
 
 
@@ -104,6 +105,9 @@ def test_key_may_be_a_tensor_or_tuple():
     tree = RadixTree()
     tree.insert(torch.tensor([5, 6, 7]), span(0, 3))
     assert tree.match_prefix((5, 6)).indices.tolist() == [0, 1]
+    tree.insert(np.array([5, 6, 8]), torch.arange(10, 13))  # a CPU tensor of slots reads too
+    m = tree.match_prefix([5, 6, 8])
+    assert m.indices.tolist() == [0, 1, 12] and m.last_node.value.dtype == np.int64
 
 
 def test_eviction_is_lru_and_frees_parents_that_become_leaves():
@@ -170,7 +174,7 @@ def test_page_size_alignment():
     tree = RadixTree(page_size=ps)
     # Keys are page-aligned on insert; slots of a page are one whole KV page.
     assert tree.insert([1, 2, 3, 4, 5, 6, 7, 8], span(8, 8)) == 0
-    assert tree.match_prefix([1, 2, 3]).indices.numel() == 0  # less than a page
+    assert tree.match_prefix([1, 2, 3]).indices.size == 0  # less than a page
     assert tree.match_prefix([1, 2, 3, 4, 5, 6]).indices.tolist() == [8, 9, 10, 11]
     m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7, 9])  # diverges inside page 2: split at 4
     assert m.indices.tolist() == [8, 9, 10, 11] and m.last_node.key == [1, 2, 3, 4]
@@ -210,8 +214,8 @@ def test_integrity_catches_a_corrupted_tree():
 def test_extra_key_isolation():
     tree = RadixTree()
     tree.insert([1, 2, 3], span(0, 3), extra_key="lora-a")
-    assert tree.match_prefix([1, 2, 3]).indices.numel() == 0
-    assert tree.match_prefix([1, 2, 3], extra_key="lora-b").indices.numel() == 0
+    assert tree.match_prefix([1, 2, 3]).indices.size == 0
+    assert tree.match_prefix([1, 2, 3], extra_key="lora-b").indices.size == 0
     assert tree.match_prefix([1, 2, 3], extra_key="lora-a").indices.tolist() == [0, 1, 2]
     assert tree.insert([1, 2, 3], span(10, 3)) == 0  # no sharing across namespaces
     assert tree.insert([1, 2, 3, 4], span(20, 4), extra_key="lora-a") == 3
@@ -227,7 +231,7 @@ def test_reset_drops_everything_without_freeing():
     tree.inc_lock_ref(tree.match_prefix([1, 2]).last_node)
     tree.reset()
     assert tree.total_size() == tree.evictable_size() == tree.protected_size() == 0
-    assert tree.match_prefix([1, 2, 3]).indices.numel() == 0
+    assert tree.match_prefix([1, 2, 3]).indices.size == 0
     assert freed.calls == []
     tree.check_integrity()
 

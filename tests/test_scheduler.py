@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,7 +161,7 @@ def test_decode_input_is_the_general_one(model):
     for r, draft in zip(reqs, ([5, 6, 7], [], [4])):
         r.draft_ids, r.extend_len = draft, 1 + len(draft)
     batch = ScheduleBatch(reqs, is_decode=True)
-    batch.out_cache_loc = torch.arange(7, 14)
+    batch.out_cache_loc = np.arange(7, 14)  # slots are numpy on the host
     verify = same(batch)
     assert verify.sample_counts == [4, 1, 2] and verify.mode.name == "EXTEND"
     assert verify.positions.tolist()[:4] == list(range(reqs[0].kv_len, reqs[0].kv_len + 4))
@@ -169,6 +170,6 @@ def test_decode_input_is_the_general_one(model):
         r.draft_ids, r.extend_len = [], 1
     reqs[1].finished_reason = {"type": "length", "length": 1}  # rides a step, samples nothing
     batch = ScheduleBatch(reqs, is_decode=True)
-    batch.out_cache_loc = torch.tensor([7, 8, 9])
+    batch.out_cache_loc = np.array([7, 8, 9])
     decode = same(batch)
     assert decode.sample_counts == [1, 0, 1] and decode.mode.name == "DECODE"

@@ -136,7 +136,9 @@ class DecodeSide(Side):
             )
             return False
         if header.num_tokens:
-            slots = req.new_slots.to(self.kv_pool.k_buffers[0].device)
+            import torch  # the pool's side; the request's slots are numpy on the host
+
+            slots = torch.from_numpy(req.new_slots).to(self.kv_pool.k_buffers[0].device)
             for layer, (kb, vb) in enumerate(zip(self.kv_pool.k_buffers, self.kv_pool.v_buffers)):
                 kb[slots] = k[layer].to(kb.device, kb.dtype)
                 vb[slots] = v[layer].to(vb.device, vb.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from loom.runtime.forward_batch import ForwardMode, ModelInput, StepDrafts, host_tensor
@@ -23,7 +24,7 @@ class ScheduleBatch:
         self.model_input: ModelInput | None = None
         # KV slots of the step's positions, in order (a decode step allocates them at once;
         # otherwise each request's `new_slots`)
-        self.out_cache_loc: torch.Tensor | None = None
+        self.out_cache_loc: np.ndarray | None = None
         # the step's grammar owner (`build_input`) and the rows it left lazy
         self.grammar: StepGrammar | None = None
         self.lazy_rows = None
@@ -37,14 +38,14 @@ class ScheduleBatch:
             return ForwardMode.DECODE
         return ForwardMode.EXTEND  # prompts, jump-forward text and draft verification
 
-    def _slots(self) -> torch.Tensor:
+    def _slots(self) -> np.ndarray:
         """The step's KV slots in order: the decode allocation's, else each request's
-        `new_slots` (one request's own tensor as it is: the forward only reads them)."""
+        `new_slots` (one request's own array as it is: the forward only reads them)."""
         if self.out_cache_loc is not None:
             return self.out_cache_loc
         if len(self.reqs) == 1:
             return self.reqs[0].new_slots
-        return torch.cat([r.new_slots for r in self.reqs])
+        return np.concatenate([r.new_slots for r in self.reqs])
 
     def build_input(self, vocab_size: int, grammar: StepGrammar | None = None) -> ModelInput:
         """The step's tokens, positions and KV slots, what each request samples and with
@@ -166,7 +167,7 @@ class ScheduleBatch:
             mode=mode,
             input_ids=index[:t],
             positions=index[t : 2 * t],
-            out_cache_loc=self._slots(),
+            out_cache_loc=torch.from_numpy(self._slots()),  # zero-copy: the runner's seam
             req_pool_indices=index[2 * t : 2 * t + b],
             seq_lens=seq_lens,
             seq_lens_tensor=index[2 * t + b :],

@@ -20,9 +20,9 @@ processing and jump-forward ask it.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from loom.runtime.forward_batch import host_tensor
+from loom.radix.base import read_slots, write_slots
 from loom.runtime.req import Req
 
 _NO_LOAD = object()  # a request `ready` has not looked at yet
@@ -40,7 +40,7 @@ class KVManager:
     def hierarchical(self) -> bool:
         return getattr(self.tree_cache, "hierarchical", False)
 
-    def _alloc_cached(self, n: int) -> torch.Tensor | None:
+    def _alloc_cached(self, n: int) -> np.ndarray | None:
         """Fresh slots for n tokens the prefix cache loads from a lower tier (they enter the
         tree at once, so they are cached, never owned by a request); evicts if needed."""
         need = -(-n // self.page_size) * self.page_size
@@ -124,8 +124,7 @@ class KVManager:
         self.tree_cache.inc_lock_ref(req.last_node)
         n = len(match.indices)
         if n:
-            table = self.req_to_token_pool.req_to_token
-            table[row, :n] = match.indices.to(table.device)
+            write_slots(self.req_to_token_pool.req_to_token, row, 0, match.indices)
         req.kv_len = n
         return True
 
@@ -152,7 +151,7 @@ class KVManager:
             short = need - self.allocator.available_size()
         return short
 
-    def alloc(self, req: Req, n: int) -> torch.Tensor | None:
+    def alloc(self, req: Req, n: int) -> np.ndarray | None:
         """Slots for positions kv_len .. kv_len+n-1 of `req`, evicting cache if needed; they
         are written into the request's row and kept on `req.new_slots`."""
         need = self.allocator.pages_needed(req.kv_len, n) * self.page_size
@@ -163,29 +162,35 @@ class KVManager:
             slots = self.allocator.alloc(n)
             if slots is None:
                 return None
-            view[req.req_pool_idx, req.kv_len : req.kv_len + n] = slots.numpy()
+            view[req.req_pool_idx, req.kv_len : req.kv_len + n] = slots
             req.new_slots = slots
             return slots
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        last = int(row[req.kv_len - 1]) if req.kv_len > 0 else 0
+        table = self.req_to_token_pool.req_to_token
+        last = int(table[req.req_pool_idx, req.kv_len - 1]) if req.kv_len > 0 else 0
         slots = self.allocator.alloc_extend(req.kv_len, last, n)
         if slots is None:
             return None
-        row[req.kv_len : req.kv_len + n] = slots.to(row.device)
+        write_slots(table, req.req_pool_idx, req.kv_len, slots)
         req.new_slots = slots
         return slots
 
-    def _table_view(self):
-        """`req_to_token` as a numpy array of the same memory, with page size 1 on the CPU (a
-        slot needs no page arithmetic there); None otherwise. Kept per table."""
+    def _host_table(self) -> np.ndarray | None:
+        """`req_to_token` as a numpy array of the same memory (the table itself when it is
+        numpy, a CPU tensor's view); None for a table on a device. Kept per table."""
         table = self.req_to_token_pool.req_to_token
-        if self.page_size != 1 or table.device.type != "cpu":
-            return None
         if self._table_np is None or self._table_np[0] is not table:
-            self._table_np = (table, table.numpy())
+            if isinstance(table, np.ndarray):
+                view = table
+            else:
+                view = table.numpy() if table.device.type == "cpu" else None
+            self._table_np = (table, view)
         return self._table_np[1]
 
-    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor:
+    def _table_view(self) -> np.ndarray | None:
+        """The host table with page size 1 (a slot needs no page arithmetic); None otherwise."""
+        return self._host_table() if self.page_size == 1 else None
+
+    def alloc_decode(self, reqs: list[Req]) -> np.ndarray:
         """One slot per request for position kv_len (the caller checked `pages_short`), in
         one vectorized step; returns the slots in request order."""
         table = self.req_to_token_pool.req_to_token
@@ -197,19 +202,26 @@ class KVManager:
             slots = self.allocator.alloc(b)
             assert slots is not None, "alloc_decode after pages_short said it fits"
             if b == 1:
-                view[reqs[0].req_pool_idx, reqs[0].kv_len] = slots.numpy()[0]
+                view[reqs[0].req_pool_idx, reqs[0].kv_len] = slots[0]
             else:
-                view[[r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]] = slots.numpy()
+                view[[r.req_pool_idx for r in reqs], [r.kv_len for r in reqs]] = slots
             return slots
-        index = host_tensor([r.req_pool_idx for r in reqs] + [r.kv_len for r in reqs], torch.int64)
-        rows, pos = index[:b], index[b:]
-        last = table[rows, (pos - 1).clamp(min=0)].cpu() if self.page_size > 1 else None
+        rows = np.array([r.req_pool_idx for r in reqs], dtype=np.int64)
+        pos = np.array([r.kv_len for r in reqs], dtype=np.int64)
+        t = self._host_table()
+        if t is not None:  # page size > 1 on the host: through the table's numpy view
+            last = t[rows, np.maximum(pos - 1, 0)].astype(np.int64)
+            slots = self.allocator.alloc_decode(pos, last)
+            assert slots is not None, "alloc_decode after pages_short said it fits"
+            t[rows, pos] = slots
+            return slots
+        dev_rows, dev_pos = table.new_tensor(rows).long(), table.new_tensor(pos).long()
+        last = None
+        if self.page_size > 1:
+            last = table[dev_rows, (dev_pos - 1).clamp(min=0)].cpu().numpy().astype(np.int64)
         slots = self.allocator.alloc_decode(pos, last)
         assert slots is not None, "alloc_decode after pages_short said it fits"
-        if table.device.type == "cpu":
-            table[rows, pos] = slots
-        else:
-            table[rows.to(table.device), pos.to(table.device)] = slots.to(table.device)
+        table[dev_rows, dev_pos] = table.new_tensor(slots)
         return slots
 
     def truncate(self, req: Req, new_len: int, written_end: int) -> None:
@@ -218,8 +230,8 @@ class KVManager:
         assert len(req.prefix_indices) <= new_len <= written_end, (req, new_len, written_end)
         first_free = -(-new_len // self.page_size) * self.page_size
         if first_free < written_end:
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            self.allocator.free(row[first_free:written_end].cpu())
+            table = self.req_to_token_pool.req_to_token
+            self.allocator.free(read_slots(table, req.req_pool_idx, first_free, written_end))
         req.kv_len = new_len
 
     # ------------------------------------------------------------ caching and release

@@ -3,7 +3,7 @@ extend batch under token and KV budgets."""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from loom.runtime.req import Req
 from loom.runtime.scheduler.batch import ScheduleBatch
@@ -260,4 +260,4 @@ class InBatchPrefixes:
 
     def add(self, req: Req) -> None:
         ids = req.fill_ids
-        self.tree.insert(ids, torch.arange(len(ids), dtype=torch.int64), extra_key=req.extra_key)
+        self.tree.insert(ids, np.arange(len(ids), dtype=np.int64), extra_key=req.extra_key)
