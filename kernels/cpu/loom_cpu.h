@@ -49,6 +49,17 @@ static inline float fast_expf(float x) {
     return x < -87.f ? 0.f : p * scale;
 }
 
+/* The block types' shared facts, by quant.c's type ids (Q8_0 0, Q4_0 1, Q4_1 2, Q4_K 3, Q6_K 4,
+   Q5_0 5, Q5_1 6), for the kernels that decode rows to integer codes (quant_bi.c, quant_i8.c,
+   quant_i8_avx2.c): the values of one scaled unit (Q6_K's sub-blocks of 16, else 32), whether a
+   unit carries an offset (Q4_1 / Q5_1 / Q4_K: y gets b_j * (dx * sum of codes)), and the offset o
+   that makes a symmetric type's codes w + o unsigned (0 for the asymmetric ones). */
+static inline int q_unit_len(int qtype) { return qtype == 4 ? 16 : 32; }
+static inline int q_is_asym(int qtype) { return qtype == 2 || qtype == 6 || qtype == 3; }
+static inline int q_sym_offset(int qtype) {
+    return qtype == 0 ? 128 : qtype == 1 ? 8 : qtype == 5 ? 16 : qtype == 4 ? 32 : 0;
+}
+
 /* A K or V row as f32: in place for an f32 pool, else widened into `buf` (bf16 -> f32 is a
    16-bit shift, which vectorizes; an element-wise load inside the dot products does not). */
 static inline const float* row_f32(const float* p, float* buf, int64_t n) {

@@ -48,17 +48,6 @@ enum { BQ8_0 = 0, BQ4_0 = 1, BQ4_1 = 2, BQ4_K = 3, BQ6_K = 4, BQ5_0 = 5, BQ5_1 =
                        per block, not once per 4 rows */
 #define BI_Q 32512
 
-static int unit_len(int qtype) { return qtype == BQ6_K ? 16 : 32; }
-static int is_asym(int qtype) { return qtype == BQ4_1 || qtype == BQ5_1 || qtype == BQ4_K; }
-static int sym_offset(int qtype) {
-    switch (qtype) {
-        case BQ8_0: return 128;
-        case BQ4_0: return 8;
-        case BQ5_0: return 16;
-        case BQ6_K: return 32;
-        default: return 0;
-    }
-}
 
 /* a block's f16 scale: F16C's conversion inlined where the build has it (exact either way, so
    the same value as quant.c's loom_q_f16, which is a call into another unit per block) */
@@ -76,7 +65,7 @@ static inline float bi_f16(const uint8_t* p) {
    u, s16, b16: scratch of K bytes and K / 16 floats for quant.c's generic decoder. */
 static void bi_decode_row(int qtype, const uint8_t* row, int64_t K, int16_t* w, float* s,
                           float* b, uint8_t* u, float* s16, float* b16) {
-    const int G = unit_len(qtype);
+    const int G = q_unit_len(qtype);
     const int64_t nu = K / G;
     if (qtype == BQ4_0 || qtype == BQ4_1 || qtype == BQ8_0) {
         const int bb = qtype == BQ8_0 ? 34 : qtype == BQ4_0 ? 18 : 20;
@@ -183,7 +172,7 @@ static void bi_decode_row(int qtype, const uint8_t* row, int64_t K, int16_t* w, 
     }
 #endif
     loom_q_decode_row(qtype, row, K, u, s16, b16);
-    const int c = sym_offset(qtype);
+    const int c = q_sym_offset(qtype);
     for (int64_t k = 0; k < K; k++) w[k] = (int16_t)((int)u[k] - c);
     for (int64_t j = 0; j < nu; j++) {
         s[j] = s16[j * G / 16];
@@ -953,7 +942,7 @@ static void lanes_passes(void* ctx, int64_t i0, int64_t i1, int worker) {
 static int bi_lanes(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                     const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                     int64_t ldy, int accumulate, int threads) {
-    const int G = unit_len(qtype), ktype = qtype == BQ4_K || qtype == BQ6_K;
+    const int G = q_unit_len(qtype), ktype = qtype == BQ4_K || qtype == BQ6_K;
     const int64_t nu = K / G, nb = K / 32;
     int16_t* q = malloc(sizeof(int16_t) * (size_t)(K + 64));
     int32_t* xp = malloc(sizeof(int32_t) * (size_t)(T * nb * 16 + 16));
@@ -996,7 +985,7 @@ static int bi_lanes(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t r
 int loom_q_matmul_bi(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                      int64_t ldy, int accumulate, int threads) {
-    const int G = unit_len(qtype), asym = is_asym(qtype);
+    const int G = q_unit_len(qtype), asym = q_is_asym(qtype);
     const int64_t nu = K / G;
     if (K % G) return -1;
     /* AVX2 builds, 1-4 tokens of Q4_K / Q6_K: quant_gemv_k_avx2.c's GEMV (lanes = values; the

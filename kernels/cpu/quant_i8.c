@@ -43,17 +43,6 @@ int loom_q_i8_type(int qtype) {
 #define I8_TOK 16 /* tokens of one group (the lanes of a zmm) */
 #define I8_BLOCK 32 /* rows decoded at once, each used by every token group */
 
-static int i8_unit(int qtype) { return qtype == IQ6_K ? 16 : 32; }
-static int i8_asym(int qtype) { return qtype == IQ4_1 || qtype == IQ5_1 || qtype == IQ4_K; }
-static int i8_offset(int qtype) {
-    switch (qtype) {
-        case IQ8_0: return 128;
-        case IQ4_0: return 8;
-        case IQ5_0: return 16;
-        case IQ6_K: return 32;
-        default: return 0;
-    }
-}
 
 /* codes of v (|v| <= ~127): sign(v) floor(|v| + 0.5), at most 127 */
 static inline __m512i i8_round(__m512 v) {
@@ -299,7 +288,7 @@ int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
                      const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                      int64_t ldy, int accumulate, int threads) {
 #if I8_AVX512
-    const int G = i8_unit(qtype), off = i8_offset(qtype);
+    const int G = q_unit_len(qtype), off = q_sym_offset(qtype);
     const int64_t nu = K / G, ntg = (T + I8_TOK - 1) / I8_TOK;
     if (K % 32) return -1;
     /* [ntg][K / 4][16] quads of codes, [ntg][nu][16] per-unit scales, sums and offsets; the
@@ -328,7 +317,7 @@ int loom_q_matmul_i8(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t 
             cot[(g * nu + j) * 16 + i] = co2t[(g * nu + j) * 16 + i] = 0;
         }
     }
-    const I8Job jb = {qtype, G, i8_asym(qtype), off, w, N, K, row_bytes, T, ntg, nu, xp, xr, dxt,
+    const I8Job jb = {qtype, G, q_is_asym(qtype), off, w, N, K, row_bytes, T, ntg, nu, xp, xr, dxt,
                       xst, dx2t, cot, co2t, flt, bias, y, ldy, accumulate};
     const int64_t nblocks = (N + I8_BLOCK - 1) / I8_BLOCK;
     int failed = 0;

@@ -54,17 +54,8 @@ enum { JQ8_0 = 0, JQ4_0 = 1, JQ4_1 = 2, JQ4_K = 3, JQ6_K = 4, JQ5_0 = 5, JQ5_1 =
 #define IA_MAXG 1 /* 8-token groups of one pass (the code takes 1 or 2) */
 #define IA_BLOCK (8 * IA_ROWS) /* rows decoded at once, each used by every token group */
 
-static int ia_unit(int qtype) { return qtype == JQ6_K ? 16 : 32; }
-static int ia_asym(int qtype) { return qtype == JQ4_1 || qtype == JQ5_1 || qtype == JQ4_K; }
 /* quant_i8.c's o: u = w + o unsigned (Q8_0: the sign trick instead, no offset) */
-static int ia_offset(int qtype) {
-    switch (qtype) {
-        case JQ4_0: return 8;
-        case JQ5_0: return 16;
-        case JQ6_K: return 32;
-        default: return 0;
-    }
-}
+static int ia_offset(int qtype) { return qtype == JQ8_0 ? 0 : q_sym_offset(qtype); }
 /* vpmaddubsw results summed in int16 before the widening (see the file comment) */
 static int ia_m(int qtype) {
     switch (qtype) {
@@ -641,7 +632,7 @@ static void ia_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
    time, I = sum w q over the int16 codes (one thread) */
 static int ia_ref(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes, const float* x,
                   int64_t T, int64_t ldx, const float* bias, float* y, int64_t ldy, int accumulate) {
-    const int G = ia_unit(qtype), asym = ia_asym(qtype);
+    const int G = q_unit_len(qtype), asym = q_is_asym(qtype);
     const int64_t nu = K / G;
     int8_t* q = malloc((size_t)(T * K));
     int8_t* q2 = malloc((size_t)(T * K));
@@ -691,10 +682,10 @@ int loom_q_matmul_i8_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int
                           int64_t ldy, int accumulate, int threads) {
     if (qtype < JQ8_0 || qtype > JQ5_1 || K % 32 || ((qtype == JQ4_K || qtype == JQ6_K) && K % 256)) return -1;
     if (!loom_q_i8_avx2) return ia_ref(qtype, w, N, K, row_bytes, x, T, ldx, bias, y, ldy, accumulate);
-    const int G = ia_unit(qtype);
+    const int G = q_unit_len(qtype);
     const int64_t nu = K / G, ng = (T + 7) / 8;
     /* zeroed: the last group's lanes past T hold zero codes and scales */
-    IaJob jb = {qtype, G, ia_asym(qtype), ia_offset(qtype), w, N, K, row_bytes, T, ng, nu};
+    IaJob jb = {qtype, G, q_is_asym(qtype), ia_offset(qtype), w, N, K, row_bytes, T, ng, nu};
     jb.xp = calloc((size_t)(ng * (K / 4) * 8 + 8), sizeof(int32_t));
     jb.xr = calloc((size_t)(ng * (K / 4) * 8 + 8), sizeof(int32_t));
     jb.dxt = calloc((size_t)(ng * nu * 8 + 8), sizeof(float));
