@@ -24,7 +24,7 @@ pytest.importorskip("sglang_router")
 
 from loom.runtime.router.process import RouterProcess  # noqa: E402
 from loom.runtime.server.runtime_client import Runtime  # noqa: E402
-from tests.server_helpers import server_info  # noqa: E402
+from tests.server_helpers import server_info, wait_idle_and_intact  # noqa: E402
 
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
 PROMPTS = ["The capital of France is", "Once upon a time", "def add(a, b):"]
@@ -227,9 +227,13 @@ def test_power_of_two_sends_new_requests_to_the_less_loaded_worker(cluster):
         assert after[0] == before[0], (before, after)  # nothing new on the busy worker
         assert after[1] > before[1], (before, after)
         assert server_info(one)["num_running_reqs"] >= 1  # still busy all along
+        # the hogs have served their purpose: abort them (SGLang's abort_all) rather than
+        # decode the rest of their 48 x 900 tokens; each still gets its 200 reply
+        assert requests.post(one + "/abort_request", json={"abort_all": True}).status_code == 200
         for t in threads:
             t.join(600)
         assert busy == [200] * HOGS
+        wait_idle_and_intact(one)  # the aborted hogs freed their KV
     finally:
         router.shutdown()
 
