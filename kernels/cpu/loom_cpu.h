@@ -440,6 +440,11 @@ int loom_q_matmul_i8_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int
 typedef void (*loom_task_fn)(void* ctx, int64_t i0, int64_t i1, int worker);
 void loom_par_for(int nthreads, int64_t n, int64_t chunk, loom_task_fn fn, void* ctx);
 LOOM_API extern int loom_pool;
+/* pool.c: 1 = a loop's last (threads x chunk) items in quarter chunks, 0 (default) = equal
+   chunks; a helper's spin before it sleeps, ns (default 20000). Knobs for
+   bench_decode_threads.py's A/B (no result depends on them) */
+LOOM_API extern int loom_pool_tail;
+LOOM_API extern int64_t loom_pool_spin_ns;
 /* chunks of a loop of n items over nthreads: about four a thread, so that a helper that is
    late or preempted holds little of the work */
 static inline int64_t par_chunk(int64_t n, int nthreads) {
