@@ -169,7 +169,7 @@ static inline int32_t ba_ld32(const uint8_t* p) {
 }
 
 /* fast (knob 3): the 4-bit types' nibbles in 128-bit halves (no lane insert / extract), no
-   offset subtraction where the offset is 0, and the scales of 8 blocks from one dword load a
+   offset subtraction where the offset is 0, Q8_0's codes sign-extended from memory, the scales of 8 blocks from one dword load a
    block (f16 d and, for Q4_1 / Q5_1, the f16 offset after it; for the symmetric types the
    high half is the codes' first bytes, dropped), split by a mask, a shift and an unsigned
    pack: knob 2's scale gather, 2-byte copies through the stack and word inserts, was about a
@@ -187,36 +187,44 @@ static void ba_decode_row32(int qtype, const uint8_t* row, int64_t K, int16_t* w
     const __m256i bsel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i sixteen = _mm256_set1_epi8(16);
     const __m128i low128 = _mm_set1_epi8(0x0F), off128 = _mm256_castsi256_si128(off);
-    for (int64_t i = 0; i < nu && fast && !q5 && qtype != AQ8_0; i++) { /* Q4_0, Q4_1 */
-        const __m128i q = _mm_loadu_si128((const __m128i*)(row + i * bb + qoff));
-        __m128i lo = _mm_and_si128(q, low128), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low128);
-        if (qtype == AQ4_0) {
-            lo = _mm_sub_epi8(lo, off128);
-            hi = _mm_sub_epi8(hi, off128);
+    if (fast && qtype == AQ8_0) /* sign extension from memory */
+        for (int64_t i = 0; i < nu; i++) {
+            const uint8_t* blk = row + i * bb;
+            _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2))));
+            _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18))));
         }
-        _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(lo));
-        _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(hi));
-    }
-    for (int64_t i = 0; i < nu && !(fast && !q5 && qtype != AQ8_0); i++) {
-        const uint8_t* blk = row + i * bb;
-        __m256i v;
-        if (qtype == AQ8_0)
-            v = _mm256_loadu_si256((const __m256i*)(blk + 2));
-        else {
-            const __m128i q = _mm_loadu_si128((const __m128i*)(blk + qoff));
-            /* values 0-15: the low nibbles, 16-31: the high ones */
-            v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
-            if (q5) { /* value j: bit j of qh adds 16 */
-                uint32_t qh;
-                memcpy(&qh, blk + (hasm ? 4 : 2), 4);
-                const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), qsel);
-                v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bsel), bsel), sixteen));
+    else if (fast && !q5) /* Q4_0, Q4_1 */
+        for (int64_t i = 0; i < nu; i++) {
+            const __m128i q = _mm_loadu_si128((const __m128i*)(row + i * bb + qoff));
+            __m128i lo = _mm_and_si128(q, low128), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low128);
+            if (qtype == AQ4_0) {
+                lo = _mm_sub_epi8(lo, off128);
+                hi = _mm_sub_epi8(hi, off128);
             }
-            v = _mm256_sub_epi8(v, off);
+            _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(lo));
+            _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(hi));
         }
-        _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
-        _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
-    }
+    else
+        for (int64_t i = 0; i < nu; i++) {
+            const uint8_t* blk = row + i * bb;
+            __m256i v;
+            if (qtype == AQ8_0)
+                v = _mm256_loadu_si256((const __m256i*)(blk + 2));
+            else {
+                const __m128i q = _mm_loadu_si128((const __m128i*)(blk + qoff));
+                /* values 0-15: the low nibbles, 16-31: the high ones */
+                v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
+                if (q5) { /* value j: bit j of qh adds 16 */
+                    uint32_t qh;
+                    memcpy(&qh, blk + (hasm ? 4 : 2), 4);
+                    const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), qsel);
+                    v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bsel), bsel), sixteen));
+                }
+                v = _mm256_sub_epi8(v, off);
+            }
+            _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
+            _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
+        }
     int64_t i = 0;
     const __m128i lo16 = _mm_set1_epi32(0xFFFF);
     for (; fast && i + 8 <= nu; i += 8) {
