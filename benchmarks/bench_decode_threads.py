@@ -11,11 +11,12 @@ OMP_WAIT_POLICY is set in the environment. Run it under another tree's venv to A
 (the script imports loom from the interpreter's install).
 
 --pool-tail 0,1 interleaves pool.c's loom_pool_tail (a loop's last chunks in quarters) and
---spin-ns 20000,200000 its loom_pool_spin_ns (a helper's spin before it sleeps); the table
-also gives the process's CPU time per step (all threads: a helper's spinning counts).
+--spin-ns 20000,200000 its loom_pool_spin_ns (a helper's spin before it sleeps), --bi-avx2 2,3
+quant_bi_avx2.c's loom_q_bi_avx2 (its row decoders); the table also gives the process's CPU
+time per step (all threads: a helper's spinning counts).
 
     python benchmarks/bench_decode_threads.py [--model smollm2] [--threads 1,2] [--batch 1]
-        [--pp 128] [--steps 400] [--pool 1,0] [--pool-tail 0,1] [--spin-ns 20000]
+        [--pp 128] [--steps 400] [--pool 1,0] [--pool-tail 0,1] [--spin-ns 20000] [--bi-avx2 3]
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def main() -> None:
     )
     p.add_argument("--pool-tail", default="0", help="comma list of loom_pool_tail values")
     p.add_argument("--spin-ns", default="20000", help="comma list of loom_pool_spin_ns values")
+    p.add_argument(
+        "--bi-avx2", default="", help="comma list of loom_q_bi_avx2 values (AVX2 builds)"
+    )
     a = p.parse_args()
     from loom.runtime.process import bound_openmp_spin
 
@@ -64,7 +68,15 @@ def main() -> None:
     tails = [int(v) for v in a.pool_tail.split(",")]
     spins = [int(v) for v in a.spin_ns.split(",")]
     # (threads, pool, tail, spin) in turn; a tree without pool.c runs pool value 0 only
-    configs = [(c, q, t, sp) for sp in spins for t in tails for q in pools for c in counts]
+    decoders = [int(v) for v in a.bi_avx2.split(",")] if a.bi_avx2 else [-1]  # -1: as built
+    configs = [
+        (c, q, t, sp, d)
+        for d in decoders
+        for sp in spins
+        for t in tails
+        for q in pools
+        for c in counts
+    ]
     b, tg = a.batch, a.steps + 2
     sched = Scheduler(
         ServerArgs(
@@ -94,13 +106,14 @@ def main() -> None:
         knob = ctypes.c_int.in_dll(lib, "loom_pool")
     except ValueError:
         knob = None
-        configs = [(c, 0, 0, 20000) for c in counts]
+        configs = [(c, 0, 0, 20000, -1) for c in counts]
     try:
         tail = ctypes.c_int.in_dll(lib, "loom_pool_tail")
         spin = ctypes.c_int64.in_dll(lib, "loom_pool_spin_ns")
     except ValueError:  # a tree before these knobs
         tail = spin = None
-        configs = sorted({(c, q, 0, 20000) for c, q, _, _ in configs}, key=configs.index)
+        configs = list(dict.fromkeys((c, q, 0, 20000, d) for c, q, _, _, d in configs))
+    decoder = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2") if a.bi_avx2 else None
     walls: dict[tuple, list[float]] = {k: [] for k in configs}
     cpus: dict[tuple, list[float]] = {k: [] for k in configs}
     step = 0
@@ -112,6 +125,8 @@ def main() -> None:
             knob.value = cfg[1]
         if tail is not None:
             tail.value, spin.value = cfg[2], cfg[3]
+        if decoder is not None:
+            decoder.value = cfg[4]
         c0 = time.process_time()
         sched.step()
         if decode:
@@ -124,7 +139,7 @@ def main() -> None:
         f"{os.environ.get('OMP_WAIT_POLICY')}, load before {load0}, after {os.getloadavg()}"
     )
     print(
-        "threads pool tail   spin ns  forward ms: median    min    p25    p75  tok/s (median)"
+        "threads pool tail   spin ns bi_avx2  forward ms: median    min    p25    p75  tok/s (median)"
         "  step CPU ms (median)"
     )
     meds = {}
@@ -133,7 +148,7 @@ def main() -> None:
         qs = statistics.quantiles(w, n=4)
         meds[k] = statistics.median(w)
         print(
-            f"{k[0]:7} {k[1]:4} {k[2]:4} {k[3]:9}  {meds[k] * 1e3:17.3f} {w[0] * 1e3:6.3f}"
+            f"{k[0]:7} {k[1]:4} {k[2]:4} {k[3]:9} {k[4]:7}  {meds[k] * 1e3:17.3f} {w[0] * 1e3:6.3f}"
             f" {qs[0] * 1e3:6.3f} {qs[2] * 1e3:6.3f} {b / meds[k]:8.1f}"
             f"  {statistics.median(cpus[k][2:]) * 1e3:20.3f}"
         )
