@@ -169,11 +169,12 @@ static inline int32_t ba_ld32(const uint8_t* p) {
 }
 
 /* fast (knob 3): the 4-bit types' nibbles in 128-bit halves (no lane insert / extract), no
-   offset subtraction where the offset is 0, Q8_0's codes sign-extended from memory, the scales of 8 blocks from one dword load a
-   block (f16 d and, for Q4_1 / Q5_1, the f16 offset after it; for the symmetric types the
-   high half is the codes' first bytes, dropped), split by a mask, a shift and an unsigned
-   pack: knob 2's scale gather, 2-byte copies through the stack and word inserts, was about a
-   quarter of this function's time at 8 tokens (perf annotate). The same codes and floats. */
+   offset subtraction where the offset is 0, Q8_0's codes sign-extended from memory, and the
+   scales of 8 blocks from one dword load a block (f16 d and, for Q4_1 / Q5_1, the f16 offset
+   after it; for the symmetric types the high half is the codes' first bytes, dropped), split
+   by a mask, a shift and an unsigned pack (knob 2's gather copied 2-byte scales through the
+   stack and inserted them as words: a hot spot at 8 tokens, docs/benchmarks.md session 23
+   "b8"). The same codes and floats. */
 static void ba_decode_row32(int qtype, const uint8_t* row, int64_t K, int16_t* w, float* s, float* b, int fast) {
     const int64_t nu = K / 32;
     const int bb = qtype == AQ8_0 ? 34 : qtype == AQ4_0 ? 18 : qtype == AQ4_1 ? 20 : qtype == AQ5_0 ? 22 : 24;
