@@ -10,8 +10,13 @@ server's (runtime/process.py bound_openmp_spin: GOMP_SPINCOUNT=1000) unless GOMP
 OMP_WAIT_POLICY is set in the environment. Run it under another tree's venv to A/B that tree
 (the script imports loom from the interpreter's install).
 
+--pool-tail 0,1 interleaves pool.c's loom_pool_tail (a loop's last chunks in quarters) and
+--spin-ns 20000,200000 its loom_pool_spin_ns (a helper's spin before it sleeps), --bi-avx2 2,3
+quant_bi_avx2.c's loom_q_bi_avx2 (its row decoders); the table also gives the process's CPU
+time per step (all threads: a helper's spinning counts).
+
     python benchmarks/bench_decode_threads.py [--model smollm2] [--threads 1,2] [--batch 1]
-        [--pp 128] [--steps 400] [--pool 1,0]
+        [--pp 128] [--steps 400] [--pool 1,0] [--pool-tail 0,1] [--spin-ns 20000] [--bi-avx2 3]
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,6 +46,11 @@ def main() -> None:
         default="1",
         help="comma list of loom_pool values interleaved too (1: kernels/cpu/pool.c, 0: OpenMP)",
     )
+    p.add_argument("--pool-tail", default="0", help="comma list of loom_pool_tail values")
+    p.add_argument("--spin-ns", default="20000", help="comma list of loom_pool_spin_ns values")
+    p.add_argument(
+        "--bi-avx2", default="", help="comma list of loom_q_bi_avx2 values (AVX2 builds)"
+    )
     a = p.parse_args()
     from loom.runtime.process import bound_openmp_spin
 
@@ -54,8 +65,18 @@ def main() -> None:
 
     counts = [int(v) for v in a.threads.split(",")]
     pools = [int(v) for v in a.pool.split(",")]
-    # (threads, pool) pairs in turn; a tree without pool.c runs pool value 0 only
-    configs = [(c, q) for q in pools for c in counts]
+    tails = [int(v) for v in a.pool_tail.split(",")]
+    spins = [int(v) for v in a.spin_ns.split(",")]
+    # (threads, pool, tail, spin) in turn; a tree without pool.c runs pool value 0 only
+    decoders = [int(v) for v in a.bi_avx2.split(",")] if a.bi_avx2 else [-1]  # -1: as built
+    configs = [
+        (c, q, t, sp, d)
+        for d in decoders
+        for sp in spins
+        for t in tails
+        for q in pools
+        for c in counts
+    ]
     b, tg = a.batch, a.steps + 2
     sched = Scheduler(
         ServerArgs(
@@ -85,33 +106,51 @@ def main() -> None:
         knob = ctypes.c_int.in_dll(lib, "loom_pool")
     except ValueError:
         knob = None
-        configs = [(c, 0) for c in counts]
-    walls: dict[tuple[int, int], list[float]] = {k: [] for k in configs}
+        configs = [(c, 0, 0, 20000, -1) for c in counts]
+    try:
+        tail = ctypes.c_int.in_dll(lib, "loom_pool_tail")
+        spin = ctypes.c_int64.in_dll(lib, "loom_pool_spin_ns")
+    except ValueError:  # a tree before these knobs
+        tail = spin = None
+        configs = list(dict.fromkeys((c, q, 0, 20000, d) for c, q, _, _, d in configs))
+    decoder = ctypes.c_int.in_dll(lib, "loom_q_bi_avx2") if a.bi_avx2 else None
+    walls: dict[tuple, list[float]] = {k: [] for k in configs}
+    cpus: dict[tuple, list[float]] = {k: [] for k in configs}
     step = 0
     while not sched.is_idle:
         decode = len(sched.decode.running) == b
-        n, q = configs[step % len(configs)] if decode else (max(counts), pools[0])
-        torch.set_num_threads(n)
+        cfg = configs[step % len(configs)] if decode else configs[0]
+        torch.set_num_threads(cfg[0])
         if knob is not None:
-            knob.value = q
+            knob.value = cfg[1]
+        if tail is not None:
+            tail.value, spin.value = cfg[2], cfg[3]
+        if decoder is not None:
+            decoder.value = cfg[4]
+        c0 = time.process_time()
         sched.step()
         if decode:
-            walls[(n, q)].append(sched.runner.last_model_seconds)
+            walls[cfg].append(sched.runner.last_model_seconds)
+            cpus[cfg].append(time.process_time() - c0)
             step += 1
     print(
         f"{model_path(a.model)} ({a.quantization}), B {b}, pp {a.pp}, {step} decode steps, "
         f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} OMP_WAIT_POLICY="
         f"{os.environ.get('OMP_WAIT_POLICY')}, load before {load0}, after {os.getloadavg()}"
     )
-    print("threads pool  forward ms: median    min    p25    p75  tok/s (median)")
+    print(
+        "threads pool tail   spin ns bi_avx2  forward ms: median    min    p25    p75  tok/s (median)"
+        "  step CPU ms (median)"
+    )
     meds = {}
     for k in configs:
         w = sorted(walls[k][2:])  # the first steps of each config warm its threads
         qs = statistics.quantiles(w, n=4)
         meds[k] = statistics.median(w)
         print(
-            f"{k[0]:7} {k[1]:4}  {meds[k] * 1e3:17.3f} {w[0] * 1e3:6.3f} {qs[0] * 1e3:6.3f}"
-            f" {qs[2] * 1e3:6.3f} {b / meds[k]:8.1f}"
+            f"{k[0]:7} {k[1]:4} {k[2]:4} {k[3]:9} {k[4]:7}  {meds[k] * 1e3:17.3f} {w[0] * 1e3:6.3f}"
+            f" {qs[0] * 1e3:6.3f} {qs[2] * 1e3:6.3f} {b / meds[k]:8.1f}"
+            f"  {statistics.median(cpus[k][2:]) * 1e3:20.3f}"
         )
     base = configs[0]
     for k in configs[1:]:

@@ -26,15 +26,17 @@ pytest.importorskip("gguf")
 
 @contextlib.contextmanager
 def _threads(n: int, pool: int, lib):
+    """pool 1: pool.c, 0: OpenMP, 2: pool.c with loom_pool_tail (the last chunks in quarters)"""
     knob = ctypes.c_int.in_dll(lib, "loom_pool")
-    prev = torch.get_num_threads(), knob.value
+    tail = ctypes.c_int.in_dll(lib, "loom_pool_tail")
+    prev = torch.get_num_threads(), knob.value, tail.value
     torch.set_num_threads(n)
-    knob.value = pool
+    knob.value, tail.value = min(pool, 1), int(pool == 2)
     try:
         yield
     finally:
         torch.set_num_threads(prev[0])
-        knob.value = prev[1]
+        knob.value, tail.value = prev[1], prev[2]
 
 
 def _matmul(lib, qt, x, bias, out, t: int, mode: str, threads: int) -> torch.Tensor:
@@ -53,7 +55,8 @@ def _matmul(lib, qt, x, bias, out, t: int, mode: str, threads: int) -> torch.Ten
 @pytest.mark.parametrize("mode", ["auto", "f32"])
 def test_decode_matmuls_same_bits_on_any_thread_count(qtype, mode):
     """1..8 token rows ("auto": the lane kernel for Q8_0 / Q4_x / Q5_x, the f32 GEMV for Q4_K /
-    Q6_K; "f32": the f32 GEMV for all) on 1, 2 and 3 threads, pool and OpenMP: the output equals
+    Q6_K; "f32": the f32 GEMV for all) on 1, 2 and 3 threads, pool (equal chunks and the last
+    ones in quarters) and OpenMP: the output equals
     the one-thread output bit for bit, rows past the matrix untouched. Row counts: one 16-row
     pass or 4-row group (partly masked), a few, and enough for several chunks a thread."""
     lib = quant_ops.load()
@@ -70,7 +73,7 @@ def test_decode_matmuls_same_bits_on_any_thread_count(qtype, mode):
             # accumulated into the strided output with the bias
             assert not torch.equal(want, base[:t])
             for threads in (2, 3):
-                for pool in (1, 0):
+                for pool in (1, 0, 2):
                     with _threads(threads, pool, lib):
                         got = _matmul(lib, qt, x, bias, base, t, mode, threads)
                     assert torch.equal(got, want), (qtype, mode, rows, t, threads, pool)
@@ -137,11 +140,11 @@ def test_real_model_decode_same_bits_on_any_thread_count(real_gguf):
         batch = st.batch(reqs, [1] * len(reqs), ForwardMode.DECODE, all_logits=False)
         slots = batch.out_cache_loc
         outs = []
-        for threads, p in ((1, 1), (2, 1), (3, 1), (2, 0)):
+        for threads, p in ((1, 1), (2, 1), (3, 1), (2, 0), (2, 2)):
             with _threads(threads, p, lib):
                 logits = runner.cpu_forward(batch)
             kv = [b[slots].clone() for b in pool.k_buffers + pool.v_buffers]
             outs.append((logits.clone(), kv))
-        for (logits, kv), cfg in zip(outs[1:], ((2, 1), (3, 1), (2, 0))):
+        for (logits, kv), cfg in zip(outs[1:], ((2, 1), (3, 1), (2, 0), (2, 2))):
             assert torch.equal(logits, outs[0][0]), (reqs, cfg)
             assert all(torch.equal(a, b) for a, b in zip(kv, outs[0][1])), (reqs, cfg)

@@ -330,10 +330,10 @@ LOOM_API extern int loom_q_wide_rows;
    T <= 8 (AVX-512 builds), 0 = its older GEMV / 8-token tile (the same bits; a knob for
    bench_quant_gemv.py's A/B) */
 LOOM_API extern int loom_q_bi_lanes;
-/* quant_bi_avx2.c: 2 (default) = mode 3 takes its AVX2 tiles in AVX2 + FMA builds without
-   AVX-512 VNNI, rows of the 32-value block types decoded by ba_decode_row32; 1 = the tiles with
-   the earlier row decoder for every type; 0 = the portable C (the same bits; the tests'
-   reference and an A/B knob) */
+/* quant_bi_avx2.c: 3 (default) = mode 3 takes its AVX2 tiles in AVX2 + FMA builds without
+   AVX-512 VNNI, rows of the 32-value block types decoded by ba_decode_row32 (its fast variant);
+   2 = ba_decode_row32's earlier variant; 1 = the tiles with the earlier row decoder for every
+   type; 0 = the portable C (the same bits; the tests' reference and an A/B knob) */
 LOOM_API extern int loom_q_bi_avx2;
 /* 1 where this build has quant_bi_avx2.c's kernels */
 LOOM_API int loom_q_bi_avx2_built(void);
@@ -440,6 +440,11 @@ int loom_q_matmul_i8_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int
 typedef void (*loom_task_fn)(void* ctx, int64_t i0, int64_t i1, int worker);
 void loom_par_for(int nthreads, int64_t n, int64_t chunk, loom_task_fn fn, void* ctx);
 LOOM_API extern int loom_pool;
+/* pool.c: 1 = a loop's last (threads x chunk) items in quarter chunks, 0 (default) = equal
+   chunks; a helper's spin before it sleeps, ns (default 20000). Knobs for
+   bench_decode_threads.py's A/B (no result depends on them) */
+LOOM_API extern int loom_pool_tail;
+LOOM_API extern int64_t loom_pool_spin_ns;
 /* chunks of a loop of n items over nthreads: about four a thread, so that a helper that is
    late or preempted holds little of the work */
 static inline int64_t par_chunk(int64_t n, int nthreads) {

@@ -16,7 +16,7 @@
    element inside one item, so the bits are the same for any thread count (tests check 1 vs 2
    vs 3 threads bitwise).
 
-   Helpers spin POOL_SPIN_NS after their last chunk (the gaps between a step's loops are a
+   Helpers spin loom_pool_spin_ns after their last chunk (the gaps between a step's loops are a
    few microseconds), then sleep on a condition variable: an idle server burns no core.
    One caller at a time uses the pool (a mutex; a second concurrent caller runs its loop on its
    own thread). After a fork the child starts its own helpers (pool_child). */
@@ -33,11 +33,18 @@
    (the previous behaviour; a knob for bench_decode_threads.py's A/B in one process) */
 int loom_pool = 1;
 
-#define POOL_MAX 64        /* helpers at most (threads - 1) */
-/* a helper's spin after its last chunk before it sleeps: as long as libgomp's (loom sets
+/* 1: a loop's last (threads x chunk) items are claimed in quarter chunks (at least 1 item), so
+   the thread that finds no chunk left waits for at most a quarter chunk of the other's, not a
+   whole one (8 chunks over 2 threads: half a chunk, 1/8 of the loop, on average); 0 (default):
+   equal chunks. Which thread runs an item does not change its bits. */
+int loom_pool_tail = 0;
+/* a helper's spin after its last chunk before it sleeps (ns): as long as libgomp's (loom sets
    GOMP_SPINCOUNT=1000, ~20 us), so that in a step mixing both (a prefill's OpenMP matmuls, the
-   pool's attention) neither team's spinner holds the other's core for long */
-#define POOL_SPIN_NS 20000
+   pool's attention) neither team's spinner holds the other's core for long; a knob for
+   bench_decode_threads.py's A/B */
+int64_t loom_pool_spin_ns = 20000;
+
+#define POOL_MAX 64        /* helpers at most (threads - 1) */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -66,7 +73,7 @@ static struct {
     _Atomic uint32_t job_gen;
     _Atomic(loom_task_fn) fn;
     _Atomic(void*) ctx;
-    _Atomic int64_t n, chunk;
+    _Atomic int64_t n, chunk, nbig, tail; /* chunks 0 .. nbig-1 of `chunk` items, then of `tail` */
     _Atomic uint32_t nchunks;
     _Atomic int helpers; /* helpers 0 .. helpers-1 take part */
     LINE _Atomic uint32_t gen; /* the latest job (0: none yet) */
@@ -83,12 +90,14 @@ static struct {
 
 /* claim and run chunks of job g (fields as read for it) until none is left */
 static void run_chunks(uint32_t g, loom_task_fn fn, void* ctx, int64_t n, int64_t chunk,
-                       uint32_t nchunks, int worker) {
+                       int64_t nbig, int64_t tail, uint32_t nchunks, int worker) {
     for (;;) {
         uint64_t w = atomic_load(&P.word);
         if ((uint32_t)(w >> 32) != g || (uint32_t)w >= nchunks) return;
         if (!atomic_compare_exchange_weak(&P.word, &w, w + 1)) continue;
-        const int64_t i0 = (int64_t)(uint32_t)w * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
+        const int64_t c = (int64_t)(uint32_t)w;
+        const int64_t i0 = c < nbig ? c * chunk : nbig * chunk + (c - nbig) * tail;
+        const int64_t i1 = i0 + (c < nbig ? chunk : tail) < n ? i0 + (c < nbig ? chunk : tail) : n;
         fn(ctx, i0, i1, worker);
         atomic_fetch_add(&P.done, 1);
     }
@@ -99,7 +108,7 @@ static void* helper_main(void* arg) {
     uint32_t seen = atomic_load(&P.gen);
     for (;;) {
         if (atomic_load(&P.gen) == seen) {
-            const int64_t until = now_ns() + POOL_SPIN_NS;
+            const int64_t until = now_ns() + loom_pool_spin_ns;
             for (int spins = 0; atomic_load(&P.gen) == seen; spins++) {
                 cpu_relax();
                 if ((spins & 63) == 63 && now_ns() > until) {
@@ -121,11 +130,13 @@ static void* helper_main(void* arg) {
         void* ctx = atomic_load_explicit(&P.ctx, RELAXED);
         const int64_t n = atomic_load_explicit(&P.n, RELAXED);
         const int64_t chunk = atomic_load_explicit(&P.chunk, RELAXED);
+        const int64_t nbig = atomic_load_explicit(&P.nbig, RELAXED);
+        const int64_t tail = atomic_load_explicit(&P.tail, RELAXED);
         const uint32_t nchunks = atomic_load_explicit(&P.nchunks, RELAXED);
         const int helpers = atomic_load_explicit(&P.helpers, RELAXED);
         atomic_thread_fence(memory_order_acquire); /* the field loads before seq's re-read */
         if (atomic_load_explicit(&P.seq, RELAXED) != s1 || jg != g || id >= helpers) continue;
-        run_chunks(g, fn, ctx, n, chunk, nchunks, id + 1);
+        run_chunks(g, fn, ctx, n, chunk, nbig, tail, nchunks, id + 1);
     }
     return NULL;
 }
@@ -162,7 +173,7 @@ static int ensure_helpers(int want) {
 void loom_par_for(int nthreads, int64_t n, int64_t chunk, loom_task_fn fn, void* ctx) {
     if (n <= 0) return;
     if (chunk < 1) chunk = 1;
-    const int64_t nchunks = (n + chunk - 1) / chunk;
+    int64_t nchunks = (n + chunk - 1) / chunk;
     if (nthreads <= 1 || nchunks <= 1) {
         fn(ctx, 0, n, 0);
         return;
@@ -190,6 +201,12 @@ void loom_par_for(int nthreads, int64_t n, int64_t chunk, loom_task_fn fn, void*
         fn(ctx, 0, n, 0);
         return;
     }
+    int64_t nbig = nchunks, tail = chunk;
+    if (loom_pool_tail && chunk >= 4 && n > (int64_t)nthreads * chunk && nchunks < UINT32_MAX / 2) {
+        nbig = (n - (int64_t)nthreads * chunk) / chunk;
+        tail = chunk / 4;
+        nchunks = nbig + (n - nbig * chunk + tail - 1) / tail;
+    }
     uint32_t g = atomic_load(&P.gen) + 1;
     if (g == 0) g = 1; /* 0: "no job yet" */
     /* the seqlock's write side: seq odd, the fields, seq even again (release) */
@@ -200,6 +217,8 @@ void loom_par_for(int nthreads, int64_t n, int64_t chunk, loom_task_fn fn, void*
     atomic_store_explicit(&P.ctx, ctx, RELAXED);
     atomic_store_explicit(&P.n, n, RELAXED);
     atomic_store_explicit(&P.chunk, chunk, RELAXED);
+    atomic_store_explicit(&P.nbig, nbig, RELAXED);
+    atomic_store_explicit(&P.tail, tail, RELAXED);
     atomic_store_explicit(&P.nchunks, (uint32_t)nchunks, RELAXED);
     atomic_store_explicit(&P.helpers, nthreads - 1 < helpers ? nthreads - 1 : helpers, RELAXED);
     atomic_store_explicit(&P.seq, atomic_load_explicit(&P.seq, RELAXED) + 1, memory_order_release);
@@ -211,7 +230,7 @@ void loom_par_for(int nthreads, int64_t n, int64_t chunk, loom_task_fn fn, void*
         pthread_cond_broadcast(&P.wake);
         pthread_mutex_unlock(&P.lock);
     }
-    run_chunks(g, fn, ctx, n, chunk, (uint32_t)nchunks, 0);
+    run_chunks(g, fn, ctx, n, chunk, nbig, tail, (uint32_t)nchunks, 0);
     /* chunks a helper claimed and is still running: spin, then yield the core to it (on an
        oversubscribed machine it may be waiting for exactly this core) */
     for (int spins = 0; atomic_load(&P.done) < nchunks; spins++) {

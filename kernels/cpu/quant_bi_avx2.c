@@ -32,7 +32,8 @@
 #define BA_ON 0
 #endif
 
-int loom_q_bi_avx2 = 2; /* loom_cpu.h: 2 = ba_decode_row32 for the 32-value types, 1 = ba_decode_row for all */
+int loom_q_bi_avx2 = 3; /* loom_cpu.h: 3 = ba_decode_row32 with one dword load a block's scale, 2 = with
+                           the earlier scale gather, 1 = ba_decode_row for all */
 
 int loom_q_bi_avx2_built(void) { return BA_ON; }
 
@@ -161,7 +162,20 @@ static void ba_decode_row(int qtype, const uint8_t* row, int64_t K, int16_t* w, 
    one vcvtph2ps, exact as _cvtsh_ss; symmetric types store no offsets (a pass reads b only for
    asymmetric ones). At 32 tokens a row's decode is ~10 percent of its multiply-adds, so the
    per-block scalar work counted (docs/benchmarks.md, session 22's "batch" section). */
-static void ba_decode_row32(int qtype, const uint8_t* row, int64_t K, int16_t* w, float* s, float* b) {
+static inline int32_t ba_ld32(const uint8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* fast (knob 3): the 4-bit types' nibbles in 128-bit halves (no lane insert / extract), no
+   offset subtraction where the offset is 0, Q8_0's codes sign-extended from memory, and the
+   scales of 8 blocks from one dword load a block (f16 d and, for Q4_1 / Q5_1, the f16 offset
+   after it; for the symmetric types the high half is the codes' first bytes, dropped), split
+   by a mask, a shift and an unsigned pack (knob 2's gather copied 2-byte scales through the
+   stack and inserted them as words: a hot spot at 8 tokens, docs/benchmarks.md session 23
+   "b8"). The same codes and floats. */
+static void ba_decode_row32(int qtype, const uint8_t* row, int64_t K, int16_t* w, float* s, float* b, int fast) {
     const int64_t nu = K / 32;
     const int bb = qtype == AQ8_0 ? 34 : qtype == AQ4_0 ? 18 : qtype == AQ4_1 ? 20 : qtype == AQ5_0 ? 22 : 24;
     const int q5 = qtype == AQ5_0 || qtype == AQ5_1, hasm = qtype == AQ4_1 || qtype == AQ5_1;
@@ -173,27 +187,57 @@ static void ba_decode_row32(int qtype, const uint8_t* row, int64_t K, int16_t* w
                                            0x0101010101010101LL, 0);
     const __m256i bsel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     const __m256i sixteen = _mm256_set1_epi8(16);
-    for (int64_t i = 0; i < nu; i++) {
-        const uint8_t* blk = row + i * bb;
-        __m256i v;
-        if (qtype == AQ8_0)
-            v = _mm256_loadu_si256((const __m256i*)(blk + 2));
-        else {
-            const __m128i q = _mm_loadu_si128((const __m128i*)(blk + qoff));
-            /* values 0-15: the low nibbles, 16-31: the high ones */
-            v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
-            if (q5) { /* value j: bit j of qh adds 16 */
-                uint32_t qh;
-                memcpy(&qh, blk + (hasm ? 4 : 2), 4);
-                const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), qsel);
-                v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bsel), bsel), sixteen));
-            }
-            v = _mm256_sub_epi8(v, off);
+    const __m128i low128 = _mm_set1_epi8(0x0F), off128 = _mm256_castsi256_si128(off);
+    if (fast && qtype == AQ8_0) /* sign extension from memory */
+        for (int64_t i = 0; i < nu; i++) {
+            const uint8_t* blk = row + i * bb;
+            _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 2))));
+            _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(blk + 18))));
         }
-        _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
-        _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
-    }
+    else if (fast && !q5) /* Q4_0, Q4_1 */
+        for (int64_t i = 0; i < nu; i++) {
+            const __m128i q = _mm_loadu_si128((const __m128i*)(row + i * bb + qoff));
+            __m128i lo = _mm_and_si128(q, low128), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low128);
+            if (qtype == AQ4_0) {
+                lo = _mm_sub_epi8(lo, off128);
+                hi = _mm_sub_epi8(hi, off128);
+            }
+            _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(lo));
+            _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(hi));
+        }
+    else
+        for (int64_t i = 0; i < nu; i++) {
+            const uint8_t* blk = row + i * bb;
+            __m256i v;
+            if (qtype == AQ8_0)
+                v = _mm256_loadu_si256((const __m256i*)(blk + 2));
+            else {
+                const __m128i q = _mm_loadu_si128((const __m128i*)(blk + qoff));
+                /* values 0-15: the low nibbles, 16-31: the high ones */
+                v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), low);
+                if (q5) { /* value j: bit j of qh adds 16 */
+                    uint32_t qh;
+                    memcpy(&qh, blk + (hasm ? 4 : 2), 4);
+                    const __m256i hb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), qsel);
+                    v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bsel), bsel), sixteen));
+                }
+                v = _mm256_sub_epi8(v, off);
+            }
+            _mm256_storeu_si256((__m256i*)(w + 32 * i), _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)));
+            _mm256_storeu_si256((__m256i*)(w + 32 * i + 16), _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)));
+        }
     int64_t i = 0;
+    const __m128i lo16 = _mm_set1_epi32(0xFFFF);
+    for (; fast && i + 8 <= nu; i += 8) {
+        const uint8_t* r0 = row + i * bb;
+        const __m128i a = _mm_setr_epi32(ba_ld32(r0), ba_ld32(r0 + bb), ba_ld32(r0 + 2 * bb), ba_ld32(r0 + 3 * bb));
+        const __m128i c = _mm_setr_epi32(ba_ld32(r0 + 4 * bb), ba_ld32(r0 + 5 * bb), ba_ld32(r0 + 6 * bb),
+                                         ba_ld32(r0 + 7 * bb));
+        /* the halves are < 2^16: packus keeps them exactly, in order */
+        _mm256_storeu_ps(s + i, _mm256_cvtph_ps(_mm_packus_epi32(_mm_and_si128(a, lo16), _mm_and_si128(c, lo16))));
+        if (hasm)
+            _mm256_storeu_ps(b + i, _mm256_cvtph_ps(_mm_packus_epi32(_mm_srli_epi32(a, 16), _mm_srli_epi32(c, 16))));
+    }
     for (; i + 8 <= nu; i += 8) {
         uint16_t d[8], m[8];
         for (int k = 0; k < 8; k++) {
@@ -366,7 +410,7 @@ typedef struct {
     float* y;
     int64_t ldy;
     int accumulate;
-    int row32; /* ba_decode_row32 decodes the rows */
+    int row32; /* ba_decode_row32 decodes the rows (2: its fast variant) */
     int failed;
 } BaJob;
 
@@ -391,7 +435,7 @@ static void ba_blocks(void* ctx, int64_t i0, int64_t i1, int worker) {
         for (int r = 0; r < R; r++) {
             const uint8_t* row = jb->w + (n0 + r) * jb->row_bytes;
             if (jb->row32)
-                ba_decode_row32(jb->qtype, row, K, wd + r * K, sd + r * nu, bd + r * nu);
+                ba_decode_row32(jb->qtype, row, K, wd + r * K, sd + r * nu, bd + r * nu, jb->row32 == 2);
             else
                 ba_decode_row(jb->qtype, row, K, wd + r * K, sd + r * nu, bd + r * nu);
         }
@@ -500,7 +544,7 @@ int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int
     }
     const int64_t block = ng <= BA_SMALL_G ? BA_ROWS : BA_BLOCK;
     const int64_t nblocks = (N + block - 1) / block;
-    const int row32 = loom_q_bi_avx2 >= 2 && qtype != AQ4_K && qtype != AQ6_K;
+    const int row32 = loom_q_bi_avx2 >= 2 && qtype != AQ4_K && qtype != AQ6_K ? loom_q_bi_avx2 - 1 : 0;
     BaJob job = {qtype, G, asym, w, N, K, row_bytes, T, ng, block, xp, dxt, xst, bias, y, ldy, accumulate, row32, 0};
     loom_par_for(threads, nblocks, par_chunk(nblocks, threads), ba_blocks, &job);
     free(xp);
