@@ -21,6 +21,7 @@ from loom.runtime.sampling.verify import (
     argmax_rows,
     greedy_ids,
     race,
+    race_rows,
     residual,
     target_probs,
     verify_trees,
@@ -117,7 +118,8 @@ def sample_verify_trees(logits, info: SamplingInfo):
 
 
 def _sample_verify_trees_np(logits: np.ndarray, info: SamplingInfo):
-    """`sample_verify_trees` in numpy, step for step (the same noise, bit for bit)."""
+    """`sample_verify_trees` in numpy, step for step (the same noise, bit for bit; hashed
+    only where a row can use it: `race_rows`)."""
     apply_penalties(logits, info)
     greedy_ids = argmax_rows(logits)
     drafts = info.draft_tokens
@@ -126,9 +128,8 @@ def _sample_verify_trees_np(logits: np.ndarray, info: SamplingInfo):
         return greedy_ids, (None if drafts is None else greedy_ids == drafts), tree_out
     probs = target_probs(logits, info)
     tree_out = verify_trees(probs, greedy_ids, info) if info.trees else None
-    noise = hashed_uniform(info.seeds, info.steps, probs.shape[-1])
-    if drafts is None:
-        sampled = race(probs, noise)
+    if drafts is None:  # the noise of a row's support only (`race_rows`)
+        sampled = race_rows(probs, info, info.greedy)
         return np.where(info.greedy, greedy_ids, sampled), None, tree_out
     has_draft = drafts >= 0
     x = np.maximum(drafts, 0)
@@ -138,6 +139,6 @@ def _sample_verify_trees_np(logits: np.ndarray, info: SamplingInfo):
     coin = hashed_uniform_column(info.seeds, info.steps, -1)
     p_x = probs[rows, x]
     accepted = has_draft & (coin < p_x)  # min(1, p(x) / q(x)) with q(x) = 1
-    sampled = np.where(accepted, x, race(residual(probs, q), noise))
+    sampled = np.where(accepted, x, race_rows(residual(probs, q), info, info.greedy | accepted))
     tokens = np.where(info.greedy, greedy_ids, sampled)
     return tokens, np.where(info.greedy, greedy_ids == drafts, accepted), tree_out

@@ -124,6 +124,30 @@ def test_trees_verify_as_on_the_torch_path():
         assert trees_n == trees_t and tn.tolist() == tt.tolist()
 
 
+def test_race_over_the_support_is_the_dense_race():
+    """`race_rows` hashes noise only for a filtered row's nonzero probabilities: the same
+    tokens as the dense race over the whole row (ties to the lower id), for sparse rows,
+    dense rows and rows left out."""
+    from loom.runtime.sampling.verify import race, race_rows
+
+    vocab, n = 4000, 64
+    info = SamplingInfo.from_reqs(_reqs([SAMPLED] * n), vocab)
+    rng = np.random.default_rng(7)
+    probs = rng.random((n, vocab)).astype(np.float32)
+    for i in range(n):
+        keep = vocab if i % 4 == 0 else int(rng.integers(1, 300))  # dense or filtered rows
+        probs[i, rng.permutation(vocab)[keep:]] = 0
+    probs[1, :] = 0
+    probs[1, [5, 900]] = 0.5  # a tie between two tokens
+    probs /= probs.sum(-1, keepdims=True)
+    want = race(probs, hashed_uniform(info.seeds, info.steps, vocab))
+    skip = np.zeros(n, bool)
+    skip[3] = True
+    got = race_rows(probs, info, skip)
+    assert got[3] == 0 and np.array_equal(np.delete(got, 3), np.delete(want, 3))
+    assert all(probs[i, t] > 0 for i, t in enumerate(got.tolist()) if i != 3)
+
+
 def test_noise_is_bitwise_torchs():
     seeds = np.array([0, 1, 2**62 + 12345, -5, 123456789], np.int64)
     steps = np.array([0, 5, 7, 2**40, 3], np.int64)
