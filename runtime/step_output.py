@@ -3,10 +3,10 @@ per-request `ForwardOutput` (both runners' last stage: runtime/model_runner.py's
 `ModelRunner`, runtime/array_runner.py's torch-free `ArrayRunner`).
 
 Torch-free at import. Logits come as a torch tensor (the torch runner) or a numpy float32
-array (the torch-free runner); a numpy-backed `SamplingInfo` (`SamplingInfo.from_reqs`) is
-sampled in numpy by runtime/sampler.py. A step that needs what only the torch sampler does
-(logprobs, draft trees, sampled rows where the sampler takes torch, a torch-backed info) takes
-its numpy logits with `torch.from_numpy` (zero-copy), torch imported then, in that process.
+array (the torch-free runner), which runtime/sampler.py's numpy path samples (greedy, sampled,
+chain and tree verification, logprobs, grammar mask rows) without torch; the torch runner's
+numpy `SamplingInfo` becomes tensors on its device here (`SamplingInfo.to`, zero-copy on the
+CPU).
 """
 
 from __future__ import annotations
@@ -18,11 +18,6 @@ from loom.runtime.sampler import greedy_accepts, greedy_rows, sample_verify_tree
 from loom.runtime.sampling.logprobs import token_logprobs
 
 
-def _numpy_info(info) -> bool:
-    """Whether `info` holds numpy arrays (what the numpy sampler reads), not tensors."""
-    return info is not None and isinstance(getattr(info, "greedy", None), np.ndarray)
-
-
 def sample_step(inp: ModelInput, logits, n_sample: int, lp_targets: list[int]) -> ForwardOutput:
     """`logits` [n_sample + len(lp_targets), vocab] float32 (a tensor or a numpy array,
     modified in place): the sampled rows, then the prompt-logprob rows (`logits_rows`)."""
@@ -30,8 +25,6 @@ def sample_step(inp: ModelInput, logits, n_sample: int, lp_targets: list[int]) -
     if not n_sample and not lp_targets:  # a prompt chunk: nothing sampled, nothing scored
         return assemble(inp, [], None, None, [], None, None)
     on_numpy = isinstance(logits, np.ndarray)
-    if on_numpy and not _numpy_info(info):  # a torch-backed info: the torch sampler
-        logits, on_numpy = _from_numpy(logits), False
     if (
         n_sample
         and not lp_targets
@@ -45,29 +38,26 @@ def sample_step(inp: ModelInput, logits, n_sample: int, lp_targets: list[int]) -
         if inp.lazy_rows is not None:  # the masked argmax where a lazy row needs it
             inp.lazy_rows.resolve(logits[:n_sample], sampled)
         return assemble(inp, sampled, greedy_accepts(sampled, info), None, [], None, None)
-    import torch  # what follows is the torch sampler's (see the module's docstring)
-
-    if on_numpy:
-        logits = torch.from_numpy(logits)
     if inp.lazy_rows is not None:  # a path that reads every row's mask: fill them all
         inp.lazy_rows.fill(info, logits.shape[-1])
+    ops = _NUMPY if on_numpy else _torch_ops(logits.device)
     counts = [c for c in inp.sample_counts if c]
     # rows whose logprobs were asked for: sampled rows of such requests, then prompt rows
     want = [n is not None for n, c in zip(inp.logprob_top_nums, inp.sample_counts) if c]
     lp_sample_rows = [r for r, w in zip(range(n_sample), repeat_rows(want, counts)) if w]
     lp_logits = None
-    if lp_sample_rows or lp_targets:
-        rows = torch.tensor(lp_sample_rows, dtype=torch.int64, device=logits.device)
-        lp_logits = torch.cat([logits[rows], logits[n_sample:]])  # raw, before sampling
+    if lp_sample_rows or lp_targets:  # raw, before sampling
+        lp_logits = ops.cat([logits[ops.ids(lp_sample_rows)], logits[n_sample:]])
     sampled: list[int] = []
     accepted: list[bool] | None = None
     sampled_t = None
     trees = None
     if n_sample:
-        info = info.to(logits.device)
+        if not on_numpy:
+            info = info.to(logits.device)
         sampled_t, accepted_t, trees = sample_verify_trees(logits[:n_sample], info)
         if accepted_t is not None:  # accepted rows carry the draft token
-            sampled_t = torch.where(accepted_t, info.draft_tokens, sampled_t)
+            sampled_t = ops.where(accepted_t, info.draft_tokens, sampled_t)
             accepted = accepted_t.tolist()
         if trees:  # a tree's emitted tokens go to the rows that score them (logprobs)
             rows, toks = [], []
@@ -75,17 +65,15 @@ def sample_step(inp: ModelInput, logits, n_sample: int, lp_targets: list[int]) -
                 emitted = [tokens[a] for a in path] + [last]
                 rows.extend(root + r for r in [0] + [1 + a for a in path])
                 toks.extend(emitted)
-            sampled_t = sampled_t.clone()
-            sampled_t[torch.tensor(rows, device=logits.device)] = torch.tensor(
-                toks, dtype=sampled_t.dtype, device=logits.device
-            )
+            sampled_t = ops.copy(sampled_t)
+            sampled_t[ops.ids(rows)] = ops.ids(toks)
         sampled = sampled_t.tolist()
     chosen, top_v, top_i = [], None, None
     if lp_logits is not None:
-        parts = [torch.tensor(lp_targets, dtype=torch.int64, device=logits.device)]
+        parts = [ops.ids(lp_targets)]
         if lp_sample_rows:
-            parts.insert(0, sampled_t[torch.tensor(lp_sample_rows, device=logits.device)])
-        targets = torch.cat(parts)
+            parts.insert(0, sampled_t[ops.ids(lp_sample_rows)])
+        targets = ops.cat(parts)
         top = max((n or 0) for n in inp.logprob_top_nums)
         chosen_t, top_vt, top_it = token_logprobs(lp_logits, targets, top)
         chosen = chosen_t.tolist()
@@ -176,7 +164,45 @@ def assemble(inp: ModelInput, sampled, accepted, trees, chosen, top_v, top_i) ->
     return out
 
 
-def _from_numpy(logits: np.ndarray):
+class _NumpyOps:
+    """The few array operations the sampled path needs, on numpy arrays."""
+
+    @staticmethod
+    def ids(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    cat = staticmethod(np.concatenate)
+    where = staticmethod(np.where)
+
+    @staticmethod
+    def copy(a: np.ndarray) -> np.ndarray:
+        return a.copy()
+
+
+_NUMPY = _NumpyOps()
+
+
+def _torch_ops(device):
+    """`_NumpyOps`' operations on torch tensors on `device` (torch imported here)."""
+    ops = _TORCH_OPS.get(device)
+    if ops is not None:
+        return ops
     import torch
 
-    return torch.from_numpy(logits)
+    class _TorchOps:
+        @staticmethod
+        def ids(values: list[int]):
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        cat = staticmethod(torch.cat)
+        where = staticmethod(torch.where)
+
+        @staticmethod
+        def copy(t):
+            return t.clone()
+
+    ops = _TORCH_OPS[device] = _TorchOps()
+    return ops
+
+
+_TORCH_OPS: dict = {}  # device -> its ops
