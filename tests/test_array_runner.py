@@ -99,6 +99,27 @@ def test_logits_and_tokens_equal_the_torch_runner(real_gguf, monkeypatch, name):
             np.testing.assert_allclose([t[0] for t in a], [t[0] for t in b], atol=1e-4)
 
 
+def test_a_constrained_request_gives_the_torch_runners_tokens(real_gguf, monkeypatch):
+    """Grammar rows (the numpy bitmask, lazy greedy rows and a sampled row) on ArrayRunner's
+    numpy logits: the torch runner's tokens."""
+    from tests.runtime_helpers import make_scheduler, run_all, submit
+
+    path = real_gguf("smollm2")
+    outs = []
+    for torch_runner in (False, True):
+        if torch_runner:
+            monkeypatch.setenv("LOOM_TORCH_RUNNER", "1")
+        sched = make_scheduler(path, max_total_tokens=1024)
+        assert type(sched.runner).__name__ == ("ModelRunner" if torch_runner else "ArrayRunner")
+        regex = {"regex": r"(yes|no), [a-z]{2,6}\."}
+        submit(sched, "greedy", PROMPTS[0], {"max_new_tokens": 12, "temperature": 0, **regex})
+        submit(sched, "sampled", PROMPTS[1], {"max_new_tokens": 12, "temperature": 0.7, **regex},
+               seed=3)  # fmt: skip
+        outs.append({k: v.ids for k, v in run_all(sched).items()})
+        sched.close()
+    assert outs[0] == outs[1]
+
+
 def test_a_step_past_the_c_forward_size_runs_in_parts(real_gguf, monkeypatch):
     """A prefill longer than cpu_model.MAX_TOKENS runs as consecutive parts: the same argmax,
     logits within the matmul mode's rounding (quant.c picks its kernel by row count)."""
