@@ -38,9 +38,8 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
-import torch
 
-from .base import Grammar, GrammarError
+from .base import Bitmask, Grammar, GrammarError, bitmask_row
 
 INF = 32767  # need of a state that cannot complete (int16)
 MAX_STATES = 50_000
@@ -268,7 +267,7 @@ class ClosingGrammar(Grammar):
             return None
         return q, remaining
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_mask(self, bitmask: Bitmask, row: int) -> None:
         self.inner.fill_mask(bitmask, row)
         active = self._active()
         if active is None:
@@ -276,7 +275,7 @@ class ClosingGrammar(Grammar):
         q, remaining = active
         succ_need, _ = self.closer.succ_need(q)
         words = succ_need.shape[0] // 32
-        target = bitmask[row, :words].numpy()
+        target = bitmask_row(bitmask, row)[:words]
         inner_bits = np.unpackbits(target.view(np.uint8), bitorder="little").astype(bool)
         fits = succ_need <= remaining - 1
         fits[list(self.closer.trie.eos_token_ids)] = True  # ending always fits

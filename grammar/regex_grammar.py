@@ -22,9 +22,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import torch
 
-from .base import Grammar, GrammarError, bitmask_words
+from .base import Bitmask, Grammar, GrammarError, bitmask_row, bitmask_words
 from .vocab import SENTINEL, SENTINEL_BYTES, TokenVocabulary
 
 
@@ -45,11 +44,11 @@ class CompiledRegex:
             raise GrammarError(f"cannot compile regex {_short(pattern)!r}: no start state")
         self.initial_state: int = start
         self._outlines_eos = min(vocab.eos_token_ids) if vocab.eos_token_ids else -1
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict[int, np.ndarray] = {}
         self._final: dict[int, bool] = {}
         self._terminal: dict[int, bool] = {}
         self._forced: dict[int, tuple[bytes, int | None] | None] = {}
-        self._eos_row: torch.Tensor | None = None
+        self._eos_row: np.ndarray | None = None
 
     # -- token level --------------------------------------------------------------------------
 
@@ -87,7 +86,7 @@ class CompiledRegex:
                 break
         return out
 
-    def mask_row(self, state: int) -> torch.Tensor:
+    def mask_row(self, state: int) -> np.ndarray:
         """The packed int32 bitmask of tokens allowed in `state` (EOS only if final)."""
         row = self._rows.get(state)
         if row is None:
@@ -105,16 +104,16 @@ class CompiledRegex:
             if final:
                 bits[list(self.vocab.eos_token_ids)] = True
             packed = np.packbits(bits, bitorder="little").view("<i4")
-            row = torch.from_numpy(packed.astype(np.int32))
+            row = packed.astype(np.int32)
             self._rows[state] = row
         return row
 
-    def eos_row(self) -> torch.Tensor:
+    def eos_row(self) -> np.ndarray:
         if self._eos_row is None:
             bits = np.zeros(bitmask_words(self.vocab.vocab_size) * 32, dtype=bool)
             bits[list(self.vocab.eos_token_ids)] = True
             packed = np.packbits(bits, bitorder="little").view("<i4")
-            self._eos_row = torch.from_numpy(packed.astype(np.int32))
+            self._eos_row = packed.astype(np.int32)
         return self._eos_row
 
     def is_terminal(self, state: int) -> bool:
@@ -189,11 +188,12 @@ class RegexGrammar(Grammar):
     def state(self) -> int:
         return self._states[-1]
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_mask(self, bitmask: Bitmask, row: int) -> None:
+        target = bitmask_row(bitmask, row)
         if self._tokens and self._tokens[-1] in self.compiled.vocab.eos_token_ids:
-            bitmask[row].copy_(self.compiled.eos_row())  # finished: nothing but EOS
+            target[:] = self.compiled.eos_row()  # finished: nothing but EOS
         else:
-            bitmask[row].copy_(self.compiled.mask_row(self.state))
+            target[:] = self.compiled.mask_row(self.state)
 
     def accept_token(self, token_id: int) -> None:
         c = self.compiled

@@ -6,6 +6,7 @@ when bit i % 32 of word i // 32 is set. The reference is loom.grammar.base.apply
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +27,10 @@ def _bitmask_kernel(Logits, Bitmask, stride_l, stride_m, V, BLOCK: tl.constexpr)
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, block: int = 1024) -> None:
-    """logits [B, V] float (last dim contiguous); bitmask [B, ceil(V / 32)] int32."""
+    """logits [B, V] float (last dim contiguous); bitmask [B, ceil(V / 32)] int32 (a tensor,
+    or the runtime's numpy words, copied to the logits' device)."""
+    if isinstance(bitmask, np.ndarray):
+        bitmask = torch.from_numpy(bitmask)
     b, vocab = logits.shape
     if bitmask.shape[0] != b or bitmask.shape[1] * 32 < vocab:
         raise ValueError(

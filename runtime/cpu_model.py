@@ -12,7 +12,7 @@ It is the torch-free base of the serving path on a GGUF / C-forward model: pytho
 ~213 MB of resident memory before any model, numpy ~15 MB (docs/benchmarks.md, "Issue 32: a
 serving process without torch"). What it covers is what CpuForward covers for GGUF files
 (Llama-family and Gemma 3, one rank, a float32 or bfloat16 pool, steps of up to MAX_TOKENS);
-the scheduler itself still runs on torch tensors (docs/architecture.md says what is left).
+runtime/array_runner.py serves it to the scheduler.
 """
 
 from __future__ import annotations
@@ -199,19 +199,25 @@ class ArrayForward:
         emb, lm = mat(["model.embed_tokens.weight"]), mat([head])
         cos, sin = tables[cfg.local_rope if cfg.gemma and cfg.sliding[0] else cfg.global_rope]
         self._layers, self._tables = layers, tables
+        # quant.c's mode of a step (CpuForward's): "prefill" (8-bit activations) on prompt
+        # steps only, so a prompt row's arithmetic does not depend on its chunking
+        self._q_prompt = MODES[mode]
+        self._q_mode = MODES["auto" if mode == "prefill" else mode]
         self._struct = _Model(
             cfg.hidden, cfg.heads, Hkv, D, cfg.inter, cfg.vocab, L, rows, cfg.eps, D**-0.5,
             emb[0], fl("model.norm.weight"), lm[0], p(cos), p(sin), layers, lm[1], emb[2], lm[2],
-            MODES[mode], int(cfg.gemma), float(math.sqrt(cfg.hidden)) if cfg.gemma else 1.0,
+            self._q_mode, int(cfg.gemma), float(math.sqrt(cfg.hidden)) if cfg.gemma else 1.0,
             float(cfg.gemma), int(kv_dtype == "bf16"),
         )  # fmt: skip
         self._ptr = ctypes.addressof(self._struct)
 
     def __call__(self, ids, positions, slots, rows, seq_lens, extend_lens, logit_rows,
-                 nthreads: int | None = None) -> np.ndarray:  # fmt: skip
+                 nthreads: int | None = None, prompt: bool = False) -> np.ndarray:  # fmt: skip
         """float32 logits [len(logit_rows), vocab]; the step's K / V written to `slots`.
         ids / positions / slots: the step's T tokens, request by request; rows: each request's
-        req_to_token row; seq_lens: its length after the step; extend_lens: its tokens here."""
+        req_to_token row; seq_lens: its length after the step; extend_lens: its tokens here;
+        prompt: every row a prompt row (ModelInput.prompt: the prompt's matmul mode)."""
+        self._struct.q_mode = self._q_prompt if prompt else self._q_mode
         i64 = [np.ascontiguousarray(x, dtype=np.int64)
                for x in (ids, positions, slots, rows, logit_rows)]  # fmt: skip
         ids, pos, slots, rows, want = i64

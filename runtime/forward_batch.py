@@ -1,10 +1,12 @@
 """The seam between the scheduler and the model runner, and the context a forward reads.
 
-`ModelInput` is what the scheduler hands the runner for one step (CPU tensors and lists,
-sampling parameters included); `ForwardOutput` is what comes back (token ids and logprobs,
-never logits). `ForwardBatch` is the runner's device-side view of one forward. Model files
-never take the batch as an argument: attention layers read it with `get_forward_batch()`, so
-model code reads like the Hugging Face reference.
+`ModelInput` is what the scheduler hands the runner for one step (numpy index arrays and
+lists, sampling parameters included: this module and the scheduler never import torch; the
+torch runner takes the arrays with `torch.as_tensor`, zero-copy); `ForwardOutput` is what
+comes back (token ids and logprobs, never logits). `ForwardBatch` is the runner's
+device-side view of one forward. Model files never take the batch as an argument: attention
+layers read it with `get_forward_batch()`, so model code reads like the Hugging Face
+reference.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 if TYPE_CHECKING:
+    import torch
+
     from loom.runtime.attention.base import AttentionBackend
     from loom.runtime.memory_pool import ReqToTokenPool, TokenToKVPool
     from loom.runtime.sampling.info import SamplingInfo
@@ -95,7 +98,8 @@ class StepDrafts:
 class ModelInput:
     """One step as the scheduler plans it, on the CPU (the runner moves it to its device).
 
-    Token tensors have length T, per-request lists length B. Request i computes positions
+    Index arrays (1-D numpy int64; a test may hand CPU tensors, which the runners take too)
+    have length T, per-request lists length B. Request i computes positions
     prefix_lens[i] .. seq_lens[i]-1. Sampling: request i samples `sample_counts[i]` tokens
     (0: none, e.g. a prompt chunk; 1: the next token; 1 + len(drafts.tokens[i]): draft
     verification), from the logits of its last `sample_counts[i]` positions; `sampling` has
@@ -107,10 +111,10 @@ class ModelInput:
     """
 
     mode: ForwardMode
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    out_cache_loc: torch.Tensor  # [T]
-    req_pool_indices: torch.Tensor  # [B]
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    out_cache_loc: np.ndarray  # [T]
+    req_pool_indices: np.ndarray  # [B]
     seq_lens: list[int]
     prefix_lens: list[int]
     sample_counts: list[int]
@@ -119,9 +123,9 @@ class ModelInput:
     logprob_top_nums: list[int | None]  # per request: None = no logprobs, else top-k count
     input_logprob_starts: list[int]
     input_logprob_targets: list[list[int] | None]
-    # `seq_lens` as an int64 tensor, when the scheduler built it with the other index vectors
+    # `seq_lens` as an int64 array, when the scheduler built it with the other index vectors
     # (None: the runner makes it)
-    seq_lens_tensor: torch.Tensor | None = None
+    seq_lens_tensor: np.ndarray | None = None
     # layers whose hidden states the forward keeps for the drafter (None: none; (): the final
     # hidden states only), returned in `ForwardOutput.hidden`
     capture: tuple[int, ...] | None = None
@@ -155,13 +159,19 @@ class ForwardOutput:
     hidden: Any = None
 
 
-_NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
-
-
 def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor from a (nested) Python list, through numpy: ~3x faster than torch.tensor
-    for the short lists a step builds (1.5 against 4.5 us for 2 ints, 6 against 14 for 128)."""
+    for the short lists a step builds (1.5 against 4.5 us for 2 ints, 6 against 14 for 128).
+    For the torch runner and its helpers (torch imported here, not by this module)."""
+    import torch
+
+    if not _NUMPY_DTYPES:
+        _NUMPY_DTYPES.update({torch.int64: np.int64, torch.float32: np.float32,
+                              torch.bool: np.bool_})  # fmt: skip
     return torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype]))
+
+
+_NUMPY_DTYPES: dict = {}  # torch dtype -> numpy dtype, filled by the first host_tensor
 
 
 _current: ForwardBatch | None = None

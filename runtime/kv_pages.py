@@ -142,3 +142,28 @@ class PagedAllocator:
         if len(free):
             counts = np.bincount(free, minlength=self.num_pages + 1)
             assert int(counts.max()) == 1, "page freed twice"
+
+
+class RequestRows:
+    """[max requests x max context] slot indices; a row is a running request's KV map, handed
+    out and freed here. The table is the forward's: a numpy int64 array (the torch-free runner,
+    runtime/array_runner.py) or a torch tensor (memory_pool.ReqToTokenPool); the scheduler
+    reads and writes it through `radix/base.read_slots` / `write_slots`, which take either."""
+
+    def __init__(self, table):
+        self.req_to_token = table
+        self.size, self.max_context_len = table.shape
+        self._free = list(range(self.size - 1, -1, -1))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, idx: int) -> None:
+        assert 0 <= idx < self.size and idx not in self._free, f"double free of req row {idx}"
+        self._free.append(idx)
+
+    def clear(self) -> None:
+        self._free = list(range(self.size - 1, -1, -1))

@@ -11,6 +11,8 @@ import mmap
 
 import torch
 
+from loom.runtime.kv_pages import RequestRows
+
 # "float32": loom's own value (SGLang has none), to pin a float32 pool where "auto" picks
 # bfloat16 (a GGUF model in the C forward: ModelRunner._kv_cache_dtype)
 _KV_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -50,27 +52,13 @@ def zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> 
     return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
 
-class ReqToTokenPool:
-    """[max requests x max context] slot indices; a row is a running request's KV map."""
+class ReqToTokenPool(RequestRows):
+    """`kv_pages.RequestRows` over a torch table: fresh anonymous pages on the CPU
+    (`zeros_untouched`), zeros on a device. The torch runner's (the eager and CUDA paths index
+    it with tensors); the torch-free runner holds a numpy table instead."""
 
     def __init__(self, size: int, max_context_len: int, device: str):
-        self.size = size
-        self.max_context_len = max_context_len
-        self.req_to_token = zeros_untouched((size, max_context_len), torch.int64, device)
-        self._free = list(range(size - 1, -1, -1))
-
-    def available_size(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def free(self, idx: int) -> None:
-        assert 0 <= idx < self.size and idx not in self._free, f"double free of req row {idx}"
-        self._free.append(idx)
-
-    def clear(self) -> None:
-        self._free = list(range(self.size - 1, -1, -1))
+        super().__init__(zeros_untouched((size, max_context_len), torch.int64, device))
 
 
 class TokenToKVPool:

@@ -69,7 +69,7 @@ class BroadcastRunner:
         row differs from what the other ranks hold, and the slots from there on."""
         table = self.runner.req_to_token_pool.req_to_token
         seqs = inp.seq_lens
-        idx = inp.req_pool_indices.to(table.device)
+        idx = torch.as_tensor(inp.req_pool_indices).to(table.device)
         width = max(seqs)
         now, sent = table[idx, :width], self._sent[idx, :width]
         valid = torch.arange(width, device=table.device)[None, :] < torch.tensor(

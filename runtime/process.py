@@ -214,7 +214,17 @@ def configure_child_process(args, name: str, owner_pid: int) -> None:
 # Children start from a fork server that has already imported the heavy modules, so starting a
 # scheduler costs a fork, not a fresh interpreter importing torch and transformers. The fork
 # server itself is single-threaded, so forking it is safe whatever threads the caller runs.
-_PRELOAD = ["loom.runtime.preload"]
+# Which preload: runtime/preload_torch.py unless a parent's servers all run torch-free
+# (`set_preload`); read when the fork server starts, the first child of this process.
+_PRELOAD = ["loom.runtime.preload_torch"]
+
+
+def set_preload(with_torch: bool) -> None:
+    """Choose the fork server's preload before the first child starts: without torch
+    (runtime/preload.py) when the scheduler runs the torch-free runner, so neither it nor the
+    detokenizer maps torch's ~213 MB. A fork server already running keeps its preload (a
+    later child imports what it lacks)."""
+    _PRELOAD[:] = ["loom.runtime.preload_torch" if with_torch else "loom.runtime.preload"]
 
 
 def _context():

@@ -2,11 +2,17 @@
 runner's entry points (`sample`, `greedy_verify`, `sample_and_verify`, `sample_verify_trees`)
 compose the jobs in `loom.runtime.sampling`: the step's `SamplingInfo`, logit processing,
 the target distribution and draft verification, counter-based noise (a request's samples
-depend only on its own seed and position)."""
+depend only on its own seed and position).
+
+Two paths behind the same entry points: numpy float32 logits [N, V] with the numpy info
+`SamplingInfo.from_reqs` builds (the torch-free CPU path; numpy arrays and lists come back,
+and torch is never imported), or torch logits (the torch runner's; a numpy info is made a
+torch one by `SamplingInfo.to`, and tensors come back, as before). Greedy ids are the same on
+both; seeded samples too wherever float rounding does not move them (sampling/verify.py)."""
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from loom.runtime.sampling.info import SamplingInfo
 from loom.runtime.sampling.penalties import apply_penalties
@@ -15,18 +21,29 @@ from loom.runtime.sampling.verify import (
     argmax_rows,
     greedy_ids,
     race,
+    race_rows,
     residual,
     target_probs,
     verify_trees,
 )
 
 
-def sample(logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+def _torch_info(logits, info: SamplingInfo) -> SamplingInfo:
+    """The info of the torch path: a numpy info (from `from_reqs`) viewed as tensors."""
+    return info.to(logits.device) if info.is_numpy() else info
+
+
+def _numpy_info(info: SamplingInfo) -> SamplingInfo:
+    """The info of the numpy path (a torch info, built by hand, copied to numpy)."""
+    return info.to_numpy()
+
+
+def sample(logits, info: SamplingInfo):
     """logits [B, V] float32 (modified in place) -> next token ids [B] (no drafts)."""
     return sample_and_verify(logits, info)[0]
 
 
-def greedy_verify(logits: torch.Tensor, info: SamplingInfo) -> tuple[list[int], list[bool] | None]:
+def greedy_verify(logits, info: SamplingInfo) -> tuple[list[int], list[bool] | None]:
     """`sample_and_verify` for rows that are all greedy with no draft tree, as Python lists:
     bias, penalties, bans and the grammar mask applied, then each row's argmax; a chain's row
     accepts its draft token when it is that argmax (so the token kept is the argmax either
@@ -37,8 +54,12 @@ def greedy_verify(logits: torch.Tensor, info: SamplingInfo) -> tuple[list[int], 
     return ids, greedy_accepts(ids, info)
 
 
-def greedy_rows(logits: torch.Tensor, info: SamplingInfo) -> list[int]:
+def greedy_rows(logits, info: SamplingInfo) -> list[int]:
     """Bias, penalties, bans and the mask rows applied, then each row's argmax (a list)."""
+    if isinstance(logits, np.ndarray):
+        info = _numpy_info(info)
+    else:
+        info = _torch_info(logits, info)
     apply_penalties(logits, info)
     return greedy_ids(logits)
 
@@ -50,17 +71,13 @@ def greedy_accepts(ids: list[int], info: SamplingInfo) -> list[bool] | None:
     return [i == d for i, d in zip(ids, info.draft_tokens.tolist())]
 
 
-def sample_and_verify(
-    logits: torch.Tensor, info: SamplingInfo
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def sample_and_verify(logits, info: SamplingInfo):
     """Chain drafts only: `sample_verify_trees` without the trees' results."""
     tokens, accepted, _ = sample_verify_trees(logits, info)
     return tokens, accepted
 
 
-def sample_verify_trees(
-    logits: torch.Tensor, info: SamplingInfo
-) -> tuple[torch.Tensor, torch.Tensor | None, list[tuple[list[int], int]] | None]:
+def sample_verify_trees(logits, info: SamplingInfo):
     """logits [N, V] float32 (modified in place) -> (token ids [N], accepted [N] or None,
     per tree of `info.trees` (accepted node indices, the token sampled after them) or None).
 
@@ -70,7 +87,13 @@ def sample_verify_trees(
     and otherwise take a sample of the residual max(p - q, 0), renormalized. The caller keeps
     the accepted run and the token of the first rejected row (or the last row's sample).
     Tree rows are verified by `verify_trees`. Noise is counter-based (seed, position), so a
-    request's output is reproducible."""
+    request's output is reproducible. Numpy logits give numpy arrays (int64 ids, bool
+    acceptances), torch logits tensors."""
+    if isinstance(logits, np.ndarray):
+        return _sample_verify_trees_np(logits, _numpy_info(info))
+    import torch
+
+    info = _torch_info(logits, info)
     apply_penalties(logits, info)
     greedy_ids = argmax_rows(logits)
     drafts = info.draft_tokens
@@ -92,3 +115,30 @@ def sample_verify_trees(
     sampled = torch.where(accepted, x, race(residual(probs, q), noise))
     tokens = torch.where(info.greedy, greedy_ids, sampled)
     return tokens, torch.where(info.greedy, greedy_ids == drafts, accepted), tree_out
+
+
+def _sample_verify_trees_np(logits: np.ndarray, info: SamplingInfo):
+    """`sample_verify_trees` in numpy, step for step (the same noise, bit for bit; hashed
+    only where a row can use it: `race_rows`)."""
+    apply_penalties(logits, info)
+    greedy_ids = argmax_rows(logits)
+    drafts = info.draft_tokens
+    if info.all_greedy:
+        tree_out = verify_trees(None, greedy_ids, info) if info.trees else None
+        return greedy_ids, (None if drafts is None else greedy_ids == drafts), tree_out
+    probs = target_probs(logits, info)
+    tree_out = verify_trees(probs, greedy_ids, info) if info.trees else None
+    if drafts is None:  # the noise of a row's support only (`race_rows`)
+        sampled = race_rows(probs, info, info.greedy)
+        return np.where(info.greedy, greedy_ids, sampled), None, tree_out
+    has_draft = drafts >= 0
+    x = np.maximum(drafts, 0)
+    rows = np.arange(probs.shape[0])
+    q = np.zeros_like(probs)
+    q[rows, x] = has_draft
+    coin = hashed_uniform_column(info.seeds, info.steps, -1)
+    p_x = probs[rows, x]
+    accepted = has_draft & (coin < p_x)  # min(1, p(x) / q(x)) with q(x) = 1
+    sampled = np.where(accepted, x, race_rows(residual(probs, q), info, info.greedy | accepted))
+    tokens = np.where(info.greedy, greedy_ids, sampled)
+    return tokens, np.where(info.greedy, greedy_ids == drafts, accepted), tree_out

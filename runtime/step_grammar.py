@@ -23,12 +23,11 @@ it started.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from loom.runtime.distributed import get_parallel_state
+from loom.grammar.base import allocate_bitmask
 from loom.runtime.sampling.penalties import apply_vocab_mask_
 from loom.runtime.sampling.verify import greedy_ids
 
@@ -42,6 +41,14 @@ JUMP_WINDOW = 3
 JUMP_MIN_GAIN = 2
 
 
+def get_parallel_state():
+    """`loom.runtime.distributed`'s parallel state, or None where that module was never
+    loaded (it imports torch; a process that never loaded it has set up no parallel world,
+    so it runs one rank)."""
+    distributed = sys.modules.get("loom.runtime.distributed")
+    return None if distributed is None else distributed.get_parallel_state()
+
+
 @dataclass
 class LazyRows:
     """Greedy chains verified without their grammar rows (`vocab_mask` rows left unfilled, or
@@ -51,7 +58,7 @@ class LazyRows:
 
     chains: list[tuple[int, Any, list[int], frozenset]]
 
-    def resolve(self, logits: torch.Tensor, ids: list[int]) -> None:
+    def resolve(self, logits, ids: list[int]) -> None:
         """`ids` (the rows' argmax after penalties) made the masked argmax, in place.
 
         Row j of a chain accepts draft token d_j when the masked argmax is d_j; the walk that
@@ -69,9 +76,8 @@ class LazyRows:
         accept (the walk's check) takes any token spelling a prefix of it (after `{"name` the
         mask allows `":` alone, accept also takes `"`). A draft token there that is that
         tokenization's first token (`grammar.forced_token()`) is allowed by the mask, so as
-        the argmax it is the masked argmax too: accepted without the mask."""
-        from loom.grammar.base import allocate_token_bitmask
-
+        the argmax it is the masked argmax too: accepted without the mask. `logits`: numpy
+        float32 or a torch tensor (the sampler's two paths); the masks are numpy."""
         vocab = logits.shape[-1]
         for row, grammar, draft, stops in self.chains:
             n = 0  # draft tokens the grammar has been advanced by
@@ -94,7 +100,7 @@ class LazyRows:
                     else:
                         grammar.rollback(1)
                         break
-                mask = allocate_token_bitmask(1, vocab)
+                mask = allocate_bitmask(1, vocab)
                 grammar.fill_mask(mask, 0)
                 apply_vocab_mask_(logits[r : r + 1], mask)
                 ids[r] = greedy_ids(logits[r : r + 1])[0]
@@ -108,15 +114,13 @@ class LazyRows:
     def fill(self, info, vocab_size: int) -> None:
         """Every row of every chain masked in `info.vocab_mask` (the sampling paths that read
         every row's mask: temperature, trees, logprobs)."""
-        from loom.grammar.base import allocate_token_bitmask
-
         if info.vocab_mask is None:
-            info.vocab_mask = allocate_token_bitmask(info.greedy.shape[0], vocab_size)
+            info.vocab_mask = allocate_bitmask(info.greedy.shape[0], vocab_size)
         for row, grammar, draft, _ in self.chains:
             fill_draft_rows(grammar, draft, info.vocab_mask, row)
 
 
-def fill_draft_rows(grammar, draft: list[int], mask: torch.Tensor, row: int) -> None:
+def fill_draft_rows(grammar, draft: list[int], mask, row: int) -> None:
     """mask[row + j] = what the grammar allows after draft[:j], for j = 0 .. len(draft) (the
     draft legal: walked by the drafter); the grammar ends where it started."""
     for j, t in enumerate(draft):
@@ -160,12 +164,12 @@ class StepGrammar:
         positions (`req.draft_masks`). A greedy request's rows are not computed here (`lazy`):
         `LazyRows.resolve` masks only the row that decides its chain, where a row per position
         cost a fresh grammar state's mask each (most of a JSON verify step's grammar time)."""
-        from loom.grammar.base import GrammarError, allocate_token_bitmask
+        from loom.grammar.base import GrammarError
 
         g = req.grammar
         lazy = self.lazy and req.sampling_params.is_greedy and not req.return_logprob
-        masks = None if lazy else allocate_token_bitmask(len(draft) + 1, self.vocab_size)
-        words = None if lazy else masks.numpy()  # the same memory: bit reads, no indexing
+        masks = None if lazy else allocate_bitmask(len(draft) + 1, self.vocab_size)
+        words = masks  # numpy: bit reads, no tensor indexing
         n = 0
         for t in draft:
             if not lazy:  # row n: the state after the n tokens accepted so far
@@ -190,12 +194,11 @@ class StepGrammar:
         """Each branch walked through the grammar (accept down, roll back up): a node the
         grammar refuses is cut with its subtree; mask row 0 is what may follow the last real
         token, row 1 + i what may follow node i (`req.draft_masks`, in the kept nodes' order)."""
-        from loom.grammar.base import GrammarError, allocate_token_bitmask
+        from loom.grammar.base import GrammarError
 
         g = req.grammar
         n = len(tokens)
-        masks = allocate_token_bitmask(n + 1, self.vocab_size)
-        words = masks.numpy()
+        masks = words = allocate_bitmask(n + 1, self.vocab_size)
         children: list[list[int]] = [[] for _ in range(n + 1)]
         for i, p in enumerate(parents):
             children[p + 1].append(i)
@@ -251,9 +254,9 @@ class StepGrammar:
         else its rows are filled here."""
         if not any(r.grammar is not None for r in reqs):
             return None
-        from loom.grammar.base import allocate_token_bitmask
 
-        lazy_ok = lazy_ok and info.all_greedy and get_parallel_state().world_size == 1
+        state = get_parallel_state()
+        lazy_ok = lazy_ok and info.all_greedy and (state is None or state.world_size == 1)
         lazy, mask = [], None
         row = 0
         for r in reqs:
@@ -262,7 +265,7 @@ class StepGrammar:
                     lazy.append((row, r.grammar, r.draft_ids, r.eos_token_ids))
                 else:
                     if mask is None:
-                        mask = allocate_token_bitmask(
+                        mask = allocate_bitmask(
                             sum(1 + len(x.draft_ids) for x in reqs), self.vocab_size
                         )
                     if r.draft_masks is not None:

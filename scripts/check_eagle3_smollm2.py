@@ -99,7 +99,7 @@ def main() -> None:
 
     def keep(inp, out):
         if out.hidden is not None:
-            grabbed.append((inp.input_ids.clone(), torch.cat(out.hidden[1], -1).clone()))
+            grabbed.append((torch.as_tensor(inp.input_ids).clone(), torch.cat(out.hidden[1], -1).clone()))
         return after(inp, out)
 
     drafter.after_forward = keep

@@ -102,9 +102,10 @@ assert "torch" not in sys.modules, "torch was imported"
 """
 
 
-def test_greedy_without_torch_equals_the_scheduler(real_gguf):
+def test_greedy_without_torch_equals_the_scheduler(real_gguf, monkeypatch):
     """A process that builds the numpy binding and decodes greedily never imports torch, and
     its tokens are the scheduler's (the torch path) on the same file and pool dtype."""
+    monkeypatch.setenv("LOOM_TORCH_RUNNER", "1")  # else the scheduler runs ArrayRunner
     from loom.runtime.scheduler.scheduler import Scheduler
     from tests.runtime_helpers import run_all, submit
 

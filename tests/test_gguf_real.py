@@ -50,6 +50,13 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _torch_runner(monkeypatch):
+    """These tests read the torch runner (its model, CpuForward, pools): ModelRunner for a GGUF
+    model too (tests/test_array_runner.py compares the torch-free runner with it)."""
+    monkeypatch.setenv("LOOM_TORCH_RUNNER", "1")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_gguf_reader_per_file():
     """transformers builds a new gguf.GGUFReader for the tokenizer, the config and the weights of

@@ -22,6 +22,13 @@ TEXTS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _torch_runner(monkeypatch):
+    """These tests read the torch runner (its model, CpuForward, pools): ModelRunner for a GGUF
+    model too (tests/test_array_runner.py compares the torch-free runner with it)."""
+    monkeypatch.setenv("LOOM_TORCH_RUNNER", "1")
+
+
 @pytest.mark.parametrize("value", ["fp8_e5m2", "fp8_e4m3", "fp4_e2m1"])
 def test_unbuilt_kv_dtypes_are_refused_by_name(value):
     with pytest.raises(ValueError, match=rf"^kv_cache_dtype: '{value}' is not supported yet"):

@@ -28,6 +28,13 @@ PROMPTS = [[5, 17, 99, 3, 250], [7] * 3 + list(range(40, 70)), [300, 2, 9]]
 NEW = 12
 
 
+@pytest.fixture(autouse=True)
+def _torch_runner(monkeypatch):
+    """These tests read the torch runner (its model, CpuForward, pools): ModelRunner for a GGUF
+    model too (tests/test_array_runner.py compares the torch-free runner with it)."""
+    monkeypatch.setenv("LOOM_TORCH_RUNNER", "1")
+
+
 def fake_quant_folder(src: str, dst: Path, quantization: str) -> str:
     """A copy of checkpoint `src` whose tensors are what `--quantization` keeps, in float32."""
     from safetensors.torch import save_file

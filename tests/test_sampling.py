@@ -347,14 +347,17 @@ class _ModGrammar:
         del self.tokens[len(self.tokens) - k :]
 
 
-def test_lazy_grammar_rows_verify_as_fully_masked_rows():
+@pytest.mark.parametrize("path", ["torch", "numpy"])
+def test_lazy_grammar_rows_verify_as_fully_masked_rows(path):
     """A greedy chain verified with its grammar rows left lazy (`step_grammar.LazyRows`:
     at the row whose argmax is not its draft token, the grammar's accept of that argmax, or
     else that row's mask) keeps the same accepted run and tokens as the same chain with every
     row masked, over random logits and legal drafts that the masked argmax accepts at random
     depths; the grammar ends where it started. Fails when the deciding row is not masked (an
     illegal argmax then becomes the next token), when the walk does not go on after a masked
-    row that accepts its draft, or when the accept check is not rolled back."""
+    row that accepts its draft, or when the accept check is not rolled back. `path` numpy:
+    the lazy rows on numpy logits (the torch-free CPU path), against the torch path's
+    fully masked ones."""
     from loom.grammar.base import allocate_token_bitmask
     from loom.runtime.req import Req
     from loom.runtime.sampler import greedy_accepts, greedy_rows, sample_and_verify
@@ -400,7 +403,7 @@ def test_lazy_grammar_rows_verify_as_fully_masked_rows():
 
         lazy = SamplingInfo.from_reqs([req], vocab, drafts=[draft])
         grammar.masks = 0
-        lazy_logits = rows.clone()
+        lazy_logits = rows.clone() if path == "torch" else rows.numpy().copy()
         got = greedy_rows(lazy_logits, lazy)
         LazyRows([(0, grammar, draft, frozenset({EOS}))]).resolve(lazy_logits, got)
         got_acc = greedy_accepts(got, lazy)
@@ -414,7 +417,8 @@ def test_lazy_grammar_rows_verify_as_fully_masked_rows():
     assert masks_lazy <= 300 + went_on < masks_full
 
 
-def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows():
+@pytest.mark.parametrize("path", ["torch", "numpy"])
+def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows(path):
     """Plain decode rows (no draft) of greedy requests with a grammar, left to the sampler by
     `StepGrammar.rows(..., lazy_ok=True)`: the argmax is kept where the grammar accepts it,
     else that row alone is masked. Over random batches mixing constrained and free requests,
@@ -423,7 +427,8 @@ def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows():
     those of every grammar row masked; each grammar ends where it started, and fewer masks
     are computed. Fails when the refused argmax is kept unmasked, when EOS skips the mask, or
     when the accept check is not rolled back, or when a state with forced text is not masked
-    (the toy's accept is laxer there, as llguidance's)."""
+    (the toy's accept is laxer there, as llguidance's). `path` numpy: the lazy rows on numpy
+    logits against the torch path's fully masked ones."""
     from loom.runtime.req import Req
     from loom.runtime.sampler import greedy_accepts, greedy_rows
     from loom.runtime.sampling_params import make_sampling_params
@@ -468,7 +473,7 @@ def test_lazy_grammar_plain_rows_decode_as_fully_masked_rows():
         lazy_rows = owner.rows(reqs, lazy, lazy_ok=True)
         assert lazy.vocab_mask is None
         assert len(lazy_rows.chains if lazy_rows else ()) == sum(gr is not None for gr in grammars)
-        rows = logits.clone()
+        rows = logits.clone() if path == "torch" else logits.numpy().copy()
         got = greedy_rows(rows, lazy)
         if lazy_rows is not None:
             lazy_rows.resolve(rows, got)

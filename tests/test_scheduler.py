@@ -151,9 +151,12 @@ def test_decode_input_is_the_general_one(model):
             if f.name == "sampling":
                 for g in dataclasses.fields(a):
                     x, y = getattr(a, g.name), getattr(b, g.name)
-                    assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, g.name
-            elif isinstance(a, torch.Tensor):
-                assert torch.equal(a, b), f.name
+                    if isinstance(x, np.ndarray):  # SamplingInfo.from_reqs: numpy arrays
+                        assert np.array_equal(x, y), g.name
+                    else:
+                        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, g.name
+            elif isinstance(a, np.ndarray):  # the index arrays
+                assert a.dtype == b.dtype and np.array_equal(a, b), f.name
             else:
                 assert a == b, f.name
         return fast

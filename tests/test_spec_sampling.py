@@ -4,11 +4,13 @@ A 16-token vocabulary: each of N rows verifies a draft token x (q one-hot, the n
 drafter's case) against the same target logits with its own seed. The token each row yields
 (x when accepted, else the residual sample) must follow p exactly: a chi-square test at a
 fixed seed. The broken variant (the residual left as p, forgetting to take q out) must FAIL
-the same test: it over-produces x.
+the same test: it over-produces x. Each test runs on the torch path and on the numpy one
+(numpy logits and info: the CPU path without torch).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,11 +46,24 @@ def _info(draft: int, temperature: float, top_p: float) -> SamplingInfo:
     )
 
 
-def _chi_square(draft: int, temperature: float, top_p: float) -> tuple[float, torch.Tensor]:
+PATHS = ["torch", "numpy"]
+
+
+def _on(path: str, logits: torch.Tensor, info: SamplingInfo):
+    """The logits and info of `path` (numpy: copies as numpy arrays)."""
+    if path == "numpy":
+        return logits.numpy().copy(), info.to_numpy()
+    return logits, info
+
+
+def _chi_square(
+    draft: int, temperature: float, top_p: float, path: str = "torch"
+) -> tuple[float, torch.Tensor]:
     logits = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 1.5
     info = _info(draft, temperature, top_p)
     p = target_probs(logits.expand(N, V).clone(), info)[0]
-    tokens, accepted = sample_and_verify(logits.expand(N, V).clone(), info)
+    tokens, accepted = sample_and_verify(*_on(path, logits.expand(N, V).clone(), info))
+    tokens, accepted = torch.as_tensor(tokens), torch.as_tensor(accepted)
     tokens = torch.where(accepted, info.draft_tokens, tokens)
     observed = torch.bincount(tokens, minlength=V).double()
     expected = p.double() * N
@@ -62,9 +77,12 @@ CASES = [(6, 1.0, 1.0), (2, 1.0, 1.0), (12, 0.7, 0.9)]  # p(x) about 0.35, 0.01;
 
 
 def _broken_residual(p, q):
+    if isinstance(p, np.ndarray):
+        return p / p.sum(axis=-1, keepdims=True)
     return p / p.sum(dim=-1, keepdim=True)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("draft, temperature, top_p", CASES)
 @pytest.mark.parametrize(
     "residual",
@@ -76,11 +94,11 @@ def _broken_residual(p, q):
     ],
 )
 def test_verified_tokens_follow_the_target_distribution(
-    monkeypatch, draft, temperature, top_p, residual
+    monkeypatch, draft, temperature, top_p, residual, path
 ):
     if residual == "broken":
         monkeypatch.setattr(sampler, "residual", _broken_residual)
-    stat, accepted = _chi_square(draft, temperature, top_p)
+    stat, accepted = _chi_square(draft, temperature, top_p, path)
     assert 0 < accepted.float().mean() < 1  # both branches were exercised
     assert stat < CRITICAL, f"chi-square {stat:.1f} >= {CRITICAL} (df 15, p 0.001)"
 
@@ -89,6 +107,8 @@ def test_same_seed_same_tokens():
     a = _chi_square(3, 1.0, 1.0)
     b = _chi_square(3, 1.0, 1.0)
     assert a[0] == b[0]
+    c = _chi_square(3, 1.0, 1.0, "numpy")  # the numpy path: the same tokens here
+    assert c[0] == a[0] and torch.equal(c[1], a[1])
 
 
 # --------------------------------------------------------------------------- draft trees
@@ -123,7 +143,7 @@ def _tree_info(trees: list, temperature: float) -> SamplingInfo:
     )
 
 
-def _tree_chi_square(make_tree) -> tuple[float, float]:
+def _tree_chi_square(make_tree, path: str = "torch") -> tuple[float, float]:
     """(chi-square of the first emitted token against p, share of trees accepting a node)."""
     logits = torch.randn(V, generator=torch.Generator().manual_seed(3)) * 1.5
     p = torch.softmax(logits, -1)
@@ -131,7 +151,7 @@ def _tree_chi_square(make_tree) -> tuple[float, float]:
     trees = [make_tree(p, gen) for _ in range(NT)]
     info = _tree_info(trees, 1.0)
     n_rows = info.seeds.shape[0]
-    _, _, out = sampler.sample_verify_trees(logits.expand(n_rows, V).clone(), info)
+    _, _, out = sampler.sample_verify_trees(*_on(path, logits.expand(n_rows, V).clone(), info))
     first = torch.tensor([tokens[path[0]] if path else last for (tokens, _, _), (path, last) in
                           zip(trees, out)])  # fmt: skip
     observed = torch.bincount(first, minlength=V).double()
@@ -153,6 +173,7 @@ def _sampled_tree(p, gen):
     return x, [-1, -1], q.expand(2, V)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("make_tree", [_deterministic_tree, _sampled_tree])
 @pytest.mark.parametrize(
     "residual",
@@ -163,12 +184,14 @@ def _sampled_tree(p, gen):
         ),
     ],
 )
-def test_tree_verified_tokens_follow_the_target_distribution(monkeypatch, make_tree, residual):
+def test_tree_verified_tokens_follow_the_target_distribution(
+    monkeypatch, make_tree, residual, path
+):
     """Multi-candidate rejection sampling over a tree keeps the target distribution; leaving
     q in the residual (each rejected candidate stays as likely) fails the same test."""
     if residual == "broken":  # the tree walk's own residual (verify_trees)
         monkeypatch.setattr(verify, "residual", _broken_residual)
-    stat, accepted = _tree_chi_square(make_tree)
+    stat, accepted = _tree_chi_square(make_tree, path)
     assert 0 < accepted < 1  # both acceptance and rejection exercised
     assert stat < CRITICAL, f"chi-square {stat:.1f} >= {CRITICAL} (df 15, p 0.001)"
 
@@ -184,5 +207,6 @@ def test_greedy_tree_walk_takes_the_argmax_path():
     info = _tree_info([(tokens, parents, None)], 1.0)
     info.greedy[:] = True
     info.all_greedy = True
-    _, _, out = sampler.sample_verify_trees(logits, info)
+    _, _, out = sampler.sample_verify_trees(logits.clone(), info)
     assert out == [([1, 2, 4], 0)]
+    assert sampler.sample_verify_trees(*_on("numpy", logits, info))[2] == out

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from ..base import Grammar, GrammarError
+from ..base import Grammar, GrammarError, bitmask_row
 from .engine import CompiledCFG, State
 
 _ENDED: State = frozenset({("end",)})  # after EOS was accepted at a valid end
@@ -43,13 +42,12 @@ class EBNFGrammar(Grammar):
         raw = np.frombuffer(self.allowed_bits().to_bytes(n_words * 4, "little"), dtype=np.uint8)
         return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_mask(self, bitmask, row: int) -> None:
         n_words = self.compiled.trie.n_words
-        data = bytearray(self.allowed_bits().to_bytes(n_words * 4, "little"))
-        words = torch.frombuffer(data, dtype=torch.int32)
-        bitmask[row, :n_words].copy_(words)
-        if bitmask.shape[1] > n_words:
-            bitmask[row, n_words:] = 0
+        data = self.allowed_bits().to_bytes(n_words * 4, "little")
+        target = bitmask_row(bitmask, row)
+        target[:n_words] = np.frombuffer(data, dtype="<i4")
+        target[n_words:] = 0
 
     def accept_token(self, token_id: int) -> None:
         compiled = self.compiled

@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
+import numpy as np
 
-from ..base import Grammar, GrammarError, allocate_token_bitmask
+from ..base import Bitmask, Grammar, GrammarError, allocate_bitmask, bitmask_row
 from ..forms import Form
 from . import Engine, MatcherGrammar
 
@@ -67,8 +67,8 @@ class LLGuidanceEngine(Engine):
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise GrammarError(f"cannot compile {form.syntax}: {_first_line(matcher.get_error())}")
-        first = allocate_token_bitmask(1, self.vocab.vocab_size)
-        matcher.unsafe_compute_mask_ptr(first.data_ptr(), first.numel() * 4)
+        first = allocate_bitmask(1, self.vocab.vocab_size)
+        matcher.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
         if matcher.is_error():
             raise GrammarError(f"cannot compile {form.syntax}: {_first_line(matcher.get_error())}")
         return LLGuidanceGrammar(self, matcher, first[0])
@@ -78,24 +78,26 @@ class LLGuidanceGrammar(MatcherGrammar):
     """One request's llguidance matcher. `_n` counts accepted tokens (the rollback bound);
     `_first` is the mask at the start, computed once at compile time and shared by copies."""
 
-    def __init__(self, engine: LLGuidanceEngine, matcher, first: torch.Tensor):
+    def __init__(self, engine: LLGuidanceEngine, matcher, first: np.ndarray):
         self.engine = engine
         self.matcher = matcher
         self._first = first
         self._n = 0
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._n == 0:
-            bitmask[row].copy_(self._first)
-            return
-        target = bitmask[row]
-        if target.device.type != "cpu" or not target.is_contiguous():
+    def fill_mask(self, bitmask: Bitmask, row: int) -> None:
+        if not isinstance(bitmask, np.ndarray) and bitmask.device.type != "cpu":
             raise GrammarError("llguidance fills a contiguous CPU int32 bitmask row")
-        self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
+        target = bitmask_row(bitmask, row)  # numpy: the mask's own memory
+        if self._n == 0:
+            target[:] = self._first
+            return
+        if not target.flags.c_contiguous or target.dtype != np.int32:
+            raise GrammarError("llguidance fills a contiguous CPU int32 bitmask row")
+        self.matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
         if self.matcher.is_error():
             # a step past llguidance's limits: end the output rather than let it run free
             log.warning("grammar step failed, only EOS allowed: %s", self.matcher.get_error())
-            target.zero_()
+            target[:] = 0
             for t in self.engine.eos:
                 target[t // 32] |= _bit(t)
 

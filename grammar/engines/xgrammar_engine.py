@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..base import Grammar, GrammarError
@@ -65,7 +66,9 @@ class XGrammarGrammar(MatcherGrammar):
         self.matcher = matcher
         self._n = 0
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+    def fill_mask(self, bitmask, row: int) -> None:
+        if isinstance(bitmask, np.ndarray):  # xgrammar fills tensors: the same memory
+            bitmask = torch.from_numpy(bitmask)
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept_token(self, token_id: int) -> None:

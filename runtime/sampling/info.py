@@ -1,41 +1,49 @@
-"""The state a step samples with: one row per sampled position, built on the CPU."""
+"""The state a step samples with: one row per sampled position, built on the CPU as numpy
+arrays (this module never imports torch: the scheduler builds it). `SamplingInfo.to` gives the
+torch-backed info the torch runner samples with (zero-copy on the CPU)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
-from loom.runtime.forward_batch import host_tensor
-from loom.runtime.req import Req
 from loom.runtime.sampling.params import row_params
 from loom.runtime.sampling.penalties import penalty_tensors
+
+if TYPE_CHECKING:
+    from loom.runtime.req import Req
+
+# an array of either kind: numpy from `from_reqs`, torch after `to` (or built by hand)
+Array = Any
 
 
 @dataclass
 class SamplingInfo:
-    """One row per sampled position, built on the CPU by the scheduler (`from_reqs`) and moved
-    to the runner's device (`to`). A request verifying a draft of k tokens has k + 1 rows:
+    """One row per sampled position, built on the CPU by the scheduler (`from_reqs`, numpy
+    arrays) and made torch tensors on the runner's device by `to` (the numpy sampler takes the
+    numpy info itself). A request verifying a draft of k tokens has k + 1 rows:
     row j checks `draft_tokens[row]` (the draft's j-th token; -1 on its last row, which only
     samples) with the sampling state that holds once the j tokens before it are accepted
     (noise counter, penalty counts, min_new_tokens, grammar mask)."""
 
-    temperatures: torch.Tensor  # [N, 1]
-    top_ps: torch.Tensor
-    top_ks: torch.Tensor
-    min_ps: torch.Tensor
-    greedy: torch.Tensor  # [N] bool
-    seeds: torch.Tensor
-    steps: torch.Tensor  # [N] sequence position of the token sampled (the noise counter)
+    temperatures: Array  # [N, 1] float32
+    top_ps: Array  # [N] float32
+    top_ks: Array  # [N] int64
+    min_ps: Array  # [N] float32
+    greedy: Array  # [N] bool
+    seeds: Array  # [N] int64
+    steps: Array  # [N] int64 sequence position of the token sampled (the noise counter)
     need_top_filter: bool
     need_min_p: bool
     all_greedy: bool
-    logit_bias: torch.Tensor | None  # [N, V]
-    penalty: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) masked to -inf
-    vocab_mask: torch.Tensor | None = None  # grammar bitmask [N, words]
-    draft_tokens: torch.Tensor | None = None  # [N] token each row verifies, -1: none
+    logit_bias: Array | None  # [N, V] float32
+    # (output counts [N, V] float32, seen [N, V] bool, frequency, presence, repetition [N, 1])
+    penalty: tuple[Array, Array, Array, Array, Array] | None
+    banned: tuple[Array, Array] | None  # (rows, token ids) int64, masked to -inf
+    vocab_mask: Array | None = None  # grammar bitmask [N, words] int32
+    draft_tokens: Array | None = None  # [N] int64 token each row verifies, -1: none
     # tree drafts: per tree (its root row, node tokens, node parents, node draft probs or None);
     # row root + 1 + i holds the state after node i's path (see `verify_trees`)
     trees: list[tuple[int, list[int], list[int], Any]] | None = None
@@ -53,7 +61,8 @@ class SamplingInfo:
     ) -> SamplingInfo:
         """`parents[i]` (optional): request i's draft is a tree (`loom.runtime.spec.DraftTree`
         parents), verified by `verify_trees`; `draft_probs[i]`: its nodes' draft
-        distributions (None: one-hot)."""
+        distributions (None: one-hot). The arrays are numpy; a `device` other than the CPU
+        returns `to(device)` of them."""
         drafts = drafts or [[] for _ in reqs]
         parents = parents or [None] * len(reqs)
         # per row: (request, the draft tokens before it on its path, the token it verifies);
@@ -85,16 +94,13 @@ class SamplingInfo:
                 steps.append(seq + len(paths[-1]))
         params = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
-        dev = torch.device(device)
-        temps, top_ps, min_ps, top_ks, seeds, greedy_t = row_params(
-            reqs, params, greedy, counts, vocab_size, dev, shared=not trees
+        temps, top_ps, min_ps, top_ks, seeds, greedy_a = row_params(
+            reqs, params, greedy, counts, vocab_size, "cpu", shared=not trees
         )
-        steps_t = host_tensor(steps, torch.int64)
-        f32 = dict(dtype=torch.float32, device=dev)
-        i64 = dict(dtype=torch.int64, device=dev)
+        steps_a = np.array(steps, np.int64)
         logit_bias = None
         if any(p.logit_bias for p in params):
-            logit_bias = torch.zeros(len(rows), vocab_size, **f32)
+            logit_bias = np.zeros((len(rows), vocab_size), np.float32)
             for i, (r, _, _) in enumerate(rows):
                 for tok, bias in (r.sampling_params.logit_bias or {}).items():
                     logit_bias[i, tok] = bias
@@ -108,28 +114,26 @@ class SamplingInfo:
                         banned_ids.append(t)
         banned = None
         if banned_rows:
-            banned = (torch.tensor(banned_rows, **i64), torch.tensor(banned_ids, **i64))
+            banned = (np.array(banned_rows, np.int64), np.array(banned_ids, np.int64))
         draft_tokens = None
         tokens = [x for _, _, x in rows]
         if max(tokens, default=-1) >= 0:
-            draft_tokens = host_tensor(tokens, torch.int64)
-            if dev.type != "cpu":
-                draft_tokens = draft_tokens.to(dev, non_blocking=True)
+            draft_tokens = np.array(tokens, np.int64)
         all_greedy = all(greedy)
         penalty = None
         if any(
             p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1
             for p in params
         ):
-            penalty = penalty_tensors(rows, vocab_size, dev)
-        return cls(
+            penalty = penalty_tensors(rows, vocab_size)
+        info = cls(
             temperatures=temps,
             top_ps=top_ps,
             top_ks=top_ks,
             min_ps=min_ps,
-            greedy=greedy_t,
+            greedy=greedy_a,
             seeds=seeds,
-            steps=steps_t if dev.type == "cpu" else steps_t.to(dev, non_blocking=True),
+            steps=steps_a,
             need_top_filter=any(p.top_p < 1.0 or p.top_k > 0 for p in params),
             need_min_p=any(p.min_p > 0 for p in params),
             all_greedy=all_greedy,
@@ -139,16 +143,69 @@ class SamplingInfo:
             draft_tokens=draft_tokens,
             trees=trees or None,
         )
+        return info if str(device) == "cpu" else info.to(device)
 
-    def to(self, device: torch.device | str) -> SamplingInfo:
-        if torch.device(device) == self.greedy.device:  # built where it samples (the CPU)
+    def is_numpy(self) -> bool:
+        """Whether the arrays are numpy (`from_reqs`) rather than torch tensors (`to`)."""
+        return isinstance(self.greedy, np.ndarray)
+
+    def to(self, device) -> SamplingInfo:
+        """The info as torch tensors on `device`: numpy arrays through `torch.from_numpy`
+        (zero-copy; on another device then copied), tensors moved where they are elsewhere.
+        Cheap and idempotent: a torch info already on `device` is returned as it is. Imports
+        torch (the torch runner's side of the seam)."""
+        import torch
+
+        device = torch.device(device)
+        if not self.is_numpy() and self.greedy.device == device and not _has_numpy(self):
             return self
 
         def move(x):
+            if isinstance(x, np.ndarray):
+                x = torch.from_numpy(x)
             if isinstance(x, torch.Tensor):
-                return x.to(device, non_blocking=True)
+                return x if x.device == device else x.to(device, non_blocking=True)
             if isinstance(x, tuple):
                 return tuple(move(t) for t in x)
             return x
 
         return SamplingInfo(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+    def to_numpy(self) -> SamplingInfo:
+        """The info as numpy arrays on the host (a torch info's tensors copied to the CPU,
+        zero-copy where they are there already); a numpy info is returned as it is."""
+        if self.is_numpy() and not _has_tensor(self):
+            return self
+
+        def host(x):
+            if isinstance(x, tuple):
+                return tuple(host(t) for t in x)
+            if x is None or isinstance(x, (np.ndarray, bool, list)):
+                return x
+            return x.detach().cpu().numpy()
+
+        return SamplingInfo(**{f.name: host(getattr(self, f.name)) for f in fields(self)})
+
+
+_ARRAY_FIELDS = ("vocab_mask", "draft_tokens", "logit_bias", "banned", "penalty")
+
+
+def _has_numpy(info: SamplingInfo) -> bool:
+    """Whether any optional field of a torch info is still numpy (e.g. a grammar mask set
+    after `to`)."""
+    for name in _ARRAY_FIELDS:
+        x = getattr(info, name)
+        if isinstance(x, np.ndarray) or (isinstance(x, tuple) and isinstance(x[0], np.ndarray)):
+            return True
+    return False
+
+
+def _has_tensor(info: SamplingInfo) -> bool:
+    """Whether any optional field of a numpy info is not numpy (a torch grammar mask)."""
+    for name in _ARRAY_FIELDS:
+        x = getattr(info, name)
+        if x is not None and not isinstance(x, (np.ndarray, tuple)):
+            return True
+        if isinstance(x, tuple) and not isinstance(x[0], np.ndarray):
+            return True
+    return False

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-from loom.runtime.forward_batch import ForwardMode, ModelInput, StepDrafts, host_tensor
+import numpy as np
+
+from loom.runtime.forward_batch import ForwardMode, ModelInput, StepDrafts
 from loom.runtime.req import Req
 from loom.runtime.sampling.info import SamplingInfo
 from loom.runtime.spec import tree_depths
-from loom.runtime.step_grammar import StepGrammar
+
+if TYPE_CHECKING:
+    from loom.runtime.step_grammar import StepGrammar
 
 
 class ScheduleBatch:
@@ -151,6 +154,8 @@ class ScheduleBatch:
 
     def _grammar(self, vocab_size: int) -> StepGrammar:
         if self.grammar is None:  # a batch built without the scheduler's owner (tests, tools)
+            from loom.runtime.step_grammar import StepGrammar
+
             self.grammar = StepGrammar(None, vocab_size)
         return self.grammar
 
@@ -159,15 +164,16 @@ class ScheduleBatch:
         top_nums, lp_starts, lp_targets, parents,
     ) -> ModelInput:  # fmt: skip
         """The one place a step's `ModelInput` is assembled, from either builder's lists: the
-        index vectors are views of one host tensor (one allocation per step)."""
+        index vectors are views of one numpy int64 array (one allocation per step); the torch
+        runner takes them (and the slots) with `torch.as_tensor`, zero-copy."""
         t, b = len(ids), len(self.reqs)
         rows = [r.req_pool_idx for r in self.reqs]
-        index = host_tensor(ids + positions + rows + seq_lens, torch.int64)
+        index = np.array(ids + positions + rows + seq_lens, dtype=np.int64)
         self.model_input = ModelInput(
             mode=mode,
             input_ids=index[:t],
             positions=index[t : 2 * t],
-            out_cache_loc=torch.from_numpy(self._slots()),  # zero-copy: the runner's seam
+            out_cache_loc=self._slots(),
             req_pool_indices=index[2 * t : 2 * t + b],
             seq_lens=seq_lens,
             seq_lens_tensor=index[2 * t + b :],

@@ -13,20 +13,27 @@ logger = logging.getLogger(__name__)
 def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
     """Rank 0 (the only scheduler): with world_size > 1 it also joins the process group and
     broadcasts each step to the other ranks (runtime/parallel_worker.py)."""
-    import torch
     import zmq
 
     from loom.runtime.channel import Sender
     from loom.runtime.process import configure_child_process, freeze_startup_heap
+    from loom.runtime.runner_choice import choose
     from loom.runtime.scheduler.scheduler import Scheduler
 
     configure_child_process(args, "scheduler", owner_pid)
     try:
-        if args.resolved_device == "cpu":
+        torch_free = choose(args)  # ArrayRunner: no torch in this process (array_runner.py)
+        if args.resolved_device == "cpu" and not torch_free:
+            import torch
+
             # oversubscribed OpenMP threads spin against the other processes: 20x slower
             # decode steps were measured on a busy 2-core machine with 2 threads vs 1
+            # (ArrayRunner passes the same count to each C forward call)
             torch.set_num_threads(args.effective_cpu_threads)
-        if args.world_size > 1:
+        if torch_free:
+            sched = Scheduler(args)
+            ranks = [sched.runner.rank_info(0)]
+        elif args.world_size > 1:
             from loom.runtime.parallel_worker import BroadcastRunner, setup_rank
 
             runner, ranks = setup_rank(args, 0, dist_addr)
@@ -68,9 +75,13 @@ def run_scheduler_process(args, ipc, dist_addr, owner_pid, ready_pipe) -> None:
 def _expert_counts(sched) -> dict:
     """Tokens routed to each expert so far, per MoE layer: with several ranks each counts its
     own experts (and a pipeline stage its own layers), so every rank is asked."""
-    from loom.runtime.layers.moe import expert_token_counts
+    from loom.runtime.array_runner import ArrayRunner
 
     runner, cfg = sched.runner, sched.runner.config
+    if isinstance(runner, ArrayRunner):  # no MoE model there (and no torch to import)
+        return {}
+    from loom.runtime.layers.moe import expert_token_counts
+
     moe = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
     if moe and sched.args.world_size > 1:  # BroadcastRunner: gathered, summed
         counts = runner.expert_token_counts()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loom.runtime.forward_batch import ForwardOutput
 from loom.runtime.io_struct import ReqOutput
@@ -12,7 +13,9 @@ from loom.runtime.req import Req
 from loom.runtime.scheduler.batch import ScheduleBatch
 from loom.runtime.scheduler.kv import KVManager
 from loom.runtime.spec import tree_depths
-from loom.runtime.step_grammar import StepGrammar
+
+if TYPE_CHECKING:
+    from loom.runtime.step_grammar import StepGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,11 @@ class OutputProcessor:
         self.drafter = drafter
         self.tokenizer = tokenizer
         # the step's grammar owner: commit and jump-forward (None: one of its own)
-        self.grammar = grammar or StepGrammar(tokenizer, 0)
+        if grammar is None:  # built without the scheduler's owner (tests, tools)
+            from loom.runtime.step_grammar import StepGrammar
+
+            grammar = StepGrammar(tokenizer, 0)
+        self.grammar = grammar
         self.context_len = context_len
         self.jump_forward = jump_forward
         self.stats = stats

@@ -41,12 +41,12 @@ class Scheduler:
     between them; none of them sees the scheduler."""
 
     def __init__(self, args: ServerArgs, model_runner=None, tokenizer=None, drafter=None):
-        from loom.runtime.model_runner import ModelRunner
+        from loom.runtime.array_runner import create_runner
 
         self.args = args
         if tokenizer is None and model_runner is None:  # before the weights: the build's
             tokenizer = _load_tokenizer(args)  # transient (Gemma 3: +241 MB) passes over less
-        self.runner = model_runner or ModelRunner(args)
+        self.runner = model_runner or create_runner(args)  # ArrayRunner (no torch) or torch's
         r = self.runner
         self.context_len = r.context_len
         self.vocab_size = r.vocab_size

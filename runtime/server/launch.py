@@ -104,9 +104,10 @@ def start_scheduler_ranks(args, ipc) -> list[tuple]:
     return started
 
 
-# The children's entry points, by name: the scheduler and worker modules import torch, which
-# the owner process (the user's, or the HTTP server's) never needs; the fork server has it
-# preloaded (runtime/preload.py), so the child pays nothing for the import here.
+# The children's entry points, by name: the scheduler and worker modules import torch (unless
+# the scheduler runs the torch-free runner), which the owner process (the user's, or the HTTP
+# server's) never needs; the fork server has it preloaded (runtime/preload_torch.py), so the
+# child pays nothing for the import here.
 def _run_scheduler(*args) -> None:
     from loom.runtime.scheduler.loop import run_scheduler_process
 
@@ -123,9 +124,12 @@ def start_runtime_processes(args: ServerArgs, ipc, procs: list):
     """Start the scheduler ranks and the detokenizer on `ipc` (appended to `procs` as they
     start); returns (scheduler info, tokenizer)."""
     from loom.runtime.detokenizer import run_detokenizer_process
-    from loom.runtime.process import start_process, wait_all_ready
+    from loom.runtime.process import set_preload, start_process, wait_all_ready
+    from loom.runtime.runner_choice import choose
     from loom.runtime.tokenizer import load_tokenizer
 
+    # the fork server without torch when the scheduler runs torch-free (if it starts here)
+    set_preload(with_torch=not choose(args))
     ranks = start_scheduler_ranks(args, ipc)
     procs.extend(p for p, _ in ranks)
     detok = start_process(run_detokenizer_process, (args, ipc), "detokenizer")

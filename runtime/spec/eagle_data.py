@@ -74,7 +74,7 @@ class Distiller:
         def capturing(inp):  # the one seam serving uses (`Scheduler.step`'s inp.capture)
             inp.capture = self.capture
             out = forward(inp)
-            self._grabbed.append((inp.input_ids.numel(), out.hidden))
+            self._grabbed.append((len(inp.input_ids), out.hidden))
             return out
 
         self.feat.runner.forward = capturing

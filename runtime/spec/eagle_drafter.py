@@ -230,7 +230,8 @@ class EagleSpeculator(HeadDrafter):
         drafting = plan.drafting if levels else []
         tokens, _, _ = self.compiled.run(
             host_tensor(plan.next_ids, torch.int64),
-            _rows(inp.positions, plan.rows), _rows(inp.out_cache_loc, plan.slot_rows),
+            _rows(torch.as_tensor(inp.positions), plan.rows),
+            _rows(torch.as_tensor(inp.out_cache_loc), plan.slot_rows),
             _rows(feats, plan.rows).float(),
             starts, plan.req_rows, plan.seq_lens, self.runner.req_to_token_pool.req_to_token,
             drafting, max(1, levels),
@@ -249,14 +250,14 @@ class EagleSpeculator(HeadDrafter):
         dev = feats.device
         head = self.head
         rows_t = torch.tensor(plan.rows, dtype=torch.int64)
-        positions = inp.positions.to(dev).index_select(0, rows_t.to(dev))
+        positions = torch.as_tensor(inp.positions).to(dev).index_select(0, rows_t.to(dev))
         hb = ForwardBatch(
             mode=ForwardMode.EXTEND,
             input_ids=torch.tensor(plan.next_ids, dtype=torch.int64).to(dev),
             positions=positions,
-            out_cache_loc=inp.out_cache_loc.to(dev).index_select(
-                0, torch.tensor(plan.slot_rows, dtype=torch.int64, device=dev)
-            ),
+            out_cache_loc=torch.as_tensor(inp.out_cache_loc)
+            .to(dev)
+            .index_select(0, torch.tensor(plan.slot_rows, dtype=torch.int64, device=dev)),
             req_pool_indices=torch.tensor(plan.req_rows, dtype=torch.int64).to(dev),
             seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int64).to(dev),
             seq_lens_cpu=plan.seq_lens,
