@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from loom.runtime.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 _EMPTY = np.empty(0, dtype=np.int64)  # slots are numpy int64 on the host (radix/base.py)
 
@@ -83,7 +80,7 @@ class Req:
         # their tree (node i's parent; -1 = the last real token), None for a chain
         self.draft_parents: list[int] | None = None
         self.draft_probs: Any = None  # the nodes' draft distributions ([n, vocab]; None: one-hot)
-        self.draft_masks: torch.Tensor | None = None  # grammar rows of the draft positions
+        self.draft_masks: np.ndarray | None = None  # the draft positions' grammar rows (int32)
         self.draft_forced = 0  # leading draft tokens that are grammar-forced text
         # who drafted this step's tokens (head drafters: "head", "ngram" from their n-gram policy,
         # "free" when a draft costs nothing extra; None: no draft) and the tokens the drafter

@@ -50,10 +50,11 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def _torch_runner(monkeypatch):
-    """These tests read the torch runner (its model, CpuForward, pools): ModelRunner for a GGUF
-    model too (tests/test_array_runner.py compares the torch-free runner with it)."""
+    """For the tests that read the torch runner (its model, CpuForward): ModelRunner for a
+    GGUF model too (tests/test_array_runner.py compares the torch-free runner with it). The
+    Engine test keeps the default, the torch-free runner a user gets."""
     monkeypatch.setenv("LOOM_TORCH_RUNNER", "1")
 
 
@@ -191,6 +192,7 @@ def test_header_reader_equals_gguf_reader_on_smollm2(real_gguf):
     _same_as_gguf_reader(real_gguf("smollm2"))
 
 
+@pytest.mark.usefixtures("_torch_runner")
 def test_gemma_kept_quantized_matches_dequantized(real_gguf):
     """Gemma 3 270M Q4_K_M with --quantization gguf: every block type of the file (Q5_0, Q8_0,
     Q4_K, Q6_K) stays quantized, the 262k x 640 Q8_0 embedding and the LM head tied to it
@@ -222,6 +224,7 @@ def test_gemma_kept_quantized_matches_dequantized(real_gguf):
 
 
 @torch.inference_mode()
+@pytest.mark.usefixtures("_torch_runner")
 def test_gemma_c_forward_matches_eager_past_the_window(real_gguf):
     """Gemma 3 270M kept quantized (--quantization gguf) through the compiled C forward against
     the eager modules of the same runner: a 600-token prompt (past the 512-token window of the
