@@ -89,11 +89,10 @@ def sample_verify_trees(logits, info: SamplingInfo):
     Tree rows are verified by `verify_trees`. Noise is counter-based (seed, position), so a
     request's output is reproducible. Numpy logits give numpy arrays (int64 ids, bool
     acceptances), torch logits tensors."""
-    if isinstance(logits, np.ndarray):
-        return _sample_verify_trees_np(logits, _numpy_info(info))
-    import torch
-
-    info = _torch_info(logits, info)
+    numpy = isinstance(logits, np.ndarray)
+    info = _numpy_info(info) if numpy else _torch_info(logits, info)
+    # both paths: penalties, each row's argmax, then either the all-greedy answer or the
+    # target distribution and the trees' walk
     apply_penalties(logits, info)
     greedy_ids = argmax_rows(logits)
     drafts = info.draft_tokens
@@ -102,10 +101,19 @@ def sample_verify_trees(logits, info: SamplingInfo):
         return greedy_ids, (None if drafts is None else greedy_ids == drafts), tree_out
     probs = target_probs(logits, info)
     tree_out = verify_trees(probs, greedy_ids, info) if info.trees else None
+    tail = _sampled_rows_np if numpy else _sampled_rows_torch
+    return (*tail(probs, greedy_ids, info), tree_out)
+
+
+def _sampled_rows_torch(probs, greedy_ids, info: SamplingInfo):
+    """The sampled rows' tokens and acceptances on tensors (dense noise over the vocabulary)."""
+    import torch
+
+    drafts = info.draft_tokens
     noise = hashed_uniform(info.seeds, info.steps, probs.shape[-1])
     if drafts is None:
         sampled = race(probs, noise)
-        return torch.where(info.greedy, greedy_ids, sampled), None, tree_out
+        return torch.where(info.greedy, greedy_ids, sampled), None
     has_draft = drafts >= 0
     x = drafts.clamp(min=0)
     q = torch.zeros_like(probs).scatter_(1, x[:, None], 1.0) * has_draft[:, None]
@@ -114,23 +122,16 @@ def sample_verify_trees(logits, info: SamplingInfo):
     accepted = has_draft & (coin < p_x)  # min(1, p(x) / q(x)) with q(x) = 1
     sampled = torch.where(accepted, x, race(residual(probs, q), noise))
     tokens = torch.where(info.greedy, greedy_ids, sampled)
-    return tokens, torch.where(info.greedy, greedy_ids == drafts, accepted), tree_out
+    return tokens, torch.where(info.greedy, greedy_ids == drafts, accepted)
 
 
-def _sample_verify_trees_np(logits: np.ndarray, info: SamplingInfo):
-    """`sample_verify_trees` in numpy, step for step (the same noise, bit for bit; hashed
-    only where a row can use it: `race_rows`)."""
-    apply_penalties(logits, info)
-    greedy_ids = argmax_rows(logits)
+def _sampled_rows_np(probs: np.ndarray, greedy_ids: np.ndarray, info: SamplingInfo):
+    """The same in numpy, step for step (the same noise, bit for bit; hashed only where a row
+    can use it: `race_rows`)."""
     drafts = info.draft_tokens
-    if info.all_greedy:
-        tree_out = verify_trees(None, greedy_ids, info) if info.trees else None
-        return greedy_ids, (None if drafts is None else greedy_ids == drafts), tree_out
-    probs = target_probs(logits, info)
-    tree_out = verify_trees(probs, greedy_ids, info) if info.trees else None
     if drafts is None:  # the noise of a row's support only (`race_rows`)
         sampled = race_rows(probs, info, info.greedy)
-        return np.where(info.greedy, greedy_ids, sampled), None, tree_out
+        return np.where(info.greedy, greedy_ids, sampled), None
     has_draft = drafts >= 0
     x = np.maximum(drafts, 0)
     rows = np.arange(probs.shape[0])
@@ -141,4 +142,4 @@ def _sample_verify_trees_np(logits: np.ndarray, info: SamplingInfo):
     accepted = has_draft & (coin < p_x)  # min(1, p(x) / q(x)) with q(x) = 1
     sampled = np.where(accepted, x, race_rows(residual(probs, q), info, info.greedy | accepted))
     tokens = np.where(info.greedy, greedy_ids, sampled)
-    return tokens, np.where(info.greedy, greedy_ids == drafts, accepted), tree_out
+    return tokens, np.where(info.greedy, greedy_ids == drafts, accepted)

@@ -130,3 +130,15 @@ def run_chats(sched: Scheduler, asks: list[str], max_new: int) -> dict[str, Resu
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
         submit(sched, f"p{i}", list(ids), greedy(max_new))
     return run_all(sched)
+
+
+def run_child(script: str, *args: str, timeout: float = 300, cwd: str | None = None) -> list[str]:
+    """Run `python -c script args...` in a fresh interpreter (the tests that a process never
+    imports torch need one); its stdout lines, after asserting it exited 0."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                         timeout=timeout, cwd=cwd)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()

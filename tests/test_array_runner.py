@@ -8,8 +8,6 @@ never imports torch, and an Engine whose scheduler and detokenizer processes nev
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ import torch
 
 from loom.runtime import array_runner, cpu_abi, model_runner, runner_choice
 from loom.runtime.server_args import ServerArgs
+from tests.runtime_helpers import run_child
 
 pytestmark = pytest.mark.skipif(cpu_abi.load() is None, reason="no C compiler")
 
@@ -180,10 +179,7 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")) [
 
 def _scheduler_in_a_subprocess(path: str) -> tuple[dict, bool]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _NO_TORCH, path], capture_output=True,
-                         text=True, timeout=600, cwd=root)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
+    lines = run_child(_NO_TORCH, path, timeout=600, cwd=root)
     return eval(lines[-2]), eval(lines[-1]) != []
 
 

@@ -4,8 +4,6 @@ and the same KV written, step by step; and a process that runs it never imports 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +14,7 @@ from loom.runtime import cpu_abi
 from loom.runtime.cpu_model import ArrayForward
 from loom.runtime.model_runner import ModelRunner
 from loom.runtime.server_args import ServerArgs
+from tests.runtime_helpers import run_child
 
 pytestmark = pytest.mark.skipif(cpu_abi.load() is None, reason="no C compiler")
 
@@ -110,10 +109,7 @@ def test_greedy_without_torch_equals_the_scheduler(real_gguf, monkeypatch):
     from tests.runtime_helpers import run_all, submit
 
     path = real_gguf("smollm2")
-    out = subprocess.run([sys.executable, "-c", _NO_TORCH, path, "bf16"], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    got = eval(out.stdout.strip().splitlines()[-1])
+    got = eval(run_child(_NO_TORCH, path, "bf16")[-1])
     sched = Scheduler(ServerArgs(model_path=path, max_total_tokens=512, kv_cache_dtype="bf16"))
     ids = [[1, 504, 3458, 282, 4649, 314, 2], [1, 1205, 42, 7]]
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -4,8 +4,7 @@ a process that never imports torch, and hand out and share the slots a request e
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.runtime_helpers import run_child
 
 _SCRIPT = r"""
 import sys
@@ -78,8 +77,4 @@ print("ok")
 
 
 def test_kv_bookkeeping_runs_on_numpy_without_torch():
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert run_child(_SCRIPT, timeout=120) == ["ok"]

@@ -7,9 +7,6 @@ last bit, which none of them is); logprobs agree to float32 rounding."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
@@ -21,6 +18,7 @@ from loom.runtime.sampling.logprobs import token_logprobs
 from loom.runtime.sampling.rng import hashed_uniform, hashed_uniform_column, hashed_uniform_columns
 from loom.runtime.sampling.verify import target_probs
 from loom.runtime.sampling_params import make_sampling_params
+from tests.runtime_helpers import run_child
 
 EOS = 1
 
@@ -218,11 +216,7 @@ print("ok")
 
 def test_sampling_without_torch():
     """Building a `SamplingInfo` from `Req`s and sampling numpy logits never imports torch."""
-    out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert run_child(_SCRIPT, timeout=120) == ["ok"]
 
 
 _GRAMMAR_SCRIPT = r"""
@@ -277,12 +271,4 @@ def test_grammar_rows_without_torch():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run(
-        [sys.executable, "-c", _GRAMMAR_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    assert run_child(_GRAMMAR_SCRIPT, cwd=str(root)) == ["ok"]
