@@ -23,15 +23,11 @@ import time
 import numpy as np
 
 from loom.runtime.forward_batch import ForwardOutput, ModelInput
-from loom.runtime.kv_pages import PagedAllocator, RequestRows
+from loom.runtime.kv_pages import PagedAllocator, RequestRows, pool_tokens
 from loom.runtime.runner_choice import KV_NAMES, choose
 from loom.runtime.step_output import logits_rows, sample_step
 
 logger = logging.getLogger(__name__)
-
-# model_runner's: the CPU pool's byte budget and token cap when --max-total-tokens is unset
-_CPU_KV_BUDGET_BYTES = 2 << 30
-_MAX_DEFAULT_TOKENS = 1 << 18
 
 
 class ArrayRunner:
@@ -82,12 +78,7 @@ class ArrayRunner:
         )  # fmt: skip
 
     def _pool_tokens(self, per_token: int) -> int:
-        args, page = self.args, self.args.page_size
-        if args.max_total_tokens is not None:
-            total = args.max_total_tokens
-        else:
-            total = min(_CPU_KV_BUDGET_BYTES // per_token, _MAX_DEFAULT_TOKENS)
-        return max(page * 2, total // page * page)
+        return pool_tokens(self.args.max_total_tokens, self.args.page_size, per_token)
 
     def forward(self, inp: ModelInput) -> ForwardOutput:
         """One step: the C forward's logits of the rows that sample or score, then

@@ -144,6 +144,26 @@ class PagedAllocator:
             assert int(counts.max()) == 1, "page freed twice"
 
 
+# a host pool's size when --max-total-tokens is unset: a 2 GB budget, at most 2^18 tokens
+CPU_KV_BUDGET_BYTES = 2 << 30
+MAX_DEFAULT_TOKENS = 1 << 18
+
+
+def pool_tokens(
+    max_total_tokens: int | None, page: int, per_token: int, device_tokens: int | None = None
+) -> int:
+    """Tokens a KV pool holds, in whole pages (at least two): --max-total-tokens, else what a
+    device's free memory allows (`device_tokens`, CUDA), else the host budget. Both runners
+    size their pools here, so they hand the scheduler the same slots."""
+    if max_total_tokens is not None:
+        total = max_total_tokens
+    elif device_tokens is not None:
+        total = device_tokens
+    else:
+        total = min(CPU_KV_BUDGET_BYTES // per_token, MAX_DEFAULT_TOKENS)
+    return max(page * 2, total // page * page)
+
+
 class RequestRows:
     """[max requests x max context] slot indices; a row is a running request's KV map, handed
     out and freed here. The table is the forward's: a numpy int64 array (the torch-free runner,

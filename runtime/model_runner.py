@@ -17,7 +17,7 @@ from loom.runtime.forward_batch import (
     host_tensor,
 )
 from loom.runtime.graph_runner import create_graph_runner
-from loom.runtime.kv_pages import PagedAllocator
+from loom.runtime.kv_pages import PagedAllocator, pool_tokens
 from loom.runtime.memory_pool import ReqToTokenPool, TokenToKVPool, resolve_kv_dtype
 from loom.runtime.model_loader import load_config, load_model, resolve_dtype
 from loom.runtime.models.llama import head_dim_of
@@ -25,9 +25,6 @@ from loom.runtime.server_args import ServerArgs
 from loom.runtime.step_output import logits_rows, sample_step
 
 logger = logging.getLogger(__name__)
-
-_CPU_KV_BUDGET_BYTES = 2 << 30
-_MAX_DEFAULT_TOKENS = 1 << 18
 
 
 class ModelRunner:
@@ -122,18 +119,13 @@ class ModelRunner:
     def _pool_tokens(self, per_token: int, weights_loaded: bool = True) -> int | None:
         """Tokens the KV pool holds (whole pages). None before the weights are loaded on CUDA
         without max_total_tokens: the pool is then sized from the memory they leave."""
-        args, page = self.args, self.args.page_size
-        if args.max_total_tokens is not None:
-            total = args.max_total_tokens
-        elif self.device.startswith("cuda"):
+        args, device_tokens = self.args, None
+        if args.max_total_tokens is None and self.device.startswith("cuda"):
             if not weights_loaded:
                 return None
             free, _ = torch.cuda.mem_get_info()
-            fraction = args.mem_fraction_static or 0.85
-            total = int(free * fraction) // per_token
-        else:
-            total = min(_CPU_KV_BUDGET_BYTES // per_token, _MAX_DEFAULT_TOKENS)
-        return max(page * 2, total // page * page)
+            device_tokens = int(free * (args.mem_fraction_static or 0.85)) // per_token
+        return pool_tokens(args.max_total_tokens, args.page_size, per_token, device_tokens)
 
     def _served_positions(self) -> int | None:
         """The most positions any step can use, for the rotary tables (None: the config's

@@ -45,6 +45,16 @@ def _capture(monkeypatch, module, seen: list):
     monkeypatch.setattr(module, "sample_step", spy)
 
 
+def test_default_pool_sizes_equal_the_torch_runners(real_gguf):
+    """Without --max-total-tokens both runners size the pool from the same host budget
+    (kv_pages.pool_tokens): the same tokens, request rows and slots."""
+    args = ServerArgs(model_path=real_gguf("smollm2"))
+    torch_runner, runner = model_runner.ModelRunner(args), array_runner.ArrayRunner(args)
+    for attr in ("max_total_tokens", "max_running_requests", "context_len"):
+        assert getattr(runner, attr) == getattr(torch_runner, attr), attr
+    assert runner.allocator.size == torch_runner.allocator.size
+
+
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
 def test_logits_and_tokens_equal_the_torch_runner(real_gguf, monkeypatch, name):
     from loom.runtime.scheduler.scheduler import Scheduler
