@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import random
 import sys
 from pathlib import Path
+
+# this bench reads the torch runner's CpuForward (its library, knobs, timers): a GGUF model
+# would otherwise get the torch-free ArrayRunner (runtime/runner_choice.py)
+os.environ.setdefault("LOOM_TORCH_RUNNER", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -26,6 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+# this bench reads the torch runner's CpuForward (its library, knobs, timers): a GGUF model
+# would otherwise get the torch-free ArrayRunner (runtime/runner_choice.py)
+os.environ.setdefault("LOOM_TORCH_RUNNER", "1")
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_step_overhead import model_path  # noqa: E402

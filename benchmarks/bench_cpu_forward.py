@@ -34,6 +34,10 @@ import time
 from functools import partial
 from pathlib import Path
 
+# this bench reads the torch runner's CpuForward (its library, knobs, timers): a GGUF model
+# would otherwise get the torch-free ArrayRunner (runtime/runner_choice.py)
+os.environ.setdefault("LOOM_TORCH_RUNNER", "1")
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
@@ -161,9 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--c-max-tokens", type=int, default=0, help="the C side's step limit")
     p.add_argument("--matmul", default="", help="token counts: time the matmuls alone")
-    p.add_argument(
-        "--isa", default="native", help="--matmul's library variant: native or avx2"
-    )
+    p.add_argument("--isa", default="native", help="--matmul's library variant: native or avx2")
     args = p.parse_args(argv)
     if args.matmul:
         import torch

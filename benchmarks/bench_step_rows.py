@@ -21,6 +21,10 @@ import statistics
 import time
 from pathlib import Path
 
+# this bench reads the torch runner's CpuForward (its library, knobs, timers): a GGUF model
+# would otherwise get the torch-free ArrayRunner (runtime/runner_choice.py)
+os.environ.setdefault("LOOM_TORCH_RUNNER", "1")
+
 
 def peak_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():

@@ -32,6 +32,10 @@ from loom.runtime.server_args import ServerArgs
 from loom.runtime.spec import cost
 from loom.runtime.spec.cost import FixedDrafter
 
+# this bench reads the torch runner's CpuForward (its library, knobs, timers): a GGUF model
+# would otherwise get the torch-free ArrayRunner (runtime/runner_choice.py)
+os.environ.setdefault("LOOM_TORCH_RUNNER", "1")
+
 DRAFTS = (0, 1, 2, 3, 4, 5, 6, 7)
 
 

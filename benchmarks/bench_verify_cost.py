@@ -36,6 +36,10 @@ from loom.runtime.server_args import BUNDLED_MODEL_PATH, ServerArgs
 from loom.runtime.spec import cost as spec_cost
 from loom.runtime.spec.cost import FixedDrafter
 
+# this bench reads the torch runner's CpuForward (its library, knobs, timers): a GGUF model
+# would otherwise get the torch-free ArrayRunner (runtime/runner_choice.py)
+os.environ.setdefault("LOOM_TORCH_RUNNER", "1")
+
 
 def step_ms(sched: Scheduler, batch: int, steps: int = 12) -> tuple[float, list[float]]:
     """Median CPU ms of `steps` steps once `batch` requests are decoding, and the medians of
