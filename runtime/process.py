@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import ctypes
 import gc
+import io
 import logging
 import multiprocessing as mp
 import os
@@ -15,6 +16,9 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import popen_forkserver, spawn, util
+from multiprocessing.context import reduction, set_spawning_popen
+from multiprocessing.forkserver import read_signed as forkserver_read_signed
 
 
 @dataclass(frozen=True)
@@ -212,63 +216,108 @@ def configure_child_process(args, name: str, owner_pid: int) -> None:
 
 
 # Children start from a fork server that has already imported the heavy modules, so starting a
-# scheduler costs a fork, not a fresh interpreter importing torch and transformers. The fork
-# server itself is single-threaded, so forking it is safe whatever threads the caller runs.
+# scheduler costs a fork, not a fresh interpreter importing torch and transformers. A fork
+# server is single-threaded, so forking it is safe whatever threads the caller runs.
 # Which preload: runtime/preload_torch.py unless a parent's servers all run torch-free
-# (`set_preload`); read when the fork server starts, the first child of this process.
+# (`set_preload`). Each preload has its own fork server (loom's, not multiprocessing's global
+# one), started with its first child: a fork server's memory is in every child's resident set,
+# so a torch-free scheduler forked from torch's server would carry torch's ~213 MB of pages.
 _PRELOAD = ["loom.runtime.preload_torch"]
+_servers: dict = {}  # preload module -> its multiprocessing.forkserver.ForkServer
 
 
 def set_preload(with_torch: bool) -> None:
-    """Choose the fork server's preload before the first child starts: without torch
-    (runtime/preload.py) when the scheduler runs the torch-free runner, so neither it nor the
-    detokenizer maps torch's ~213 MB. A fork server already running keeps its preload (a
-    later child imports what it lacks)."""
+    """Choose the preload of the children started next: without torch (runtime/preload.py)
+    when the scheduler runs the torch-free runner, so neither it nor the detokenizer maps
+    torch's ~213 MB. Each preload's children come from that preload's fork server, whatever
+    another Engine of this process started before (docs/architecture.md, "One fork server
+    per preload")."""
     _PRELOAD[:] = ["loom.runtime.preload_torch" if with_torch else "loom.runtime.preload"]
 
 
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+def _fork_server(preload: str):
+    from multiprocessing import forkserver
+
+    server = _servers.get(preload)
+    if server is None:
+        server = _servers[preload] = forkserver.ForkServer()
+        server.set_forkserver_preload([preload])
+    return server
 
 
-_started: list[mp.Process] = []  # children started here (to know when the fork server is idle)
+class _Popen(popen_forkserver.Popen):
+    """multiprocessing's forkserver Popen through a given fork server instead of the module's
+    single one: `_launch` is CPython's (3.10-3.13) with the server's connect_to_new_process.
+    The child side needs nothing: each fork server sets its own process's module-level
+    server state before running a child (forkserver._serve_one)."""
+
+    def __init__(self, process_obj, server):
+        self._server = server
+        super().__init__(process_obj)
+
+    def _launch(self, process_obj):
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = self._server.connect_to_new_process(self._fds)
+        # a duplicate of the data pipe's write end: the child's sentinel of its parent
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver_read_signed(self.sentinel)
+
+
+class _Process(mp.context.ForkServerProcess):
+    """A forkserver Process started from the fork server of its `preload` (a module name,
+    pickled with the process; the server itself holds a lock and stays in the parent)."""
+
+    preload = "loom.runtime.preload_torch"
+
+    def _Popen(self, process_obj):  # BaseProcess.start calls self._Popen(self)
+        return _Popen(process_obj, _fork_server(self.preload))
+
+
+_started: list[mp.Process] = []  # children started here (to know when a fork server is idle)
 _owns_tracker = False  # whether loom brought up this process's multiprocessing resource tracker
 
 
 def stop_fork_server_if_idle() -> None:
-    """Stop the fork server once no child started from it is alive (owners call this after
-    stopping their children), so no fork server outlives the Engine or server that needed it."""
+    """Stop each fork server once no child started from it is alive (owners call this after
+    stopping their children), so no fork server outlives the Engines or servers that needed it
+    (a torch one stops when the last torch-runner Engine does, while a torch-free one runs)."""
     _started[:] = [p for p in _started if p.is_alive()]
-    if _started:
-        return
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is not None:
-        server._stop()
-    if _owns_tracker:  # the resource tracker the fork server brought up, unless it was running
+    busy = {p.preload for p in _started}
+    for preload, server in list(_servers.items()):
+        if preload not in busy:
+            server._stop()
+            del _servers[preload]
+    if _owns_tracker and not _started:  # the tracker the fork servers brought up, unless it was
         from multiprocessing import resource_tracker
 
         resource_tracker._resource_tracker._stop()
 
 
 def start_process(target, args: tuple, name: str) -> tuple[mp.Process, object]:
-    """Start `target(*args, owner_pid, ready_pipe)` in a child process; returns (process, reader
-    end of its ready pipe)."""
+    """Start `target(*args, owner_pid, ready_pipe)` in a child process, from the fork server
+    of the preload `set_preload` chose last; returns (process, reader end of its ready pipe)."""
     global _owns_tracker
     from multiprocessing import resource_tracker
 
     if resource_tracker._resource_tracker._fd is None:
         _owns_tracker = True
-    ctx = _context()
-    reader, writer = ctx.Pipe(duplex=False)
+    reader, writer = mp.Pipe(duplex=False)
     # Not daemonic: the scheduler starts helper processes of its own (grammar translation
     # workers), which daemonic processes may not. Owners stop their children explicitly
     # (Engine.shutdown, launch_server's finally), and an orphan exits with its owner
     # (_exit_with_parent).
-    proc = ctx.Process(target=target, args=(*args, os.getpid(), writer), name=name, daemon=False)
+    proc = _Process(target=target, args=(*args, os.getpid(), writer), name=name, daemon=False)
+    proc.preload = _PRELOAD[0]
     proc.start()
     _started.append(proc)
     writer.close()
