@@ -92,7 +92,8 @@ class LoomSide:
         cancels out of it; the prefill window holds it once."""
         if tg < 2:
             raise SystemExit("--tg must be at least 2 (the decode window is tokens 2..tg)")
-        self.engine.flush_cache()
+        if not self.engine.flush_cache():  # else the prompts would be found cached
+            raise SystemExit("bench_real: flush_cache was refused")
         b, pp = len(prompts), len(prompts[0])
         first: list[float | None] = [None] * b
         last = [0.0] * b
@@ -132,11 +133,14 @@ def check_decode_window(metas: list[dict], b: int, tg: int) -> None:
     """The stream's decode window holds B * (tg - 1) tokens only if every request took part in
     the same tg - 1 decode steps, each with the whole batch, after every prefill step (the
     scheduler's step counters in meta_info); otherwise (a request prefilled while others
-    decoded) the window would miscount, so say so rather than print a wrong figure."""
+    decoded) the window would miscount, so say so rather than print a wrong figure; likewise
+    when a prompt was found cached (its prefill did not run)."""
     firsts = {m.get("first_decode_step") for m in metas}
     lasts = {m.get("last_decode_step") for m in metas}
     sizes = {m.get("decode_batch_max") for m in metas}
     one = len(firsts) == len(lasts) == 1 and None not in firsts | lasts
+    if any(m.get("cached_tokens") for m in metas):
+        raise SystemExit("bench_real: a prompt was found cached: the prefill did not run")
     if not (one and max(lasts) - max(firsts) == tg - 2 and sizes == {b}):
         raise SystemExit(
             f"bench_real: the batch did not decode in lockstep (first decode steps {firsts}, "

@@ -1,6 +1,7 @@
 """bench_real's loom timing from one streamed run (benchmarks/bench_real.py, `LoomSide.point`):
 the decode window counts B * (tg - 1) tokens only when the batch decoded in lockstep, which
-`check_decode_window` reads from the scheduler's step counters and refuses otherwise."""
+`check_decode_window` reads from the scheduler's step counters and refuses otherwise (and
+when a prompt was found cached: then no prefill was timed)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def test_the_window_check_refuses_a_batch_that_did_not_decode_in_lockstep(bench)
     ):
         with pytest.raises(SystemExit, match="lockstep"):
             bench.check_decode_window(metas, 2, tg)
+    cached = [_meta(3, 9, 2), {**_meta(3, 9, 2), "cached_tokens": 64}]  # no prefill to time
+    with pytest.raises(SystemExit, match="cached"):
+        bench.check_decode_window(cached, 2, 8)
 
 
 def test_a_streamed_run_of_the_engine_passes_it(bench):
