@@ -117,7 +117,8 @@ class LoomSide:
         Under a noisy prompt step the difference can even go negative (1e-9 floor)."""
         times = []
         for n in (1, tg):
-            self.engine.flush_cache()
+            if not self.engine.flush_cache():
+                raise SystemExit("bench_real: flush_cache was refused")
             params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
             t = time.perf_counter()
             self.engine.generate(input_ids=prompts, sampling_params=params)
