@@ -275,12 +275,24 @@ class _Popen(popen_forkserver.Popen):
 
 class _Process(mp.context.ForkServerProcess):
     """A forkserver Process started from the fork server of its `preload` (a module name,
-    pickled with the process; the server itself holds a lock and stays in the parent)."""
+    pickled with the process; the server itself holds a lock and stays in the parent).
+
+    A fork server's children inherit its environment, the owner's when the server started;
+    `loom_env`, the owner's LOOM_* variables when this child was started, replaces those in
+    the child before its target runs, so a knob set (or unset) since then (LOOM_TORCH_RUNNER,
+    which the scheduler reads again in runner_choice) is seen as the owner saw it."""
 
     preload = "loom.runtime.preload_torch"
+    loom_env: dict[str, str] = {}
 
     def _Popen(self, process_obj):  # BaseProcess.start calls self._Popen(self)
         return _Popen(process_obj, _fork_server(self.preload))
+
+    def run(self) -> None:
+        for key in [k for k in os.environ if k.startswith("LOOM_")]:
+            del os.environ[key]
+        os.environ.update(self.loom_env)
+        super().run()
 
 
 _started: list[mp.Process] = []  # children started here (to know when a fork server is idle)
@@ -318,6 +330,7 @@ def start_process(target, args: tuple, name: str) -> tuple[mp.Process, object]:
     # (_exit_with_parent).
     proc = _Process(target=target, args=(*args, os.getpid(), writer), name=name, daemon=False)
     proc.preload = _PRELOAD[0]
+    proc.loom_env = {k: v for k, v in os.environ.items() if k.startswith("LOOM_")}
     proc.start()
     _started.append(proc)
     writer.close()

@@ -1,21 +1,23 @@
 """runtime/process.py's fork servers, one per preload: in one process, an Engine on the torch
 runner started before a GGUF Engine on default flags no longer hands the second its fork
-server (torch's ~213 MB in the torch-free scheduler and detokenizer); each preload's server
+server (torch's ~213 MB in the torch-free scheduler and detokenizer); a child sees the owner's
+LOOM_* variables as they were when it started, not its fork server's; each preload's server
 stops once its last child has."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from loom.runtime import cpu_abi
-from tests.runtime_helpers import run_child
 
 pytestmark = pytest.mark.skipif(cpu_abi.load() is None, reason="no C compiler")
 
-_TWO_ENGINES = r"""
+_ENGINES = r"""
 import json
 import os
 import sys
@@ -33,36 +35,51 @@ def running(pid):
     return pid is not None and os.path.exists(f"/proc/{pid}")
 
 
+def ids(engine, prompts):
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
 prompts = [[1, 504, 3458, 282, 4649, 314, 2], [1, 1205, 42, 7]]
 params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 out = {}
-os.environ["LOOM_TORCH_RUNNER"] = "1"
-first = loom.Engine(sys.argv[1], max_total_tokens=1024)
-del os.environ["LOOM_TORCH_RUNNER"]  # the second Engine: default flags
-with loom.Engine(sys.argv[1], max_total_tokens=1024) as second:
-    out["torch_ids"] = [o["output_ids"] for o in first.generate(input_ids=prompts, sampling_params=params)]
-    out["free_ids"] = [o["output_ids"] for o in second.generate(input_ids=prompts, sampling_params=params)]
+# the torch runner by its flags: its fork server starts without LOOM_TORCH_RUNNER
+first = loom.Engine(sys.argv[1], max_total_tokens=1024, speculative_algorithm="ngram")
+with loom.Engine(sys.argv[1], max_total_tokens=1024) as second:  # default flags
+    out["spec_ids"] = ids(first, prompts)
+    out["free_ids"] = ids(second, prompts)
     out["torch_maps"] = [maps_torch(p.pid) for p in first._procs]
     out["free_maps"] = [maps_torch(p.pid) for p in second._procs]
+    # torch's server again, for LOOM_TORCH_RUNNER=1 set after it started: the scheduler
+    # (which reads it again) must see it as the owner does, and log the torch runner
+    os.environ["LOOM_TORCH_RUNNER"] = "1"
+    with loom.Engine(sys.argv[1], max_total_tokens=1024, log_level="info") as third:
+        out["torch_ids"] = ids(third, prompts)
+    del os.environ["LOOM_TORCH_RUNNER"]
     servers = {k: s._forkserver_pid for k, s in process._servers.items()}
     out["servers"] = sorted(servers)
     first.shutdown()  # the torch fork server goes with its last child; the other stays
     out["after_first"] = sorted(process._servers)
     out["torch_server_gone"] = not running(servers.get("loom.runtime.preload_torch"))
-    out["still_serves"] = second.generate(input_ids=prompts[:1], sampling_params=params)[0]["output_ids"]
+    out["still_serves"] = ids(second, prompts[:1])[0]
 out["left"] = sorted(process._servers)
 out["free_server_gone"] = not running(servers.get("loom.runtime.preload"))
 print(json.dumps(out))
 """
 
 
-def test_a_gguf_engine_after_a_torch_runner_engine_gets_the_torch_free_fork_server(real_gguf):
+def test_each_engine_gets_the_fork_server_its_runner_needs(real_gguf):
+    """A speculative (torch-runner) Engine, then a GGUF Engine on default flags, then one with
+    LOOM_TORCH_RUNNER=1 set after torch's fork server started, in one fresh interpreter."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = json.loads(run_child(_TWO_ENGINES, real_gguf("smollm2"), timeout=600, cwd=root)[-1])
-    assert out["torch_ids"] == out["free_ids"]  # both serve, the same greedy tokens
-    assert all(len(ids) == 6 for ids in out["free_ids"])
+    run = subprocess.run([sys.executable, "-c", _ENGINES, real_gguf("smollm2")], cwd=root,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["torch_ids"] == out["free_ids"]  # both runners serve the same greedy tokens
+    assert all(len(ids) == 6 for ids in out["free_ids"] + out["spec_ids"])
     assert out["torch_maps"] == [True, True]  # the probe sees torch where it is
     assert out["free_maps"] == [False, False]  # the second's scheduler and detokenizer
+    assert "model runner: torch (LOOM_TORCH_RUNNER=1)" in run.stderr  # the third's scheduler
     assert out["servers"] == ["loom.runtime.preload", "loom.runtime.preload_torch"]
     assert out["after_first"] == ["loom.runtime.preload"] and out["torch_server_gone"]
     assert out["still_serves"] == out["free_ids"][0]
