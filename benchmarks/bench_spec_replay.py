@@ -71,9 +71,41 @@ def accepted(draft, answer: list[int], at: int) -> tuple[int, int]:
     return 1 + max(depth), best
 
 
+def load_corpus(path: Path, tokens: int, prompt_tail: int) -> list[list[int]]:
+    """Documents of a `scripts/ngram_corpus.py` datastore (its `corpus.jsonl`): each answer
+    after its prompt's last `prompt_tail` tokens (the chat template's assistant header: an
+    answer's opening), in file order until `tokens` answer tokens."""
+    docs, n = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip() or n >= tokens:
+            continue
+        d = json.loads(line)
+        docs.append((d["prompt_ids"][-prompt_tail:] if prompt_tail else []) + d["answer"])
+        n += len(d["answer"])
+    return docs
+
+
+def leakage(rows: list[dict], docs: list[list[int]], n: int = 8) -> tuple[int, int]:
+    """(the rows' output n-grams found in the datastore, all of them)."""
+    grams = {tuple(d[i : i + n]) for d in docs for i in range(len(d) - n + 1)}
+    outs = [tuple(r["output"][i : i + n]) for r in rows if r["cat"] != "warmup"
+            for i in range(len(r["output"]) - n + 1)]  # fmt: skip
+    return sum(g in grams for g in outs), len(outs)
+
+
 def replay(rows: list[dict], spec, extra: list[float]) -> dict[str, Counter]:
     cost = lambda b, d, context=None: extra[min(d, len(extra) - 1)]  # noqa: E731
     spec.set_verify_cost(cost)
+    ngram = spec.ngram
+    from_corpus = [None]
+    if ngram.corpus is not None:  # which drafts the datastore gave (counted per category)
+        ask = ngram._corpus
+
+        def asked(req, after, max_len):
+            from_corpus[0] = ask(req, after, max_len)
+            return from_corpus[0]
+
+        ngram._corpus = asked
     per: dict[str, Counter] = {}
     for i, row in enumerate(rows):
         req = Replayed(row["prompt"], row["output"], f"r{i}")
@@ -89,11 +121,16 @@ def replay(rows: list[dict], spec, extra: list[float]) -> dict[str, Counter]:
         while len(req.output_ids) < n:
             spec.enabled_for(1)
             at = len(req.output_ids)
+            from_corpus[0] = None
             draft = spec.draft(req, 1 << 20)
             c["steps"] += 1
+            corpus = bool(from_corpus[0]) and list(draft) == from_corpus[0]
             if len(draft) and spec.worth_verifying([req], [draft]):
                 positions, got = accepted(draft, answer, at)
                 spec.on_verified(req, positions, got)
+                if corpus:
+                    c["corpus_verifies"] += 1
+                    c["corpus_accepted"] += got
                 c["verifies"] += 1
                 c["verify_tokens"] += min(got + 1, n - at)  # none past the answer's end
                 c[f"hist{got}"] += 1
@@ -122,7 +159,9 @@ def report(per: dict[str, Counter], label: str) -> None:
             f"{c['verify_tokens'] / max(1, c['verifies']):.2f} tokens/step "
             f"{c['tokens'] / c['steps']:.2f} per decode step's time "
             f"{c['tokens'] / c['time']:.2f}x hist {hist}"
-        )
+            + (f" corpus verifies {c['corpus_verifies']} accepted/verify "
+               f"{c['corpus_accepted'] / c['corpus_verifies']:.2f}" if c["corpus_verifies"] else "")
+        )  # fmt: skip
     print(
         f"{label}: tokens per decode step's time {total['tokens'] / total['time']:.3f}x, "
         f"{total['steps']} steps, {total['verifies']} verifies, "
@@ -176,6 +215,14 @@ def main() -> None:
     ap.add_argument("--spec-arg", action="append", default=[],
                     help="NAME=VALUE: a speculative_* server argument")  # fmt: skip
     ap.add_argument("--label", default="replay")
+    ap.add_argument("--corpus", type=Path, default=None,
+                    help="a scripts/ngram_corpus.py corpus.jsonl: a read-only source of drafts")  # fmt: skip
+    ap.add_argument("--corpus-tokens", type=int, default=1 << 40, help="its first N answer tokens")
+    ap.add_argument("--corpus-prompt-tail", type=int, default=3,
+                    help="prompt tokens kept before each answer (the assistant header)")  # fmt: skip
+    ap.add_argument("--corpus-window", type=int, default=8)
+    ap.add_argument("--corpus-min-window", type=int, default=1)
+    ap.add_argument("--corpus-order", default="last", help="last: own, trie, corpus; before-trie")
     args = ap.parse_args()
     rows = json.loads(args.outputs.read_text()) if args.outputs.is_file() else generate(args, args.outputs)  # fmt: skip
 
@@ -193,6 +240,18 @@ def main() -> None:
     spec = NgramSpeculator(sa, tok, len(tok), [tok.eos_token_id])
     print(f"bench_spec_replay: {len(rows)} answers from {args.outputs}, extra {args.extra}, "
           f"{' '.join(args.spec_arg)} loadavg {os.getloadavg()}")  # fmt: skip
+    if args.corpus is not None:
+        from loom.runtime.spec.ngram_corpus import CorpusIndex
+
+        docs = load_corpus(args.corpus, args.corpus_tokens, args.corpus_prompt_tail)
+        spec.ngram.corpus = CorpusIndex(docs, args.corpus_window)
+        spec.ngram.corpus_min_window = args.corpus_min_window
+        spec.ngram.corpus_order = args.corpus_order
+        hit, total = leakage(rows, docs)
+        print(f"corpus {args.corpus}: {len(docs)} documents, {spec.ngram.corpus.tokens} tokens, "
+              f"{len(spec.ngram.corpus)} windows, order {args.corpus_order}, min window "
+              f"{args.corpus_min_window}; the rows' output 8-grams in it: {hit}/{total} "
+              f"({hit / max(1, total):.1%})")  # fmt: skip
     report(replay(rows, spec, [float(x) for x in args.extra.split(",")]), args.label)
 
 

@@ -29,6 +29,7 @@ import heapq
 from collections.abc import Sequence
 
 from loom.runtime.spec.ngram_copy import CONTEXT, PromptCopy
+from loom.runtime.spec.ngram_corpus import CorpusIndex
 from loom.runtime.spec.ngram_own import OWN_WINDOW, OwnIndex
 from loom.runtime.spec.ngram_store_c import new_ngram_store
 
@@ -109,6 +110,17 @@ class NgramLookup:
         self.trie = new_ngram_store(max_window + branch_length, capacity)
         self.by_count = match_type.upper() == "PROB"
         self.copy: PromptCopy | None = None
+        # a read-only datastore of text written on other prompts (`ngram_corpus`), asked
+        # where the request's own tokens and the trie have no match
+        self.corpus: CorpusIndex | None = None
+        self.corpus_min_window = 1
+        self.corpus_order = "last"  # "last": own, trie, corpus; "before-trie": own, corpus, trie
+
+    def _corpus(self, req, after: Sequence[int], max_len: int) -> list[int]:
+        n = req.seq_len
+        w = self.corpus.window
+        context = (req.tokens(max(0, n - w), n) + list(after))[-w:]
+        return self.corpus.propose(context, max_len, self.corpus_min_window)
 
     def observe(
         self, req, state: NgramState, prompt_tail: int = MAX_PROMPT_TOKENS, limit: int = 1 << 30
@@ -163,7 +175,14 @@ class NgramLookup:
             draft = self._own(req, state).propose(max_len, self.min_window)
             if draft:
                 return draft
+        corpus = self.corpus is not None and max_len > 0
+        if corpus and self.corpus_order == "before-trie":
+            draft = self._corpus(req, after, max_len)
+            if draft:
+                return draft
         node = self._match(state.pointers, after, skip)
+        if node is None and corpus and self.corpus_order == "last":
+            return self._corpus(req, after, max_len)
         draft: list[int] = []
         rematches = 0
         copy = self.copy
