@@ -462,8 +462,9 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
     partial sums, odd row counts (a pass's dropped rows, a 32-row block's tail), token counts
     around the 8-token groups and the 2-group passes, an all-zero and a large activation
     block, with and without bias, accumulating into a strided output, one and two threads.
-    Knobs 3 (the default: the register row decoder of the 32-value types, its fast variant), 2
-    (that decoder's earlier variant) and 1 (the earlier row decoder) all."""
+    Knobs 4 (the default: knob 3 with a group's tokens packed by register transposes), 3 (the
+    register row decoder of the 32-value types, its fast variant), 2 (that decoder's earlier
+    variant) and 1 (the earlier row decoder) all."""
     lib = quant_ops.load(isa)
     if lib is None or not lib.loom_q_bi_avx2_built():
         pytest.skip("this build has no AVX2 tiles (no AVX2 + FMA, or AVX-512 VNNI's instead)")
@@ -488,7 +489,7 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
                 for t in (1, 3, 7, 8, 9, 16, 17, 24, 33):
                     for b in (bias, None):
                         outs = []
-                        for on in (3, 2, 1, 0):
+                        for on in (4, 3, 2, 1, 0):
                             knob.value = on
                             wide = torch.randn(
                                 t, rows + 3, generator=torch.Generator().manual_seed(t)
@@ -501,8 +502,8 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
                             )  # fmt: skip
                             assert rc == 0
                             outs.append(wide)
-                        for o in outs[:3]:
-                            assert torch.equal(o, outs[3]), (qtype, rows, cols, t, threads)
+                        for o in outs[:4]:
+                            assert torch.equal(o, outs[4]), (qtype, rows, cols, t, threads)
     finally:
         knob.value = default
         kgemv.value = gemv.value = 1

@@ -330,9 +330,11 @@ LOOM_API extern int loom_q_wide_rows;
    T <= 8 (AVX-512 builds), 0 = its older GEMV / 8-token tile (the same bits; a knob for
    bench_quant_gemv.py's A/B) */
 LOOM_API extern int loom_q_bi_lanes;
-/* quant_bi_avx2.c: 3 (default) = mode 3 takes its AVX2 tiles in AVX2 + FMA builds without
-   AVX-512 VNNI, rows of the 32-value block types decoded by ba_decode_row32 (its fast variant);
-   2 = ba_decode_row32's earlier variant; 1 = the tiles with the earlier row decoder for every
+/* quant_bi_avx2.c: 4 (default) = mode 3 takes its AVX2 tiles in AVX2 + FMA builds without
+   AVX-512 VNNI, rows of the 32-value block types decoded by ba_decode_row32 (its fast variant),
+   a call's tokens packed a group of 8 at a time by register transposes (ba_quant_group);
+   3 = the same with the tokens packed one at a time (ba_quant_tokens); 2 = ba_decode_row32's
+   earlier variant; 1 = the tiles with the earlier row decoder for every
    type; 0 = the portable C (the same bits; the tests' reference and an A/B knob) */
 LOOM_API extern int loom_q_bi_avx2;
 /* 1 where this build has quant_bi_avx2.c's kernels */

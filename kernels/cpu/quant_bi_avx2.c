@@ -32,8 +32,9 @@
 #define BA_ON 0
 #endif
 
-int loom_q_bi_avx2 = 3; /* loom_cpu.h: 3 = ba_decode_row32 with one dword load a block's scale, 2 = with
-                           the earlier scale gather, 1 = ba_decode_row for all */
+int loom_q_bi_avx2 = 4; /* loom_cpu.h: 4 = 3 with a group's 8 tokens packed by 8 x 8 transposes
+                           (ba_quant_group), 3 = ba_decode_row32 with one dword load a block's
+                           scale, 2 = with the earlier scale gather, 1 = ba_decode_row for all */
 
 int loom_q_bi_avx2_built(void) { return BA_ON; }
 
@@ -516,6 +517,52 @@ static void ba_quant_tokens(void* ctx, int64_t t0, int64_t t1, int worker) {
     free(dxu);
 }
 
+/* groups g0 .. g1 - 1 (knob 4): the same codes as ba_quant_tokens, written a group at a time.
+   The group's tokens are quantized into 8 rows of K codes (rows past T zero, as the zeroed
+   buffers' lanes are), and each run of 8 code pairs of the 8 rows is transposed in registers
+   into 8 stores of a pair's 8 lanes: ba_quant_tokens wrote every pair of every token as its
+   own 4-byte store at a 32-byte stride (K / 2 scalar stores a token; at 128 tokens the packing
+   was 4-8 percent of a Gemma 3 matrix's time, docs/benchmarks.md session 24). Only bits move:
+   the float shuffles of transpose8_ps never change a lane. */
+static void ba_quant_group(void* ctx, int64_t g0, int64_t g1, int worker) {
+    (void)worker;
+    BaQuantJob* jb = ctx;
+    const int64_t K = jb->K, nu = K / jb->G, P = K / 2;
+    int16_t* q = malloc(sizeof(int16_t) * (size_t)(8 * K + 16));
+    float* dxu = malloc(sizeof(float) * (size_t)(16 * nu + 2));
+    float* xsu = dxu + 8 * nu + 1;
+    if (!q || !dxu) {
+        free(q);
+        free(dxu);
+        jb->failed = 1;
+        return;
+    }
+    for (int64_t g = g0; g < g1; g++) {
+        const int n = jb->T - 8 * g < 8 ? (int)(jb->T - 8 * g) : 8;
+        for (int i = 0; i < n; i++)
+            ba_quantize(jb->x + (8 * g + i) * jb->ldx, K, jb->G, q + i * K, dxu + i * nu, xsu + i * nu);
+        if (n < 8) {
+            memset(q + n * K, 0, sizeof(int16_t) * (size_t)((8 - n) * K));
+            memset(dxu + n * nu, 0, sizeof(float) * (size_t)((8 - n) * nu));
+            memset(xsu + n * nu, 0, sizeof(float) * (size_t)((8 - n) * nu));
+        }
+        float* xo = (float*)(jb->xp + g * P * 8); /* [P][8] */
+        for (int64_t p0 = 0; p0 < P; p0 += 8) { /* P = K / 2 is a multiple of 16 */
+            __m256 v[8];
+            for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_ps((const float*)(q + i * K + 2 * p0));
+            transpose8_ps(v); /* v[l] lane i: token i's pair p0 + l */
+            for (int l = 0; l < 8; l++) _mm256_storeu_ps(xo + (p0 + l) * 8, v[l]);
+        }
+        for (int64_t j = 0; j < nu; j++)
+            for (int i = 0; i < 8; i++) {
+                jb->dxt[(g * nu + j) * 8 + i] = dxu[i * nu + j];
+                jb->xst[(g * nu + j) * 8 + i] = xsu[i * nu + j];
+            }
+    }
+    free(q);
+    free(dxu);
+}
+
 int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                           int64_t ldy, int accumulate, int threads) {
@@ -535,7 +582,10 @@ int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int
     }
     if (threads < 1) threads = 1;
     BaQuantJob qj = {x, K, T, ldx, G, xp, dxt, xst, 0};
-    loom_par_for(threads, T, par_chunk(T, threads), ba_quant_tokens, &qj);
+    if (loom_q_bi_avx2 >= 4)
+        loom_par_for(threads, ng, par_chunk(ng, threads), ba_quant_group, &qj);
+    else
+        loom_par_for(threads, T, par_chunk(T, threads), ba_quant_tokens, &qj);
     if (qj.failed) {
         free(xp);
         free(dxt);
@@ -544,7 +594,7 @@ int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int
     }
     const int64_t block = ng <= BA_SMALL_G ? BA_ROWS : BA_BLOCK;
     const int64_t nblocks = (N + block - 1) / block;
-    const int row32 = loom_q_bi_avx2 >= 2 && qtype != AQ4_K && qtype != AQ6_K ? loom_q_bi_avx2 - 1 : 0;
+    const int row32 = loom_q_bi_avx2 >= 2 && qtype != AQ4_K && qtype != AQ6_K ? (loom_q_bi_avx2 >= 3 ? 2 : 1) : 0;
     BaJob job = {qtype, G, asym, w, N, K, row_bytes, T, ng, block, xp, dxt, xst, bias, y, ldy, accumulate, row32, 0};
     loom_par_for(threads, nblocks, par_chunk(nblocks, threads), ba_blocks, &job);
     free(xp);
