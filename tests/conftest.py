@@ -34,3 +34,16 @@ def real_gguf():
     from loom.runtime.gguf.named import resolve_model_name
 
     return resolve_model_name
+
+
+@pytest.fixture(scope="session")
+def bundled_server():
+    """One HTTP server of the bundled model (8192 KV tokens, served as "loom-bundled") for the
+    modules that only send it requests (test_agents, test_budget_closing, test_clients_lm_eval,
+    test_clients_outlines): each used to start its own with these same arguments, ~15 s of
+    start-up apiece on a loaded CI machine. A test that kills, reconfigures or needs a fresh
+    server (its cache or counters) starts its own."""
+    from loom.runtime.server.runtime_client import Runtime
+
+    with Runtime(max_total_tokens=8192, served_model_name="loom-bundled") as rt:
+        yield rt

@@ -13,7 +13,6 @@ import torch
 from lm_eval.tasks import TaskManager
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loom.runtime.server.runtime_client import Runtime
 from loom.runtime.server_args import BUNDLED_MODEL_PATH
 
 MODEL = "loom-bundled"
@@ -70,9 +69,11 @@ def tasks(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Runtime(max_total_tokens=8192, served_model_name=MODEL) as rt:
-        yield rt
+def server(bundled_server):
+    """The session's bundled-model server (conftest.bundled_server): these tests only send it
+    requests."""
+    assert bundled_server.server_args.served_model_name == MODEL
+    return bundled_server
 
 
 def evaluate(server, tasks, name: str) -> dict:
