@@ -9,7 +9,6 @@ counting there, as in test_models_hf_parity).
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
@@ -103,27 +102,12 @@ def loom_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[li
     return [outs[str(i)] for i in range(len(prompts))]
 
 
-@contextlib.contextmanager
-def one_torch_thread():
-    """The reference's forward on one torch thread: its small matmuls gain nothing from a
-    second one, and on a loaded 2-core machine (CI) two OpenMP threads wait on each other:
-    Gemma 3's 12-token generate took 8.4-9.3 s (5.4 s CPU) on two threads, 3.3-3.4 s (1.4-1.5 s
-    CPU) on one, at load 6-7. It stays transformers' own forward; a thread count changes only
-    how its matmuls are split (a last-bit difference would fall under the TIE rule)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def greedy_matches(model, prompts, got: list[list[int]], new_tokens: int) -> int:
     """How many prompts match the reference's greedy tokens (up to its first near-tie)."""
     same = 0
     for ids, mine in zip(prompts, got):
         inp = torch.tensor([ids])
-        with torch.no_grad(), one_torch_thread():
+        with torch.no_grad():
             out = model.generate(
                 inp, attention_mask=torch.ones_like(inp), max_new_tokens=new_tokens,
                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
