@@ -34,7 +34,29 @@ def run(argv: list[str] | None = None, prog: str = "python -m loom.launch_server
 
 
 def main(argv: list[str] | None = None) -> None:
-    sys.exit(run(argv))
+    try:
+        code = run(argv)
+    except SystemExit as e:  # a SIGTERM / SIGINT ends launch_server so (its cleanup done)
+        if not isinstance(e.code, int | None):
+            raise
+        code = e.code or 0
+    # Past this point the runtime's children are stopped and reaped and its sockets removed
+    # (launch_server's cleanup). What is left is the interpreter's own teardown: freeing every
+    # module and object torch and transformers made, seconds of CPU on a loaded machine, which
+    # a caller waiting for this process to end (Runtime.shutdown, a supervisor's restart)
+    # waits through. Join the threads, run the atexit handlers and flush as a normal exit
+    # does, then leave.
+    import atexit
+    import logging
+    import os
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,26 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _bound_openmp_spin() -> None:
+    """The test process runs schedulers, loom's C forward and transformers' references in
+    process, on torch's libgomp: give it the bounded barrier spin loom gives its own scheduler
+    processes (runtime/process.py bound_openmp_spin; a wait policy the user chose wins). With
+    libgomp's default (~5 ms of spinning at every barrier), a two-thread team on the loaded
+    2-core CI machine spins through its slice while its partner waits for the core: Gemma 3's
+    12-token transformers generate took 10.1-11.0 s on two threads, 2.9-3.5 s with the bound
+    (load 7). Only how a thread waits changes: thread counts and arithmetic stay. libgomp reads
+    the variable once, when torch loads it, so this runs before any test module imports torch."""
+    import sys
+
+    from loom.runtime.process import bound_openmp_spin
+
+    assert "torch" not in sys.modules, "conftest must set the OpenMP spin before torch loads"
+    bound_openmp_spin()
+
+
+_bound_openmp_spin()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """tiny_model_dir(family) -> path of a tiny checkpoint, built once per session."""
@@ -34,3 +54,16 @@ def real_gguf():
     from loom.runtime.gguf.named import resolve_model_name
 
     return resolve_model_name
+
+
+@pytest.fixture(scope="session")
+def bundled_server():
+    """One HTTP server of the bundled model (8192 KV tokens, served as "loom-bundled") for the
+    modules that only send it requests (test_agents, test_budget_closing, test_clients_lm_eval,
+    test_clients_outlines): each used to start its own with these same arguments, ~15 s of
+    start-up apiece on a loaded CI machine. A test that kills, reconfigures or needs a fresh
+    server (its cache or counters) starts its own."""
+    from loom.runtime.server.runtime_client import Runtime
+
+    with Runtime(max_total_tokens=8192, served_model_name="loom-bundled") as rt:
+        yield rt

@@ -12,15 +12,15 @@ import json
 import pytest
 from pydantic import BaseModel, Field
 
-from loom.runtime.server.runtime_client import Runtime
-
 MODEL = "loom-bundled"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Runtime(max_total_tokens=8192, served_model_name=MODEL) as rt:
-        yield rt
+def server(bundled_server):
+    """The session's bundled-model server (conftest.bundled_server): these tests only send it
+    requests."""
+    assert bundled_server.server_args.served_model_name == MODEL
+    return bundled_server
 
 
 def test_bundled_model_calls_tools_in_auto_mode(server):

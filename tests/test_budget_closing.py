@@ -167,9 +167,11 @@ def test_fields_without_a_regular_form_are_refused_by_name(backends):
 
 # --------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
-def server():
-    with Runtime(max_total_tokens=8192, served_model_name=MODEL) as rt:
-        yield rt
+def server(bundled_server):
+    """The session's bundled-model server (conftest.bundled_server): these tests only send it
+    requests."""
+    assert bundled_server.server_args.served_model_name == MODEL
+    return bundled_server
 
 
 @pytest.fixture(scope="module")

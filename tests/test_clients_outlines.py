@@ -13,8 +13,6 @@ import outlines
 import pytest
 from pydantic import BaseModel, Field
 
-from loom.runtime.server.runtime_client import Runtime
-
 MODEL = "loom-bundled"
 
 
@@ -30,10 +28,14 @@ answer: "yes" | "no" | "maybe"
 
 
 @pytest.fixture(scope="module")
-def model():
-    with Runtime(max_total_tokens=8192, served_model_name=MODEL) as rt:
-        client = openai.OpenAI(base_url=rt.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        yield outlines.from_sglang(client, MODEL)
+def model(bundled_server):
+    """outlines on the session's bundled-model server (conftest.bundled_server): these tests
+    only send it requests."""
+    assert bundled_server.server_args.served_model_name == MODEL
+    client = openai.OpenAI(
+        base_url=bundled_server.url + "/v1", api_key="x", max_retries=0, timeout=120
+    )
+    return outlines.from_sglang(client, MODEL)
 
 
 def test_pydantic_literal_and_regex_outputs(model):
