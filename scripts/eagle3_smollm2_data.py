@@ -92,6 +92,20 @@ ASKS = [
 ]
 
 
+def written_prompt(tok, out: list[int], grams: set) -> str | None:
+    """The prompt a data-model output writes: its first line, quotes stripped; "" when 12
+    characters or fewer, None when one of its token 8-grams occurs in Spec-Bench's questions
+    (`grams`), so no Spec-Bench text becomes a source."""
+    text = tok.decode(out, skip_special_tokens=True).strip().split("\n")[0].strip()
+    text = text.strip('"').strip()
+    if len(text) <= 12:
+        return ""
+    q = tok.encode(text, add_special_tokens=False)
+    if any(tuple(q[i : i + 8]) in grams for i in range(len(q) - 7)):
+        return None
+    return text
+
+
 def _chat(tok, text: str) -> list[int]:
     chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                    add_generation_prompt=True)  # fmt: skip
@@ -170,16 +184,14 @@ def generate(args) -> None:
                           seeds=[k * 100_000 + i for i in range(args.batch)])  # fmt: skip
         prompts = []
         for o in outs:
-            text = tok.decode(o, skip_special_tokens=True).strip().split("\n")[0].strip()
-            text = text.strip('"').strip()
-            if len(text) <= 12:
+            text = written_prompt(tok, o, grams)
+            if text is None:
+                dropped_sb += 1
+                continue
+            if not text:
                 continue
             ids = _chat(tok, text)
             key = _prompt_key(tok, ids, len(ids))
-            q = tok.encode(text, add_special_tokens=False)
-            if any(tuple(q[i : i + 8]) in grams for i in range(len(q) - 7)):
-                dropped_sb += 1
-                continue
             if key not in seen:
                 seen.add(key)
                 prompts.append((text, ids))

@@ -33,7 +33,7 @@ CACHE = Path("~/.cache/loom/ngram_corpus").expanduser()
 
 
 def generate(args) -> None:
-    from eagle3_smollm2_data import ASKS, SEED_TOPICS, _chat, _prompt_key
+    from eagle3_smollm2_data import ASKS, SEED_TOPICS, _chat, _prompt_key, written_prompt
     from train_eagle3_smollm2 import spec_bench_grams
 
     from loom.runtime.io_struct import TokenizedGenerateReq
@@ -79,13 +79,11 @@ def generate(args) -> None:
         outs = run([_chat(tok, g) for g in group], 48, 0.9, [k * 100_000 + i for i in range(args.batch)])  # fmt: skip
         prompts = []
         for o in outs:
-            text = tok.decode(o, skip_special_tokens=True).strip().split("\n")[0].strip()
-            text = text.strip('"').strip()
-            if len(text) <= 12:
-                continue
-            q = tok.encode(text, add_special_tokens=False)
-            if any(tuple(q[i : i + 8]) in grams for i in range(len(q) - 7)):
+            text = written_prompt(tok, o, grams)
+            if text is None:
                 dropped_sb += 1
+                continue
+            if not text:
                 continue
             ids = _chat(tok, text)
             key = _prompt_key(tok, ids, len(ids))
