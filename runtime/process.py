@@ -241,7 +241,8 @@ def _fork_server(preload: str):
     server = _servers.get(preload)
     if server is None:
         server = _servers[preload] = forkserver.ForkServer()
-        server.set_forkserver_preload([preload])
+        # fork_server_exit first: its exit handler runs after the preload's (runtime/fork_server_exit.py)
+        server.set_forkserver_preload(["loom.runtime.fork_server_exit", preload])
     return server
 
 

@@ -84,3 +84,67 @@ def test_each_engine_gets_the_fork_server_its_runner_needs(real_gguf):
     assert out["after_first"] == ["loom.runtime.preload"] and out["torch_server_gone"]
     assert out["still_serves"] == out["free_ids"][0]
     assert out["left"] == [] and out["free_server_gone"]
+
+
+_TEARDOWN = r"""
+import json
+import os
+import sys
+from multiprocessing import forkserver
+
+from loom.runtime import process
+
+out = {}
+for name, with_exit in (("skip", True), ("full", False)):
+    server = forkserver.ForkServer()  # the preload _fork_server gives, or it without the exit
+    mods = [f"probe_{name}"]
+    server.set_forkserver_preload(["loom.runtime.fork_server_exit", *mods] if with_exit else mods)
+    process._servers[f"probe_{name}"] = server
+    p = process._Process(target=os.getpid)
+    p.preload = f"probe_{name}"
+    p.start()
+    p.join()
+    server._stop()
+    del process._servers[f"probe_{name}"]
+    out[name] = {"child": p.exitcode, "files": sorted(os.listdir(os.path.join(sys.argv[1], name)))}
+print(json.dumps(out))
+"""
+
+_PROBE = r"""
+import atexit
+import os
+
+HERE = {here!r}
+
+
+def _mark(what, _open=os.open, _close=os.close):
+    _close(_open(os.path.join(HERE, what), os.O_CREAT | os.O_WRONLY))
+
+
+atexit.register(_mark, "atexit")  # a preload's own exit handler: must still run
+
+
+class _Torn:
+    def __del__(self, _mark=_mark):  # runs when the interpreter frees this module
+        _mark("teardown")
+
+
+kept = _Torn()
+"""
+
+
+def test_a_fork_server_leaves_without_the_interpreters_teardown(tmp_path):
+    """runtime/fork_server_exit.py, first in every server's preload: the preload's exit
+    handlers run, the module teardown (seconds of freeing torch that an Engine's stop waited
+    for) does not; the same server without it tears down, so the probe can see the difference."""
+    for name in ("skip", "full"):
+        (tmp_path / name).mkdir()
+        (tmp_path / f"probe_{name}.py").write_text(_PROBE.format(here=str(tmp_path / name)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", _TEARDOWN, str(tmp_path)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["skip"] == {"child": 0, "files": ["atexit"]}
+    assert out["full"] == {"child": 0, "files": ["atexit", "teardown"]}
