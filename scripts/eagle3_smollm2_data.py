@@ -106,6 +106,28 @@ def written_prompt(tok, out: list[int], grams: set) -> str | None:
     return text
 
 
+def written_prompts(tok, outs, grams: set, seen: set, by_text: bool = False):
+    """([(text, chat ids)], how many were dropped for a Spec-Bench 8-gram): the new prompts
+    among a batch of data-model outputs (`written_prompt`), each once: a prompt whose chat key
+    (`_prompt_key`) is in `seen`, or with `by_text` its lowercased text, is skipped; `seen`
+    gains the key (or the text) of each prompt kept."""
+    prompts, dropped = [], 0
+    for o in outs:
+        text = written_prompt(tok, o, grams)
+        if text is None:
+            dropped += 1
+            continue
+        if not text:
+            continue
+        ids = _chat(tok, text)
+        key = _prompt_key(tok, ids, len(ids))
+        mark = text.lower() if by_text else key
+        if key not in seen and mark not in seen:
+            seen.add(mark)
+            prompts.append((text, ids))
+    return prompts, dropped
+
+
 def _chat(tok, text: str) -> list[int]:
     chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                    add_generation_prompt=True)  # fmt: skip
@@ -182,19 +204,8 @@ def generate(args) -> None:
         t0 = time.time()
         outs = d.generate([_chat(tok, g) for g in group], 48, temperature=0.9,
                           seeds=[k * 100_000 + i for i in range(args.batch)])  # fmt: skip
-        prompts = []
-        for o in outs:
-            text = written_prompt(tok, o, grams)
-            if text is None:
-                dropped_sb += 1
-                continue
-            if not text:
-                continue
-            ids = _chat(tok, text)
-            key = _prompt_key(tok, ids, len(ids))
-            if key not in seen:
-                seen.add(key)
-                prompts.append((text, ids))
+        prompts, dropped = written_prompts(tok, outs, grams, seen)
+        dropped_sb += dropped
         t1 = time.time()
         answers = d.generate([ids for _, ids in prompts], args.max_new_tokens)
         t2 = time.time()

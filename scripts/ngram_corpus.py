@@ -33,7 +33,7 @@ CACHE = Path("~/.cache/loom/ngram_corpus").expanduser()
 
 
 def generate(args) -> None:
-    from eagle3_smollm2_data import ASKS, SEED_TOPICS, _chat, _prompt_key, written_prompt
+    from eagle3_smollm2_data import ASKS, SEED_TOPICS, _chat, written_prompts
     from train_eagle3_smollm2 import spec_bench_grams
 
     from loom.runtime.io_struct import TokenizedGenerateReq
@@ -77,19 +77,8 @@ def generate(args) -> None:
         group = [rng.choice(asks) for _ in range(args.batch)]
         t0 = time.time()
         outs = run([_chat(tok, g) for g in group], 48, 0.9, [k * 100_000 + i for i in range(args.batch)])  # fmt: skip
-        prompts = []
-        for o in outs:
-            text = written_prompt(tok, o, grams)
-            if text is None:
-                dropped_sb += 1
-                continue
-            if not text:
-                continue
-            ids = _chat(tok, text)
-            key = _prompt_key(tok, ids, len(ids))
-            if text.lower() not in seen and key not in seen:
-                seen.add(text.lower())
-                prompts.append((text, ids))
+        prompts, dropped = written_prompts(tok, outs, grams, seen, by_text=True)
+        dropped_sb += dropped
         t1 = time.time()
         answers = run([ids for _, ids in prompts], args.max_new_tokens, 0.0, [0] * len(prompts))
         t2 = time.time()
