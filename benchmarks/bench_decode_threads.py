@@ -50,7 +50,7 @@ def main() -> None:
         default="1",
         help="comma list of loom_pool values interleaved too (1: kernels/cpu/pool.c, 0: OpenMP)",
     )
-    p.add_argument("--pool-tail", default="0", help="comma list of loom_pool_tail values")
+    p.add_argument("--pool-tail", default="1", help="comma list of loom_pool_tail values (1: the default)")
     p.add_argument("--spin-ns", default="20000", help="comma list of loom_pool_spin_ns values")
     p.add_argument(
         "--bi-avx2", default="", help="comma list of loom_q_bi_avx2 values (AVX2 builds)"

@@ -33,11 +33,12 @@
    (the previous behaviour; a knob for bench_decode_threads.py's A/B in one process) */
 int loom_pool = 1;
 
-/* 1: a loop's last (threads x chunk) items are claimed in quarter chunks (at least 1 item), so
-   the thread that finds no chunk left waits for at most a quarter chunk of the other's, not a
-   whole one (8 chunks over 2 threads: half a chunk, 1/8 of the loop, on average); 0 (default):
-   equal chunks. Which thread runs an item does not change its bits. */
-int loom_pool_tail = 0;
+/* 1 (default): a loop's last (threads x chunk) items are claimed in quarter chunks (at least 1
+   item), so the thread that finds no chunk left waits for at most a quarter chunk of the
+   other's, not a whole one (8 chunks over 2 threads: half a chunk, 1/8 of the loop, on
+   average); 0: equal chunks (a knob for bench_decode_threads.py's A/B). Which thread runs an
+   item does not change its bits. */
+int loom_pool_tail = 1;
 /* a helper's spin after its last chunk before it sleeps (ns): as long as libgomp's (loom sets
    GOMP_SPINCOUNT=1000, ~20 us), so that in a step mixing both (a prefill's OpenMP matmuls, the
    pool's attention) neither team's spinner holds the other's core for long; a knob for
