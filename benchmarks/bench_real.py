@@ -351,12 +351,11 @@ def main() -> None:
         gguf, args.threads, max(sizes), args.quantization or "none", kv_tokens,
         args.kv_cache_dtype, args.quantized_matmul,
     )  # fmt: skip
-    looms = {
-        {"stream": "loom", "two-runs": "loom (two runs)"}[m]: {
-            "stream": loom_side.point, "two-runs": loom_side.point_two_runs
-        }[m]
-        for m in timings
-    }  # fmt: skip
+    by_timing = {
+        "stream": ("loom", loom_side.point),
+        "two-runs": ("loom (two runs)", loom_side.point_two_runs),
+    }
+    looms = dict(by_timing[m] for m in timings)  # row name -> its run, in --loom-timing's order
     sched_pids = [c.pid for c in __import__("psutil").Process().children(recursive=True)]
     peers = {}
     if not args.no_llamacpp:
