@@ -248,7 +248,9 @@ def _fork_server(preload: str):
 
 class _Popen(popen_forkserver.Popen):
     """multiprocessing's forkserver Popen through a given fork server instead of the module's
-    single one: `_launch` is CPython's (3.10-3.13) with the server's connect_to_new_process.
+    single one: `_launch` is CPython's (3.10-3.13; CPython's main branch, read in December 2026,
+    has the same body: 3.14's forkserver authentication lives inside connect_to_new_process)
+    with the server's connect_to_new_process.
     The child side needs nothing: each fork server sets its own process's module-level
     server state before running a child (forkserver._serve_one)."""
 
