@@ -280,6 +280,15 @@ LOOM_API extern int loom_attn_avx2;
 int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const float* kc,
                        const float* vc, int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale,
                        float* o, float* sc, int bf16);
+/* attn_avx2.c: query rows a tile of one request takes in AVX2 builds (forward.c attn_items,
+   loom_attn_rows_avx2, bitwise each row's loom_attn_one_avx2); <= 1 = one row at a time (the
+   A/B reference). loom_attn_tile_rows: the rows in effect (1 where the kernel is not built) */
+LOOM_API extern int loom_attn_rows;
+int loom_attn_tile_rows(void);
+int loom_attn_rows_avx2(const float* q, int64_t ldq, int64_t R, const int64_t* cols,
+                        const int64_t* lo, const int64_t* len, const float* kc, const float* vc,
+                        int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale, float* o,
+                        int64_t ldo, float* sc, int bf16);
 /* forward.c, AVX2 builds: 1 (default) = a 7- or 8-token packed f32 matmul is one pass, 0 = the
    ceil(T / MT_MAX) passes (4 + 3, 4 + 4); and the lanes a request's query rows round up to in
    the small attention (8 on AVX2; 16 = the older rounding). Both are A/B knobs of the benches */
