@@ -797,11 +797,13 @@ static inline void qmm(const QMat* q, int64_t mode, const float* x, int64_t T, i
         mm(x, T, K, ldx, w, wp, b, N, y, ldy, accumulate, nthreads);
         return;
     }
+    if (q->nseg > 1) loom_q_hold_x(x, T, K, ldx); /* the segments share x's codes */
     for (int64_t i = 0; i < q->nseg; i++) {
         const QSeg* s = q->seg + i;
         loom_q_matmul((int)s->qtype, (int)mode, s->data, s->rows, K, s->row_bytes, x, T, ldx,
                       b ? b + s->row0 : NULL, y + s->row0, ldy, accumulate, nthreads);
     }
+    if (q->nseg > 1) loom_q_release_x();
 }
 
 /* ---- Gemma 3 (Model.norm_add / act / embed_scale, Layer.post_*_ln / cos / sin / window;

@@ -424,6 +424,13 @@ void loom_q_decode_row16(int qtype, const uint8_t* row, int64_t K, int16_t* w, f
 int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                           int64_t ldy, int accumulate, int threads);
+/* quant_bi_avx2.c: loom_q_hold_x(x, T, K, ldx) lets the calls up to loom_q_release_x() that
+   multiply this x (same T, K, ldx, unit length) reuse its 16-bit codes (forward.c's qmm over a
+   matrix's row segments); no-ops where the tiles are not built or loom_q_hold is 0 (each call
+   quantizes its x: the A/B reference, the same bits) */
+LOOM_API extern int loom_q_hold;
+LOOM_API void loom_q_hold_x(const float* x, int64_t T, int64_t K, int64_t ldx);
+LOOM_API void loom_q_release_x(void);
 void loom_q_put4x16(const float* sums, float* y, int64_t ldy, const float* bias, int accumulate);
 LOOM_API int loom_q_i8_type(int qtype);
 /* quant_i8.c: a block of 32 activations gets a second 8-bit plane (its rounding error at
