@@ -524,7 +524,9 @@ def test_bi_avx2_held_codes_equal_fresh_ones(isa):
     lib.loom_q_release_x.restype = None
     hold = ctypes.c_int.in_dll(lib, "loom_q_hold")
     cols = 512
-    segs = [(q, random_blocks(q, 13 + i, cols, 7 + i)) for i, q in enumerate(("Q5_0", "Q6_K", "Q8_0"))]
+    segs = [
+        (q, random_blocks(q, 13 + i, cols, 7 + i)) for i, q in enumerate(("Q5_0", "Q6_K", "Q8_0"))
+    ]
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(3))
     try:
         for threads in (1, 2):
