@@ -175,7 +175,7 @@ int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const fl
    slice is loaded and widened once per 6 pairs (per row: 3 heads, then the 4th alone on
    Gemma). Each pair keeps the per-row order of every operation:
    - a score is the same function of (q, k) whichever block holds the column (aa_scores8);
-     the row max is taken over the pair's columns in increasing order, as per row;
+     the row max is the same value however grouped (see the fold below);
    - the exps run over the pair's own run from its first column (the same blocking);
    - a pair's sum runs over its columns in order from its first; the tile interleaves the
      pairs' independent chains (where per row each chain waited on its own adds);
