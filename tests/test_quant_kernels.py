@@ -510,6 +510,53 @@ def test_bi_avx2_tiles_equal_the_portable_c(qtype, isa):
         torch.set_num_threads(prev)
 
 
+def test_bi_avx2_held_codes_equal_fresh_ones(isa):
+    """loom_q_hold_x (forward.c's qmm over a matrix's row segments, Gemma 3's Q5_0 q / k and
+    Q8_0 v rows): the calls up to loom_q_release_x that multiply the held x reuse its 16-bit
+    codes, and give bitwise what each call quantizing x itself gives (loom_q_hold = 0): two
+    segments of units of 32 (the reuse), a Q6_K one between them (units of 16: its own codes),
+    and a call on other rows of x or another token count (not the held x: its own codes)."""
+    lib = quant_ops.load(isa)
+    if lib is None or not lib.loom_q_bi_avx2_built():
+        pytest.skip("this build has no AVX2 tiles (no AVX2 + FMA, or AVX-512 VNNI's instead)")
+    lib.loom_q_hold_x.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.loom_q_hold_x.restype = None
+    lib.loom_q_release_x.restype = None
+    hold = ctypes.c_int.in_dll(lib, "loom_q_hold")
+    cols = 512
+    segs = [
+        (q, random_blocks(q, 13 + i, cols, 7 + i)) for i, q in enumerate(("Q5_0", "Q6_K", "Q8_0"))
+    ]
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(3))
+    try:
+        for threads in (1, 2):
+            for t in (9, 33):
+                runs = []
+                for on in (1, 0):
+                    hold.value = on
+                    lib.loom_q_hold_x(x.data_ptr(), t, cols, cols)
+                    outs = []
+                    # the held x's segments, then x's rows from 1 and x with t - 1 tokens
+                    for (qtype, qt), (ptr, n) in zip(
+                        segs + segs[:1] * 2,
+                        [(x.data_ptr(), t)] * 3 + [(x[1:].data_ptr(), t), (x.data_ptr(), t - 1)],
+                    ):
+                        y = torch.full((n, qt.data.shape[0]), float("nan"))
+                        rc = lib.loom_q_matmul(
+                            quant_ops.QTYPES[qtype], quant_ops.MODES["bi"], qt.data.data_ptr(),
+                            qt.data.shape[0], cols, qt.row_bytes, ptr, n, cols, None,
+                            y.data_ptr(), y.stride(0), 0, threads,
+                        )  # fmt: skip
+                        assert rc == 0
+                        outs.append(y)
+                    lib.loom_q_release_x()
+                    runs.append(outs)
+                for a, b in zip(*runs):
+                    assert torch.equal(a, b), (t, threads)
+    finally:
+        hold.value = 1
+
+
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q6_K"))
 def test_bi_kgemv_equals_the_portable_c(qtype, isa):
     """quant_gemv_k_avx2.c (mode "bi" for Q4_K / Q6_K at 1-4 tokens in AVX2 + FMA builds without

@@ -23,6 +23,7 @@
 #include "loom_cpu.h"
 
 int loom_attn_avx2 = 1; /* loom_cpu.h */
+int loom_attn_rows = 8;  /* loom_cpu.h: query rows of a tile (loom_attn_rows_avx2); <= 1: per row */
 
 #if ISA_BITS == 256 && defined(__AVX2__)
 #include <immintrin.h>
@@ -165,13 +166,222 @@ int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const fl
     return 1;
 }
 
+/* ---- Query-row tiles: R rows of one request (a prompt, a prefill chunk, a verify step) for
+   KV head kh, each row's result bitwise loom_attn_one_avx2's on its own visible columns.
+   Row r sees the run cols[lo[r] .. lo[r] + len[r]) (a causal prompt row: lo 0; a
+   sliding-window row: its window's run). What the rows share: each block of 8 K rows is
+   widened (bfloat16) and read once for the tile's R x G (row, head) pairs where the per-row
+   kernel did it once per row, and a V pass carries up to 6 pairs (12 accumulators), so a V
+   slice is loaded and widened once per 6 pairs (per row: 3 heads, then the 4th alone on
+   Gemma). Each pair keeps the per-row order of every operation:
+   - a score is the same function of (q, k) whichever block holds the column (aa_scores8);
+     the row max is the same value however grouped (see the fold below);
+   - the exps run over the pair's own run from its first column (the same blocking);
+   - a pair's sum runs over its columns in order from its first; the tile interleaves the
+     pairs' independent chains (where per row each chain waited on its own adds);
+   - a pair's accumulator starts at 0 and adds p * v over its columns in increasing order;
+     a column outside the pair's run is skipped, never added as 0 * v (that could turn a
+     -0 into +0, or inf * 0 into NaN). */
+#define AR_MAXP 64 /* (row, head) pairs of a tile */
+
+/* pairs p0 .. p0 + GS - 1's outputs, dims d0 .. d0 + 8 NV: sum over their columns */
+static inline __attribute__((always_inline)) void
+ar_vpass(const float* sc, int64_t L, int64_t cmin, const int64_t* cols, const float* vc,
+         int64_t Hkv, int64_t kh, int64_t D, int64_t p0, const int64_t* plo, const int64_t* phi,
+         int64_t d0, const float* den, float* const* po, const int GS, const int NV,
+         const int BF) {
+    __m256 acc[12];
+    for (int i = 0; i < GS * NV; i++) acc[i] = _mm256_setzero_ps();
+    int64_t c0 = plo[p0], c1 = phi[p0];
+    for (int g = 1; g < GS; g++) {
+        c0 = plo[p0 + g] < c0 ? plo[p0 + g] : c0;
+        c1 = phi[p0 + g] > c1 ? phi[p0 + g] : c1;
+    }
+    /* [a0, a1): the columns every pair of the group sees (no test per pair); the columns
+       before and after it test each pair. Either way each pair's columns go in order. */
+    int64_t a0 = plo[p0], a1 = phi[p0];
+    for (int g = 1; g < GS; g++) {
+        a0 = plo[p0 + g] > a0 ? plo[p0 + g] : a0;
+        a1 = phi[p0 + g] < a1 ? phi[p0 + g] : a1;
+    }
+    if (a1 < a0) a1 = a0;
+    const float* sp[6];
+    for (int g = 0; g < GS; g++) sp[g] = sc + (p0 + g) * L - cmin;
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t idx = (cols[c] * Hkv + kh) * D + d0;
+        __m256 v[4];
+        for (int j = 0; j < NV; j++) v[j] = aa_ld(vc, BF, idx + 8 * j);
+        if (c >= a0 && c < a1) {
+            for (int g = 0; g < GS; g++) {
+                const __m256 p = _mm256_set1_ps(sp[g][c]);
+                for (int j = 0; j < NV; j++)
+                    acc[g * NV + j] = _mm256_add_ps(acc[g * NV + j], _mm256_mul_ps(p, v[j]));
+            }
+            continue;
+        }
+        for (int g = 0; g < GS; g++) {
+            if (c < plo[p0 + g] || c >= phi[p0 + g]) continue;
+            const __m256 p = _mm256_set1_ps(sp[g][c]);
+            for (int j = 0; j < NV; j++)
+                acc[g * NV + j] = _mm256_add_ps(acc[g * NV + j], _mm256_mul_ps(p, v[j]));
+        }
+    }
+    for (int g = 0; g < GS; g++)
+        for (int j = 0; j < NV; j++)
+            _mm256_storeu_ps(po[p0 + g] + d0 + 8 * j,
+                             _mm256_mul_ps(acc[g * NV + j], _mm256_set1_ps(den[p0 + g])));
+}
+
+static void ar_vpass_any(const float* sc, int64_t L, int64_t cmin, const int64_t* cols,
+                         const float* vc, int64_t Hkv, int64_t kh, int64_t D, int64_t p0,
+                         const int64_t* plo, const int64_t* phi, int64_t d0, const float* den,
+                         float* const* po, int gs, int nv, int bf) {
+#define AR_V(GS, NV)                                                                             \
+    if (gs == GS && nv == NV) {                                                                  \
+        if (bf)                                                                                  \
+            ar_vpass(sc, L, cmin, cols, vc, Hkv, kh, D, p0, plo, phi, d0, den, po, GS, NV, 1);   \
+        else                                                                                     \
+            ar_vpass(sc, L, cmin, cols, vc, Hkv, kh, D, p0, plo, phi, d0, den, po, GS, NV, 0);   \
+        return;                                                                                  \
+    }
+    AR_V(1, 2) AR_V(2, 2) AR_V(3, 2) AR_V(4, 2) AR_V(5, 2) AR_V(6, 2)
+    AR_V(1, 1) AR_V(2, 1) AR_V(3, 1) AR_V(4, 1) AR_V(5, 1) AR_V(6, 1)
+#undef AR_V
+}
+
+int loom_attn_rows_avx2(const float* q, int64_t ldq, int64_t R, const int64_t* cols,
+                        const int64_t* lo, const int64_t* len, const float* kc, const float* vc,
+                        int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale, float* o,
+                        int64_t ldo, float* sc, int bf16) {
+    if (!loom_attn_avx2 || R < 1 || D < 8 || D % 8 != 0 || D > AA_MAX_D || G < 1 || G > 64 ||
+        R * G > AR_MAXP)
+        return 0;
+    int64_t cmin = lo[0], cmax = lo[0] + len[0];
+    for (int64_t r = 0; r < R; r++) {
+        if (len[r] <= 0) return 0; /* the per-row path (the loop) takes such a row */
+        cmin = lo[r] < cmin ? lo[r] : cmin;
+        cmax = lo[r] + len[r] > cmax ? lo[r] + len[r] : cmax;
+    }
+    const int64_t L = cmax - cmin, P = R * G, nv = D / 8;
+    float kb[AA_ROWS * AA_MAX_D]; /* a bfloat16 pool's 8 K rows, widened */
+    float mx[AR_MAXP], den[AR_MAXP], sum[AR_MAXP];
+    __m256 mxv[AR_MAXP];
+    int64_t plo[AR_MAXP], phi[AR_MAXP];
+    float* po[AR_MAXP];
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t r = p / G;
+        mx[p] = -INFINITY;
+        mxv[p] = _mm256_set1_ps(-INFINITY);
+        plo[p] = lo[r];
+        phi[p] = lo[r] + len[r];
+        po[p] = o + r * ldo + (p % G) * D;
+    }
+    const int64_t row_bytes = D * (bf16 ? 2 : 4);
+    for (int64_t c0 = cmin; c0 < cmax; c0 += AA_ROWS) {
+        const int64_t n = cmax - c0 < AA_ROWS ? cmax - c0 : AA_ROWS;
+        for (int64_t c = c0 + AA_ROWS; c < c0 + 2 * AA_ROWS && c < cmax; c++) {
+            const char* pf = (const char*)kc + (cols[c] * Hkv + kh) * row_bytes;
+            for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        }
+        const float* kr[AA_ROWS];
+        for (int r = 0; r < AA_ROWS; r++) { /* rows past cmax repeat row c0 (scores dropped) */
+            const int64_t idx = (cols[c0 + (r < n ? r : 0)] * Hkv + kh) * D;
+            if (bf16) {
+                for (int64_t i = 0; i < nv; i++)
+                    _mm256_storeu_ps(kb + r * D + 8 * i, aa_ld(kc, 1, idx + 8 * i));
+                kr[r] = kb + r * D;
+            } else {
+                kr[r] = kc + idx;
+            }
+        }
+        for (int64_t p = 0; p < P; p++) {
+            if (c0 + n <= plo[p] || c0 >= phi[p]) continue; /* none of the pair's columns */
+            float s[AA_ROWS];
+            const __m256 s8 = aa_scores8(q + (p / G) * ldq + (p % G) * D, kr, nv, scale);
+            if (n == AA_ROWS && c0 >= plo[p] && c0 + AA_ROWS <= phi[p]) {
+                /* all 8 columns the pair's: lane l's running max over columns l, l + 8, ...
+                   (folded in lane order below) */
+                _mm256_storeu_ps(sc + p * L + c0 - cmin, s8);
+                mxv[p] = _mm256_max_ps(s8, mxv[p]);
+                continue;
+            }
+            _mm256_storeu_ps(s, s8);
+            for (int64_t r = 0; r < n; r++) {
+                const int64_t c = c0 + r;
+                if (c < plo[p] || c >= phi[p]) continue;
+                sc[p * L + c - cmin] = s[r];
+                mx[p] = s[r] > mx[p] ? s[r] : mx[p];
+            }
+        }
+    }
+    /* A row max over other groupings than the per-row kernel's running max: the same value
+       (max is exact; a NaN score is skipped by both), at most differing in the sign of a zero
+       max, and s - (+0) and s - (-0) differ only for s = -0, where either is a zero whose
+       fast_expf is 1: the exps, and all after, are the same bits */
+    for (int64_t p = 0; p < P; p++) {
+        float l8[8];
+        _mm256_storeu_ps(l8, mxv[p]);
+        for (int l = 0; l < 8; l++) mx[p] = l8[l] > mx[p] ? l8[l] : mx[p];
+    }
+    int64_t longest = 0;
+    for (int64_t p = 0; p < P; p++) {
+        float* s = sc + p * L + plo[p] - cmin;
+        const int64_t S = phi[p] - plo[p];
+        const __m256 m = _mm256_set1_ps(mx[p]), ninf = _mm256_set1_ps(-INFINITY);
+        int64_t c = 0;
+        for (; c + 8 <= S; c += 8) {
+            const __m256 x = _mm256_loadu_ps(s + c);
+            const __m256 e = fast_exp8(_mm256_sub_ps(x, m));
+            _mm256_storeu_ps(s + c, _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), e));
+        }
+        for (; c < S; c++) s[c] = s[c] == -INFINITY ? 0.f : fast_expf(s[c] - mx[p]);
+        sum[p] = 0.f;
+        longest = S > longest ? S : longest;
+    }
+    /* each pair's sum in its own column order; the pairs' chains interleaved (up to the
+       shortest run without a test) */
+    const float* ps[AR_MAXP];
+    int64_t shortest = longest;
+    for (int64_t p = 0; p < P; p++) {
+        ps[p] = sc + p * L + plo[p] - cmin;
+        shortest = phi[p] - plo[p] < shortest ? phi[p] - plo[p] : shortest;
+    }
+    for (int64_t c = 0; c < shortest; c++)
+        for (int64_t p = 0; p < P; p++) sum[p] += ps[p][c];
+    for (int64_t c = shortest; c < longest; c++)
+        for (int64_t p = 0; p < P; p++)
+            if (c < phi[p] - plo[p]) sum[p] += ps[p][c];
+    for (int64_t p = 0; p < P; p++) den[p] = sum[p] > 0.f ? 1.f / sum[p] : 0.f;
+    const int vn = D % 16 == 0 ? 2 : 1;
+    for (int64_t p0 = 0; p0 < P; p0 += 6) {
+        const int gs = P - p0 < 6 ? (int)(P - p0) : 6;
+        for (int64_t d0 = 0; d0 < D; d0 += 8 * vn)
+            ar_vpass_any(sc, L, cmin, cols, vc, Hkv, kh, D, p0, plo, phi, d0, den, po, gs, vn, bf16);
+    }
+    return 1;
+}
+
+/* the rows a tile takes in this build: the knob (AVX2), 1 elsewhere (per row) */
+int loom_attn_tile_rows(void) { return loom_attn_rows; }
+
 #else
+
+int loom_attn_tile_rows(void) { return 1; }
 
 int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const float* kc,
                        const float* vc, int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale,
                        float* o, float* sc, int bf16) {
     (void)qb, (void)S, (void)cols, (void)kc, (void)vc, (void)Hkv, (void)kh, (void)G, (void)D;
     (void)scale, (void)o, (void)sc, (void)bf16;
+    return 0;
+}
+
+int loom_attn_rows_avx2(const float* q, int64_t ldq, int64_t R, const int64_t* cols,
+                        const int64_t* lo, const int64_t* len, const float* kc, const float* vc,
+                        int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale, float* o,
+                        int64_t ldo, float* sc, int bf16) {
+    (void)q, (void)ldq, (void)R, (void)cols, (void)lo, (void)len, (void)kc, (void)vc, (void)Hkv;
+    (void)kh, (void)G, (void)D, (void)scale, (void)o, (void)ldo, (void)sc, (void)bf16;
     return 0;
 }
 

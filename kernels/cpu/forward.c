@@ -797,11 +797,13 @@ static inline void qmm(const QMat* q, int64_t mode, const float* x, int64_t T, i
         mm(x, T, K, ldx, w, wp, b, N, y, ldy, accumulate, nthreads);
         return;
     }
+    if (q->nseg > 1) loom_q_hold_x(x, T, K, ldx); /* the segments share x's codes */
     for (int64_t i = 0; i < q->nseg; i++) {
         const QSeg* s = q->seg + i;
         loom_q_matmul((int)s->qtype, (int)mode, s->data, s->rows, K, s->row_bytes, x, T, ldx,
                       b ? b + s->row0 : NULL, y + s->row0, ldy, accumulate, nthreads);
     }
+    if (q->nseg > 1) loom_q_release_x();
 }
 
 /* ---- Gemma 3 (Model.norm_add / act / embed_scale, Layer.post_*_ln / cos / sin / window;
@@ -967,9 +969,40 @@ typedef struct {
     int64_t QKV, H, Hkv, G, D, block_min;
     float scale;
     int bf16;
+    int64_t tile; /* a bfloat16 pool's multi-row requests: rows an item takes (loom_attn_rows) */
     float **sc, **acc, **qt; /* per worker (loom_forward_f32 sizes them) */
     int64_t** row_cols;
 } AttnJob;
+
+/* A bfloat16 pool's rows t0 .. t1 - 1 of request b (KV head kh) as one query-row tile
+   (attn_avx2.c loom_attn_rows_avx2: each row bitwise what attn_one gives it alone). A row's
+   visible columns must be one run of its view (causal: the first S - n + j + 1; a window's
+   mask: its run of ones), else 0 and the rows go one at a time. sc: the worker's scratch,
+   tile x G x S floats (forward_part sizes it). */
+static int attn_tile(const AttnJob* J, int64_t t0, int64_t t1, int64_t kh, int64_t b, float* sc) {
+    const int64_t S = J->view[b].S, n_tok = J->starts[b + 1] - J->starts[b];
+    int64_t lo[64], len[64];
+    if (t1 - t0 > 64) return 0;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t j = t - J->starts[b];
+        const uint8_t* mrow = J->view[b].mask ? J->view[b].mask + j * S : NULL;
+        if (!mrow) {
+            lo[t - t0] = 0, len[t - t0] = S - n_tok + j + 1;
+            continue;
+        }
+        int64_t a = 0;
+        while (a < S && !mrow[a]) a++;
+        int64_t e = a;
+        while (e < S && mrow[e]) e++;
+        for (int64_t c = e; c < S; c++)
+            if (mrow[c]) return 0; /* not one run */
+        lo[t - t0] = a, len[t - t0] = e - a;
+    }
+    const int64_t QKV = J->QKV, HD = J->H * J->D, GD = J->G * J->D;
+    return loom_attn_rows_avx2(J->qkv + t0 * QKV + kh * GD, QKV, t1 - t0, J->view[b].cols, lo,
+                               len, J->k_cache, J->v_cache, J->Hkv, kh, J->G, J->D, J->scale,
+                               J->att + t0 * HD + kh * GD, HD, sc, J->bf16);
+}
 
 static void attn_items(void* ctx, int64_t w0, int64_t w1, int worker) {
     const AttnJob* J = ctx;
@@ -981,87 +1014,97 @@ static void attn_items(void* ctx, int64_t w0, int64_t w1, int worker) {
     float *sc = J->sc[worker], *acc = J->acc[worker], *qt = J->qt[worker];
     int64_t* row_cols = J->row_cols[worker];
     for (int64_t w = w0; w < w1; w++) {
-        const int64_t t = w / Hkv, kh = w % Hkv, b = J->tok_req[t];
-        const int64_t S = J->view[b].S, j = t - J->starts[b];
-        const int64_t n_tok = J->starts[b + 1] - J->starts[b];
-        const int64_t* cols = J->view[b].cols;
-        if (small_path(n_tok) && !bf16) { /* the request's kv head kh at once */
-            if (j == 0)
-                small_attention(qkv + t * QKV, QKV, n_tok, S, cols, J->k_cache, J->v_cache,
-                                Hkv, kh, G, D, J->scale, att + t * H * D, H * D,
-                                J->view[b].mask, qt, sc, acc);
-            continue;
+        const int64_t t0 = w / Hkv, kh = w % Hkv, b = J->tok_req[t0];
+        const int64_t S = J->view[b].S, n_tok = J->starts[b + 1] - J->starts[b];
+        int64_t t1 = t0 + 1; /* the rows this item runs */
+        if (bf16 && n_tok > 1 && J->tile > 1) {
+            /* a tile of rows j .. j + tile - 1 (attn_tile); the item of its first row runs it */
+            const int64_t j0 = t0 - J->starts[b];
+            if (j0 % J->tile) continue;
+            t1 = t0 + (n_tok - j0 < J->tile ? n_tok - j0 : J->tile);
+            if (attn_tile(J, t0, t1, kh, b, sc)) continue;
         }
-        if (!bf16 && n_tok >= block_min && !small_path(n_tok)) continue; /* done above */
-        const uint8_t* mrow = J->view[b].mask ? J->view[b].mask + j * S : NULL;
-        int64_t len = mrow ? S : S - n_tok + j + 1;
-        if (bf16) {
-            /* A bfloat16 pool: each row of a multi-token request (a verify step's
-               1 + drafts, a whole prompt, a prefill chunk, an extend after a cached
-               prefix) is attended as the one-token decode step of the same token
-               would be: its visible columns in order (a tree's or window's mask
-               compacted away), the same kernel, so the same float32 sums bit for bit
-               however a prompt is split. Rounding each K / V to bfloat16 turns the
-               last-bit differences between two summation orders into whole bf16
-               steps of the next layer's K / V: greedy speculation left plain
-               decoding, and a prompt after a radix-cached prefix decoded otherwise
-               than prefilled whole (docs/architecture.md, "A 16-bit pool in the C
-               forward"). */
-            if (mrow) {
-                int64_t k = 0;
-                for (int64_t c = 0; c < S; c++)
-                    if (mrow[c]) row_cols[k++] = cols[c];
-                cols = row_cols, len = k, mrow = NULL;
-            }
-        }
-        if ((n_tok == 1 || bf16) && !mrow &&
-            attn_one(qkv + t * QKV + kh * G * D, len, cols, J->k_cache, J->v_cache, Hkv,
-                     kh, G, D, J->scale, att + t * H * D + kh * G * D, sc, bf16))
-            continue;
-        const float* qb = qkv + t * QKV + kh * G * D;
-        float mx[G], den[G], rb[D]; /* rb: a bfloat16 pool's row, widened */
-        for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-        for (int64_t c = 0; c < len; c++) {
-            if (mrow && !mrow[c]) {
-                for (int64_t g = 0; g < G; g++) sc[g * len + c] = -INFINITY;
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t j = t - J->starts[b];
+            const int64_t* cols = J->view[b].cols;
+            if (small_path(n_tok) && !bf16) { /* the request's kv head kh at once */
+                if (j == 0)
+                    small_attention(qkv + t * QKV, QKV, n_tok, S, cols, J->k_cache, J->v_cache,
+                                    Hkv, kh, G, D, J->scale, att + t * H * D, H * D,
+                                    J->view[b].mask, qt, sc, acc);
                 continue;
             }
-            const float* kp = kv_at(J->k_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
-            for (int64_t g = 0; g < G; g++) {
-                const float* qg = qb + g * D;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];
-                dot *= J->scale;
-                sc[g * len + c] = dot;
-                mx[g] = dot > mx[g] ? dot : mx[g];
+            if (!bf16 && n_tok >= block_min && !small_path(n_tok)) continue; /* done above */
+            const uint8_t* mrow = J->view[b].mask ? J->view[b].mask + j * S : NULL;
+            int64_t len = mrow ? S : S - n_tok + j + 1;
+            if (bf16) {
+                /* A bfloat16 pool: each row of a multi-token request (a verify step's
+                   1 + drafts, a whole prompt, a prefill chunk, an extend after a cached
+                   prefix) is attended as the one-token decode step of the same token
+                   would be: its visible columns in order (a tree's or window's mask
+                   compacted away), the same kernel, so the same float32 sums bit for bit
+                   however a prompt is split. Rounding each K / V to bfloat16 turns the
+                   last-bit differences between two summation orders into whole bf16
+                   steps of the next layer's K / V: greedy speculation left plain
+                   decoding, and a prompt after a radix-cached prefix decoded otherwise
+                   than prefilled whole (docs/architecture.md, "A 16-bit pool in the C
+                   forward"). */
+                if (mrow) {
+                    int64_t k = 0;
+                    for (int64_t c = 0; c < S; c++)
+                        if (mrow[c]) row_cols[k++] = cols[c];
+                    cols = row_cols, len = k, mrow = NULL;
+                }
             }
-        }
-        for (int64_t g = 0; g < G; g++) {
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
+            if ((n_tok == 1 || bf16) && !mrow &&
+                attn_one(qkv + t * QKV + kh * G * D, len, cols, J->k_cache, J->v_cache, Hkv,
+                         kh, G, D, J->scale, att + t * H * D + kh * G * D, sc, bf16))
+                continue;
+            const float* qb = qkv + t * QKV + kh * G * D;
+            float mx[G], den[G], rb[D]; /* rb: a bfloat16 pool's row, widened */
+            for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
             for (int64_t c = 0; c < len; c++) {
-                const float e =
-                    sc[g * len + c] == -INFINITY ? 0.f : fast_expf(sc[g * len + c] - mx[g]);
-                sc[g * len + c] = e;
-                sum += e;
+                if (mrow && !mrow[c]) {
+                    for (int64_t g = 0; g < G; g++) sc[g * len + c] = -INFINITY;
+                    continue;
+                }
+                const float* kp = kv_at(J->k_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
+                for (int64_t g = 0; g < G; g++) {
+                    const float* qg = qb + g * D;
+                    float dot = 0.f;
+    #pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qg[d] * kp[d];
+                    dot *= J->scale;
+                    sc[g * len + c] = dot;
+                    mx[g] = dot > mx[g] ? dot : mx[g];
+                }
             }
-            den[g] = sum > 0.f ? 1.f / sum : 0.f;
-        }
-        memset(acc, 0, sizeof(float) * G * D);
-        for (int64_t c = 0; c < len; c++) {
-            if (mrow && !mrow[c]) continue;
-            const float* vp = kv_at(J->v_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
             for (int64_t g = 0; g < G; g++) {
-                const float p = sc[g * len + c];
-                float* a = acc + g * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += p * vp[d];
+                float sum = 0.f;
+    #pragma omp simd reduction(+ : sum)
+                for (int64_t c = 0; c < len; c++) {
+                    const float e =
+                        sc[g * len + c] == -INFINITY ? 0.f : fast_expf(sc[g * len + c] - mx[g]);
+                    sc[g * len + c] = e;
+                    sum += e;
+                }
+                den[g] = sum > 0.f ? 1.f / sum : 0.f;
             }
+            memset(acc, 0, sizeof(float) * G * D);
+            for (int64_t c = 0; c < len; c++) {
+                if (mrow && !mrow[c]) continue;
+                const float* vp = kv_at(J->v_cache, bf16, (cols[c] * Hkv + kh) * D, rb, D);
+                for (int64_t g = 0; g < G; g++) {
+                    const float p = sc[g * len + c];
+                    float* a = acc + g * D;
+    #pragma omp simd
+                    for (int64_t d = 0; d < D; d++) a[d] += p * vp[d];
+                }
+            }
+            float* o = att + t * H * D + kh * G * D;
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t d = 0; d < D; d++) o[g * D + d] = acc[g * D + d] * den[g];
         }
-        float* o = att + t * H * D + kh * G * D;
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++) o[g * D + d] = acc[g * D + d] * den[g];
     }
 }
 
@@ -1107,6 +1150,7 @@ static void forward_part(const Model* m, int64_t T, const int64_t* ids, const in
         for (int64_t i = 0; i < T * Hd; i++) x[i] *= m->embed_scale;
     const int attn_threads = nthreads > 1 && T * Hkv * max_len * H * D > (1 << 17) ? nthreads : 1;
     const int64_t block_min = loom_block_attn_min > 1 ? loom_block_attn_min : 1;
+    const int64_t tile = loom_attn_tile_rows() > 1 ? (loom_attn_tile_rows() < 64 ? loom_attn_tile_rows() : 64) : 1;
     /* a float32 pool: a request of 2 .. loom_small_attn_max tokens takes small_attention
        (small_path), else one of block_min or more tokens block_attention, else the per-token
        loop; a bfloat16 pool: every row the decode kernel (below); small_rp: small_attention's
@@ -1161,7 +1205,8 @@ static void forward_part(const Model* m, int64_t T, const int64_t* ids, const in
         }
 {
             const int nw = attn_threads;
-            const int64_t rowsc = G > small_rp ? G : small_rp;
+            int64_t rowsc = G > small_rp ? G : small_rp;
+            if (bf16 && tile > 1 && G * tile > rowsc) rowsc = G * tile;
             float *sc[nw], *acc[nw], *qt[nw];
             int64_t* row_cols[nw];
             for (int i = 0; i < nw; i++) {
@@ -1171,7 +1216,7 @@ static void forward_part(const Model* m, int64_t T, const int64_t* ids, const in
                 row_cols[i] = bf16 ? malloc(sizeof(int64_t) * max_len) : NULL;
             }
             AttnJob job = {qkv, att, tok_req, starts, view, L->k_cache, L->v_cache, QKV, H, Hkv,
-                           G, D, block_min, m->scale, bf16, sc, acc, qt, row_cols};
+                           G, D, block_min, m->scale, bf16, tile, sc, acc, qt, row_cols};
             /* one item a chunk (items differ in cost), over the pool (pool.c) */
             loom_par_for(nw, T * Hkv, 1, attn_items, &job);
             for (int i = 0; i < nw; i++) {

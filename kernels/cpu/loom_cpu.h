@@ -280,6 +280,15 @@ LOOM_API extern int loom_attn_avx2;
 int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const float* kc,
                        const float* vc, int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale,
                        float* o, float* sc, int bf16);
+/* attn_avx2.c: query rows a tile of one request takes in AVX2 builds (forward.c attn_items,
+   loom_attn_rows_avx2, bitwise each row's loom_attn_one_avx2); <= 1 = one row at a time (the
+   A/B reference). loom_attn_tile_rows: the rows in effect (1 where the kernel is not built) */
+LOOM_API extern int loom_attn_rows;
+int loom_attn_tile_rows(void);
+int loom_attn_rows_avx2(const float* q, int64_t ldq, int64_t R, const int64_t* cols,
+                        const int64_t* lo, const int64_t* len, const float* kc, const float* vc,
+                        int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale, float* o,
+                        int64_t ldo, float* sc, int bf16);
 /* forward.c, AVX2 builds: 1 (default) = a 7- or 8-token packed f32 matmul is one pass, 0 = the
    ceil(T / MT_MAX) passes (4 + 3, 4 + 4); and the lanes a request's query rows round up to in
    the small attention (8 on AVX2; 16 = the older rounding). Both are A/B knobs of the benches */
@@ -415,6 +424,13 @@ void loom_q_decode_row16(int qtype, const uint8_t* row, int64_t K, int16_t* w, f
 int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                           int64_t ldy, int accumulate, int threads);
+/* quant_bi_avx2.c: loom_q_hold_x(x, T, K, ldx) lets the calls up to loom_q_release_x() that
+   multiply this x (same T, K, ldx, unit length) reuse its 16-bit codes (forward.c's qmm over a
+   matrix's row segments); no-ops where the tiles are not built or loom_q_hold is 0 (each call
+   quantizes its x: the A/B reference, the same bits) */
+LOOM_API extern int loom_q_hold;
+LOOM_API void loom_q_hold_x(const float* x, int64_t T, int64_t K, int64_t ldx);
+LOOM_API void loom_q_release_x(void);
 void loom_q_put4x16(const float* sums, float* y, int64_t ldy, const float* bias, int accumulate);
 LOOM_API int loom_q_i8_type(int qtype);
 /* quant_i8.c: a block of 32 activations gets a second 8-bit plane (its rounding error at

@@ -38,6 +38,8 @@ int loom_q_bi_avx2 = 4; /* loom_cpu.h: 4 = 3 with a group's 8 tokens packed by 8
 
 int loom_q_bi_avx2_built(void) { return BA_ON; }
 
+int loom_q_hold = 1; /* loom_cpu.h: 1 = loom_q_hold_x keeps a packing for the next segment */
+
 #if BA_ON
 
 enum { AQ8_0 = 0, AQ4_0 = 1, AQ4_1 = 2, AQ4_K = 3, AQ6_K = 4, AQ5_0 = 5, AQ5_1 = 6 };
@@ -563,6 +565,32 @@ static void ba_quant_group(void* ctx, int64_t g0, int64_t g1, int worker) {
     free(dxu);
 }
 
+/* A held packing (loom_q_hold_x): the codes of one x kept for the next calls on the same x,
+   T, K, ldx and unit length (forward.c's qmm over the segments of one matrix: Gemma 3's qkv is
+   Q5_0 q / k rows and Q8_0 v rows, both units of 32, that quantized the same rows twice). The
+   codes are a function of (x, K, G) alone, so a reused packing is the bits a fresh one would
+   be. Per calling thread (forward.c calls its matmuls from one thread). */
+static _Thread_local struct {
+    const float* x;
+    int64_t T, K, ldx;
+    int G, on;
+    int32_t* xp;
+    float *dxt, *xst;
+} ba_hold;
+
+void loom_q_release_x(void) {
+    free(ba_hold.xp);
+    free(ba_hold.dxt);
+    free(ba_hold.xst);
+    memset(&ba_hold, 0, sizeof(ba_hold));
+}
+
+void loom_q_hold_x(const float* x, int64_t T, int64_t K, int64_t ldx) {
+    loom_q_release_x();
+    if (loom_q_hold < 1 || loom_q_bi_avx2 < 4) return;
+    ba_hold.x = x, ba_hold.T = T, ba_hold.K = K, ba_hold.ldx = ldx, ba_hold.on = 1;
+}
+
 int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
                           int64_t ldy, int accumulate, int threads) {
@@ -570,40 +598,67 @@ int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int
     const int asym = qtype == AQ4_1 || qtype == AQ5_1 || qtype == AQ4_K;
     const int64_t nu = K / G, ng = (T + 7) / 8;
     if (K % 32 || ((qtype == AQ4_K || qtype == AQ6_K) && K % 256)) return -1;
-    /* zeroed: the last group's lanes past T hold zero codes and scales */
-    int32_t* xp = calloc((size_t)(ng * (K / 2) * 8 + 8), sizeof(int32_t));
-    float* dxt = calloc((size_t)(ng * nu * 8 + 8), sizeof(float));
-    float* xst = calloc((size_t)(ng * nu * 8 + 8), sizeof(float));
-    if (!xp || !dxt || !xst) {
-        free(xp);
-        free(dxt);
-        free(xst);
-        return -2;
-    }
     if (threads < 1) threads = 1;
-    BaQuantJob qj = {x, K, T, ldx, G, xp, dxt, xst, 0};
-    if (loom_q_bi_avx2 >= 4)
-        loom_par_for(threads, ng, par_chunk(ng, threads), ba_quant_group, &qj);
-    else
-        loom_par_for(threads, T, par_chunk(T, threads), ba_quant_tokens, &qj);
-    if (qj.failed) {
-        free(xp);
-        free(dxt);
-        free(xst);
-        return -2;
+    const int held = ba_hold.on && ba_hold.x == x && ba_hold.T == T && ba_hold.K == K &&
+                     ba_hold.ldx == ldx && loom_q_bi_avx2 >= 4;
+    int32_t* xp;
+    float *dxt, *xst;
+    if (held && ba_hold.xp && ba_hold.G == G) {
+        xp = ba_hold.xp, dxt = ba_hold.dxt, xst = ba_hold.xst;
+    } else {
+        /* ba_quant_group (knob 4) writes every lane of every group (a last group's lanes past T
+           as zero codes and scales), so only the tail pad is cleared; ba_quant_tokens writes
+           tokens only, so its buffers start zeroed */
+        const size_t nx = (size_t)(ng * (K / 2) * 8 + 8), ns = (size_t)(ng * nu * 8 + 8);
+        const int all = loom_q_bi_avx2 >= 4;
+        xp = all ? malloc(nx * sizeof(int32_t)) : calloc(nx, sizeof(int32_t));
+        dxt = all ? malloc(ns * sizeof(float)) : calloc(ns, sizeof(float));
+        xst = all ? malloc(ns * sizeof(float)) : calloc(ns, sizeof(float));
+        if (!xp || !dxt || !xst) {
+            free(xp);
+            free(dxt);
+            free(xst);
+            return -2;
+        }
+        if (all) {
+            memset(xp + nx - 8, 0, 8 * sizeof(int32_t));
+            memset(dxt + ns - 8, 0, 8 * sizeof(float));
+            memset(xst + ns - 8, 0, 8 * sizeof(float));
+        }
+        BaQuantJob qj = {x, K, T, ldx, G, xp, dxt, xst, 0};
+        if (all)
+            loom_par_for(threads, ng, par_chunk(ng, threads), ba_quant_group, &qj);
+        else
+            loom_par_for(threads, T, par_chunk(T, threads), ba_quant_tokens, &qj);
+        if (qj.failed) {
+            free(xp);
+            free(dxt);
+            free(xst);
+            return -2;
+        }
+        if (held && !ba_hold.xp) /* kept for the next segment; freed by loom_q_release_x */
+            ba_hold.xp = xp, ba_hold.dxt = dxt, ba_hold.xst = xst, ba_hold.G = G;
     }
+    const int owned = !(held && ba_hold.xp == xp);
     const int64_t block = ng <= BA_SMALL_G ? BA_ROWS : BA_BLOCK;
     const int64_t nblocks = (N + block - 1) / block;
     const int row32 = loom_q_bi_avx2 >= 2 && qtype != AQ4_K && qtype != AQ6_K ? (loom_q_bi_avx2 >= 3 ? 2 : 1) : 0;
     BaJob job = {qtype, G, asym, w, N, K, row_bytes, T, ng, block, xp, dxt, xst, bias, y, ldy, accumulate, row32, 0};
     loom_par_for(threads, nblocks, par_chunk(nblocks, threads), ba_blocks, &job);
-    free(xp);
-    free(dxt);
-    free(xst);
+    if (owned) {
+        free(xp);
+        free(dxt);
+        free(xst);
+    }
     return job.failed ? -2 : 0;
 }
 
 #else
+
+void loom_q_hold_x(const float* x, int64_t T, int64_t K, int64_t ldx) {
+    (void)x, (void)T, (void)K, (void)ldx;
+}
+void loom_q_release_x(void) {}
 
 int loom_q_matmul_bi_avx2(int qtype, const uint8_t* w, int64_t N, int64_t K, int64_t row_bytes,
                           const float* x, int64_t T, int64_t ldx, const float* bias, float* y,
