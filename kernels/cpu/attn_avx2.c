@@ -23,6 +23,7 @@
 #include "loom_cpu.h"
 
 int loom_attn_avx2 = 1; /* loom_cpu.h */
+int loom_attn_avx2_ahead = 64; /* loom_cpu.h */
 
 #if ISA_BITS == 256 && defined(__AVX2__)
 #include <immintrin.h>
@@ -109,12 +110,22 @@ int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const fl
     float mx[64], den[64];
     for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
     const int64_t row_bytes = D * (bf16 ? 2 : 4);
+    /* K rows fetched `ahead` rows before the score pass reads them (a multiple of AA_ROWS, at
+       least one block; the first blocks before the loop) */
+    const int64_t ahead = loom_attn_avx2_ahead > AA_ROWS ? loom_attn_avx2_ahead / AA_ROWS * AA_ROWS
+                                                         : AA_ROWS;
+    for (int64_t c = 0; c < ahead && c < S; c++) {
+        const char* p = (const char*)kc + (cols[c] * Hkv + kh) * row_bytes;
+        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    }
     for (int64_t c0 = 0; c0 < S; c0 += AA_ROWS) {
         const int64_t n = S - c0 < AA_ROWS ? S - c0 : AA_ROWS;
         /* the pool's rows are scattered (the req-to-token table) and a step's K / V are
-           streamed from memory: the next block's K rows and this block's V rows (read by
-           the V passes below, from cache then) are fetched ahead */
-        for (int64_t c = c0 + AA_ROWS; c < c0 + 2 * AA_ROWS && c < S; c++) {
+           streamed from memory: the K rows `ahead` on and this block's V rows (read by the V
+           passes below, from cache then) are fetched ahead. One block ahead (8 rows: the
+           kernel before session 25) left its K loads waiting on memory (perf: ~a third of
+           its samples on them, SmolLM2 decode at 145 tokens) */
+        for (int64_t c = c0 + ahead; c < c0 + ahead + AA_ROWS && c < S; c++) {
             const char* p = (const char*)kc + (cols[c] * Hkv + kh) * row_bytes;
             for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
         }
