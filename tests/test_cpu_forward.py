@@ -655,27 +655,29 @@ def test_avx2_one_token_attention_is_the_per_token_loop_bit_for_bit(tiny_model_d
     every row) against attn_items' per-token loop (the knob loom_attn_avx2 = 0), in the AVX2
     build: the same logits and K / V bits on prompts, decode steps over contexts of 1 to ~90
     columns (not multiples of 8 among them) and draft-tree verify steps; with its K rows
-    prefetched one block ahead (8, the older distance) and 64 rows ahead (the default: the
-    first blocks before its loop, contexts shorter and longer than that)."""
+    prefetched one block ahead, its own rows only (the older kernel) and 64 rows ahead, kv head
+    0 fetching whole slots (the default: the first blocks before its loop, contexts shorter and
+    longer than that)."""
     runner = _runner(tiny_model_dir(family), kv_cache_dtype=kv)
     runner.cpu_forward.lib = cpu_forward.load("avx2")
     cf, pool = runner.cpu_forward, runner.token_to_kv_pool
     knob = ctypes.c_int.in_dll(cf.lib, "loom_attn_avx2")
     ahead = ctypes.c_int.in_dll(cf.lib, "loom_attn_avx2_ahead")
-    assert knob.value == 1 and ahead.value == 64
+    slots = ctypes.c_int.in_dll(cf.lib, "loom_attn_avx2_slots")
+    assert knob.value == 1 and ahead.value == 64 and slots.value == 1
     st = _Steps(runner, 3, seed=21)
 
     def both(batch: ForwardBatch) -> None:
         before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
         out = []
-        for value, rows in ((0, 64), (1, 8), (1, 64)):
+        for value, rows, whole in ((0, 64, 1), (1, 8, 0), (1, 64, 1)):
             for b, old in zip(pool.k_buffers + pool.v_buffers, before):
                 b.copy_(old)
-            knob.value, ahead.value = value, rows
+            knob.value, ahead.value, slots.value = value, rows, whole
             try:
                 logits = cf(batch)
             finally:
-                knob.value, ahead.value = 1, 64
+                knob.value, ahead.value, slots.value = 1, 64, 1
             out.append((logits, [b.clone() for b in pool.k_buffers + pool.v_buffers]))
         l0, kv0 = out[0]
         for l1, kv1 in out[1:]:
