@@ -30,7 +30,8 @@ loom (so that others' uncommitted edits in a shared checkout stay out of both si
 --quantization gguf to keep its blocks); where the compiled C forward runs, `mm` and `attn`
 split its time into the matmuls and the attention (CpuForward.profile, ArrayForward.profile).
 A GGUF model on default flags runs the torch-free ArrayRunner, as a server would: `model` is
-then its `_logits` (the C forward and its ctypes call), `sample` step_output.sample_step.
+then its `_logits` (the C forward and its ctypes call). `sample` is step_output.sample_step as
+either runner calls it (ModelRunner's `_sample` is gone: the script failed on both runners).
 `wall` is the step's wall time beside its CPU time `step`: a gap between them is waiting
 (or, on a loaded machine, the other processes' turns).
 """
@@ -132,7 +133,9 @@ def measure(
 
         runner._logits = timed_logits
     else:
-        _wrap(runner, "_sample", "sample", spent)
+        import loom.runtime.model_runner as model_runner
+
+        _wrap(model_runner, "sample_step", "sample", spent)
         _wrap(runner.model, "forward", "model", spent)
     if getattr(runner, "cpu_forward", None) is not None:
         import torch
