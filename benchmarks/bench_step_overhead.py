@@ -28,7 +28,12 @@ loom (so that others' uncommitted edits in a shared checkout stay out of both si
 
 --model picks the model (default the bundled one; a GGUF file or name such as smollm2, with
 --quantization gguf to keep its blocks); where the compiled C forward runs, `mm` and `attn`
-split its time into the matmuls and the attention (CpuForward.profile).
+split its time into the matmuls and the attention (CpuForward.profile, ArrayForward.profile).
+A GGUF model on default flags runs the torch-free ArrayRunner, as a server would: `model` is
+then its `_logits` (the C forward and its ctypes call). `sample` is step_output.sample_step as
+either runner calls it (ModelRunner's `_sample` is gone: the script failed on both runners).
+`wall` is the step's wall time beside its CPU time `step`: a gap between them is waiting
+(or, on a loaded machine, the other processes' turns).
 """
 
 from __future__ import annotations
@@ -79,34 +84,62 @@ def _wrap(obj, name: str, key: str, spent: dict) -> None:
 def measure(
     sizes: list[int], pp: int, tg: int, temperature: float, model: str, quantization: str | None
 ) -> dict:
-    """{B: {part: median CPU ms}} for this process's loom."""
-    import torch
-
+    """{B: {part: median CPU ms, and "wall": the step's median wall ms}} for this process's
+    loom. Either runner: the torch-free ArrayRunner (a GGUF model on default flags) or
+    ModelRunner."""
     from loom.runtime.io_struct import TokenizedGenerateReq
+    from loom.runtime.runner_choice import choose
     from loom.runtime.sampling_params import make_sampling_params
     from loom.runtime.scheduler.batch import ScheduleBatch
     from loom.runtime.scheduler.scheduler import Scheduler
     from loom.runtime.server_args import ServerArgs
 
-    torch.set_num_threads(1)
-    sched = Scheduler(
-        ServerArgs(
-            model_path=model_path(model),
-            quantization=quantization,
-            cpu_threads=1,
-            max_running_requests=max(sizes),
-            disable_radix_cache=True,
-            log_level="warning",
-        )
+    args = ServerArgs(
+        model_path=model_path(model),
+        quantization=quantization,
+        cpu_threads=1,
+        max_running_requests=max(sizes),
+        disable_radix_cache=True,
+        log_level="warning",
     )
+    if not choose(args):  # ModelRunner: its torch ops on one thread too
+        import torch
+
+        torch.set_num_threads(1)
+    sched = Scheduler(args)
     spent = dict.fromkeys(PARTS + SPLIT, 0.0)
     runner = sched.runner
     _wrap(sched.decode, "schedule", "schedule", spent)
     _wrap(ScheduleBatch, "build_input", "build", spent)
     _wrap(runner, "forward", "runner", spent)
-    _wrap(runner, "_sample", "sample", spent)
-    _wrap(runner.model, "forward", "model", spent)
-    if runner.cpu_forward is not None:
+    if hasattr(runner, "forward_impl"):  # ArrayRunner: the C forward over numpy arrays
+        import numpy as np
+
+        import loom.runtime.array_runner as array_runner
+
+        _wrap(array_runner, "sample_step", "sample", spent)
+        impl = runner.forward_impl
+        impl.profile = prof = np.zeros(2)
+        logits = runner._logits
+
+        def timed_logits(*a, **kw):
+            t, before = time.thread_time(), prof.copy()
+            try:
+                return logits(*a, **kw)
+            finally:
+                spent["model"] += time.thread_time() - t
+                spent["mm"] += prof[0] - before[0]
+                spent["attn"] += prof[1] - before[1]
+
+        runner._logits = timed_logits
+    else:
+        import loom.runtime.model_runner as model_runner
+
+        _wrap(model_runner, "sample_step", "sample", spent)
+        _wrap(runner.model, "forward", "model", spent)
+    if getattr(runner, "cpu_forward", None) is not None:
+        import torch
+
         compiled = runner.cpu_forward
         compiled.profile = prof = torch.zeros(2, dtype=torch.float64)
 
@@ -143,18 +176,19 @@ def measure(
         while not sched.is_idle:
             for k in spent:
                 spent[k] = 0.0
-            t = time.thread_time()
+            t, w = time.thread_time(), time.perf_counter()
             sched.step()
-            step = time.thread_time() - t
+            step, wall = time.thread_time() - t, time.perf_counter() - w
             if len(sched.decode.running) == b and spent["model"]:
-                steps.append({"step": step, **spent})
+                steps.append({"step": step, "wall": wall, **spent})
         return steps[1:]  # the first full-batch step follows the prefill
 
     run(max(sizes))  # warm-up: first GEMMs, the allocator
     out = {}
     for b in sizes:
         steps = run(b)
-        med = {k: statistics.median(s[k] for s in steps) * 1e3 for k in ("step", *PARTS, *SPLIT)}
+        keys = ("step", "wall", *PARTS, *SPLIT)
+        med = {k: statistics.median(s[k] for s in steps) * 1e3 for k in keys}
         med["runner"] -= med["model"] + med["sample"]
         med["outside"] = med["step"] - med["model"]
         out[b] = med
@@ -266,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             sides = {"base": str(base), **sides}
         runs = {name: (lambda pp=pp: _run_tree(args, pp)) for name, pp in sides.items()}
         res = common.alternate(runs, args.rounds)
-    cols = ("step", "model", *SPLIT, "outside", *[k for k in PARTS if k != "model"])
+    cols = ("wall", "step", "model", *SPLIT, "outside", *[k for k in PARTS if k != "model"])
     print(f"| B | side | load | {' | '.join(cols)} |")
     print("|---|---|---|" + "---|" * len(cols))
     load = os.getloadavg()[0]

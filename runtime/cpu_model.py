@@ -210,6 +210,9 @@ class ArrayForward:
             float(cfg.gemma), int(kv_dtype == "bf16"),
         )  # fmt: skip
         self._ptr = ctypes.addressof(self._struct)
+        # None, or float64 [2] the C forward adds the calling thread's CPU seconds to: in
+        # matmuls, in attention (CpuForward.profile's; benchmarks/bench_step_overhead.py)
+        self.profile: np.ndarray | None = None
 
     def __call__(self, ids, positions, slots, rows, seq_lens, extend_lens, logit_rows,
                  nthreads: int | None = None, prompt: bool = False) -> np.ndarray:  # fmt: skip
@@ -231,7 +234,8 @@ class ArrayForward:
             self._ptr, len(ids), ids.ctypes.data, pos.ctypes.data, slots.ctypes.data, b, base,
             rows.ctypes.data, base + 8 * (b + 1), t.ctypes.data, t.shape[1], None,
             base + 8 * (2 * b + 1), len(want), want.ctypes.data, logits.ctypes.data,
-            nthreads or len(os.sched_getaffinity(0)), None, None, 0, None, None,
+            nthreads or len(os.sched_getaffinity(0)),
+            None if self.profile is None else self.profile.ctypes.data, None, 0, None, None,
         )  # fmt: skip
         if rc == -1:
             raise IndexError(f"position {int(pos.max())} is past the rotary table")

@@ -656,28 +656,36 @@ def test_avx2_one_token_attention_is_the_per_token_loop_bit_for_bit(tiny_model_d
     a time) against attn_items' per-token loop (the knob loom_attn_avx2 = 0), in the AVX2
     build: the same logits and K / V bits on prompts (77 rows: 9 tiles of 8 and one of 5; a
     window's rows: runs that start past column 0), decode steps over contexts of 1 to ~90
-    columns (not multiples of 8 among them) and draft-tree verify steps."""
+    columns (not multiples of 8 among them) and draft-tree verify steps; the one-row kernel
+    with its K rows prefetched one block ahead, its own rows only (the older kernel) and 64
+    rows ahead, kv head 0 fetching whole slots (the default: the first blocks before its loop,
+    contexts shorter and longer than that)."""
     runner = _runner(tiny_model_dir(family), kv_cache_dtype=kv)
     runner.cpu_forward.lib = cpu_forward.load("avx2")
     cf, pool = runner.cpu_forward, runner.token_to_kv_pool
     knob = ctypes.c_int.in_dll(cf.lib, "loom_attn_avx2")
     rows = ctypes.c_int.in_dll(cf.lib, "loom_attn_rows")
-    assert knob.value == 1 and rows.value == 8
+    ahead = ctypes.c_int.in_dll(cf.lib, "loom_attn_avx2_ahead")
+    slots = ctypes.c_int.in_dll(cf.lib, "loom_attn_avx2_slots")
+    assert knob.value == 1 and rows.value == 8 and ahead.value == 64 and slots.value == 1
     st = _Steps(runner, 3, seed=21)
 
     def both(batch: ForwardBatch) -> None:
         before = [b.clone() for b in pool.k_buffers + pool.v_buffers]
         out = []
-        for value, tile in ((0, 8), (1, 8), (1, 5), (1, 1)):
+        # (loom_attn_avx2, loom_attn_rows, loom_attn_avx2_ahead, loom_attn_avx2_slots)
+        for value, tile, rows_ahead, whole in (
+            (0, 8, 64, 1), (1, 8, 64, 1), (1, 5, 64, 1), (1, 1, 64, 1), (1, 1, 8, 0), (1, 8, 8, 0)
+        ):  # fmt: skip
             for b, old in zip(pool.k_buffers + pool.v_buffers, before):
                 b.copy_(old)
-            knob.value, rows.value = value, tile
+            knob.value, rows.value, ahead.value, slots.value = value, tile, rows_ahead, whole
             try:
                 logits = cf(batch)
             finally:
-                knob.value, rows.value = 1, 8
+                knob.value, rows.value, ahead.value, slots.value = 1, 8, 64, 1
             out.append((logits, [b.clone() for b in pool.k_buffers + pool.v_buffers]))
-        (l0, kv0) = out[0]
+        l0, kv0 = out[0]
         for l1, kv1 in out[1:]:
             assert torch.equal(l0, l1), float((l0 - l1).abs().max())
             for a, b in zip(kv0, kv1):  # as bits: the pool's unwritten slots may hold NaNs

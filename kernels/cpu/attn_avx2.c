@@ -24,6 +24,8 @@
 
 int loom_attn_avx2 = 1; /* loom_cpu.h */
 int loom_attn_rows = 8;  /* loom_cpu.h: query rows of a tile (loom_attn_rows_avx2); <= 1: per row */
+int loom_attn_avx2_ahead = 64; /* loom_cpu.h */
+int loom_attn_avx2_slots = 1; /* loom_cpu.h */
 
 #if ISA_BITS == 256 && defined(__AVX2__)
 #include <immintrin.h>
@@ -110,18 +112,32 @@ int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const fl
     float mx[64], den[64];
     for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
     const int64_t row_bytes = D * (bf16 ? 2 : 4);
+    /* K rows fetched `ahead` rows before the score pass reads them (a multiple of AA_ROWS, at
+       least one block; the first blocks before the loop) */
+    const int64_t ahead = loom_attn_avx2_ahead > AA_ROWS ? loom_attn_avx2_ahead / AA_ROWS * AA_ROWS
+                                                         : AA_ROWS;
+    /* kv head 0 fetches whole slots (every kv head's K and V row: one contiguous run per
+       slot, the later heads' passes then read from cache) */
+    const int slots = loom_attn_avx2_slots && kh == 0 && Hkv > 1;
+    const int64_t pf_off = slots ? 0 : kh * row_bytes, pf_len = slots ? Hkv * row_bytes : row_bytes;
+    for (int64_t c = 0; c < ahead && c < S; c++) {
+        const char* p = (const char*)kc + cols[c] * Hkv * row_bytes + pf_off;
+        for (int64_t o = 0; o < pf_len; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    }
     for (int64_t c0 = 0; c0 < S; c0 += AA_ROWS) {
         const int64_t n = S - c0 < AA_ROWS ? S - c0 : AA_ROWS;
         /* the pool's rows are scattered (the req-to-token table) and a step's K / V are
-           streamed from memory: the next block's K rows and this block's V rows (read by
-           the V passes below, from cache then) are fetched ahead */
-        for (int64_t c = c0 + AA_ROWS; c < c0 + 2 * AA_ROWS && c < S; c++) {
-            const char* p = (const char*)kc + (cols[c] * Hkv + kh) * row_bytes;
-            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+           streamed from memory: the K rows `ahead` on and this block's V rows (read by the V
+           passes below, from cache then) are fetched ahead. One block ahead (8 rows: the
+           kernel before session 25) left its K loads waiting on memory (perf: ~a third of
+           its samples on them, SmolLM2 decode at 145 tokens) */
+        for (int64_t c = c0 + ahead; c < c0 + ahead + AA_ROWS && c < S; c++) {
+            const char* p = (const char*)kc + cols[c] * Hkv * row_bytes + pf_off;
+            for (int64_t o = 0; o < pf_len; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
         }
         for (int64_t c = c0; c < c0 + n; c++) {
-            const char* p = (const char*)vc + (cols[c] * Hkv + kh) * row_bytes;
-            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+            const char* p = (const char*)vc + cols[c] * Hkv * row_bytes + pf_off;
+            for (int64_t o = 0; o < pf_len; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
         }
         const float* kr[AA_ROWS];
         for (int r = 0; r < AA_ROWS; r++) { /* rows past S repeat row c0 (scores dropped) */

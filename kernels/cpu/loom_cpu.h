@@ -276,6 +276,12 @@ LOOM_API extern int loom_step_rows;
 /* attn_avx2.c: 1 (default) = AVX2 builds take its one-token attention kernel (forward.c
    attn_one), 0 = attn_items' per-token loop (the same bits; the tests' reference) */
 LOOM_API extern int loom_attn_avx2;
+/* attn_avx2.c: how many K rows ahead of its score pass its one-token kernel prefetches (rounded
+   down to its blocks of 8, at least 8), and 1 = kv head 0's call fetches whole pool slots (every
+   kv head's rows), 0 = each call its own head's rows (8 and 0: the kernel before session 25);
+   only cache state, never a value */
+LOOM_API extern int loom_attn_avx2_ahead;
+LOOM_API extern int loom_attn_avx2_slots;
 /* attn_avx2.c: forward.c's attn_one in AVX2 builds; 0 where it does not apply */
 int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const float* kc,
                        const float* vc, int64_t Hkv, int64_t kh, int64_t G, int64_t D, float scale,
