@@ -109,6 +109,11 @@ class LoomSide:
             metas[i] = out["meta_info"]
         t_first = max(first)  # type: ignore[type-var]
         check_decode_window(metas, b, tg)
+        if max(last) <= t_first:  # the stream handed over every token with the first ones
+            raise SystemExit(
+                "bench_real: the decode window is empty (every token arrived with the first "
+                "ones: a starved client thread or a --tg too short to time); raise --tg"
+            )
         return b * pp / (t_first - t0), b * (tg - 1) / (max(last) - t_first)
 
     def point_two_runs(self, prompts: list[list[int]], tg: int) -> tuple[float, float]:
