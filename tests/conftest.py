@@ -67,3 +67,46 @@ def bundled_server():
 
     with Runtime(max_total_tokens=8192, served_model_name="loom-bundled") as rt:
         yield rt
+
+
+PARITY_TEST = "tests/test_gguf_real.py::test_real_gguf_greedy_equals_transformers"
+_gguf_reference = None
+
+
+def pytest_collection_finish(session):
+    """Start transformers' GGUF references (tests/gguf_reference.py) in a background process as
+    soon as collection shows which parity cases this session runs, so that gguf-py's
+    single-threaded parse and dequantize overlap the tests before them."""
+    global _gguf_reference
+    if session.config.option.collectonly:
+        return
+    cases = [
+        (p["name"], p["n_prompts"], p["new_tokens"])
+        for item in session.items
+        if item.nodeid.startswith(PARITY_TEST + "[") and (p := item.callspec.params)
+    ]
+    if cases:
+        import tempfile
+
+        from tests.gguf_reference import Background
+
+        _gguf_reference = Background(Path(tempfile.mkdtemp(prefix="loom-gguf-ref-")))
+        _gguf_reference.start(cases)
+
+
+def pytest_sessionfinish(session):
+    if _gguf_reference is not None:
+        import shutil
+
+        _gguf_reference.stop()
+        shutil.rmtree(_gguf_reference.out_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def gguf_reference():
+    """gguf_reference(name, n_prompts, new_tokens) -> transformers' reference for
+    tests/test_gguf_real.py's parity test: from the background process when the session
+    started one for that case, else computed here."""
+    from tests.gguf_reference import reference
+
+    return _gguf_reference.get if _gguf_reference is not None else reference
