@@ -69,6 +69,19 @@ def bundled_server():
         yield rt
 
 
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    """One HTTP server of the tiny llama (4096 KV tokens, metrics on) for the modules that only
+    send it requests (test_flags, test_lang_runtime_endpoint, test_server, test_sglang_client):
+    each started its own with these arguments (test_flags with 1024 KV tokens, which none of its
+    requests comes near), 9-18 s of start-up apiece in CI. A test that kills, reconfigures or
+    needs a fresh server (its cache or counters) starts its own."""
+    from loom.runtime.server.runtime_client import Runtime
+
+    with Runtime(tiny_model_dir("llama"), max_total_tokens=4096, enable_metrics=True) as rt:
+        yield rt
+
+
 PARITY_TEST = "tests/test_gguf_real.py::test_real_gguf_greedy_equals_transformers"
 _gguf_reference = None
 
