@@ -72,9 +72,11 @@ def bundled_server():
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir):
     """One HTTP server of the tiny llama (4096 KV tokens, metrics on) for the modules that only
-    send it requests (test_flags, test_lang_runtime_endpoint, test_server, test_sglang_client):
-    each started its own with these arguments (test_flags with 1024 KV tokens, which none of its
-    requests comes near), 9-18 s of start-up apiece in CI. A test that kills, reconfigures or
+    send it requests (test_flags, test_lang_runtime_endpoint, test_limits_load,
+    test_multiturn_reuse's HTTP client, test_server, test_sglang_client): each started its own
+    with these arguments (test_flags with 1024 KV tokens, which none of its requests comes near;
+    test_limits_load with max_running_requests=64, the default at 4096 tokens, which it asserts),
+    9-18 s of start-up apiece in CI. A test that kills, reconfigures or
     needs a fresh server (its cache or counters) starts its own."""
     from loom.runtime.server.runtime_client import Runtime
 
