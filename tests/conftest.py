@@ -57,6 +57,19 @@ def real_gguf():
 
 
 @pytest.fixture(scope="session")
+def gguf_tokenizer():
+    """gguf_tokenizer(path) -> loom's tokenizer of a GGUF file (runtime/tokenizer.load_tokenizer),
+    built once per file per session for the tests that only encode, decode or template with it
+    (test_gguf_real, test_gguf_vocab, test_quant_models): building Gemma 3's from its
+    262k-entry vocabulary and 515k merges takes ~8 s of CPU, and five tests did."""
+    import functools
+
+    from loom.runtime.tokenizer import load_tokenizer
+
+    return functools.lru_cache(maxsize=2)(load_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def bundled_server():
     """One HTTP server of the bundled model (8192 KV tokens, served as "loom-bundled") for the
     modules that only send it requests (test_agents, test_budget_closing, test_clients_lm_eval,

@@ -63,20 +63,18 @@ def greedy_matches(ref: dict, got: list[list[int]]) -> int:
 
 
 @pytest.mark.parametrize("name,n_prompts,new_tokens", [("smollm2", 16, 16), ("gemma3-270m", 4, 12)])
-def test_real_gguf_greedy_equals_transformers(real_gguf, gguf_reference, name, n_prompts,
-                                              new_tokens):  # fmt: skip
-    from loom.runtime.tokenizer import load_tokenizer
-
+def test_real_gguf_greedy_equals_transformers(real_gguf, gguf_reference, gguf_tokenizer, name,
+                                              n_prompts, new_tokens):  # fmt: skip
     path = real_gguf(name)
-    tok = load_tokenizer(path)
+    tok = gguf_tokenizer(path)
+    assert tok.chat_template is not None
     prompts = chat_prompts(tok, n_prompts)
+    got = loom_greedy(path, prompts, new_tokens)  # first: the reference may still be running
+    assert all(len(g) == new_tokens for g in got)
     ref = gguf_reference(name, n_prompts, new_tokens)
     for text, want in zip(TEXTS, ref["texts"], strict=True):
         assert tok(text).input_ids == want, text
-    assert tok.chat_template is not None
     assert prompts == ref["prompts"]  # the reference continued these very prompts
-    got = loom_greedy(path, prompts, new_tokens)
-    assert all(len(g) == new_tokens for g in got)
     assert all(len(w) == new_tokens for w in ref["want"])
     same = greedy_matches(ref, got)
     print(f"{name}: {same}/{len(prompts)} prompts greedy-identical over {new_tokens} tokens")
@@ -131,7 +129,7 @@ def test_header_reader_equals_gguf_reader_on_smollm2(real_gguf):
 
 
 @pytest.mark.usefixtures("_torch_runner")
-def test_gemma_kept_quantized_matches_dequantized(real_gguf):
+def test_gemma_kept_quantized_matches_dequantized(real_gguf, gguf_tokenizer):
     """Gemma 3 270M Q4_K_M with --quantization gguf: every block type of the file (Q5_0, Q8_0,
     Q4_K, Q6_K) stays quantized, the 262k x 640 Q8_0 embedding and the LM head tied to it
     included; teacher-forced against the same file dequantized to float32, top-1 agrees on
@@ -139,11 +137,9 @@ def test_gemma_kept_quantized_matches_dequantized(real_gguf):
     bench_real.py --agreement, docs/benchmarks.md)."""
     import math
 
-    from loom.runtime.tokenizer import load_tokenizer
-
     path = real_gguf("gemma3-270m")
     text = " ".join(QUESTIONS) + " The quick brown fox jumps over the lazy dog. " * 3
-    ids = load_tokenizer(path).encode(text)
+    ids = gguf_tokenizer(path).encode(text)
     lq, tq, sq = teacher_forced(path, ids, "gguf")
     model = sq.runner.model
     quants = {id(p): p.quant for p in model.parameters() if getattr(p, "quant", None)}
