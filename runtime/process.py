@@ -318,6 +318,18 @@ def stop_fork_server_if_idle() -> None:
         resource_tracker._resource_tracker._stop()
 
 
+def start_fork_server_early() -> None:
+    """Bring up the fork server of the preload `set_preload` chose last without waiting for it:
+    its preload (torch: seconds of imports) runs while the owner does its own start-up work,
+    instead of after it, when the first `start_process` would start it."""
+    global _owns_tracker
+    from multiprocessing import resource_tracker
+
+    if resource_tracker._resource_tracker._fd is None:  # as start_process: stopped when idle
+        _owns_tracker = True
+    _fork_server(_PRELOAD[0]).ensure_running()
+
+
 def start_process(target, args: tuple, name: str) -> tuple[mp.Process, object]:
     """Start `target(*args, owner_pid, ready_pipe)` in a child process, from the fork server
     of the preload `set_preload` chose last; returns (process, reader end of its ready pipe)."""

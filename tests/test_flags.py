@@ -86,9 +86,8 @@ def test_unknown_top_level_fields_are_ignored_with_a_warning(caplog):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with Runtime(tiny_model_dir("llama"), max_total_tokens=1024) as rt:
-        yield rt
+def server(tiny_server):
+    return tiny_server  # conftest: one tiny-llama server shared by the modules that only read
 
 
 @pytest.mark.parametrize("field", list(REFUSED_FIELDS)[:5])

@@ -4,12 +4,12 @@ weights dequantized to float32, against transformers' own GGUF loading in float3
 Both sides get the same token ids (loom's GGUF tokenizer, itself checked against transformers'
 on a text set); greedy continuations must be identical, except after a position where the
 reference's top-2 logits are tied within TIE (then either pick is right and the prompt stops
-counting there, as in test_models_hf_parity).
+counting there, as in test_models_hf_parity). The reference (transformers' tokenizer, model and
+generate) is computed by tests/gguf_reference.py, in a process that tests/conftest.py starts at
+the session's start so that gguf-py's slow Python parse overlaps the tests before this one.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,35 +19,9 @@ from loom.runtime.sampling_params import make_sampling_params
 from loom.runtime.scheduler.scheduler import Scheduler
 from loom.runtime.server_args import ServerArgs
 from loom.runtime.teacher_forced import teacher_forced
+from tests.gguf_reference import QUESTIONS, TEXTS, chat_prompts
 
 TIE = 1e-4
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-    "What is 12 times 7?",
-    "Translate 'good morning' into Spanish.",
-    "Give me a synonym for 'happy'.",
-    "Why is the sky blue? Answer in one sentence.",
-    "List two planets of the solar system.",
-    "What does a bee make?",
-    "Complete the sentence: The quick brown fox",
-    "Who wrote Romeo and Juliet?",
-    "What is the boiling point of water in Celsius?",
-    'Extract the name as JSON: "Maria is 34 and lives in Lisbon."',
-    "Say hello in French.",
-    "What is the opposite of cold?",
-    "How many legs does a spider have?",
-]
-TEXTS = [
-    "Hello world",
-    " 123 4567 x1y2 3.14159",
-    "  two  spaces\n\nnew\tlines  ",
-    "héllo wörld — “quotes” 你好 😀",
-    '{"name": "Maria", "age": 34, "city": "Lisbon"}',
-    "<|im_start|>user\nhi<|im_end|>\n<start_of_turn>model\nok<end_of_turn>",
-    "def f(x):\n    return x**2  # don't, I'll, we've",
-]
 
 
 @pytest.fixture
@@ -56,33 +30,6 @@ def _torch_runner(monkeypatch):
     GGUF model too (tests/test_array_runner.py compares the torch-free runner with it). The
     Engine test keeps the default, the torch-free runner a user gets."""
     monkeypatch.setenv("LOOM_TORCH_RUNNER", "1")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_gguf_reader_per_file():
-    """transformers builds a new gguf.GGUFReader for the tokenizer, the config and the weights of
-    one file, and each parses the whole metadata in Python (Gemma's 262k-entry vocabulary: ~25 s
-    a parse on an idle core). The reader only reads, so one per file serves all three."""
-    import functools
-
-    import gguf
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=2)(gguf.GGUFReader))
-        yield
-
-
-def hf_gguf(path: str, what: str):
-    import transformers
-
-    p = Path(path)
-    if what == "tokenizer":
-        return transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(p.parent), gguf_file=p.name, dtype=torch.float32
-    )
-    model.generation_config.eos_token_id = None
-    return model.eval()
 
 
 def loom_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -102,21 +49,13 @@ def loom_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[li
     return [outs[str(i)] for i in range(len(prompts))]
 
 
-def greedy_matches(model, prompts, got: list[list[int]], new_tokens: int) -> int:
+def greedy_matches(ref: dict, got: list[list[int]]) -> int:
     """How many prompts match the reference's greedy tokens (up to its first near-tie)."""
     same = 0
-    for ids, mine in zip(prompts, got):
-        inp = torch.tensor([ids])
-        with torch.no_grad():
-            out = model.generate(
-                inp, attention_mask=torch.ones_like(inp), max_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-            )  # fmt: skip
-        want = out.sequences[0, len(ids) :].tolist()
+    for ids, mine, want, gaps in zip(ref["prompts"], got, ref["want"], ref["gaps"], strict=True):
         for j, (a, b) in enumerate(zip(mine, want)):
             if a != b:
-                top2 = out.logits[j][0].float().topk(2).values
-                assert float(top2[0] - top2[1]) < TIE, f"prompt {ids[:8]}: token {j} {a} != {b}"
+                assert gaps[j] < TIE, f"prompt {ids[:8]}: token {j} {a} != {b}"
                 break
         else:
             same += 1
@@ -124,23 +63,20 @@ def greedy_matches(model, prompts, got: list[list[int]], new_tokens: int) -> int
 
 
 @pytest.mark.parametrize("name,n_prompts,new_tokens", [("smollm2", 16, 16), ("gemma3-270m", 4, 12)])
-def test_real_gguf_greedy_equals_transformers(real_gguf, name, n_prompts, new_tokens):
-    from loom.runtime.tokenizer import load_tokenizer
-
+def test_real_gguf_greedy_equals_transformers(real_gguf, gguf_reference, gguf_tokenizer, name,
+                                              n_prompts, new_tokens):  # fmt: skip
     path = real_gguf(name)
-    tok = load_tokenizer(path)
-    ref_tok = hf_gguf(path, "tokenizer")
-    for text in TEXTS:
-        assert tok(text).input_ids == ref_tok(text).input_ids, text
+    tok = gguf_tokenizer(path)
     assert tok.chat_template is not None
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-        for q in QUESTIONS[:n_prompts]
-    ]
-    prompts = [p["input_ids"] if hasattr(p, "keys") else p for p in prompts]
-    got = loom_greedy(path, prompts, new_tokens)
+    prompts = chat_prompts(tok, n_prompts)
+    got = loom_greedy(path, prompts, new_tokens)  # first: the reference may still be running
     assert all(len(g) == new_tokens for g in got)
-    same = greedy_matches(hf_gguf(path, "model"), prompts, got, new_tokens)
+    ref = gguf_reference(name, n_prompts, new_tokens)
+    for text, want in zip(TEXTS, ref["texts"], strict=True):
+        assert tok(text).input_ids == want, text
+    assert prompts == ref["prompts"]  # the reference continued these very prompts
+    assert all(len(w) == new_tokens for w in ref["want"])
+    same = greedy_matches(ref, got)
     print(f"{name}: {same}/{len(prompts)} prompts greedy-identical over {new_tokens} tokens")
 
 
@@ -193,7 +129,7 @@ def test_header_reader_equals_gguf_reader_on_smollm2(real_gguf):
 
 
 @pytest.mark.usefixtures("_torch_runner")
-def test_gemma_kept_quantized_matches_dequantized(real_gguf):
+def test_gemma_kept_quantized_matches_dequantized(real_gguf, gguf_tokenizer):
     """Gemma 3 270M Q4_K_M with --quantization gguf: every block type of the file (Q5_0, Q8_0,
     Q4_K, Q6_K) stays quantized, the 262k x 640 Q8_0 embedding and the LM head tied to it
     included; teacher-forced against the same file dequantized to float32, top-1 agrees on
@@ -201,11 +137,9 @@ def test_gemma_kept_quantized_matches_dequantized(real_gguf):
     bench_real.py --agreement, docs/benchmarks.md)."""
     import math
 
-    from loom.runtime.tokenizer import load_tokenizer
-
     path = real_gguf("gemma3-270m")
     text = " ".join(QUESTIONS) + " The quick brown fox jumps over the lazy dog. " * 3
-    ids = load_tokenizer(path).encode(text)
+    ids = gguf_tokenizer(path).encode(text)
     lq, tq, sq = teacher_forced(path, ids, "gguf")
     model = sq.runner.model
     quants = {id(p): p.quant for p in model.parameters() if getattr(p, "quant", None)}

@@ -11,13 +11,13 @@ import random
 import pytest
 
 from loom.runtime.gguf.vocab import LazyTokenizer, VocabDecoder, eos_ids
-from loom.runtime.tokenizer import eos_token_ids, load_tokenizer
+from loom.runtime.tokenizer import eos_token_ids
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
-def test_vocab_decoder_equals_the_tokenizer(real_gguf, name):
+def test_vocab_decoder_equals_the_tokenizer(real_gguf, gguf_tokenizer, name):
     path = real_gguf(name)
-    dec, tok = VocabDecoder(path), load_tokenizer(path)
+    dec, tok = VocabDecoder(path), gguf_tokenizer(path)
     n = dec.vocab_size
     assert eos_ids(path) == eos_token_ids(path, tok)
     for skip in (False, True):
@@ -45,7 +45,7 @@ def test_vocab_decoder_equals_the_tokenizer(real_gguf, name):
         assert [dec.decode(r, skip) for r in runs] == want
 
 
-def test_scheduler_builds_the_tokenizer_only_for_a_constrained_request(real_gguf):
+def test_scheduler_builds_the_tokenizer_only_for_a_constrained_request(real_gguf, gguf_tokenizer):
     """A GGUF scheduler keeps the lazy tokenizer: a plain request and a stop-string one (the
     stop matched in the decoded tail) leave it unbuilt; the first JSON-schema request builds
     it, and the answer is valid JSON."""
@@ -67,8 +67,8 @@ def test_scheduler_builds_the_tokenizer_only_for_a_constrained_request(real_gguf
     sched = Scheduler(ServerArgs(model_path=path, quantization="gguf", max_total_tokens=2048))
     tok = sched.tokenizer
     assert isinstance(tok, LazyTokenizer) and not tok.loaded
-    assert sched.eos_token_ids == frozenset(eos_token_ids(path, load_tokenizer(path)))
-    ids = load_tokenizer(path).encode("Count: one, two, three, four, five, six")
+    assert sched.eos_token_ids == frozenset(eos_token_ids(path, gguf_tokenizer(path)))
+    ids = gguf_tokenizer(path).encode("Count: one, two, three, four, five, six")
     submit(sched, "plain", ids, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     out, _ = run_all(sched)["plain"]
     text = tok.decode(out)

@@ -11,10 +11,8 @@ from tests.lang_suite import CHECKS
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    rt = sgl.Runtime(tiny_model_dir("llama"), max_total_tokens=4096)
-    yield rt
-    rt.shutdown()
+def runtime(tiny_server):
+    return tiny_server  # conftest: one tiny-llama server (an sgl.Runtime) shared by readers
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import httpx
 import pytest
 import requests
 
-from loom.runtime.server.runtime_client import Runtime
 from tests.server_helpers import wait_idle_and_intact
 
 CLIENTS = 256
@@ -19,9 +18,11 @@ PREFIXES = [f"Shared system prompt number {k}: answer briefly." for k in range(4
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with Runtime(tiny_model_dir("llama"), max_total_tokens=4096, max_running_requests=64) as rt:
-        yield rt
+def server(tiny_server):
+    """conftest's shared tiny-llama server: 4096 KV tokens give 64 running rows (its own server
+    set max_running_requests=64 to the same effect), so 256 clients queue behind a full batch."""
+    assert tiny_server.get_server_info()["max_running_requests"] == 64
+    return tiny_server
 
 
 def test_256_streaming_clients_with_random_aborts(server):

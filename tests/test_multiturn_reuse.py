@@ -97,27 +97,27 @@ def test_text_turns_reuse_prompt_and_output(text_engine, clients):
         assert cached >= expect, f"cached {cached} < prompt + output - 1 {expect}"
 
 
-def test_http_sequential_client_reuses_prompt_and_output(tiny_model_dir):
-    """The same through /generate: one client, each turn sent when the last one answered."""
+def test_http_sequential_client_reuses_prompt_and_output(tiny_server):
+    """The same through /generate: one client, each turn sent when the last one answered (on
+    conftest's shared tiny-llama server: no other module sends these seeded random ids, so the
+    reuse counted is this conversation's own)."""
     import requests
-
-    from loom.runtime.server.runtime_client import Runtime
 
     rng = random.Random(7)
     ids = [rng.randrange(3, 300) for _ in range(30)]
     params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
-    with Runtime(tiny_model_dir("llama"), max_total_tokens=4096) as rt:
-        previous = None
-        for turn in range(TURNS + 1):
-            r = requests.post(
-                rt.url + "/generate",
-                json={"input_ids": ids, "sampling_params": params},
-                timeout=60,
-            )
-            r.raise_for_status()
-            out = r.json()
-            if previous is not None:
-                cached = out["meta_info"]["cached_tokens"]
-                assert cached >= previous - 1, f"turn {turn}: cached {cached} < {previous - 1}"
-            previous = len(ids) + len(out["output_ids"])
-            ids = ids + out["output_ids"] + [rng.randrange(3, 300) for _ in range(5)]
+    rt = tiny_server
+    previous = None
+    for turn in range(TURNS + 1):
+        r = requests.post(
+            rt.url + "/generate",
+            json={"input_ids": ids, "sampling_params": params},
+            timeout=60,
+        )
+        r.raise_for_status()
+        out = r.json()
+        if previous is not None:
+            cached = out["meta_info"]["cached_tokens"]
+            assert cached >= previous - 1, f"turn {turn}: cached {cached} < {previous - 1}"
+        previous = len(ids) + len(out["output_ids"])
+        ids = ids + out["output_ids"] + [rng.randrange(3, 300) for _ in range(5)]

@@ -189,7 +189,7 @@ def test_compiled_forward_reads_quantized_weights(tiny_model_dir, monkeypatch, m
 
 
 @pytest.mark.parametrize("mode", ["f32", "bi"])
-def test_gguf_kept_quantized_matches_dequantized(real_gguf, monkeypatch, mode):
+def test_gguf_kept_quantized_matches_dequantized(real_gguf, gguf_tokenizer, monkeypatch, mode):
     """SmolLM2's Q4_1 file with --quantization gguf (the file's blocks, read by the C forward)
     against the same file dequantized to float32: prompt logprobs agree to float rounding with
     f32 activations, and within 3e-3 with "bi"'s 16-bit ones (measured 1.05e-3 on this text);
@@ -197,10 +197,8 @@ def test_gguf_kept_quantized_matches_dequantized(real_gguf, monkeypatch, mode):
     float32 (a GGUF model's default pool is bfloat16: the test below)."""
     monkeypatch.setattr(quant_ops, "DEFAULT_MODE", mode)
     path = real_gguf("smollm2")
-    from loom.runtime.tokenizer import load_tokenizer
-
     text = "The capital of France is Paris. " + "Quantized weights stay quantized. " * 6
-    ids = load_tokenizer(str(path)).encode(text)
+    ids = gguf_tokenizer(str(path)).encode(text)
     global PROMPTS
     saved, PROMPTS = PROMPTS, [ids]
     try:
@@ -238,7 +236,7 @@ def test_gguf_model_defaults_to_a_bf16_pool_in_the_c_forward(real_gguf):
     assert pool(cpu_forward="eager") == (torch.float32, None)
 
 
-def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
+def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf, gguf_tokenizer):
     """Issue 32's accuracy bar on CI's budget: SmolLM2's Q4_1 file with its blocks kept, every
     token through the decode kernels (8 a step: f32 activations on AVX-512 builds, 16-bit
     elsewhere; quant_ops.resolve_mode), against the same file
@@ -247,11 +245,9 @@ def test_smollm2_decode_kernels_agree_with_dequantized(real_gguf):
     figure). int8 activations measured 96.4% on this text."""
     import math
 
-    from loom.runtime.tokenizer import load_tokenizer
-
     path = str(real_gguf("smollm2"))
     text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    ids = load_tokenizer(path).encode(text)[:192]
+    ids = gguf_tokenizer(path).encode(text)[:192]
     ref_lp, ref_top, _ = teacher_forced(path, ids, "none", len(ids))
     lp, top, _ = teacher_forced(path, ids, "gguf", 8)
     same = sum(a == b for a, b in zip(ref_top, top))

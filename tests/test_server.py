@@ -10,14 +10,12 @@ import httpx
 import pytest
 import requests
 
-from loom.runtime.server.runtime_client import Runtime
 from tests.server_helpers import wait_idle_and_intact
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with Runtime(tiny_model_dir("llama"), max_total_tokens=4096, enable_metrics=True) as rt:
-        yield rt
+def server(tiny_server):
+    return tiny_server  # conftest: one tiny-llama server shared by the modules that only read
 
 
 def post(server, path, body, **kw):

@@ -22,8 +22,6 @@ import jsonschema
 import pytest
 import requests
 
-from loom.runtime.server.runtime_client import Runtime
-
 SGLANG_VERSION = "0.5.23"
 HERE = Path(__file__).resolve().parent
 
@@ -57,24 +55,24 @@ def sglang_site() -> Path:
 
 
 @pytest.fixture(scope="module")
-def results(tiny_model_dir):
+def results(tiny_server):
     site = sglang_site()
-    with Runtime(tiny_model_dir("llama"), max_total_tokens=4096) as rt:
-        env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{HERE.parent}"}
-        out = subprocess.run(
-            [sys.executable, str(HERE / "test_sglang_client_programs.py"), rt.url],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            env=env,
-        )
-        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULTS ")), None)
-        assert line is not None, (
-            f"the sglang driver failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-        )
-        data = json.loads(line.removeprefix("RESULTS "))
-        data["_url"] = rt.url
-        yield data, rt
+    rt = tiny_server  # conftest: one tiny-llama server shared by the modules that only read
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{HERE.parent}"}
+    out = subprocess.run(
+        [sys.executable, str(HERE / "test_sglang_client_programs.py"), rt.url],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULTS ")), None)
+    assert line is not None, (
+        f"the sglang driver failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    )
+    data = json.loads(line.removeprefix("RESULTS "))
+    data["_url"] = rt.url
+    yield data, rt
 
 
 def ok(results, name: str) -> dict:

@@ -181,6 +181,23 @@ def _exit_on_signal(signum, frame):
     raise SystemExit(0)
 
 
+def _start_fork_server_early(args: ServerArgs) -> None:
+    """The scheduler's fork server preloads torch (when the torch runner serves) while this
+    process imports transformers for the config: the two imports overlap instead of running
+    one after the other. start_runtime_processes chooses the same preload and finds it up.
+    Flags the choice cannot read (a bad path) leave it to start_runtime_processes, which
+    reports them after load_config has."""
+    from loom.runtime.process import set_preload, start_fork_server_early
+    from loom.runtime.runner_choice import why_not
+
+    try:
+        with_torch = why_not(args) is not None  # choose's answer, without its log line
+    except Exception:  # noqa: BLE001 - load_config names the problem next
+        return
+    set_preload(with_torch)
+    start_fork_server_early()
+
+
 def launch_server(args: ServerArgs) -> int:
     """Serve until stopped; returns the exit code (1 when a runtime process died)."""
     import uvicorn
@@ -192,6 +209,8 @@ def launch_server(args: ServerArgs) -> int:
     from loom.runtime.tokenizer_manager import TokenizerManager
 
     configure_logging(args.log_level)
+    if args.dp_size == 1 and args.node_rank == 0:
+        _start_fork_server_early(args)
     config = load_config(args.model_path)  # a bad path or split fails here, clearly
     if args.world_size > 1 or args.nnodes > 1:  # distributed imports torch: not for one rank
         from loom.runtime.distributed import check_layout

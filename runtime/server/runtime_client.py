@@ -58,7 +58,7 @@ def wait_for_health(url: str, process: subprocess.Popen, timeout: float) -> str:
                 return "healthy"
         except requests.RequestException:
             pass
-        time.sleep(0.25)
+        time.sleep(0.05)  # a refused connect costs ~2 ms: a start is seen within 50 ms
     return "timeout"
 
 
