@@ -45,6 +45,25 @@ static inline __attribute__((always_inline)) __m256 aa_ld(const float* cache, in
     return _mm256_loadu_ps(cache + idx);
 }
 
+/* kr[0 .. 7]: KV head kh's K rows of columns c0 .. c0 + n - 1 (rows past n repeat row c0;
+   their scores are dropped): the cache's own rows, or on a bfloat16 pool their exact float32
+   widening into kb (AA_ROWS x D floats) */
+static inline __attribute__((always_inline)) void aa_krows(const float* kc, const int64_t* cols,
+                                                           int64_t c0, int64_t n, int64_t Hkv,
+                                                           int64_t kh, int64_t D, int bf16,
+                                                           float* kb, const float** kr) {
+    for (int r = 0; r < AA_ROWS; r++) {
+        const int64_t idx = (cols[c0 + (r < n ? r : 0)] * Hkv + kh) * D;
+        if (bf16) {
+            for (int64_t i = 0; i < D / 8; i++)
+                _mm256_storeu_ps(kb + r * D + 8 * i, aa_ld(kc, 1, idx + 8 * i));
+            kr[r] = kb + r * D;
+        } else {
+            kr[r] = kc + idx;
+        }
+    }
+}
+
 /* The scores of query head qg against K rows kr[0 .. 7] (D / 8 vectors each): 8 dots in the
    loop's order, times scale */
 static inline __attribute__((always_inline)) __m256 aa_scores8(const float* qg,
@@ -140,16 +159,7 @@ int loom_attn_one_avx2(const float* qb, int64_t S, const int64_t* cols, const fl
             for (int64_t o = 0; o < pf_len; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
         }
         const float* kr[AA_ROWS];
-        for (int r = 0; r < AA_ROWS; r++) { /* rows past S repeat row c0 (scores dropped) */
-            const int64_t idx = (cols[c0 + (r < n ? r : 0)] * Hkv + kh) * D;
-            if (bf16) {
-                for (int64_t i = 0; i < nv; i++)
-                    _mm256_storeu_ps(kb + r * D + 8 * i, aa_ld(kc, 1, idx + 8 * i));
-                kr[r] = kb + r * D;
-            } else {
-                kr[r] = kc + idx;
-            }
-        }
+        aa_krows(kc, cols, c0, n, Hkv, kh, D, bf16, kb, kr); /* rows past S repeat row c0 */
         for (int64_t g = 0; g < G; g++) {
             float s[AA_ROWS];
             _mm256_storeu_ps(s, aa_scores8(qb + g * D, kr, nv, scale));
@@ -300,16 +310,7 @@ int loom_attn_rows_avx2(const float* q, int64_t ldq, int64_t R, const int64_t* c
             for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
         }
         const float* kr[AA_ROWS];
-        for (int r = 0; r < AA_ROWS; r++) { /* rows past cmax repeat row c0 (scores dropped) */
-            const int64_t idx = (cols[c0 + (r < n ? r : 0)] * Hkv + kh) * D;
-            if (bf16) {
-                for (int64_t i = 0; i < nv; i++)
-                    _mm256_storeu_ps(kb + r * D + 8 * i, aa_ld(kc, 1, idx + 8 * i));
-                kr[r] = kb + r * D;
-            } else {
-                kr[r] = kc + idx;
-            }
-        }
+        aa_krows(kc, cols, c0, n, Hkv, kh, D, bf16, kb, kr); /* rows past cmax repeat row c0 */
         for (int64_t p = 0; p < P; p++) {
             if (c0 + n <= plo[p] || c0 >= phi[p]) continue; /* none of the pair's columns */
             float s[AA_ROWS];
