@@ -81,6 +81,22 @@ def _wrap(obj, name: str, key: str, spent: dict) -> None:
     setattr(obj, name, timed)
 
 
+def _split_timed(fn, prof, spent: dict):
+    """fn timed as `model`, with the C forward's profile counters `prof` (matmul, attention
+    CPU seconds; CpuForward.profile or ArrayForward.profile) split into `mm` and `attn`"""
+
+    def timed(*a, **kw):
+        t, before = time.thread_time(), [float(v) for v in prof]
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent["model"] += time.thread_time() - t
+            spent["mm"] += float(prof[0]) - before[0]
+            spent["attn"] += float(prof[1]) - before[1]
+
+    return timed
+
+
 def measure(
     sizes: list[int], pp: int, tg: int, temperature: float, model: str, quantization: str | None
 ) -> dict:
@@ -118,20 +134,8 @@ def measure(
         import loom.runtime.array_runner as array_runner
 
         _wrap(array_runner, "sample_step", "sample", spent)
-        impl = runner.forward_impl
-        impl.profile = prof = np.zeros(2)
-        logits = runner._logits
-
-        def timed_logits(*a, **kw):
-            t, before = time.thread_time(), prof.copy()
-            try:
-                return logits(*a, **kw)
-            finally:
-                spent["model"] += time.thread_time() - t
-                spent["mm"] += prof[0] - before[0]
-                spent["attn"] += prof[1] - before[1]
-
-        runner._logits = timed_logits
+        runner.forward_impl.profile = prof = np.zeros(2)
+        runner._logits = _split_timed(runner._logits, prof, spent)
     else:
         import loom.runtime.model_runner as model_runner
 
@@ -143,17 +147,9 @@ def measure(
         compiled = runner.cpu_forward
         compiled.profile = prof = torch.zeros(2, dtype=torch.float64)
 
-        class Timed:
+        class Timed:  # the runner also reads the forward's `covers`
             covers = compiled.covers
-
-            def __call__(self, batch):
-                t, before = time.thread_time(), prof.tolist()
-                out = compiled(batch)
-                spent["model"] += time.thread_time() - t
-                after = prof.tolist()
-                spent["mm"] += after[0] - before[0]
-                spent["attn"] += after[1] - before[1]
-                return out
+            __call__ = staticmethod(_split_timed(compiled, prof, spent))
 
         runner.cpu_forward = Timed()
     _wrap(sched.output, "process", "process", spent)
